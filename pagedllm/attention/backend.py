@@ -1,0 +1,49 @@
+"""The attention backend interface.
+
+KV cache layout (chosen for the CPU kernel, shared by every backend): for each layer one key
+tensor and one value tensor, each ``[num_blocks, num_kv_heads, block_size, head_dim]``. One
+(block, kv head) pair is a contiguous ``block_size x head_dim`` tile, so a kernel that walks a
+block table for one KV head streams through memory with unit stride.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Writes the batch's new K/V into the paged cache and computes paged attention."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally."""
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatters new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    block_size = key_cache.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # advanced indices on dims 0 and 2 -> the indexed view is [num_tokens, num_kv_heads, head_dim]
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)

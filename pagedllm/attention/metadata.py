@@ -1,0 +1,85 @@
+"""Explicit attention metadata for one flat batch (DESIGN core idea 2).
+
+The batch holds ``num_tokens`` query tokens from ``num_reqs`` requests, laid end to end::
+
+    tokens:  | req0 (q0 tokens) | req1 (q1 tokens) | ... |
+    query_start_loc = [0, q0, q0+q1, ...]                      (num_reqs + 1)
+
+Request ``r`` has ``seq_lens[r]`` tokens of context *after* this step, its new tokens being the
+last ``q_r`` of them, so query token ``i`` of request ``r`` sits at position
+``seq_lens[r] - q_r + i`` and attends causally to context positions ``0 .. that position``::
+
+    context of req r:  [ already cached ............ | new (q_r) ]
+                       0                 seq_len - q_r        seq_len
+
+Context position ``p`` of request ``r`` lives in physical block ``block_tables[r, p // B]`` at
+offset ``p % B`` (``B`` = block size); a new token's K/V is written to
+``slot_mapping[t] = block_id * B + offset``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, -1 / garbage past the end
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Builds metadata from host arrays: computes query_start_loc and slot_mapping."""
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        block_tables = np.asarray(block_tables, dtype=np.int32)
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        positions = positions_from_lens(query_lens, seq_lens)
+        req_idx = np.repeat(np.arange(len(query_lens)), query_lens)
+        block_ids = block_tables[req_idx, positions // block_size].astype(np.int64)
+        slots = block_ids * block_size + positions % block_size
+        return cls(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+            block_size=block_size,
+        )
+
+
+def positions_from_lens(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Position of every query token: ``seq_len - query_len + i`` for i in range(query_len)."""
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.asarray(seq_lens, dtype=np.int64) - query_lens
+    qsl = np.concatenate([[0], np.cumsum(query_lens)])
+    offsets = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1], query_lens)
+    return np.repeat(starts, query_lens) + offsets

@@ -1,0 +1,61 @@
+"""Reference paged attention in plain PyTorch: the readable oracle the other backends match.
+
+For every request it walks the block table one block at a time, keeping the online-softmax
+state per (query token, head): running max ``m``, running sum ``l`` and an accumulator ``acc``
+rescaled by ``exp(m_old - m_new)`` whenever the max grows. Slow, but obviously right.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend, write_kv
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for r, seq_len in enumerate(seq_lens):
+            start, end = qsl[r], qsl[r + 1]
+            if end == start:
+                continue
+            out[start:end] = _attend_one(
+                query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len, scale
+            )
+        return out
+
+
+def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float):
+    """Online-softmax attention of one request's query chunk over its paged context."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qf = q.float() * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+    m = torch.full((q_len, num_heads), float("-inf"), device=q.device)
+    l = torch.zeros(q_len, num_heads, device=q.device)
+    acc = torch.zeros(q_len, num_heads, head_dim, device=q.device)
+    for b in range((seq_len + block_size - 1) // block_size):
+        block_id = int(block_table[b])
+        n = min(block_size, seq_len - b * block_size)  # valid tokens in this (maybe partial) block
+        # [num_kv_heads, n, head_dim] -> [num_heads, n, head_dim] (GQA: each KV head serves a group)
+        k = key_cache[block_id, :, :n].float().repeat_interleave(group, dim=0)
+        v = value_cache[block_id, :, :n].float().repeat_interleave(group, dim=0)
+        s = torch.einsum("qhd,hkd->qhk", qf, k)  # [q_len, num_heads, n]
+        k_pos = torch.arange(b * block_size, b * block_size + n, device=q.device)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [q_len, n]
+        s = s.masked_fill(~causal[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        # rows with nothing visible yet keep m = -inf; use 0 there to avoid inf - inf
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])  # [q_len, num_heads, n]
+        correction = torch.exp(m - m_safe)
+        l = l * correction + p.sum(dim=-1)
+        acc = acc * correction[..., None] + torch.einsum("qhk,hkd->qhd", p, v)
+        m = m_new
+    return (acc / l[..., None]).to(q.dtype)
