@@ -1,0 +1,7 @@
+"""pagedllm: an LLM inference and serving engine built around PagedAttention."""
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

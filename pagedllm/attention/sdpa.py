@@ -1,0 +1,44 @@
+"""Portable fast-enough backend: gather each request's K/V through its block table, then SDPA.
+
+Used on CUDA until a Triton kernel exists, and on CPU when the C kernel cannot be built. It
+copies a request's context per call (the C kernel does not), but runs one fused SDPA per request.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, write_kv
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
+        bs = key_cache.shape[2]
+        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        for r, seq_len in enumerate(seq_lens):
+            start, end = qsl[r], qsl[r + 1]
+            if end == start:
+                continue
+            blocks = meta.block_tables[r, : (seq_len + bs - 1) // bs].long()
+            # [n_blocks, kv_heads, bs, dim] -> [kv_heads, n_blocks * bs, dim] -> first seq_len positions
+            k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len]
+            v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len]
+            q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
+            mask = _causal_mask(end - start, seq_len, q.device)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                               enable_gqa=num_heads != num_kv_heads)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+def _causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor | None:
+    if q_len == 1:
+        return None  # a decode token sees the whole context
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]

@@ -1,0 +1,130 @@
+"""Typed, frozen engine configuration. Validation raises ValueError naming the parameter."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.utils import parse_size
+
+ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+PREEMPTION_MODES = ("recompute", "swap")
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # resolved local directory
+    tokenizer: str
+    hf_config: Any = field(compare=False, repr=False)
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    seed: int = 0
+
+    def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
+        """K and V for one token across all layers."""
+        elem = torch.tensor([], dtype=cache_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
+    swap_space: int = 4 * 1024**3  # bytes of CPU memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    watermark: float = 0.01
+
+    def __post_init__(self):
+        if self.block_size not in ALLOWED_BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size!r} is not allowed; use one of {ALLOWED_BLOCK_SIZES}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override!r} must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be >= 1")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be one of {PREEMPTION_MODES}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: torch.device
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    log_stats_interval: float = 10.0
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (no fast half precision there), the checkpoint's dtype on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def parse_swap_space(value: int | float | str) -> int:
+    """``swap_space`` is GiB as a number (vLLM's convention) or a size string like '16GiB'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"swap_space={value!r} must be >= 0 GiB")
+        return int(value * 1024**3)
+    try:
+        return int(float(value) * 1024**3)
+    except (TypeError, ValueError):
+        return parse_size(value, "swap_space")
+
+
+def default_device() -> torch.device:
+    forced = os.environ.get("PAGEDLLM_DEVICE")
+    if forced:
+        return torch.device(forced)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

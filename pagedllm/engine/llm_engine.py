@@ -1,0 +1,255 @@
+"""The engine: add requests, step the scheduler/executor/sampler loop, collect outputs."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import SampledTokens, Scheduler
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.layers.sampler import Sampler, SamplingRow
+from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict | list[int]
+
+
+class LLMEngine:
+    """Owns scheduler, executor, sampler and output processor; one ``step()`` = one forward.
+
+    ``add_request`` validates and queues; ``step`` returns a RequestOutput for every request
+    that made progress (``finished=True`` once all its sequences are done). Invalid input
+    raises ``ValueError`` before anything is queued.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model.tokenizer)
+        self.executor = UniProcExecutor(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.sampler = Sampler()
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
+        self.counters = EngineCounters()
+        self._last_log = time.time()
+        self._log_window = [0, 0]  # prompt, generation tokens since the last log line
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        params = (params or SamplingParams()).clone()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.scheduler.sequences:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        req = Request(request_id, ids, params, self.eos_token_ids, arrival_time, cache_salt=cache_salt)
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(request_id, text, ids, params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt='' is empty; give at least one token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
+                         "a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt_token_ids=[] is empty; give at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:5]}: token ids must be integers in [0, {vocab})")
+        max_len = self.model_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} leaves no room to generate")
+        if params.max_tokens is None:
+            params.max_tokens = max_len - len(ids)
+        self.scheduler.check_fits(len(ids), params.max_tokens, params.num_sequences)
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stops a request (or several) at once and frees its KV blocks."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            if rid in self.scheduler.sequences:
+                self.scheduler.abort(rid)
+                self.counters.request_success["abort"] += 1
+                self.scheduler.release(rid)
+                self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.sequences)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples, and returns progress of every touched request."""
+        sched_out = self.scheduler.schedule()
+        sampled = self._execute(sched_out)
+        touched = self.scheduler.update(sampled)
+        self._count(sched_out, sampled)
+        for req in touched:
+            if self.output_processor.update_text(req) is not None:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        outputs = self._collect_outputs({r.parent_id for r in touched})
+        self.counters.num_steps += 1
+        self._maybe_log()
+        return outputs
+
+    def _execute(self, sched_out: SchedulerOutput) -> list[SampledTokens]:
+        if sched_out.is_empty:
+            return []
+        logits = self.executor.execute(sched_out)
+        rows, owners = self._sampling_rows(sched_out)
+        if not rows:
+            return []
+        result = self.sampler(logits, rows)
+        sampled, i = [], 0
+        for rid, n in owners:
+            tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
+            sampled.append(SampledTokens(rid, result.token_ids[i:i + n], result.logprobs[i:i + n], tops))
+            i += n
+        return sampled
+
+    def _sampling_rows(self, sched_out: SchedulerOutput):
+        rows, owners = [], []
+        for chunk in sched_out.chunks:
+            if not chunk.num_samples:
+                continue
+            req = self.scheduler.requests[chunk.request_id]
+            gens = [req.generator] + req.fork_generators[: chunk.num_samples - 1]
+            banned = self._banned(req)
+            for gen in gens:
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, gen, banned))
+            owners.append((req.request_id, chunk.num_samples))
+        return rows, owners
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """EOS and stop token ids are masked until ``min_tokens`` tokens have been generated."""
+        if req.num_output_tokens >= req.params.min_tokens:
+            return ()
+        return tuple(self.eos_token_ids) + tuple(req.params.stop_token_ids)
+
+    def _collect_outputs(self, parent_ids: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for pid in sorted(parent_ids, key=lambda p: self.scheduler.requests[p].arrival_time
+                          if p in self.scheduler.requests else 0):
+            seqs = [self.scheduler.requests[s] for s in self.scheduler.sequences.get(pid, [])]
+            if not seqs:
+                continue
+            finished = all(s.is_finished for s in seqs) and len(seqs) == seqs[0].params.num_sequences
+            out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
+            if finished:
+                for s in seqs:
+                    self.counters.request_success[s.finish_reason] += 1
+                self.scheduler.release(pid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ stats
+    def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+        prompt = 0
+        for c in sched_out.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            if req is not None and c.start < req.num_prompt_tokens:
+                prompt += min(c.seq_len, req.num_prompt_tokens) - c.start
+        gen = sum(len(s.token_ids) for s in sampled)
+        self.counters.prompt_tokens += prompt
+        self.counters.generation_tokens += gen
+        self._log_window[0] += prompt
+        self._log_window[1] += gen
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval
+        now = time.time()
+        if not interval or now - self._last_log < interval:
+            return
+        elapsed, (p, g) = now - self._last_log, self._log_window
+        s = self.get_kv_cache_stats()
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    p / elapsed, g / elapsed, len(self.scheduler.running), len(self.scheduler.waiting),
+                    100 * s.usage, 100 * s.prefix_cache_hit_rate)
+        self._last_log, self._log_window = now, [0, 0]
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        kv = self.scheduler.kv
+        used = kv.num_blocks - kv.num_free_blocks
+        stored = kv.num_tokens_stored()
+        ps = kv.prefix_stats
+        return KVCacheStats(
+            block_size=kv.block_size, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_used_blocks=used, num_cached_blocks=kv.pool.num_cached_free_blocks, usage=kv.usage(),
+            num_tokens_stored=stored, utilization=stored / (used * kv.block_size) if used else 0.0,
+            prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits, prefix_cache_hit_rate=ps.hit_rate,
+            num_cpu_blocks=self.executor.num_cpu_blocks, num_cpu_free_blocks=self.executor.num_cpu_blocks,
+            cpu_usage=0.0, num_preemptions=self.scheduler.stats.num_preemptions,
+            preemptions_by_mode=dict(self.scheduler.stats.preemptions_by_mode),
+        )
+
+    def get_metrics(self) -> list[Metric]:
+        s, c = self.get_kv_cache_stats(), self.counters
+        sch = self.scheduler
+        metrics = [
+            Metric("pagedllm:num_requests_running", len(sch.running)),
+            Metric("pagedllm:num_requests_waiting", len(sch.waiting)),
+            Metric("pagedllm:num_requests_swapped", 0),
+            Metric("pagedllm:kv_cache_usage_perc", s.usage),
+            Metric("pagedllm:cpu_kv_cache_usage_perc", s.cpu_usage),
+            Metric("pagedllm:prefix_cache_queries", s.prefix_cache_queries, kind="counter"),
+            Metric("pagedllm:prefix_cache_hits", s.prefix_cache_hits, kind="counter"),
+            Metric("pagedllm:num_preemptions", s.num_preemptions, kind="counter"),
+            Metric("pagedllm:prompt_tokens", c.prompt_tokens, kind="counter"),
+            Metric("pagedllm:generation_tokens", c.generation_tokens, kind="counter"),
+        ]
+        metrics += [Metric("pagedllm:request_success", v, {"finished_reason": k}, "counter")
+                    for k, v in c.request_success.items()]
+        metrics += [Metric("pagedllm:num_preemptions_by_mode", v, {"mode": k}, "counter")
+                    for k, v in s.preemptions_by_mode.items()]
+        return metrics
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(tokenizer, model_config) -> frozenset[int]:
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_eos = getattr(model_config.hf_config, "eos_token_id", None)
+    try:
+        from transformers import GenerationConfig
+        gen_eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
+    except Exception:  # no generation_config.json: the model config's eos stands
+        pass
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    return frozenset(ids)

@@ -1,0 +1,148 @@
+"""Incremental detokenization, stop strings and RequestOutput assembly.
+
+Text is decoded over a sliding window ``ids[prefix_offset:]`` and only the part after
+``read_offset`` is emitted; a piece that ends in U+FFFD (an incomplete multi-byte character) is
+held back until the next token completes it, so no character is ever split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.engine.request import Request
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so the first word gets its spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the newly completed text (maybe empty)."""
+        self.ids.extend(token_ids)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+@dataclass
+class SequenceState:
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    num_tokens_seen: int = 0
+    stopped_by_string: str | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # converted so far
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: object
+    seqs: dict[int, SequenceState] = field(default_factory=dict)
+    sent_text: dict[int, int] = field(default_factory=dict)  # index -> chars already streamed
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """Turns sequences that got tokens into RequestOutputs; finds stop strings."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> None:
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params)
+
+    def update_text(self, req: Request) -> str | None:
+        """Detokenizes the sequence's new tokens; returns the stop string it hit, if any."""
+        state = self.states[req.parent_id]
+        seq = state.seqs.get(req.index)
+        if seq is None:
+            detok = None
+            if req.params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+            seq = state.seqs[req.index] = SequenceState(detok)
+        new_ids = req.output_token_ids[seq.num_tokens_seen:]
+        seq.num_tokens_seen = req.num_output_tokens
+        if seq.detok is None or not new_ids or seq.stopped_by_string:
+            return None
+        new_text = seq.detok.add(new_ids)
+        seq.text += new_text
+        return self._find_stop(seq, req.params, len(new_text))
+
+    @staticmethod
+    def _find_stop(seq: SequenceState, params, new_len: int) -> str | None:
+        for stop in params.stop:
+            start = max(0, len(seq.text) - new_len - len(stop) + 1)
+            idx = seq.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                seq.text = seq.text[:end]
+                seq.stopped_by_string = stop
+                return stop
+        return None
+
+    def make_output(self, parent_id: str, seqs: list[Request], finished: bool) -> RequestOutput | None:
+        """The RequestOutput for a user request from its sequences (n best when finished)."""
+        state = self.states[parent_id]
+        params = state.params
+        if params.output_kind == "final_only" and not finished:
+            return None
+        if finished and params.best_of and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
+        outputs = [self._completion(state, r, finished, params.output_kind == "delta") for r in seqs]
+        out = RequestOutput(parent_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                            num_cached_tokens=seqs[0].num_cached_tokens if seqs else 0)
+        if finished:
+            del self.states[parent_id]
+        return out
+
+    def _completion(self, state: RequestState, req: Request, finished: bool, delta: bool) -> CompletionOutput:
+        seq = state.seqs.get(req.index) or SequenceState(None)
+        text = self._visible_text(seq, req, state.params)
+        token_ids = req.output_token_ids
+        logprobs = self._logprobs(seq, req)
+        if delta:
+            t0, c0 = state.sent_tokens.get(req.index, 0), state.sent_text.get(req.index, 0)
+            state.sent_tokens[req.index], state.sent_text[req.index] = len(token_ids), len(text)
+            token_ids, text = token_ids[t0:], text[c0:]
+            logprobs = logprobs[t0:] if logprobs is not None else None
+        stop_reason = seq.stopped_by_string if seq.stopped_by_string is not None else req.stop_reason
+        return CompletionOutput(req.index, text, list(token_ids),
+                                req.cumulative_logprob if req.logprobs is not None else None,
+                                logprobs, req.finish_reason, stop_reason)
+
+    @staticmethod
+    def _visible_text(seq: SequenceState, req: Request, params) -> str:
+        """While running, hold back a tail that could still turn out to start a stop string."""
+        if req.is_finished or not params.stop or params.include_stop_str_in_output:
+            return seq.text
+        hold = max(len(s) for s in params.stop) - 1
+        return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+
+    def _logprobs(self, seq: SequenceState, req: Request) -> list[dict[int, Logprob]] | None:
+        """Converts new logprob entries once; rank is the position among the returned top-k."""
+        if req.logprobs is None:
+            return None
+        for entry in req.logprobs[len(seq.logprobs):]:
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            seq.logprobs.append({tok: Logprob(lp, rank + 1, self._decode_one(tok))
+                                 for rank, (tok, lp) in enumerate(ranked)})
+        return list(seq.logprobs)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def abort(self, parent_id: str) -> None:
+        self.states.pop(parent_id, None)

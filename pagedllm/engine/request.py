@@ -1,0 +1,93 @@
+"""A request (one sequence) and its single progress counter (DESIGN core idea 1)."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+def make_generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Sequence ``index`` of a seeded request draws from its own generator seeded ``seed + index``."""
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed + index)
+    return gen
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_tokens`` = prompt + output tokens; ``num_computed_tokens`` = tokens whose K/V are in
+    the cache. Each step may compute up to the difference. Prefill is not a state: a request
+    is "prefilling" while ``num_computed_tokens < num_prompt_tokens``.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int], arrival_time: float | None = None,
+                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None):
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index  # which of the parent's n sequences this is
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.stop_reason: int | str | None = None
+        self.num_forks_pending = 0  # siblings to fork off once the prompt is computed
+        self.generator = make_generator(params.seed, index)
+        self.fork_generators: list[torch.Generator | None] = []  # for siblings not forked yet
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,243 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption.
+
+Each step re-decides what runs (DESIGN core idea 1): every request gets up to
+``num_tokens - num_computed_tokens`` new tokens within the step's token budget, running
+requests first (oldest first), then waiting ones in FCFS order. When blocks run out, the most
+recently admitted running request is preempted: its blocks are freed and it goes back to the
+front of the waiting queue with all its tokens, so it later resumes where it was.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.engine.request import Request, RequestStatus, make_generator
+from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class SampledTokens:
+    """What the sampler produced for one scheduled request (several tokens on a fork)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    preemptions_by_mode: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+
+
+class Scheduler:
+    """Decides, each step, which requests run and with how many tokens; applies the results."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.watermark_blocks = int(cache_config.watermark * num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live sequence by its id
+        self.sequences: dict[str, list[str]] = {}  # parent request id -> its sequence ids
+        self.stats = SchedulerStats()
+        self.finished_ids: list[str] = []  # sequences finished since the last step (for the runner)
+
+    # ------------------------------------------------------------------ admission
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, num_seqs: int) -> None:
+        """Raises ValueError for a request that could never run."""
+        total = num_prompt_tokens + max_tokens
+        capacity = self.kv.num_blocks * self.block_size
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens")
+        if total > capacity:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens can never fit in the KV cache "
+                f"({self.kv.num_blocks} blocks x {self.block_size} = {capacity} tokens); "
+                "raise kv_cache_memory / gpu_memory_utilization or lower max_tokens")
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"n/best_of={num_seqs} exceeds max_num_seqs={self.config.max_num_seqs}")
+
+    def add_request(self, req: Request) -> None:
+        req.num_forks_pending = req.params.num_sequences - 1
+        req.fork_generators = [make_generator(req.params.seed, i) for i in range(1, req.num_forks_pending + 1)]
+        self.requests[req.request_id] = req
+        self.sequences[req.parent_id] = [req.request_id]
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.kv.take_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was the last running request and got preempted
+            self._add_chunk(out, req, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(req, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if len(self.running) + 1 + req.num_forks_pending > self.config.max_num_seqs:
+                break
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens += num_hit
+            req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            self._add_chunk(out, req, num_new)
+            budget -= num_new
+
+    def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        samples = 0
+        if req.num_computed_tokens == req.num_tokens:
+            samples = 1 + req.num_forks_pending
+        out.chunks.append(ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + num_new],
+            start=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            num_samples=samples,
+        ))
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, requeue at the front."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+        self.stats.preemptions_by_mode["recompute"] += 1
+
+    # ------------------------------------------------------------------ results
+    def update(self, sampled: list[SampledTokens]) -> list[Request]:
+        """Appends sampled tokens, forks pending siblings, finishes stopped sequences.
+
+        Returns every sequence that received tokens this step (including newly forked ones).
+        """
+        touched = []
+        now = time.time()
+        for s in sampled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.is_finished:
+                continue
+            children = self._fork(req, s) if req.num_forks_pending else []
+            for seq, k in [(req, 0)] + [(c, i + 1) for i, c in enumerate(children)]:
+                self._append(seq, s, k, now)
+                touched.append(seq)
+        return touched
+
+    def _append(self, req: Request, s: SampledTokens, k: int, now: float) -> None:
+        token = s.token_ids[k]
+        req.append_token(token)
+        req.cumulative_logprob += s.logprobs[k]
+        if req.logprobs is not None:
+            req.logprobs.append({token: s.logprobs[k], **(s.top_logprobs[k] if s.top_logprobs else {})})
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        status = self._check_stop(req, token)
+        if status is not None:
+            self.finish(req.request_id, status)
+
+    def _fork(self, parent: Request, s: SampledTokens) -> list[Request]:
+        """Creates the parent's siblings now that the prompt is computed; they share its blocks."""
+        children = []
+        for i in range(1, parent.num_forks_pending + 1):
+            child = Request(f"{parent.parent_id}#{i}", parent.prompt_token_ids, parent.params,
+                            parent.eos_token_ids, parent.arrival_time, parent.parent_id, i,
+                            parent.cache_salt)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.generator = parent.fork_generators[i - 1]
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.sequences[parent.parent_id].append(child.request_id)
+            self.running.append(child)
+            children.append(child)
+        parent.num_forks_pending = 0
+        return children
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Ends one sequence and frees its blocks at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.finished_ids.append(request_id)
+
+    def abort(self, parent_id: str) -> None:
+        """Aborts every sequence of a user request."""
+        for rid in self.sequences.get(parent_id, []):
+            self.finish(rid, RequestStatus.FINISHED_ABORTED)
+
+    def release(self, parent_id: str) -> None:
+        """Forgets a finished user request's bookkeeping."""
+        for rid in self.sequences.pop(parent_id, []):
+            self.requests.pop(rid, None)
+
+    def take_finished_ids(self) -> list[str]:
+        ids, self.finished_ids = self.finished_ids, []
+        return ids

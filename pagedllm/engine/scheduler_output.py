@@ -1,0 +1,40 @@
+"""What the scheduler hands the executor each step: ids and counts, never tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of one request, starting at context position ``start``."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute: all_token_ids[start : start + num_new_tokens]
+    start: int
+    block_ids: list[int]  # the request's whole block table after allocation
+    num_samples: int  # 0 while prefilling a chunk that does not reach the last token; n on a fork
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before forward
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.blocks_to_swap_out and not self.blocks_to_copy

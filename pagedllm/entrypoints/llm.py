@@ -1,0 +1,116 @@
+"""The offline API, a drop-in for vLLM's ``LLM``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.metrics.stats import KVCacheStats, Metric
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts with continuous batching.
+
+    Accepts vLLM's keywords (``model, tokenizer, dtype, block_size, gpu_memory_utilization,
+    kv_cache_memory, swap_space, max_model_len, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, preemption_mode, seed, enforce_eager, tensor_parallel_size, ...``);
+    an unknown keyword raises ``TypeError`` naming it.
+    """
+
+    def __init__(self, model: str = "pagedllm-demo", **kwargs):
+        args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns RequestOutputs in input order."""
+        prompts = _as_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        prompts = [{"prompt_token_ids": _as_ids(tok.apply_chat_template(
+            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True))}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt")
+        return list(sampling_params)
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Validates every prompt before queueing any, so a bad one leaves nothing behind."""
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        return self.llm_engine.get_kv_cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [{"prompt_token_ids": list(prompts)}]
+    return list(prompts)
+
+
+def _as_ids(x) -> list[int]:
+    if isinstance(x, dict) or hasattr(x, "keys"):
+        return list(x["input_ids"])
+    return list(x)

@@ -1,0 +1,204 @@
+"""Per-request block tables on top of the block pool: allocation, prefix hits, fork and CoW.
+
+A request's block table maps logical block ``i`` (context positions ``i*B .. i*B+B-1``) to a
+physical block. Blocks are added only as tokens are scheduled, never up front::
+
+    positions:  0 ......... B-1 | B ........ 2B-1 | 2B ... n_computed ... n_computed+n_new
+    table:      [ block 7       | block 2         | block 9 (partial) | + new blocks      ]
+                  cached/shared     full            written this step, copied first if shared
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
+from pagedllm.kv_cache.prefix_hash import extend_block_hashes
+from pagedllm.utils import cdiv
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns request -> block lists over one :class:`BlockPool`.
+
+    The request objects passed in need ``request_id``, ``all_token_ids``, ``num_tokens``,
+    ``num_computed_tokens`` and ``cache_salt`` (None or a string mixed into the block hashes).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.requests: dict[str, object] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}  # blocks of the table already in the cache
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for this step
+        self.prefix_stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    # ----------------------------------------------------------------- prefix hits
+    def get_computed_blocks(self, req) -> tuple[list[KVBlock], int]:
+        """Longest run of cached leading blocks for a request with no blocks yet.
+
+        The last token is never taken from the cache, so the step that computes it has logits.
+        """
+        if not self.pool.enable_caching or req.num_computed_tokens > 0:
+            return [], 0
+        hashes = self._request_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queries += req.num_tokens
+        self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def _request_hashes(self, req) -> list[bytes]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        extra = (req.cache_salt,) if req.cache_salt else ()
+        extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
+        return hashes
+
+    # ----------------------------------------------------------------- allocation
+    def blocks_needed(self, req, num_new_tokens: int, new_computed: list[KVBlock] = ()) -> int:
+        """Free blocks this allocation would consume (new blocks, CoW copies, revived hits)."""
+        table = self.tables.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed) * self.block_size
+        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+        needed = max(0, total_blocks - len(table) - len(new_computed))
+        needed += sum(1 for b in new_computed if b.ref_cnt == 0)
+        if self._write_block_is_shared(table, num_computed):
+            needed += 1
+        return needed
+
+    def allocate_slots(self, req, num_new_tokens: int, new_computed: list[KVBlock] = (),
+                       reserve: int = 0) -> bool:
+        """Gives ``req`` room for ``num_new_tokens`` more tokens; False (nothing changed) if not.
+
+        ``new_computed`` are prefix-cache hits for a fresh request; ``reserve`` blocks must stay
+        free afterwards (the admission watermark).
+        """
+        if self.blocks_needed(req, num_new_tokens, new_computed) + reserve > self.pool.num_free_blocks:
+            return False
+        rid = req.request_id
+        table = self.tables.setdefault(rid, [])
+        self.requests[rid] = req
+        if new_computed:
+            self.pool.touch(new_computed)
+            table.extend(new_computed)
+            self._num_hashed_blocks[rid] = len(table)
+        num_computed = req.num_computed_tokens + len(new_computed) * self.block_size
+        self._copy_on_write(table, num_computed)
+        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+        if total_blocks > len(table):
+            table.extend(self.pool.allocate(total_blocks - len(table)))
+        self._cache_full_blocks(req, num_computed + num_new_tokens)
+        return True
+
+    def _write_block_is_shared(self, table: list[KVBlock], num_computed: int) -> bool:
+        idx = num_computed // self.block_size
+        return num_computed % self.block_size != 0 and idx < len(table) and table[idx].ref_cnt > 1
+
+    def _copy_on_write(self, table: list[KVBlock], num_computed: int) -> None:
+        """The partial block about to be written is shared: write into a private copy instead."""
+        if not self._write_block_is_shared(table, num_computed):
+            return
+        idx = num_computed // self.block_size
+        (copy,) = self.pool.allocate(1)
+        self.pending_copies.append((table[idx].block_id, copy.block_id))
+        self.pool.free([table[idx]])
+        table[idx] = copy
+
+    def _cache_full_blocks(self, req, num_tokens_after: int) -> None:
+        """Registers blocks that become full with this step's tokens in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        rid = req.request_id
+        num_full = num_tokens_after // self.block_size
+        start = self._num_hashed_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(req)
+        table = self.tables[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_hashed_blocks[rid] = num_full
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write plan accumulated since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ----------------------------------------------------------------- sharing and release
+    def fork(self, parent, child) -> None:
+        """``child`` shares every block of ``parent`` (reference count +1 each)."""
+        blocks = self.tables.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        self.tables[child.request_id] = list(blocks)
+        self.requests[child.request_id] = child
+        self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
+        self._num_hashed_blocks[child.request_id] = self._num_hashed_blocks.get(parent.request_id, 0)
+
+    def free(self, req) -> None:
+        """Returns a request's blocks; its tail blocks are evicted first from the cache."""
+        rid = req.request_id
+        table = self.tables.pop(rid, [])
+        self.pool.free(reversed(table))
+        self.requests.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._num_hashed_blocks.pop(rid, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- accounting
+    def num_tokens_stored(self) -> int:
+        """Distinct tokens whose K/V sit in used blocks (a shared block counts once)."""
+        filled: dict[int, int] = {}
+        for rid, table in self.tables.items():
+            computed = self.requests[rid].num_computed_tokens
+            for i, block in enumerate(table):
+                n = max(0, min(self.block_size, computed - i * self.block_size))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        return sum(filled.values())
+
+    def check_integrity(self) -> None:
+        """Asserts free + used == total, ref counts == table references, cache map consistent."""
+        refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        for block in self.pool.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise AssertionError(f"{block} is held by {refs.get(block.block_id, 0)} tables")
+        free_ids = self.pool.free_queue.ids()
+        if sorted(free_ids) != sorted(b.block_id for b in self.pool.blocks if b.ref_cnt == 0):
+            raise AssertionError("free queue does not hold exactly the unreferenced blocks")
+        if len(free_ids) != self.pool.num_free_blocks or len(free_ids) + len(refs) != self.num_blocks:
+            raise AssertionError(f"free {len(free_ids)} + used {len(refs)} != total {self.num_blocks}")
+        for block_hash, block in self.pool.cached.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(f"cache entry points at {block} with another hash")

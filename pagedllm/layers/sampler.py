@@ -1,0 +1,135 @@
+"""Vectorized sampler: one pass over ``[num_rows, vocab]`` logits with per-row parameters.
+
+Order: raw log-probs (reported, as vLLM's default) -> min_tokens masking -> penalties ->
+greedy rows take argmax; random rows apply temperature, top-k, top-p, min-p and draw with the
+exponential-race trick ``argmax(p / q), q ~ Exp(1)``, where seeded rows draw ``q`` from their
+own generator so their tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row to sample: a sequence's parameters, history and generator."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    banned_token_ids: tuple[int, ...] = ()  # eos/stop ids masked until min_tokens is reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each sampled token
+    top_logprobs: list[dict[int, float]] | None  # per row: top-k token -> logprob (k = params.logprobs)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _mask_banned(logits, rows)
+        logits = _apply_penalties(logits, rows)
+        tokens = self._choose(logits, rows)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(raw_logprobs, rows))
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return tokens
+        sampled = _sample_random(logits, rows)
+        return torch.where(greedy, tokens, sampled)
+
+
+def _param_tensor(rows, attr: str, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, attr) for r in rows], device=device, dtype=dtype)
+
+
+def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    return logits
+
+
+def _pad(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token matrix and its validity mask."""
+    width = max(1, max(len(x) for x in lists))
+    ids = torch.zeros(len(lists), width, dtype=torch.long)
+    mask = torch.zeros(len(lists), width, dtype=torch.bool)
+    for i, x in enumerate(lists):
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = True
+    return ids.to(device), mask.to(device)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    p = [r.params for r in rows]
+    if all(x.presence_penalty == 0 and x.frequency_penalty == 0 and x.repetition_penalty == 1 for x in p):
+        return logits
+    dev = logits.device
+    out_ids, out_mask = _pad([r.output_token_ids for r in rows], dev)
+    counts = torch.zeros_like(logits).scatter_add_(1, out_ids, out_mask.float())  # [rows, vocab]
+    rep = _param_tensor(rows, "repetition_penalty", dev)[:, None]
+    if bool((rep != 1).any()):
+        prompt_ids, prompt_mask = _pad([r.prompt_token_ids for r in rows], dev)
+        seen = torch.zeros_like(logits).scatter_add_(1, prompt_ids, prompt_mask.float()) + counts > 0
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    logits = logits - _param_tensor(rows, "frequency_penalty", dev)[:, None] * counts
+    return logits - _param_tensor(rows, "presence_penalty", dev)[:, None] * (counts > 0).float()
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    dev = logits.device
+    temp = _param_tensor(rows, "temperature", dev).clamp_min(1e-5)[:, None]
+    logits = logits / temp
+    logits = _top_k_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = _param_tensor(rows, "min_p", dev)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    dev, vocab = logits.device, logits.shape[-1]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
+    top_p = _param_tensor(rows, "top_p", dev)
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            q[i] = torch.empty(probs.shape[1]).exponential_(generator=row.generator).to(probs.device)
+    return q
+
+
+def _top_logprobs(raw: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float]] | None:
+    ks = [r.params.logprobs or 0 for r in rows]
+    if max(ks) == 0:
+        return None
+    values, ids = raw.topk(max(ks), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [dict(zip(ids[i][:k], values[i][:k])) for i, k in enumerate(ks)]

@@ -1,0 +1,42 @@
+"""Engine counters and snapshots, and the metric objects returned by ``LLM.get_metrics()``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Metric:
+    """Like vLLM's metric reader objects: a name, labels and a value."""
+
+    name: str
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)
+    kind: str = "gauge"  # "gauge" | "counter"
+
+
+@dataclass
+class KVCacheStats:
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int  # free, but still holding a reusable prefix
+    usage: float  # used / total
+    num_tokens_stored: int
+    utilization: float  # tokens stored / (used blocks * block_size)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_cpu_blocks: int
+    num_cpu_free_blocks: int
+    cpu_usage: float
+    num_preemptions: int
+    preemptions_by_mode: dict[str, int]
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    num_steps: int = 0

@@ -1,0 +1,122 @@
+"""Model loading: resolve a local path or Hub id, build the model, load safetensors by name."""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedllm.layers.linear import default_weight_loader
+from pagedllm.models.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "pagedllm-demo"
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def demo_model_path() -> str:
+    return os.path.join(os.path.dirname(__file__), "demo")
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory, the bundled demo model, or a Hub id downloaded into the HF cache."""
+    if model == DEMO_MODEL_NAME:
+        return demo_model_path()
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model={model!r} is a directory without config.json; expected a Hugging Face checkpoint")
+        return model
+    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
+        raise ValueError(f"model={model!r} does not exist: pass an existing local directory or a Hub id like 'org/name'")
+    return _download_from_hub(model)
+
+
+def _download_from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # offline, unknown repo, auth: all mean "cannot get it"
+        try:
+            return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+        except Exception:
+            raise ValueError(
+                f"model={repo_id!r} is not a local directory and could not be fetched from the Hugging Face "
+                f"Hub ({type(exc).__name__}: {exc}); when offline it must already be in the HF cache "
+                "(HF_HOME); otherwise pass a local path") from exc
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        name = json.load(f).get("torch_dtype") or None
+    return getattr(torch, name, None) if isinstance(name, str) else None
+
+
+def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config, backend, max_position)
+    finally:
+        torch.set_default_dtype(prev)
+    # rotary tables stay float32 for accuracy; they are cast at use
+    for module in model.modules():
+        for name in ("cos", "sin"):
+            if hasattr(module, name) and isinstance(getattr(module, name), torch.Tensor):
+                setattr(module, name, getattr(module, name).float())
+    return model.eval()
+
+
+def iterate_safetensors(model_dir: str):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_dir!r} (pickled .bin checkpoints are not loaded)")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Copies every checkpoint tensor into the parameter of the same name (fused ones by shard)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded = set()
+    for name, tensor in iterate_safetensors(model_dir):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = _map_name(name, packed)
+        if target not in params:
+            if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(param, tensor.to(param.dtype))
+        loaded.add(target)
+    _check_all_loaded(model, params, loaded)
+
+
+def _map_name(name: str, packed: dict) -> tuple[str, object]:
+    for ckpt, (fused, shard) in packed.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{fused}."), shard
+    return name, None
+
+
+def _check_all_loaded(model, params: dict, loaded: set) -> None:
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    return MODEL_REGISTRY[architecture]

@@ -1,0 +1,112 @@
+"""Sampling parameters, compatible with vLLM's ``SamplingParams``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(cond: bool, name: str, value, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` means greedy."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: str = "cumulative"
+    extra_args: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:  # vLLM treats 0 as "disabled" in newer releases; normalise to -1
+            raise ValueError("top_k=0 is invalid: must be -1 (disabled) or >= 1")
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        if self.best_of is not None:
+            _check(isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", self.best_of,
+                   f"must be an integer >= n ({self.n})")
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                   "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "must be an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
+                   "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+                   self.prompt_logprobs, "must be an integer in [0, 20]")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be non-negative integers")
+        _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
+               "must be 'cumulative', 'delta' or 'final_only'")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled for the request: best_of when set, else n."""
+        return self.best_of or self.n
+
+    def clone(self) -> "SamplingParams":
+        from copy import deepcopy
+        return deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search, as vLLM's ``LLM.beam_search``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", self.beam_width,
+               "must be an integer >= 1")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "must be an integer >= 1")

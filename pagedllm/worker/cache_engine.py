@@ -1,0 +1,50 @@
+"""Owns the KV tensors: one pool allocated once, plus block copies (CoW) and swaps."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import ModelConfig
+
+
+class CacheEngine:
+    """KV cache storage ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``.
+
+    Layer ``l``'s key cache is ``kv[l, 0]`` and value cache ``kv[l, 1]``; a block id indexes dim
+    2 of every layer at once, so copying or swapping a block moves it in all layers together.
+    """
+
+    def __init__(self, model_config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
+        shape = (model_config.num_layers, 2, num_blocks, num_kv_heads, block_size, model_config.head_dim)
+        # torch.empty: pages are only committed as blocks are written
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]
+        pin = device.type == "cuda"
+        self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
+        self.layer_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape[0])]
+
+    @staticmethod
+    def block_bytes(model_config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * model_config.num_layers * num_kv_heads * block_size * model_config.head_dim * elem
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.kv.device) for x in zip(*pairs))
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device blocks -> CPU blocks, batched into one gather and one copy."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x) for x in zip(*pairs))
+        self.cpu_kv[:, :, dst] = self.kv[:, :, src.to(self.kv.device)].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """CPU blocks -> device blocks."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x) for x in zip(*pairs))
+        self.kv[:, :, dst.to(self.kv.device)] = self.cpu_kv[:, :, src].to(self.kv.device, non_blocking=True)

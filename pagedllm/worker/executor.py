@@ -1,0 +1,101 @@
+"""Executors: run the model for a SchedulerOutput. One process for now (tensor_parallel_size=1)."""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.utils import cdiv, human_bytes
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# On CPU the KV pool is capped (like vLLM's VLLM_CPU_KVCACHE_SPACE) so that several engines in
+# one process or on one machine leave it usable: gpu_memory_utilization x available RAM, at most
+# this many GiB, further capped at what max_num_seqs full-length sequences could ever use.
+CPU_KV_CAP_GIB = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
+
+
+class UniProcExecutor:
+    """Holds the model runner in this process; sizes and allocates the KV cache at start-up."""
+
+    def __init__(self, config: EngineConfig):
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not supported yet; use 1")
+        self.config = config
+        if config.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or _physical_cores())
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config)
+        self.num_blocks, self.num_cpu_blocks = self._size_cache()
+        self.runner.init_cache(self.num_blocks, self.num_cpu_blocks)
+
+    def execute(self, scheduler_output):
+        return self.runner.execute(scheduler_output)
+
+    # ------------------------------------------------------------------ sizing
+    def _size_cache(self) -> tuple[int, int]:
+        cache, sched = self.config.cache, self.config.scheduler
+        block_bytes = self.runner.block_bytes()
+        if cache.num_gpu_blocks_override:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._profiled_budget()
+            num_blocks = budget // block_bytes
+            useful = sched.max_num_seqs * cdiv(sched.max_model_len, cache.block_size)
+            num_blocks = min(num_blocks, useful)
+        self._check_fits(num_blocks, block_bytes)
+        num_cpu_blocks = cache.swap_space // block_bytes if sched.preemption_mode == "swap" else 0
+        return int(num_blocks), int(num_cpu_blocks)
+
+    def _profiled_budget(self) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        device = self.config.device
+        before = _peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.runner.profile_run(sched.max_num_batched_tokens, sched.max_model_len)
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            used = torch.cuda.max_memory_allocated(device)
+            return int(total * cache.gpu_memory_utilization - used)
+        activation = max(0, _peak_rss() - before)
+        budget = cache.gpu_memory_utilization * _available_ram() - activation
+        return int(max(0, min(budget, CPU_KV_CAP_GIB * 1024**3)))
+
+    def _check_fits(self, num_blocks: int, block_bytes: int) -> None:
+        bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len
+        per_seq = cdiv(max_len, bs)
+        logger.info("KV cache: %d blocks x %d tokens (%s) = %d tokens; %.1f sequences of max_model_len=%d",
+                    num_blocks, bs, human_bytes(num_blocks * block_bytes), num_blocks * bs,
+                    num_blocks / per_seq, max_len)
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens) but one max_model_len="
+                f"{max_len} sequence needs {per_seq} blocks; raise kv_cache_memory or gpu_memory_utilization, "
+                "or lower max_model_len")
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 * 1024**3
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _physical_cores() -> int:
+    try:
+        with open("/proc/cpuinfo") as f:
+            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
+        return max(1, len(cores)) if cores else os.cpu_count() or 1
+    except OSError:
+        return os.cpu_count() or 1

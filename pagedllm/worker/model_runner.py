@@ -1,0 +1,83 @@
+"""Owns the model: builds one flat token batch + AttentionMetadata per step and runs it."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
+from pagedllm.attention.selector import get_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.models.loader import build_model, get_model_class, load_weights
+from pagedllm.worker.cache_engine import CacheEngine
+
+
+class ModelRunner:
+    """Runs the model on a SchedulerOutput and returns logits for the rows to sample."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
+        mc = config.model
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
+                                 mc.max_model_len, mc.dtype, self.device)
+        load_weights(self.model, mc.model)
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.block_size = config.cache.block_size
+        self.cache: CacheEngine | None = None
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        mc = self.config.model
+        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks, self.block_size, mc.dtype, self.device,
+                                 num_cpu_blocks)
+
+    def block_bytes(self) -> int:
+        return CacheEngine.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.config.model.dtype)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows, vocab]``.
+
+        A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens).
+        """
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.swap_out(out.blocks_to_swap_out)
+        self.cache.copy_blocks(out.blocks_to_copy)
+        if not out.chunks:
+            return torch.empty(0, self.model.config.vocab_size)
+        input_ids, positions, meta, sample_idx = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[sample_idx])  # [num_sample_rows, vocab]
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        chunks = out.chunks
+        query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        seq_lens = np.fromiter((c.seq_len for c in chunks), dtype=np.int64, count=len(chunks))
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_ids)] = c.block_ids
+        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(query_lens.sum()))
+        positions = positions_from_lens(query_lens, seq_lens)
+        last = np.cumsum(query_lens) - 1
+        samples = np.fromiter((c.num_samples for c in chunks), dtype=np.int64, count=len(chunks))
+        sample_idx = np.repeat(last, samples)  # each sampling chunk's last token, n times on a fork
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return to(ids), to(positions), meta, to(sample_idx)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_model_len: int) -> None:
+        """One forward at the step's token budget, with a throwaway cache, to find peak memory."""
+        seq = min(num_tokens, max_model_len)
+        num_seqs = -(-num_tokens // seq)
+        blocks_per_seq = -(-seq // self.block_size)
+        saved = self.cache
+        self.init_cache(num_seqs * blocks_per_seq)
+        from pagedllm.engine.scheduler_output import ScheduledChunk
+        chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0,
+                                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
+                  for i in range(num_seqs)]
+        self.execute(SchedulerOutput(chunks=chunks))
+        self.cache = saved

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random-weight models built with transformers at test time."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _config(arch: str, **overrides):
+    import transformers as tf
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    common.update(overrides)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "mistral":
+        return tf.MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=16, **common)
+    raise ValueError(arch)
+
+
+def _tokenizer():
+    """A byte-level BPE tokenizer trained on a few sentences (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog", "paged attention keeps a block table",
+            "hello world, this is a tiny tokenizer for tests", "héllo wörld ünïcode ✓ 日本語"] * 50
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def make_model_dir(path, arch: str = "llama", std: float = 0.05, seed: int = 0, **overrides) -> str:
+    import transformers as tf
+    cfg = _config(arch, **overrides)
+    cfg.initializer_range = std
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """One tiny checkpoint per supported architecture."""
+    return {a: make_model_dir(tmp_path_factory.mktemp(a), a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    import transformers as tf
+    return {a: tf.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+            for a, d in model_dirs.items()}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lens]
