@@ -1,0 +1,518 @@
+"""``pagedllm plan``: how much KV cache fits on a GPU, and why paging helps.
+
+Reads only a model's ``config.json`` (local path or Hugging Face Hub id, via the local
+cache) and never loads weights. The arithmetic lives in the pure function
+:func:`plan_kv`; :func:`register` / :func:`run` wire it into the ``pagedllm`` CLI and
+:func:`main` runs it standalone (``python -m pagedllm.entrypoints.plan --model ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pagedllm.utils import format_size, parse_size
+
+__all__ = [
+    "BLOCK_SIZES",
+    "ConfigError",
+    "add_arguments",
+    "format_plan",
+    "KVPlan",
+    "ModelShape",
+    "count_params",
+    "load_config",
+    "main",
+    "model_shape",
+    "plan_kv",
+    "register",
+    "resolve_dtype",
+    "run",
+]
+
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+_DTYPE_ALIASES = {
+    "half": "float16", "fp16": "float16", "bf16": "bfloat16",
+    "float": "float32", "fp32": "float32",
+}
+# Families whose MLP is up/down only (no gate projection); everything else is assumed
+# to be a gated (SwiGLU/GeGLU-style, 3-matrix) MLP, as in Llama.
+_NON_GATED_MLP = {
+    "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "mpt",
+}
+# Families whose config class ties lm_head to the embeddings when config.json is silent.
+_TIED_BY_DEFAULT = {"gpt2", "gpt_bigcode", "opt", "bloom", "falcon", "gemma", "gemma2", "gemma3_text"}
+# Families with a learned absolute position-embedding table.
+_LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt"}
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """config.json could not be found, read, or understood."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only transformer that matter for memory."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    gated_mlp: bool
+    num_experts: int = 0  # 0 = dense MLP
+    shared_expert_intermediate_size: int = 0
+    max_position_embeddings: int | None = None
+    config_dtype: str | None = None
+
+
+def _get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
+    """First non-null value among ``keys`` in ``cfg``; ConfigError if none and no default."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    if default is _MISSING:
+        raise ConfigError(f"config.json has none of the fields {', '.join(keys)}")
+    return default
+
+
+def _text_config(config: dict) -> dict:
+    """Flatten multimodal configs: the language model's ``text_config`` wins over the top level."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in config:
+        return {**config, **text}
+    return dict(config)
+
+
+def _kv_heads(cfg: dict, num_heads: int) -> int:
+    """Number of key/value heads: explicit field, Falcon's multi_query, else MHA."""
+    explicit = _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
+                    "multi_query_group_num", "n_kv_heads", default=None)
+    if explicit is not None:
+        return int(explicit)
+    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
+        return 1
+    return num_heads
+
+
+def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
+    """(num_experts, per-expert intermediate size, shared-expert intermediate size)."""
+    num = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0))
+    if num <= 0:
+        return 0, hidden_inter, 0
+    inter = int(_get(cfg, "moe_intermediate_size", default=hidden_inter))
+    shared = cfg.get("shared_expert_intermediate_size")
+    if shared is None:
+        shared = int(cfg.get("n_shared_experts") or 0) * inter
+    return num, inter, int(shared)
+
+
+def model_shape(config: dict) -> ModelShape:
+    """Extract a :class:`ModelShape` from a parsed ``config.json`` (Llama/GPT-2/Falcon-style names)."""
+    cfg = _text_config(config)
+    if cfg.get("kv_lora_rank") is not None:
+        raise ConfigError("multi-head latent attention (kv_lora_rank, DeepSeek-V2/V3) is not supported")
+    model_type = str(cfg.get("model_type", "unknown"))
+    hidden = int(_get(cfg, "hidden_size", "n_embd", "d_model", "dim"))
+    heads = int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"))
+    head_dim = int(_get(cfg, "head_dim", "kv_channels", default=0)) or hidden // heads
+    inter = int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden))
+    num_experts, inter, shared = _experts(cfg, inter)
+    return ModelShape(
+        model_type=model_type,
+        num_layers=int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=_kv_heads(cfg, heads),
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=int(_get(cfg, "vocab_size", "padded_vocab_size")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        gated_mlp=model_type not in _NON_GATED_MLP,
+        num_experts=num_experts,
+        shared_expert_intermediate_size=shared,
+        max_position_embeddings=_get(cfg, "max_position_embeddings", "n_positions", "max_sequence_length",
+                                     "seq_length", "max_seq_len", default=None),
+        config_dtype=_get(cfg, "torch_dtype", "dtype", default=None),
+    )
+
+
+def count_params(shape: ModelShape) -> int:
+    """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head.
+
+    Biases (well under 0.1% of any real model) are ignored.
+    """
+    h, d = shape.hidden_size, shape.head_dim
+    attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o + k, v
+    mlp_mats = 3 if shape.gated_mlp else 2
+    if shape.num_experts:
+        mlp = shape.num_experts * mlp_mats * h * shape.intermediate_size + h * shape.num_experts  # + router
+        mlp += mlp_mats * h * shape.shared_expert_intermediate_size
+    else:
+        mlp = mlp_mats * h * shape.intermediate_size
+    per_layer = attention + mlp + 2 * h  # two norms per block
+    embeddings = shape.vocab_size * h
+    if shape.model_type in _LEARNED_POSITIONS and shape.max_position_embeddings:
+        embeddings += int(shape.max_position_embeddings) * h
+    lm_head = 0 if shape.tie_word_embeddings else shape.vocab_size * h
+    return shape.num_layers * per_layer + embeddings + h + lm_head  # + final norm
+
+
+def resolve_dtype(dtype: str, shape: ModelShape) -> str:
+    """Canonical dtype name; ``auto`` takes the config's torch_dtype, else float16."""
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        name = str(shape.config_dtype or "float16").lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r} (resolved to {name!r}); use one of {sorted(DTYPE_BYTES)}")
+    return name
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Result of :func:`plan_kv`. All sizes are in bytes."""
+
+    shape: ModelShape
+    dtype: str
+    dtype_bytes: int
+    block_size: int
+    max_model_len: int
+    mean_len: int
+    gpu_memory: int
+    gpu_memory_utilization: float
+    num_params: int
+    weights_bytes: int
+    weights_estimated: bool
+    kv_bytes_per_token: int
+    kv_bytes_per_seq: int  # one max_model_len sequence
+    kv_bytes_per_block: int
+    usable_memory: int  # gpu_memory * utilization
+    kv_budget: int  # usable_memory - weights_bytes; negative when the weights do not fit
+    num_blocks: int
+    max_seqs_contiguous: int  # max_model_len sequences under contiguous pre-allocation
+    blocks_per_mean_seq: float  # mean_len / block_size + 0.5 (half-empty last block)
+    mean_seqs_paged: int  # mean_len sequences that fit with paging
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def paging_gain(self) -> float:
+        """How many times more sequences paging fits than contiguous pre-allocation."""
+        return self.mean_seqs_paged / self.max_seqs_contiguous if self.max_seqs_contiguous else math.inf
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_lengths(shape: ModelShape, max_model_len: int | None, mean_len: int | None) -> tuple[int, int]:
+    """Default max_model_len to the config's context length and mean_len to half of it."""
+    if max_model_len is None:
+        if shape.max_position_embeddings is None:
+            raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
+        max_model_len = int(shape.max_position_embeddings)
+    _check_positive("max_model_len", max_model_len)
+    mean_len = max(1, max_model_len // 2) if mean_len is None else mean_len
+    _check_positive("mean_len", mean_len)
+    if mean_len > max_model_len:
+        raise ValueError(f"mean_len ({mean_len}) must not exceed max_model_len ({max_model_len})")
+    return max_model_len, mean_len
+
+
+def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, estimated: bool) -> tuple[str, ...]:
+    notes = []
+    if shape.max_position_embeddings and max_model_len > int(shape.max_position_embeddings):
+        notes.append(f"max_model_len {max_model_len} exceeds the config's context length "
+                     f"{shape.max_position_embeddings}")
+    if estimated and shape.num_experts:
+        notes.append("MoE weight estimate assumes every layer is sparse; check it against the checkpoint")
+    if budget <= 0:
+        notes.append("the weights alone exceed the usable GPU memory: no room for KV cache")
+    elif max_seqs == 0:
+        notes.append("not even one max-length sequence fits contiguously")
+    return tuple(notes)
+
+
+def plan_kv(
+    config: dict,
+    *,
+    gpu_memory: int,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    dtype: str = "auto",
+    mean_len: int | None = None,
+    weights_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> KVPlan:
+    """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
+
+    ``max_model_len`` defaults to the config's context length, ``mean_len`` to half of
+    ``max_model_len``; ``weights_bytes`` defaults to an estimate from the parameter
+    count. Activations and runtime overhead are not modelled. Raises ``ValueError``
+    (``ConfigError`` for config problems) on bad input.
+    """
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    _check_positive("gpu_memory", gpu_memory)
+    shape = model_shape(config)
+    max_model_len, mean_len = _resolve_lengths(shape, max_model_len, mean_len)
+    dtype = resolve_dtype(dtype, shape)
+    nbytes = DTYPE_BYTES[dtype]
+
+    num_params = count_params(shape)
+    estimated = weights_bytes is None
+    weights = num_params * nbytes if weights_bytes is None else int(weights_bytes)
+    usable = int(gpu_memory * gpu_memory_utilization)
+    budget = usable - weights
+
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * nbytes
+    per_block = per_token * block_size
+    num_blocks = max(budget, 0) // per_block
+    max_seqs = max(budget, 0) // (per_token * max_model_len)
+    blocks_per_mean = mean_len / block_size + 0.5
+    return KVPlan(
+        shape=shape, dtype=dtype, dtype_bytes=nbytes, block_size=block_size,
+        max_model_len=max_model_len, mean_len=mean_len, gpu_memory=gpu_memory,
+        gpu_memory_utilization=gpu_memory_utilization, num_params=num_params,
+        weights_bytes=weights, weights_estimated=estimated, kv_bytes_per_token=per_token,
+        kv_bytes_per_seq=per_token * max_model_len, kv_bytes_per_block=per_block,
+        usable_memory=usable, kv_budget=budget, num_blocks=num_blocks,
+        max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
+        mean_seqs_paged=int(num_blocks // blocks_per_mean),
+        notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
+    )
+
+
+# --------------------------------------------------------------------------- config loading
+
+
+def _looks_like_path(model: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a missing path."""
+    return model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not contain a JSON object")
+    return data
+
+
+def _download_config(repo_id: str, revision: str | None) -> str:
+    """Resolve ``config.json`` of a Hub repo through the local cache (network only if allowed)."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a hard dependency
+        raise ConfigError(f"{repo_id!r} is not a local path and huggingface_hub is unavailable") from e
+    try:
+        try:  # cache first: instant, and works without network
+            return hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True)
+        except LocalEntryNotFoundError:
+            print(f"config.json for {repo_id} is not cached; asking the Hub...", file=sys.stderr)
+            return hf_hub_download(repo_id, "config.json", revision=revision)
+    except LocalEntryNotFoundError as e:
+        raise ConfigError(
+            f"config.json for {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be "
+            "reached (offline or HF_HUB_OFFLINE=1). Pass a local directory or config.json path instead."
+        ) from e
+    except HFValidationError as e:
+        raise ConfigError(f"{repo_id!r} is neither an existing local path nor a valid Hub repo id") from e
+    except (HfHubHTTPError, OSError) as e:
+        raise ConfigError(f"cannot fetch config.json for {repo_id!r} from the Hub: {e}") from e
+
+
+def load_config(model: str, revision: str | None = None) -> dict:
+    """Load ``config.json`` from a directory, a JSON file path, or a Hub repo id (cache first)."""
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        path = os.path.join(expanded, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"directory {model!r} has no config.json")
+        return _read_json(path)
+    if os.path.isfile(expanded):
+        return _read_json(expanded)
+    if _looks_like_path(model):
+        raise ConfigError(f"no such file or directory: {model!r}")
+    return _read_json(_download_config(model, revision))
+
+
+# --------------------------------------------------------------------------- CLI
+
+_DESCRIPTION = """\
+Estimate how much KV cache fits on a GPU for a model, reading only its config.json
+(never the weights), and compare contiguous per-sequence pre-allocation with paging."""
+
+_EPILOG = """\
+examples:
+  pagedllm plan --model meta-llama/Llama-2-7b-hf
+  pagedllm plan --model ./models/llama --gpu-memory 24GiB --max-model-len 4096 --mean-len 600
+  pagedllm plan --model config.json --dtype bfloat16 --block-size 32 --gpu-memory-utilization 0.85
+  pagedllm plan --model Qwen/Qwen2.5-7B-Instruct --gpu-memory 80GB --json
+
+sizes: 80GiB / 512MiB (powers of 1024), 80GB / 4GB (powers of 1000), 1e9 (bytes).
+--model may be a directory, a config.json path, or a Hub id resolved through the local
+Hugging Face cache (set HF_HUB_OFFLINE=1 to never touch the network).
+The weights estimate counts embeddings, attention, MLP, norms and an untied lm_head;
+activations, CUDA graphs and allocator overhead are not included."""
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` options to ``parser``."""
+    parser.add_argument("--model", required=True, help="model directory, config.json path, or Hub repo id")
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    parser.add_argument("--gpu-memory", type=_size_arg, default=parse_size("80GiB"), metavar="SIZE",
+                        help="total GPU memory (default: 80GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                        help="fraction of GPU memory the engine may use (default: 0.9)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                        help="maximum sequence length (default: the config's max_position_embeddings)")
+    parser.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16,
+                        help="tokens per KV block (default: 16)")
+    parser.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                        help="weights/KV dtype; auto = config torch_dtype, else float16 (default: auto)")
+    parser.add_argument("--mean-len", type=_positive_int, default=None, metavar="N",
+                        help="average sequence length (prompt + output) for the paged estimate "
+                             "(default: half of --max-model-len)")
+    parser.add_argument("--weights-memory", type=_size_arg, default=None, metavar="SIZE",
+                        help="use this weights size instead of the estimate from the config")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` sub-command to an ``argparse`` subparsers object; returns its parser."""
+    parser = subparsers.add_parser(
+        "plan", help="estimate KV-cache capacity from a model's config.json",
+        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _row(label: str, value: str) -> str:
+    return f"  {label:<40}{value}"
+
+
+def format_plan(plan: KVPlan, model: str = "") -> str:
+    """Human-readable report of a :class:`KVPlan`."""
+    s = plan.shape
+    weights_src = "estimated from config" if plan.weights_estimated else "given"
+    lines = [
+        f"KV cache plan for {model or s.model_type} ({s.model_type})",
+        _row("layers / heads / KV heads / head_dim", f"{s.num_layers} / {s.num_heads} / {s.num_kv_heads} / {s.head_dim}"),
+        _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"),
+        _row("parameters", f"{plan.num_params / 1e9:.2f} B"),
+        _row(f"weights ({weights_src})", format_size(plan.weights_bytes)),
+        _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
+                                         f" = {format_size(plan.usable_memory)}"),
+        _row("memory for KV cache", format_size(plan.kv_budget)),
+        "",
+        _row("KV per token", f"{format_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} B)"),
+        _row(f"KV per {plan.max_model_len}-token sequence", format_size(plan.kv_bytes_per_seq)),
+        _row(f"KV per block ({plan.block_size} tokens)", format_size(plan.kv_bytes_per_block)),
+        _row("blocks", f"{plan.num_blocks:,}"),
+        "",
+        _row(f"contiguous, {plan.max_model_len} tokens each", f"{plan.max_seqs_contiguous:,} sequences"),
+        _row(f"paged, mean {plan.mean_len} tokens each", f"{plan.mean_seqs_paged:,} sequences"
+                                                         f" ({plan.blocks_per_mean_seq:.2f} blocks each)"),
+    ]
+    if plan.max_seqs_contiguous:
+        lines.append(_row("paging gain", f"x{plan.paging_gain:.2f}"))
+    lines += [f"note: {n}" for n in plan.notes]
+    lines.append("(activations and runtime overhead not included)")
+    return "\n".join(lines)
+
+
+def _with_flag_names(message: str) -> str:
+    """Name CLI flags rather than plan_kv parameters in error messages."""
+    for name in ("max_model_len", "mean_len", "gpu_memory_utilization", "gpu_memory", "block_size"):
+        message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+    return message
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``pagedllm plan`` for parsed ``args``; returns the process exit code."""
+    try:
+        config = load_config(args.model, getattr(args, "revision", None))
+        plan = plan_kv(
+            config, gpu_memory=args.gpu_memory, max_model_len=args.max_model_len,
+            block_size=args.block_size, dtype=args.dtype, mean_len=args.mean_len,
+            weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    except ValueError as e:  # includes ConfigError
+        print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(plan), "model": args.model}, indent=2))
+    else:
+        print(format_plan(plan, args.model))
+    return 0 if plan.num_blocks > 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: ``python -m pagedllm.entrypoints.plan --model ...``."""
+    parser = argparse.ArgumentParser(
+        prog="pagedllm plan", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
