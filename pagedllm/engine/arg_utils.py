@@ -90,3 +90,45 @@ class EngineArgs:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             seed=self.seed,
         )
+
+
+def _bool_flag(parser, name: str, default: bool, help: str) -> None:
+    import argparse
+    parser.add_argument(f"--{name}", default=default, action=argparse.BooleanOptionalAction, help=help)
+
+
+def add_engine_args(parser) -> None:
+    """Engine flags, named as vLLM names them."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="local checkpoint directory, Hub id, or 'pagedllm-demo' (bundled)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, float16, bfloat16")
+    g.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64, 128], help="tokens per KV block")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of device memory (on CPU: of available RAM, capped) for weights, activations and KV")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
+    g.add_argument("--swap-space", default=d.swap_space, help="CPU swap space for preempted KV, GiB or e.g. '16GiB'")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048 CPU, 8192 GPU)")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    _bool_flag(g, "enable-prefix-caching", d.enable_prefix_caching, "reuse KV of shared prompt prefixes")
+    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "sdpa", "cpu"])
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU (default: physical cores)")
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+
+
+def engine_args_from_cli(args) -> EngineArgs:
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+        swap_space=args.swap_space, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
+        num_threads=args.num_threads, device=args.device,
+    )

@@ -116,6 +116,8 @@ class LLMEngine:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
         outputs = self._collect_outputs({r.parent_id for r in touched})
         self.counters.num_steps += 1
+        used = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
+        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
         self._maybe_log()
         return outputs
 

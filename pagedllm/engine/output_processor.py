@@ -33,6 +33,14 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held back, even an incomplete character."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
 
 @dataclass
 class SequenceState:
@@ -78,6 +86,8 @@ class OutputProcessor:
         if seq.detok is None or not new_ids or seq.stopped_by_string:
             return None
         new_text = seq.detok.add(new_ids)
+        if req.is_finished:
+            new_text += seq.detok.flush()
         seq.text += new_text
         return self._find_stop(seq, req.params, len(new_text))
 

@@ -111,9 +111,11 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # seats: running sequences plus the siblings they will fork once their prompt is done
+        seats = sum(1 + r.num_forks_pending for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) + 1 + req.num_forks_pending > self.config.max_num_seqs:
+            if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
@@ -128,6 +130,7 @@ class Scheduler:
             self.running.append(req)
             self._add_chunk(out, req, num_new)
             budget -= num_new
+            seats += 1 + req.num_forks_pending
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens

@@ -33,6 +33,7 @@ class SamplerOutput:
 
 
 class Sampler:
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()  # [num_rows, vocab]
         raw_logprobs = torch.log_softmax(logits, dim=-1)

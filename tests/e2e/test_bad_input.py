@@ -1,0 +1,75 @@
+"""Invalid input raises ValueError naming the parameter; the engine keeps serving."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, block_size=8, num_gpu_blocks_override=200, max_model_len=256)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(min_p=2), "min_p"), (dict(best_of=1, n=2), "best_of"),
+    (dict(logprobs=-1), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=5), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_invalid_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def _still_serves(llm):
+    out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "prompt"),
+    ({"prompt_token_ids": []}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, -3]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5] * 300}, "max_model_len"),
+    ({"prompt_token_ids": [5] * 200}, "max_model_len"),  # 200 + max_tokens 100 > 256
+])
+def test_invalid_prompts_leave_engine_serving(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, prompt], SamplingParams(max_tokens=100), use_tqdm=False)
+    _still_serves(llm)
+
+
+def test_request_beyond_max_model_len_is_rejected(llama_dir):
+    # start-up guarantees one max_model_len sequence fits the cache, so max_model_len is the binding limit
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=70, max_model_len=512)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(max_tokens=500), use_tqdm=False)
+    with pytest.raises(ValueError, match="n/best_of"):
+        llm.generate(["hello"], SamplingParams(n=300, max_tokens=5), use_tqdm=False)
+    _still_serves(llm)
+
+
+def test_unknown_keyword_and_missing_model(llama_dir, tmp_path):
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(llama_dir, no_such_option=1)
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(llama_dir, block_size=12)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_kv_cache_too_small_for_max_model_len(llama_dir):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(llama_dir, block_size=8, num_gpu_blocks_override=10, max_model_len=512)

@@ -1,0 +1,111 @@
+"""Sampling parameters end to end: seeds, n, stops, lengths, penalties, logprobs."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_prompts
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, block_size=8, num_gpu_blocks_override=800)
+
+
+def _gen(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_seeded_sampling_is_independent_of_batch(llm):
+    prompt = random_prompts(1, seed=7)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _gen(llm, [prompt], seeded)[0].outputs[0].token_ids
+    others = random_prompts(16, seed=8)
+    batch = _gen(llm, others + [prompt], [SamplingParams(temperature=1.0, max_tokens=16)] * 16 + [seeded])
+    assert batch[-1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    assert _gen(llm, [prompt], different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences_share_the_prompt_and_are_reproducible(llm):
+    prompt = random_prompts(1, seed=9, lo=30, hi=31)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    first = _gen(llm, [prompt], params)[0]
+    again = _gen(llm, [prompt], params)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2, 3]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
+
+
+def test_best_of_returns_n_best_by_cumulative_logprob(llm):
+    prompt = random_prompts(1, seed=10)[0]
+    out = _gen(llm, [prompt], SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=8,
+                                             ignore_eos=True, logprobs=0))[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+
+
+def test_max_tokens_and_min_tokens(llm):
+    prompt = random_prompts(1, seed=11)[0]
+    greedy = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(greedy.token_ids) == 20 and greedy.finish_reason == "length"
+    stop_tok = greedy.token_ids[2]
+    stopped = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0]
+    out = stopped.outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_tok) + 1]
+    held = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                                              stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert len(held.token_ids) >= 10 and stop_tok not in held.token_ids[:10]
+
+
+def test_stop_strings_cut_the_text(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("the quick brown fox")
+    full = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    assert full.text == tok.decode(full.token_ids)
+    stop = full.text[5:8]
+    assert stop.strip(), "need a non-blank stop string"
+    cut = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_penalties_change_greedy_output(llm):
+    prompt = random_prompts(1, seed=12)[0]
+    base = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = _gen(llm, [prompt], base)[0].outputs[0].token_ids
+    for kw in (dict(repetition_penalty=2.0), dict(frequency_penalty=2.0), dict(presence_penalty=2.0)):
+        p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **kw)
+        penalised = _gen(llm, [prompt], p)[0].outputs[0].token_ids
+        assert penalised != plain, kw
+        if "frequency_penalty" in kw or "presence_penalty" in kw:
+            assert max(penalised.count(t) for t in set(penalised)) <= max(plain.count(t) for t in set(plain))
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(llm):
+    prompt = random_prompts(1, seed=13)[0]
+    greedy = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        p = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, **kw)
+        assert _gen(llm, [prompt], p)[0].outputs[0].token_ids == greedy.outputs[0].token_ids, kw
+
+
+def test_logprobs_top_k(llm):
+    prompt = random_prompts(1, seed=14)[0]
+    out = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    for entry, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
+        assert 3 <= len(entry) <= 4
+        assert sorted(e.rank for e in entry.values()) == list(range(1, len(entry) + 1))
+
+
+def test_text_prompts_and_input_order(llm):
+    prompts = ["hello world", "the lazy dog", "paged attention"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    assert [o.prompt_token_ids for o in outs] == [llm.get_tokenizer().encode(p) for p in prompts]

@@ -1,0 +1,83 @@
+"""Hypothesis state machine over the scheduler: random add / step / abort sequences.
+
+The model is replaced by random token draws, so every scheduling path (chunked prefill,
+preemption, forks with copy-on-write, prefix hits, aborts) runs hundreds of times quickly;
+``check_integrity()`` runs after every step and every block is free at the end.
+"""
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import SampledTokens, Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+NUM_BLOCKS, BLOCK = 24, 8
+
+
+def fake_step(sched: Scheduler, rng: random.Random) -> None:
+    out = sched.schedule()
+    # every chunk must fit the block table it was given
+    for c in out.chunks:
+        assert len(c.block_ids) * BLOCK >= c.seq_len
+    sampled = [SampledTokens(c.request_id, [rng.randrange(3, 12) for _ in range(c.num_samples)],
+                             [-1.0] * c.num_samples) for c in out.chunks if c.num_samples]
+    sched.update(sampled)
+    for pid in list(sched.sequences):
+        seqs = [sched.requests[s] for s in sched.sequences[pid]]
+        if all(s.is_finished for s in seqs) and len(seqs) == seqs[0].params.num_sequences:
+            sched.release(pid)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96),
+                               CacheConfig(block_size=BLOCK, watermark=0.05), NUM_BLOCKS)
+        self.rng = random.Random(0)
+        self.next_id = 0
+
+    @rule(prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 30), n=st.integers(1, 3),
+          shared_prefix=st.booleans())
+    def add(self, prompt_len, max_tokens, n, shared_prefix):
+        # a shared prefix makes prefix-cache hits likely
+        prompt = [7] * prompt_len if shared_prefix else [self.rng.randrange(3, 12) for _ in range(prompt_len)]
+        params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+        self.sched.check_fits(prompt_len, max_tokens, n)
+        self.sched.add_request(Request(str(self.next_id), prompt, params, frozenset()))
+        self.next_id += 1
+
+    @rule()
+    def step(self):
+        fake_step(self.sched, self.rng)
+
+    @precondition(lambda self: self.sched.sequences)
+    @rule(data=st.data())
+    def abort(self, data):
+        pid = data.draw(st.sampled_from(sorted(self.sched.sequences)))
+        self.sched.abort(pid)
+        self.sched.release(pid)
+
+    @invariant()
+    def integrity(self):
+        self.sched.kv.check_integrity()
+        assert len(self.sched.running) <= 6
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.sched.has_unfinished():
+                break
+            fake_step(self.sched, self.rng)
+            self.sched.kv.check_integrity()
+        assert not self.sched.has_unfinished(), "requests left unfinished"
+        assert self.sched.kv.num_free_blocks == NUM_BLOCKS
+        assert not self.sched.sequences
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestSchedulerMachine = SchedulerMachine.TestCase
