@@ -35,7 +35,8 @@ class LLMEngine:
         self.model_config = config.model
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model.tokenizer)
         self.executor = UniProcExecutor(config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
+                                   self.executor.num_cpu_blocks)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
@@ -193,9 +194,10 @@ class LLMEngine:
         elapsed, (p, g) = now - self._last_log, self._log_window
         s = self.get_kv_cache_stats()
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    p / elapsed, g / elapsed, len(self.scheduler.running), len(self.scheduler.waiting),
-                    100 * s.usage, 100 * s.prefix_cache_hit_rate)
+                    "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                    "CPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    p / elapsed, g / elapsed, len(self.scheduler.running), len(self.scheduler.swapped),
+                    len(self.scheduler.waiting), 100 * s.usage, 100 * s.cpu_usage, 100 * s.prefix_cache_hit_rate)
         self._last_log, self._log_window = now, [0, 0]
 
     def get_kv_cache_stats(self) -> KVCacheStats:
@@ -208,8 +210,8 @@ class LLMEngine:
             num_used_blocks=used, num_cached_blocks=kv.pool.num_cached_free_blocks, usage=kv.usage(),
             num_tokens_stored=stored, utilization=stored / (used * kv.block_size) if used else 0.0,
             prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits, prefix_cache_hit_rate=ps.hit_rate,
-            num_cpu_blocks=self.executor.num_cpu_blocks, num_cpu_free_blocks=self.executor.num_cpu_blocks,
-            cpu_usage=0.0, num_preemptions=self.scheduler.stats.num_preemptions,
+            num_cpu_blocks=kv.cpu_pool.num_blocks, num_cpu_free_blocks=kv.cpu_pool.num_free_blocks,
+            cpu_usage=kv.cpu_pool.usage(), num_preemptions=self.scheduler.stats.num_preemptions,
             preemptions_by_mode=dict(self.scheduler.stats.preemptions_by_mode),
         )
 
@@ -219,7 +221,7 @@ class LLMEngine:
         metrics = [
             Metric("pagedllm:num_requests_running", len(sch.running)),
             Metric("pagedllm:num_requests_waiting", len(sch.waiting)),
-            Metric("pagedllm:num_requests_swapped", 0),
+            Metric("pagedllm:num_requests_swapped", len(sch.swapped)),
             Metric("pagedllm:kv_cache_usage_perc", s.usage),
             Metric("pagedllm:cpu_kv_cache_usage_perc", s.cpu_usage),
             Metric("pagedllm:prefix_cache_queries", s.prefix_cache_queries, kind="counter"),

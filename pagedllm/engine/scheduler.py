@@ -1,10 +1,17 @@
-"""Continuous-batching scheduler with chunked prefill and recompute preemption.
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute or swap.
 
 Each step re-decides what runs (DESIGN core idea 1): every request gets up to
-``num_tokens - num_computed_tokens`` new tokens within the step's token budget, running
-requests first (oldest first), then waiting ones in FCFS order. When blocks run out, the most
-recently admitted running request is preempted: its blocks are freed and it goes back to the
-front of the waiting queue with all its tokens, so it later resumes where it was.
+``num_tokens - num_computed_tokens`` new tokens within the step's token budget, in this order:
+
+1. running requests, oldest first; when blocks run out, the most recently admitted running
+   request is preempted: ``recompute`` frees its blocks and puts it at the front of the waiting
+   queue with all its tokens; ``swap`` moves all its blocks to the CPU pool (falling back to
+   recompute when the CPU pool is full);
+2. swapped requests come back (oldest first) when their blocks fit above the watermark;
+3. waiting requests are admitted in FCFS order, only once nothing is swapped out.
+
+No step that preempted admits or swaps in anything, so a block freed by a swap-out is never
+reused in the same step before the cache engine has copied it out.
 """
 from __future__ import annotations
 
@@ -37,13 +44,16 @@ class SchedulerStats:
 class Scheduler:
     """Decides, each step, which requests run and with how many tokens; applies the results."""
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 num_cpu_blocks: int = 0):
         self.config = config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 num_cpu_blocks)
         self.watermark_blocks = int(cache_config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # every live sequence by its id
         self.sequences: dict[str, list[str]] = {}  # parent request id -> its sequence ids
         self.stats = SchedulerStats()
@@ -74,7 +84,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -82,6 +92,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted_ids and not self.swapped:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_copies()
         return out
@@ -104,11 +116,28 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, num_new):
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             if victim is req:
                 return False
         return True
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # room for the blocks coming back, the new tokens' blocks and the watermark
+            if not self.kv.can_swap_in(req, num_new, reserve=self.watermark_blocks):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            if not self.kv.allocate_slots(req, num_new):
+                raise AssertionError("swap-in reserved room for the next tokens")
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_chunk(out, req, num_new)
+            budget -= num_new
+        return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # seats: running sequences plus the siblings they will fork once their prompt is done
@@ -146,14 +175,20 @@ class Scheduler:
             num_samples=samples,
         ))
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free the blocks, keep the tokens, requeue at the front."""
-        self.kv.free(req)
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the victim's blocks out when asked and possible, else recompute it later."""
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.stats.preemptions_by_mode["swap"] += 1
+            return
+        self.kv.free(req)  # recompute: drop the K/V, keep the tokens, requeue at the front
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
         self.waiting.appendleft(req)
-        self.stats.num_preemptions += 1
         self.stats.preemptions_by_mode["recompute"] += 1
 
     # ------------------------------------------------------------------ results
@@ -189,22 +224,26 @@ class Scheduler:
 
     def _fork(self, parent: Request, s: SampledTokens) -> list[Request]:
         """Creates the parent's siblings now that the prompt is computed; they share its blocks."""
-        children = []
-        for i in range(1, parent.num_forks_pending + 1):
-            child = Request(f"{parent.parent_id}#{i}", parent.prompt_token_ids, parent.params,
-                            parent.eos_token_ids, parent.arrival_time, parent.parent_id, i,
-                            parent.cache_salt)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.generator = parent.fork_generators[i - 1]
-            child.status = RequestStatus.RUNNING
-            child.first_scheduled_time = parent.first_scheduled_time
-            self.kv.fork(parent, child)
-            self.requests[child.request_id] = child
-            self.sequences[parent.parent_id].append(child.request_id)
-            self.running.append(child)
-            children.append(child)
+        children = [self.fork(parent, f"{parent.parent_id}#{i}", i) for i in range(1, parent.num_forks_pending + 1)]
+        for child, gen in zip(children, parent.fork_generators):
+            child.generator = gen
         parent.num_forks_pending = 0
         return children
+
+    def fork(self, parent: Request, child_id: str, index: int) -> Request:
+        """A running copy of ``parent`` (same tokens and progress) sharing all its blocks."""
+        child = Request(child_id, parent.prompt_token_ids, parent.params, parent.eos_token_ids,
+                        parent.arrival_time, parent.parent_id, index, parent.cache_salt)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time
+        self.kv.fork(parent, child)
+        self.requests[child_id] = child
+        self.sequences[parent.parent_id].append(child_id)
+        self.running.append(child)
+        return child
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
@@ -224,10 +263,10 @@ class Scheduler:
         if req is None or req.is_finished:
             return
         req.status = status
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
         self.kv.free(req)
         self.finished_ids.append(request_id)
 

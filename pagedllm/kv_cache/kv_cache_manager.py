@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
+from pagedllm.kv_cache.swap import CpuBlockPool
 from pagedllm.utils import cdiv
 
 
@@ -34,9 +35,11 @@ class KVCacheManager:
     ``num_computed_tokens`` and ``cache_salt`` (None or a string mixed into the block hashes).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> its CPU blocks
         self.tables: dict[str, list[KVBlock]] = {}
         self.requests: dict[str, object] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -170,12 +173,44 @@ class KVCacheManager:
         rid = req.request_id
         table = self.tables.pop(rid, [])
         self.pool.free(reversed(table))
+        self.cpu_pool.free(self.cpu_tables.pop(rid, []))
         self.requests.pop(rid, None)
         self._hashes.pop(rid, None)
         self._num_hashed_blocks.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- swapping
+    def can_swap_out(self, req) -> bool:
+        return self.cpu_pool.can_allocate(len(self.tables.get(req.request_id, ())))
+
+    def swap_out(self, req) -> list[tuple[int, int]]:
+        """Moves all of a request's blocks to CPU blocks; returns the (device, cpu) copy plan."""
+        rid = req.request_id
+        table = self.tables.pop(rid, [])
+        cpu_ids = self.cpu_pool.allocate(len(table))
+        self.cpu_tables[rid] = cpu_ids
+        plan = [(b.block_id, c) for b, c in zip(table, cpu_ids)]
+        self.pool.free(reversed(table))
+        self._num_hashed_blocks.pop(rid, None)  # swapped-in copies are fresh, unhashed blocks
+        return plan
+
+    def can_swap_in(self, req, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Room for the swapped blocks plus the blocks ``num_new_tokens`` more tokens need."""
+        held = len(self.cpu_tables.get(req.request_id, ()))
+        needed = max(held, cdiv(req.num_computed_tokens + num_new_tokens, self.block_size))
+        return needed + reserve <= self.pool.num_free_blocks
+
+    def swap_in(self, req) -> list[tuple[int, int]]:
+        """Brings a swapped request's blocks back; returns the (cpu, device) copy plan."""
+        rid = req.request_id
+        cpu_ids = self.cpu_tables.pop(rid)
+        table = self.pool.allocate(len(cpu_ids))
+        self.tables[rid] = table
+        self.requests[rid] = req
+        self.cpu_pool.free(cpu_ids)
+        return [(c, b.block_id) for c, b in zip(cpu_ids, table)]
 
     # ----------------------------------------------------------------- accounting
     def num_tokens_stored(self) -> int:
@@ -202,3 +237,12 @@ class KVCacheManager:
         for block_hash, block in self.pool.cached.items():
             if block.block_hash != block_hash:
                 raise AssertionError(f"cache entry points at {block} with another hash")
+        self._check_cpu_pool()
+
+    def _check_cpu_pool(self) -> None:
+        held = [c for ids in self.cpu_tables.values() for c in ids]
+        free = self.cpu_pool.free_ids()
+        if sorted(held + free) != list(range(self.cpu_pool.num_blocks)):
+            raise AssertionError(f"CPU blocks: held {sorted(held)} + free {sorted(free)} != all {self.cpu_pool.num_blocks}")
+        if set(self.cpu_tables) & set(self.tables):
+            raise AssertionError("a request holds device and CPU blocks at once")

@@ -46,11 +46,17 @@ class UniProcExecutor:
         else:
             budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._profiled_budget()
             num_blocks = budget // block_bytes
-            useful = sched.max_num_seqs * cdiv(sched.max_model_len, cache.block_size)
-            num_blocks = min(num_blocks, useful)
+            num_blocks = min(num_blocks, self._useful_blocks())
         self._check_fits(num_blocks, block_bytes)
-        num_cpu_blocks = cache.swap_space // block_bytes if sched.preemption_mode == "swap" else 0
+        num_cpu_blocks = 0
+        if sched.preemption_mode == "swap":
+            num_cpu_blocks = min(cache.swap_space // block_bytes, self._useful_blocks())
         return int(num_blocks), int(num_cpu_blocks)
+
+    def _useful_blocks(self) -> int:
+        """More blocks than max_num_seqs full-length sequences can hold would never be used."""
+        sched = self.config.scheduler
+        return sched.max_num_seqs * cdiv(sched.max_model_len, self.config.cache.block_size)
 
     def _profiled_budget(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler

@@ -41,8 +41,9 @@ class ModelRunner:
 
         A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens).
         """
-        self.cache.swap_in(out.blocks_to_swap_in)
+        # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
+        self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
             return torch.empty(0, self.model.config.vocab_size)

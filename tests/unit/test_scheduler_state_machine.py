@@ -35,10 +35,15 @@ def fake_step(sched: Scheduler, rng: random.Random) -> None:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    preemption_mode = "recompute"
+    num_cpu_blocks = 0
+
     def __init__(self):
         super().__init__()
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96),
-                               CacheConfig(block_size=BLOCK, watermark=0.05), NUM_BLOCKS)
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96,
+                            preemption_mode=self.preemption_mode),
+            CacheConfig(block_size=BLOCK, watermark=0.05), NUM_BLOCKS, self.num_cpu_blocks)
         self.rng = random.Random(0)
         self.next_id = 0
 
@@ -63,6 +68,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort(pid)
         self.sched.release(pid)
 
+    @rule()
+    def evict_prefix_cache(self):
+        assert self.sched.kv.reset_prefix_cache() == (self.sched.kv.num_free_blocks == NUM_BLOCKS)
+
     @invariant()
     def integrity(self):
         self.sched.kv.check_integrity()
@@ -76,8 +85,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.kv.check_integrity()
         assert not self.sched.has_unfinished(), "requests left unfinished"
         assert self.sched.kv.num_free_blocks == NUM_BLOCKS
+        assert self.sched.kv.cpu_pool.num_free_blocks == self.num_cpu_blocks
         assert not self.sched.sequences
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+class SwapSchedulerMachine(SchedulerMachine):
+    """Swap preemption with a CPU pool small enough that the recompute fallback also runs."""
+
+    preemption_mode = "swap"
+    num_cpu_blocks = 10
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = SETTINGS
+SwapSchedulerMachine.TestCase.settings = SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
+TestSwapSchedulerMachine = SwapSchedulerMachine.TestCase
