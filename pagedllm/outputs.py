@@ -48,3 +48,24 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam, as vLLM's: ``tokens`` holds prompt + generated ids."""
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty
+    num_prompt_tokens: int
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) | "length"
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

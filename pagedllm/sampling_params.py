@@ -104,9 +104,15 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # Hugging Face semantics: False (heuristic stop), True (stop once beam_width beams finished)
+    # or "never" (canonical beam search: stop only when no running beam can still win)
+    early_stopping: bool | str = False
 
     def __post_init__(self):
         _check(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", self.beam_width,
                "must be an integer >= 1")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+               "must be True, False or 'never'")
+        _check(self.temperature == 0, "temperature", self.temperature, "beam search is deterministic: use 0")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                "must be an integer >= 1")

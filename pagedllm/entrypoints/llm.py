@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import KVCacheStats, Metric
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -91,6 +91,17 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search as vLLM's ``LLM.beam_search``; beams share blocks via fork and copy-on-write.
+
+        Runs on the engine alone: call it when no other requests are in flight.
+        """
+        if self.llm_engine.has_unfinished_requests():
+            raise ValueError("beam_search needs an idle engine; finish or abort other requests first")
+        from pagedllm.engine.beam_search import BeamSearchDriver
+        return BeamSearchDriver(self.llm_engine, params).run(_as_list(prompts))
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
