@@ -11,6 +11,7 @@ from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
+PREALLOCATION_MODES = ("none", "max_model_len", "request")
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -67,8 +68,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: str = "recompute"
+    # "none" is PagedAttention. The others reserve KV up front at admission, like systems before
+    # it: for max_model_len tokens, or for prompt + max_tokens ("request"). Benchmarks only.
+    preallocation: str = "none"
 
     def __post_init__(self):
+        if self.preallocation not in PREALLOCATION_MODES:
+            raise ValueError(f"preallocation={self.preallocation!r} must be one of {PREALLOCATION_MODES}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -39,6 +39,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     served_model_name: str | None = None
     tokenizer_mode: str = "auto"
+    preallocation: str = "none"  # benchmark knob: emulate contiguous pre-allocation
 
     def create_engine_config(self) -> EngineConfig:
         device = default_device() if self.device == "auto" else torch.device(self.device)
@@ -55,7 +56,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 watermark=self.watermark,
             ),
-            scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode),
+            scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
+                                      self.preallocation),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device,
             attention_backend=self.attention_backend,

@@ -119,6 +119,7 @@ class LLMEngine:
         self.counters.num_steps += 1
         used = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
         self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
+        self.counters.peak_running = max(self.counters.peak_running, len(self.scheduler.running))
         self._maybe_log()
         return outputs
 

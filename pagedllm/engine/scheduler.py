@@ -148,7 +148,8 @@ class Scheduler:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks):
+            if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
+                                          reserve_tokens=self._preallocation(req)):
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_hit
@@ -160,6 +161,14 @@ class Scheduler:
             self._add_chunk(out, req, num_new)
             budget -= num_new
             seats += 1 + req.num_forks_pending
+
+    def _preallocation(self, req: Request) -> int:
+        mode = self.config.preallocation
+        if mode == "max_model_len":
+            return self.config.max_model_len
+        if mode == "request":
+            return req.num_prompt_tokens + req.params.max_tokens
+        return 0
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens

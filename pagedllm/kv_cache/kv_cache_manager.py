@@ -89,11 +89,12 @@ class KVCacheManager:
         return hashes
 
     # ----------------------------------------------------------------- allocation
-    def blocks_needed(self, req, num_new_tokens: int, new_computed: list[KVBlock] = ()) -> int:
+    def blocks_needed(self, req, num_new_tokens: int, new_computed: list[KVBlock] = (),
+                      reserve_tokens: int = 0) -> int:
         """Free blocks this allocation would consume (new blocks, CoW copies, revived hits)."""
         table = self.tables.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed) * self.block_size
-        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+        total_blocks = cdiv(max(num_computed + num_new_tokens, reserve_tokens), self.block_size)
         needed = max(0, total_blocks - len(table) - len(new_computed))
         needed += sum(1 for b in new_computed if b.ref_cnt == 0)
         if self._write_block_is_shared(table, num_computed):
@@ -101,13 +102,15 @@ class KVCacheManager:
         return needed
 
     def allocate_slots(self, req, num_new_tokens: int, new_computed: list[KVBlock] = (),
-                       reserve: int = 0) -> bool:
+                       reserve: int = 0, reserve_tokens: int = 0) -> bool:
         """Gives ``req`` room for ``num_new_tokens`` more tokens; False (nothing changed) if not.
 
         ``new_computed`` are prefix-cache hits for a fresh request; ``reserve`` blocks must stay
-        free afterwards (the admission watermark).
+        free afterwards (the admission watermark); ``reserve_tokens`` pre-allocates room for that
+        many tokens up front (only to emulate pre-PagedAttention systems in benchmarks).
         """
-        if self.blocks_needed(req, num_new_tokens, new_computed) + reserve > self.pool.num_free_blocks:
+        needed = self.blocks_needed(req, num_new_tokens, new_computed, reserve_tokens)
+        if needed + reserve > self.pool.num_free_blocks:
             return False
         rid = req.request_id
         table = self.tables.setdefault(rid, [])
@@ -118,7 +121,7 @@ class KVCacheManager:
             self._num_hashed_blocks[rid] = len(table)
         num_computed = req.num_computed_tokens + len(new_computed) * self.block_size
         self._copy_on_write(table, num_computed)
-        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+        total_blocks = cdiv(max(num_computed + num_new_tokens, reserve_tokens), self.block_size)
         if total_blocks > len(table):
             table.extend(self.pool.allocate(total_blocks - len(table)))
         self._cache_full_blocks(req, num_computed + num_new_tokens)

@@ -41,3 +41,4 @@ class EngineCounters:
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_steps: int = 0
     peak_used_blocks: int = 0
+    peak_running: int = 0
