@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,8 +16,9 @@ class RMSNorm(nn.Module):
         if residual is not None:
             residual.add_(x)  # in place: the residual stream is owned by the decoder loop
             x = residual
-        orig_dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(orig_dtype)
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        else:  # half precision: normalise in float32 like the reference implementation
+            xf = x.float()
+            out = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return out if residual is None else (out, residual)

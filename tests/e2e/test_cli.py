@@ -1,0 +1,51 @@
+"""The pagedllm CLI under subprocess: exit codes and the lines it prints."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, stdin: str | None = None, timeout: int = 180):
+    return subprocess.run([sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_prints_completions_and_summary(llama_dir):
+    r = _cli("generate", "--model", llama_dir, "--max-tokens", "6", "--temperature", "0",
+             "--num-gpu-blocks-override", "64", "hello world", "the lazy dog")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--- ") == 2 and "'hello world'" in r.stdout
+    summary = r.stdout.strip().splitlines()[-1]
+    assert summary.startswith("[pagedllm] 2 requests") and "12 generated tokens" in summary
+    assert "KV blocks used at peak" in summary and "of 64" in summary and "prefix-cache hits" in summary
+
+
+def test_chat_streams_and_exits(llama_dir):
+    r = _cli("chat", "--model", llama_dir, "--max-tokens", "5", "--num-gpu-blocks-override", "64",
+             stdin="hello world\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hello world")
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", "--block-size", "7", "x"], "--block-size"),
+    (["generate", "--max-num-seqs", "many", "x"], "--max-num-seqs"),
+    (["generate", "--preemption-mode", "drop", "x"], "--preemption-mode"),
+    (["plan", "--model", "x", "--block-size", "7"], "--block-size"),
+])
+def test_bad_flags_exit_nonzero_naming_the_flag(args, flag):
+    r = _cli(*args, timeout=60)
+    assert r.returncode != 0 and flag in r.stderr
+
+
+def test_bad_values_exit_nonzero_with_parameter_name(llama_dir):
+    r = _cli("generate", "--model", llama_dir, "--top-p", "0", "--num-gpu-blocks-override", "64", "x")
+    assert r.returncode == 2 and "top_p" in r.stderr
+
+
+@pytest.mark.parametrize("sub", ["generate", "chat", "plan"])
+def test_help_has_examples(sub):
+    r = _cli(sub, "--help", timeout=60)
+    assert r.returncode == 0 and "examples" in r.stdout.lower()
