@@ -12,7 +12,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
-from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric
+from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.executor import UniProcExecutor
@@ -41,6 +41,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
         self.counters = EngineCounters()
+        self.step_times = StepTimes()
         self._last_log = time.time()
         self._log_window = [0, 0]  # prompt, generation tokens since the last log line
 
@@ -108,14 +109,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, samples, and returns progress of every touched request."""
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         sampled = self._execute(sched_out)
+        t2 = time.perf_counter()
         touched = self.scheduler.update(sampled)
         self._count(sched_out, sampled)
         for req in touched:
             if self.output_processor.update_text(req) is not None:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
         outputs = self._collect_outputs({r.parent_id for r in touched})
+        self._record_times(t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.counters.num_steps += 1
         used = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
         self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
@@ -127,10 +132,12 @@ class LLMEngine:
         if sched_out.is_empty:
             return []
         logits = self.executor.execute(sched_out)
+        t0 = time.perf_counter()
         rows, owners = self._sampling_rows(sched_out)
         if not rows:
             return []
         result = self.sampler(logits, rows)
+        self._sample_time = time.perf_counter() - t0
         sampled, i = [], 0
         for rid, n in owners:
             tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
@@ -175,6 +182,17 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ stats
+    def _record_times(self, schedule: float, execute: float, update: float) -> None:
+        t, runner = self.step_times, self.executor.runner
+        sample, self._sample_time = getattr(self, "_sample_time", 0.0), 0.0
+        prepare, runner.last_prepare_time = runner.last_prepare_time, 0.0
+        t.schedule += schedule
+        t.prepare += prepare
+        t.sample += sample
+        t.forward += max(0.0, execute - sample - prepare)
+        t.update += update
+        t.steps += 1
+
     def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
         prompt = 0
         for c in sched_out.chunks:

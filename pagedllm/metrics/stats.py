@@ -42,3 +42,24 @@ class EngineCounters:
     num_steps: int = 0
     peak_used_blocks: int = 0
     peak_running: int = 0
+
+
+@dataclass
+class StepTimes:
+    """Cumulative seconds per phase of ``LLMEngine.step`` (to report engine overhead)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # building the flat batch and attention metadata
+    forward: float = 0.0  # model forward + logits
+    sample: float = 0.0
+    update: float = 0.0  # scheduler update, detokenization, outputs
+    steps: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.update
+
+    @property
+    def overhead_share(self) -> float:
+        """Everything but model math, as a share of step time."""
+        return 1.0 - self.forward / self.total if self.total else 0.0

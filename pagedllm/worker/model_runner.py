@@ -1,6 +1,8 @@
 """Owns the model: builds one flat token batch + AttentionMetadata per step and runs it."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -26,6 +28,7 @@ class ModelRunner:
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
         self.cache: CacheEngine | None = None
+        self.last_prepare_time = 0.0
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         mc = self.config.model
@@ -47,7 +50,9 @@ class ModelRunner:
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
             return torch.empty(0, self.model.config.vocab_size)
+        t0 = time.perf_counter()
         input_ids, positions, meta, sample_idx = self.prepare_inputs(out)
+        self.last_prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[sample_idx])  # [num_sample_rows, vocab]
 
