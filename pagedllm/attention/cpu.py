@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LDLIBS = ("-lm",)
-ABI_VERSION = 1  # must match pa_abi_version() in the C file
+ABI_VERSION = 2  # must match pa_abi_version() in the C file
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -120,7 +120,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         vp, vp, vp, vp, vp, vp, vp,  # query, out, key/value cache, block_tables, qsl, seq_lens
         i32, i64, i32, i32, i32, i32,  # num_reqs, bt_stride, heads, kv heads, head_dim, block_size
         i64, i64, i64, i64,  # query / out strides (token, head), in elements
-        ctypes.c_float, i32, i32,  # scale, cache dtype, threads
+        ctypes.c_float, i32, i32, i64,  # scale, cache dtype, threads, parallel_work
     ]
     return lib
 
@@ -175,17 +175,24 @@ def _meta_arrays(meta: AttentionMetadata):
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Paged attention with the compiled C kernel. ``num_threads`` defaults, per call, to
-    ``torch.get_num_threads()``."""
+    """Paged attention with the compiled C kernel.
+
+    ``num_threads`` defaults, per call, to ``torch.get_num_threads()``. Steps with less work
+    than ``parallel_work`` multiply-adds (query rows x visible keys x head_dim; the default is
+    ~50 us of work, e.g. a decode batch of a few short sequences) run on the calling thread,
+    because waking the thread team would cost more than it saves.
+    """
 
     name = "cpu"
+    DEFAULT_PARALLEL_WORK = 1 << 19
 
-    def __init__(self, num_threads: int | None = None):
+    def __init__(self, num_threads: int | None = None, parallel_work: int = DEFAULT_PARALLEL_WORK):
         lib = load_library()
         if lib is None:
             raise RuntimeError("CPU paged-attention kernel unavailable; use get_cpu_backend()")
         self._lib = lib
         self.num_threads = num_threads
+        self.parallel_work = parallel_work
 
     @staticmethod
     def is_available() -> bool:
@@ -210,7 +217,7 @@ class CpuAttentionBackend(AttentionBackend):
             _ptr(block_tables), _ptr(qsl), _ptr(seq_lens),
             meta.num_reqs, block_tables.stride(0), num_heads, num_kv_heads, head_dim, block_size,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            float(scale), DTYPE_CODES[key_cache.dtype], self._threads(),
+            float(scale), DTYPE_CODES[key_cache.dtype], self._threads(), self.parallel_work,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pa_attention failed with code {rc}")

@@ -39,7 +39,7 @@ def run(backend, batch: PagedBatch, query=None, key=None, value=None):
 
 
 def check_against_oracles(batch: PagedBatch, backend=None):
-    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2), batch)
+    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2, parallel_work=0), batch)
     ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=ATOL, rtol=RTOL)
@@ -126,7 +126,7 @@ def test_strided_views_of_fused_qkv():
 
 def test_thread_count_does_not_change_results():
     batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
-    outs = [run(CpuAttentionBackend(num_threads=n), batch)[0] for n in (1, 2, 3)]  # 3 > cores: fine
+    outs = [run(CpuAttentionBackend(num_threads=n, parallel_work=0), batch)[0] for n in (1, 2, 3)]  # 3 > cores: fine
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -164,7 +164,7 @@ reqs_strategy = st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_
 )
 def test_property_random_shapes_match_dense(reqs, num_kv_heads, group, head_dim, block_size, seed):
     batch = make_paged_batch(reqs, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=seed)
-    out, kc, _ = run(CpuAttentionBackend(num_threads=2), batch)
+    out, kc, _ = run(CpuAttentionBackend(num_threads=2, parallel_work=0), batch)
     torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=ATOL, rtol=RTOL)
     for r in range(batch.meta.num_reqs):
         assert torch.equal(gather_context(kc, batch, r), batch.ctx_k[r])
@@ -195,6 +195,13 @@ def test_fallback_to_reference_when_unavailable(monkeypatch):
     assert not CpuAttentionBackend.is_available()
     with pytest.raises(RuntimeError):
         CpuAttentionBackend()
+
+
+def test_small_steps_run_serially_with_same_result():
+    batch = make_paged_batch([(30, 1), (7, 1)], num_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
+    serial, _, _ = run(CpuAttentionBackend(num_threads=2), batch)  # under the default threshold
+    threaded, _, _ = run(CpuAttentionBackend(num_threads=2, parallel_work=0), batch)
+    assert torch.equal(serial, threaded)
 
 
 def test_get_cpu_backend_prefers_kernel():

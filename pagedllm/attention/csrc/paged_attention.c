@@ -186,6 +186,63 @@ static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
     for (; j < n; j++) s[j] = dot(q, k + (int64_t)j * D, D);
 }
 
+/* Two rows at once: s0[j] = q0 . k[j], s1[j] = q1 . k[j] for j < n. */
+static void qk_scores2(const float *q0, const float *q1, const float *k, int n, int D, float *s0,
+                       float *s1) {
+    int j = 0;
+#if PA_AVX2
+    if (D % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (int64_t)j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+            __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+                __m256 kv = _mm256_loadu_ps(k0 + d);
+                a0 = _mm256_fmadd_ps(x, kv, a0);
+                b0 = _mm256_fmadd_ps(y, kv, b0);
+                kv = _mm256_loadu_ps(k0 + D + d);
+                a1 = _mm256_fmadd_ps(x, kv, a1);
+                b1 = _mm256_fmadd_ps(y, kv, b1);
+                kv = _mm256_loadu_ps(k0 + 2 * D + d);
+                a2 = _mm256_fmadd_ps(x, kv, a2);
+                b2 = _mm256_fmadd_ps(y, kv, b2);
+                kv = _mm256_loadu_ps(k0 + 3 * D + d);
+                a3 = _mm256_fmadd_ps(x, kv, a3);
+                b3 = _mm256_fmadd_ps(y, kv, b3);
+            }
+            _mm_storeu_ps(s0 + j, hsum4x256(a0, a1, a2, a3));
+            _mm_storeu_ps(s1 + j, hsum4x256(b0, b1, b2, b3));
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        s0[j] = dot(q0, k + (int64_t)j * D, D);
+        s1[j] = dot(q1, k + (int64_t)j * D, D);
+    }
+}
+
+/* max(init, s[0..n)) */
+static float max_with(const float *s, int n, float init) {
+    int j = 0;
+    float m = init;
+#if PA_AVX2
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float hm = _mm_cvtss_f32(h);
+        m = hm > m ? hm : m;
+    }
+#endif
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 /* s[j] = exp(s[j] - m) for j < n; returns the sum. */
 static float exp_shift_sum(float *s, int n, float m) {
     int j = 0;
@@ -329,6 +386,79 @@ static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *
     return items;
 }
 
+/* Keys folded into a row's softmax state at once: several blocks per update amortize the
+ * per-update work (max, rescale, horizontal sums) that dominates with small blocks. */
+#define CHUNK_KEYS 64
+
+/* A run of consecutive logical blocks of one request and kv head, as float32 tiles. */
+typedef struct {
+    const float *k[CHUNK_KEYS], *v[CHUNK_KEYS]; /* [n[b], head_dim] each */
+    int n[CHUNK_KEYS];                          /* valid keys per block */
+    int nblocks, nkeys, start;                  /* start = position of the first key */
+} Chunk;
+
+static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv_head, int b0,
+                       int b1, int seq_len, Chunk *c) {
+    const int B = P->block_size, D = P->head_dim;
+    const size_t es = dtype_size(P->dtype);
+    c->nblocks = b1 - b0;
+    c->start = b0 * B;
+    c->nkeys = 0;
+    for (int b = b0; b < b1; b++) {
+        const int i = b - b0, n = imin(B, seq_len - b * B);
+        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * B * D;
+        c->k[i] = load_f32((const char *)P->key_cache + off * es, (int64_t)n * D, P->dtype,
+                           S->kbuf + (int64_t)i * B * D);
+        c->v[i] = load_f32((const char *)P->value_cache + off * es, (int64_t)n * D, P->dtype,
+                           S->vbuf + (int64_t)i * B * D);
+        c->n[i] = n;
+        c->nkeys += n;
+    }
+}
+
+/* Pages are scattered, so the hardware prefetcher can't guess the next tiles: ask for them.
+ * Must be inlined: gcc deems a function that only prefetches pure, and drops calls to it. */
+static inline __attribute__((always_inline)) void prefetch_blocks(const Problem *P, const int32_t *btab, int kv_head, int b0, int b1) {
+    const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
+    for (int b = b0; b < b1; b++) {
+        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * bytes;
+        const char *k = (const char *)P->key_cache + off, *v = (const char *)P->value_cache + off;
+        for (size_t i = 0; i < bytes; i += 64) {
+            __builtin_prefetch(k + i);
+            __builtin_prefetch(v + i);
+        }
+    }
+}
+
+/* s0[j] = q0 . key j (and s1[j] = q1 . key j unless q1 is NULL) for the chunk's first nv keys. */
+static void chunk_scores(const Chunk *c, const float *q0, const float *q1, int nv, int D,
+                         float *s0, float *s1) {
+    for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++) {
+        const int m = imin(c->n[b], nv - off);
+        if (q1)
+            qk_scores2(q0, q1, c->k[b], m, D, s0 + off, s1 + off);
+        else
+            qk_scores(q0, c->k[b], m, D, s0 + off);
+    }
+}
+
+/* Folds scores s[0..nv) of the chunk's keys into row r's online-softmax state: new max,
+ * rescale of the old sum/accumulator by exp(m_old - m_new), then acc += sum_j p_j v_j. */
+static void online_softmax_pv(Scratch *S, int r, float *s, int nv, const Chunk *c, int D) {
+    const float m_old = S->m[r], m_new = max_with(s, nv, m_old);
+    /* 0 on the first chunk (m = -inf); skip the exp when the max did not move */
+    const float corr = m_new == m_old ? 1.0f : expf(m_old - m_new);
+    S->l[r] = S->l[r] * corr + exp_shift_sum(s, nv, m_new);
+    S->m[r] = m_new;
+    float *acc = S->acc + (int64_t)r * D;
+    for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++)
+        pv_accumulate(acc, b == 0 ? corr : 1.0f, s + off, c->v[b], imin(c->n[b], nv - off), D);
+}
+
 /* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
  * that order; all rows of a token share one causal limit. */
 static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
@@ -339,8 +469,6 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     const int ctx_start = seq_len - q_len; /* position of the chunk's first token */
     const int ntok = it->t1 - it->t0, rows = ntok * group;
     const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
-    const size_t es = dtype_size(P->dtype);
-    const int64_t tile_elems = (int64_t)B * D;
 
     for (int i = 0; i < ntok; i++) {
         const float *qt = P->query + (int64_t)(q_begin + it->t0 + i) * P->q_stride_tok;
@@ -356,32 +484,26 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
         S->l[r] = 0.0f;
     }
 
-    const int last_pos = ctx_start + it->t1 - 1;
-    const int num_blocks = last_pos / B + 1;
-    for (int b = 0; b < num_blocks; b++) {
-        const int64_t blk = btab[b];
-        const int block_start = b * B;
-        const int n = seq_len - block_start < B ? seq_len - block_start : B;
-        const int64_t tile_off = (blk * P->num_kv_heads + it->kv_head) * tile_elems;
-        const float *k = load_f32((const char *)P->key_cache + tile_off * es, (int64_t)n * D,
-                                  P->dtype, S->kbuf);
-        const float *v = load_f32((const char *)P->value_cache + tile_off * es, (int64_t)n * D,
-                                  P->dtype, S->vbuf);
-        for (int i = 0; i < ntok; i++) {
-            const int visible = ctx_start + it->t0 + i - block_start + 1; /* causal prefix */
-            const int nv = visible < n ? visible : n;
-            if (nv <= 0) continue;
-            for (int h = 0; h < group; h++) {
-                const int r = i * group + h;
-                float *acc = S->acc + (int64_t)r * D;
-                qk_scores(S->q + (int64_t)r * D, k, nv, D, S->s);
-                float m_new = S->m[r];
-                for (int j = 0; j < nv; j++) m_new = S->s[j] > m_new ? S->s[j] : m_new;
-                const float corr = expf(S->m[r] - m_new); /* 0 on the first block (m = -inf) */
-                S->l[r] = S->l[r] * corr + exp_shift_sum(S->s, nv, m_new);
-                S->m[r] = m_new;
-                pv_accumulate(acc, corr, S->s, v, nv, D);
-            }
+    const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
+    const int cb = chunk_blocks(B), smax = cb * B;
+    Chunk c;
+    for (int b0 = 0; b0 < num_blocks; b0 += cb) {
+        const int b1 = imin(b0 + cb, num_blocks);
+        load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
+        prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
+        /* rows in pairs: two rows x four keys give eight independent FMA chains. Rows are
+         * token-major, so the second row sees at least as many keys as the first; scores past
+         * a row's own limit are computed on real keys and then ignored. */
+        const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
+        for (int r = 0; r < rows; r += 2) {
+            const int pair = r + 1 < rows;
+            const int nv0 = imin(first_visible + r / group, c.nkeys);
+            const int nv1 = pair ? imin(first_visible + (r + 1) / group, c.nkeys) : 0;
+            if (nv0 <= 0 && nv1 <= 0) continue;
+            const float *q0 = S->q + (int64_t)r * D;
+            chunk_scores(&c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
+            if (nv0 > 0) online_softmax_pv(S, r, S->s, nv0, &c, D);
+            if (nv1 > 0) online_softmax_pv(S, r + 1, S->s + smax, nv1, &c, D);
         }
     }
 
@@ -397,14 +519,14 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
 }
 
 static int scratch_alloc(Scratch *S, int rows, int D, int B) {
-    const size_t fl = sizeof(float);
+    const size_t fl = sizeof(float), chunk = (size_t)chunk_blocks(B) * B;
     S->q = (float *)malloc(fl * (size_t)rows * D);
     S->acc = (float *)malloc(fl * (size_t)rows * D);
     S->m = (float *)malloc(fl * (size_t)rows);
     S->l = (float *)malloc(fl * (size_t)rows);
-    S->s = (float *)malloc(fl * (size_t)B);
-    S->kbuf = (float *)malloc(fl * (size_t)B * D);
-    S->vbuf = (float *)malloc(fl * (size_t)B * D);
+    S->s = (float *)malloc(fl * chunk * 2); /* one score row per row of a pair */
+    S->kbuf = (float *)malloc(fl * chunk * D);
+    S->vbuf = (float *)malloc(fl * chunk * D);
     return S->q && S->acc && S->m && S->l && S->s && S->kbuf && S->vbuf;
 }
 
@@ -425,7 +547,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  const int32_t *seq_lens, int num_reqs, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
-                 int dtype, int num_threads) {
+                 int dtype, int num_threads, int64_t parallel_work) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
         block_size <= 0 || dtype < 0 || dtype > 2 || num_threads <= 0)
         return PA_ERR_ARG;
@@ -441,7 +563,11 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
     WorkItem *items = build_items(&P, num_reqs, tile, &n_items);
     if (!items) return PA_ERR_NOMEM;
     int nt = num_threads < n_items ? num_threads : (int)n_items;
-    if (nt < 1) nt = 1;
+    /* waking a thread team costs microseconds (far more when cores are oversubscribed), so
+     * steps under parallel_work (rows x keys x head_dim) run on the calling thread */
+    int64_t work = 0;
+    for (int64_t i = 0; i < n_items; i++) work += items[i].cost;
+    if (nt < 1 || work * head_dim < parallel_work) nt = 1;
     int status = PA_OK;
 
 #pragma omp parallel num_threads(nt)
@@ -463,6 +589,6 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
 }
 
 /* Lets the Python side check it loaded the build it expects. */
-int pa_abi_version(void) { return 1; }
+int pa_abi_version(void) { return 2; }
 
 int pa_has_avx2(void) { return PA_AVX2; }
