@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LDLIBS = ("-lm",)
-ABI_VERSION = 2  # must match pa_abi_version() in the C file
+ABI_VERSION = 3  # must match pa_abi_version() in the C file
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -84,22 +84,22 @@ def _host_cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build_key(source: bytes, cc: str) -> str:
+def _build_key(source: bytes, cc: str, cflags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS + LDLIBS).encode(), version.encode(), _host_cpu_id().encode()):
+    for part in (source, " ".join(cflags + LDLIBS).encode(), version.encode(), _host_cpu_id().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
 
 
-def _compile(cc: str, out_path: Path) -> None:
+def _compile(cc: str, cflags: tuple[str, ...], out_path: Path) -> None:
     """Compiles to a temp file in the same directory, then renames: readers never see a partial .so."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, *LDLIBS]
+        cmd = [cc, *cflags, str(SOURCE), "-o", tmp, *LDLIBS]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -114,27 +114,36 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pa_abi_version.restype = i32
     lib.pa_has_avx2.restype = i32
     lib.pa_write_kv.restype = i32
-    lib.pa_write_kv.argtypes = [vp, vp, vp, vp, vp, i64, i32, i32, i32, i64, i64, i64, i64, i32, i32]
+    lib.pa_write_kv.argtypes = [
+        vp, vp, vp, vp, vp,  # key, value, key/value cache, slot_mapping
+        i64, i64, i32, i32, i32,  # num_tokens, num_blocks, kv heads, head_dim, block_size
+        i64, i64, i64, i64,  # key / value strides (token, head), in elements
+        i32, i32,  # cache dtype, threads
+    ]
     lib.pa_attention.restype = i32
     lib.pa_attention.argtypes = [
         vp, vp, vp, vp, vp, vp, vp,  # query, out, key/value cache, block_tables, qsl, seq_lens
-        i32, i64, i32, i32, i32, i32,  # num_reqs, bt_stride, heads, kv heads, head_dim, block_size
+        i32, i64, i64, i32, i64,  # num_reqs, num_tokens, num_blocks, max_blocks, bt_stride
+        i32, i32, i32, i32,  # heads, kv heads, head_dim, block_size
         i64, i64, i64, i64,  # query / out strides (token, head), in elements
         ctypes.c_float, i32, i32, i64,  # scale, cache dtype, threads, parallel_work
     ]
     return lib
 
 
-def build_and_load(cc: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL:
-    """Compiles (unless a matching build is cached) and loads the kernel library; raises on failure."""
+def build_and_load(
+    cc: str | None = None, cache_dir: Path | None = None, cflags: tuple[str, ...] = CFLAGS
+) -> ctypes.CDLL:
+    """Compiles (unless a matching build is cached) and loads the kernel library; raises on
+    failure. ``cflags`` other than the default are for tests (e.g. the portable scalar path)."""
     cc = cc or find_compiler()
     if cc is None or shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler found (tried $CC, gcc, cc; got {cc!r})")
     source = SOURCE.read_bytes()
-    out_path = (cache_dir or kernel_cache_dir()) / f"paged_attention-{_build_key(source, cc)}.so"
+    out_path = (cache_dir or kernel_cache_dir()) / f"paged_attention-{_build_key(source, cc, cflags)}.so"
     if not out_path.exists():
         logger.info("compiling CPU paged-attention kernel -> %s", out_path)
-        _compile(cc, out_path)
+        _compile(cc, cflags, out_path)
     lib = _bind(ctypes.CDLL(str(out_path)))
     if lib.pa_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{out_path}: ABI {lib.pa_abi_version()}, expected {ABI_VERSION}")
@@ -211,16 +220,16 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         if num_tokens == 0:
             return out.to(query.dtype)
-        _, num_kv_heads, block_size, _ = key_cache.shape
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         rc = self._lib.pa_attention(
             _ptr(q), _ptr(out), _ptr(key_cache), _ptr(value_cache),
             _ptr(block_tables), _ptr(qsl), _ptr(seq_lens),
-            meta.num_reqs, block_tables.stride(0), num_heads, num_kv_heads, head_dim, block_size,
+            meta.num_reqs, num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
+            num_heads, num_kv_heads, head_dim, block_size,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             float(scale), DTYPE_CODES[key_cache.dtype], self._threads(), self.parallel_work,
         )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"pa_attention failed with code {rc}")
+        _raise_on_error(rc, "pa_attention")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:
@@ -228,15 +237,27 @@ class CpuAttentionBackend(AttentionBackend):
         k = _rows_contiguous(key, key_cache.dtype)
         v = _rows_contiguous(value, value_cache.dtype)
         slots = slot_mapping.to(torch.int64).contiguous()
-        _, num_kv_heads, block_size, head_dim = key_cache.shape
+        num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         rc = self._lib.pa_write_kv(
             _ptr(k), _ptr(v), _ptr(key_cache), _ptr(value_cache), _ptr(slots),
-            k.shape[0], num_kv_heads, head_dim, block_size,
+            k.shape[0], num_blocks, num_kv_heads, head_dim, block_size,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             DTYPE_CODES[key_cache.dtype], self._threads(),
         )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"pa_write_kv failed with code {rc}")
+        _raise_on_error(rc, "pa_write_kv")
+
+
+_ERRORS = {
+    -1: (ValueError, "bad dimensions or dtype"),
+    -2: (MemoryError, "scratch allocation failed"),
+    -3: (ValueError, "metadata out of range (block id, slot, or lengths past the tensors)"),
+}
+
+
+def _raise_on_error(rc: int, fn: str) -> None:
+    if rc != 0:
+        exc, msg = _ERRORS.get(rc, (RuntimeError, "unknown error"))
+        raise exc(f"{fn}: {msg} (code {rc})")
 
 
 def _check_shapes(query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> None:

@@ -1,6 +1,8 @@
 """CpuAttentionBackend against the torch reference and against dense float64 SDPA."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -150,6 +152,22 @@ def test_rejects_mismatched_shapes():
                                       batch.meta, batch.scale)  # fmt: skip
 
 
+def test_rejects_out_of_range_metadata_instead_of_crashing():
+    batch = make_paged_batch([(10, 3), (4, 2)], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    num_blocks = batch.key_cache.shape[0]
+    bad_table = batch.meta.block_tables.clone()
+    bad_table[1, 0] = num_blocks  # one past the pool
+    bad_slots = batch.meta.slot_mapping.clone()
+    bad_slots[0] = num_blocks * 4
+    short_seq = batch.meta.seq_lens.clone()
+    short_seq[0] = 2  # fewer context tokens than new tokens
+    for meta in (replace(batch.meta, block_tables=bad_table), replace(batch.meta, slot_mapping=bad_slots),
+                 replace(batch.meta, seq_lens=short_seq)):  # fmt: skip
+        kc, vc = batch.fresh_caches()
+        with pytest.raises(ValueError, match="out of range"):
+            CpuAttentionBackend().forward(batch.query, batch.key, batch.value, kc, vc, meta, batch.scale)
+
+
 reqs_strategy = st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=5)
 
 
@@ -182,6 +200,18 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     cpu.build_and_load()  # second load reuses the cached file
     assert built[0].stat().st_mtime_ns == mtime
     assert not list((tmp_path / "kernels").glob("*.tmp"))
+
+
+def test_portable_scalar_build_matches_dense(tmp_path):
+    """Without -march=native there is no AVX2: the scalar fallbacks must be right too."""
+    lib = cpu.build_and_load(cache_dir=tmp_path, cflags=("-O2", "-fopenmp", "-shared", "-fPIC"))
+    assert lib.pa_has_avx2() == 0
+    backend = CpuAttentionBackend(num_threads=2, parallel_work=0)
+    backend._lib = lib
+    for head_dim, cache_dtype in ((64, torch.float32), (12, torch.float16), (16, torch.bfloat16)):
+        batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=8,
+                                 cache_dtype=cache_dtype)  # fmt: skip
+        check_against_oracles(batch, backend)
 
 
 def test_missing_compiler_raises(tmp_path):

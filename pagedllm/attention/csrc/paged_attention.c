@@ -44,6 +44,7 @@ enum {
     PA_OK = 0,
     PA_ERR_ARG = -1,   /* bad dimension / dtype argument */
     PA_ERR_NOMEM = -2, /* scratch allocation failed */
+    PA_ERR_META = -3,  /* metadata out of range (would read or write outside the tensors) */
 };
 
 static size_t dtype_size(int dtype) { return dtype == PA_F32 ? 4 : 2; }
@@ -300,11 +301,13 @@ static void pv_accumulate(float *acc, float corr, const float *p, const float *v
 /* Scatters new K/V rows (already in the cache dtype) into their slots: a plain byte copy of
  * head_dim elements per (token, kv head). Strides are in elements. */
 int pa_write_kv(const void *key, const void *value, void *key_cache, void *value_cache,
-                const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads, int head_dim,
-                int block_size, int64_t k_stride_tok, int64_t k_stride_head,
+                const int64_t *slot_mapping, int64_t num_tokens, int64_t num_blocks,
+                int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok, int64_t k_stride_head,
                 int64_t v_stride_tok, int64_t v_stride_head, int dtype, int num_threads) {
     if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > 2)
         return PA_ERR_ARG;
+    for (int64_t t = 0; t < num_tokens; t++) /* validate first: fail without a partial write */
+        if (slot_mapping[t] >= num_blocks * block_size) return PA_ERR_META;
     const size_t es = dtype_size(dtype), row_bytes = es * (size_t)head_dim;
     const char *kb = (const char *)key, *vb = (const char *)value;
     char *kc = (char *)key_cache, *vc = (char *)value_cache;
@@ -360,6 +363,24 @@ static int tile_tokens(int group, int head_dim) {
     if (rows < group) rows = group;
     int t = rows / group;
     return t < 1 ? 1 : t;
+}
+
+/* The kernel indexes raw memory with these values, so bad metadata must fail, not crash. */
+static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                          int max_blocks) {
+    if (P->query_start_loc[0] != 0 || P->query_start_loc[num_reqs] != num_tokens) return PA_ERR_META;
+    for (int r = 0; r < num_reqs; r++) {
+        const int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
+        const int seq_len = P->seq_lens[r];
+        if (q_len < 0 || seq_len < q_len) return PA_ERR_META;
+        if (q_len == 0) continue; /* its block table is never read */
+        const int nb = (seq_len + P->block_size - 1) / P->block_size;
+        if (nb > max_blocks) return PA_ERR_META;
+        const int32_t *btab = P->block_tables + (int64_t)r * P->bt_stride;
+        for (int b = 0; b < nb; b++)
+            if (btab[b] < 0 || btab[b] >= num_blocks) return PA_ERR_META;
+    }
+    return PA_OK;
 }
 
 static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *count) {
@@ -544,7 +565,8 @@ static void scratch_free(Scratch *S) {
  * PA_OK or a negative error code. Strides are in elements. */
 int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
                  const int32_t *block_tables, const int32_t *query_start_loc,
-                 const int32_t *seq_lens, int num_reqs, int64_t bt_stride, int num_heads,
+                 const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                 int max_blocks, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
                  int dtype, int num_threads, int64_t parallel_work) {
@@ -560,6 +582,8 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         .dtype = dtype, .scale = scale};
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
+    const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
+    if (meta_status != PA_OK) return meta_status;
     WorkItem *items = build_items(&P, num_reqs, tile, &n_items);
     if (!items) return PA_ERR_NOMEM;
     int nt = num_threads < n_items ? num_threads : (int)n_items;
@@ -589,6 +613,6 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
 }
 
 /* Lets the Python side check it loaded the build it expects. */
-int pa_abi_version(void) { return 2; }
+int pa_abi_version(void) { return 3; }
 
 int pa_has_avx2(void) { return PA_AVX2; }
