@@ -45,7 +45,8 @@ class GatherSdpaBackend:
         max_q, max_s = int(q_lens.max()), int(seq_lens.max())
         pos = torch.arange(max_s)
         blocks = meta.block_tables.long()[:, : (max_s + block_size - 1) // block_size]
-        slot_blocks = blocks.gather(1, (pos // block_size).expand(len(seq_lens), -1).clamp(max=blocks.shape[1] - 1))
+        logical = (pos // block_size).clamp(max=blocks.shape[1] - 1).expand(len(seq_lens), -1)
+        slot_blocks = blocks.gather(1, logical)  # [R, max_s] physical block of every position
         # [R, max_s, Hkv, D] -> [R, H, max_s, D]: the gather copy the paged kernel avoids
         k = key_cache[slot_blocks.clamp(min=0), :, pos % block_size].transpose(1, 2)
         v = value_cache[slot_blocks.clamp(min=0), :, pos % block_size].transpose(1, 2)
@@ -54,13 +55,15 @@ class GatherSdpaBackend:
         q_valid = torch.arange(max_q)[None, :] < q_lens[:, None]
         q = query[q_idx.clamp(max=query.shape[0] - 1)].transpose(1, 2)  # [R, H, max_q, D]
         q_pos = seq_lens[:, None] - q_lens[:, None] + torch.arange(max_q)  # [R, max_q]
-        mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < seq_lens[:, None, None])
+        key_pos = pos[None, None, :]
+        mask = (key_pos <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None, None])
         mask |= ~q_valid[:, :, None]  # padded query rows: any non-empty mask avoids NaNs
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
         return o.transpose(1, 2)[q_valid]  # [num_tokens, H, D]
 
 
-def time_backend(backend, batch: PagedBatch, repeats: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
+def time_backend(backend, batch: PagedBatch, repeats: int, warmup: int = 2):
+    """(median milliseconds, last output) of full forward steps on a private copy of the pool."""
     kc, vc = batch.fresh_caches()
     times = []
     for i in range(warmup + repeats):
@@ -78,11 +81,17 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    backends = [CpuAttentionBackend(num_threads=args.threads), TorchReferenceBackend(), GatherSdpaBackend()]
+    backends = [
+        CpuAttentionBackend(num_threads=args.threads),
+        TorchReferenceBackend(),
+        GatherSdpaBackend(),
+    ]
 
     print(f"threads={args.threads} block_size={args.block_size} heads=8 kv_heads=4 head_dim=64; "
-          f"median ms over {args.repeats} repeats ({max(3, args.repeats // 4)} for torch ref and prefill)")  # fmt: skip
-    header = f"{'case':<22}{'cpu kernel':>12}{'torch ref':>12}{'gather+sdpa':>13}{'ref/cpu':>9}{'sdpa/cpu':>10}{'max|diff|':>11}"
+          f"median ms over {args.repeats} repeats "
+          f"({max(3, args.repeats // 4)} for torch ref and prefill)")  # fmt: skip
+    header = (f"{'case':<22}{'cpu kernel':>12}{'torch ref':>12}{'gather+sdpa':>13}"
+              f"{'ref/cpu':>9}{'sdpa/cpu':>10}{'max|diff|':>11}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for name, reqs in CASES.items():

@@ -87,14 +87,16 @@ def _host_cpu_id() -> str:
 def _build_key(source: bytes, cc: str, cflags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (source, " ".join(cflags + LDLIBS).encode(), version.encode(), _host_cpu_id().encode()):
+    flags = " ".join(cflags + LDLIBS)
+    for part in (source, flags.encode(), version.encode(), _host_cpu_id().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
 
 
 def _compile(cc: str, cflags: tuple[str, ...], out_path: Path) -> None:
-    """Compiles to a temp file in the same directory, then renames: readers never see a partial .so."""
+    """Compiles to a temp file in the same directory, then renames it into place, so readers
+    (other processes building or loading at the same time) never see a partial .so."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.stem + ".", suffix=".tmp")
     os.close(fd)
@@ -140,7 +142,8 @@ def build_and_load(
     if cc is None or shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler found (tried $CC, gcc, cc; got {cc!r})")
     source = SOURCE.read_bytes()
-    out_path = (cache_dir or kernel_cache_dir()) / f"paged_attention-{_build_key(source, cc, cflags)}.so"
+    name = f"paged_attention-{_build_key(source, cc, cflags)}.so"
+    out_path = (cache_dir or kernel_cache_dir()) / name
     if not out_path.exists():
         logger.info("compiling CPU paged-attention kernel -> %s", out_path)
         _compile(cc, cflags, out_path)
@@ -156,7 +159,7 @@ def load_library() -> ctypes.CDLL | None:
     try:
         return build_and_load()
     except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch reference", exc)
+        logger.warning("CPU paged-attention kernel unavailable (%s); using torch reference", exc)
         return None
 
 

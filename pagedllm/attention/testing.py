@@ -47,8 +47,11 @@ def make_paged_batch(
     seq_lens = [c + q for c, q in reqs]
     q_lens = [q for _, q in reqs]
     # round through the cache dtype so the oracle sees exactly the values the cache stores
-    ctx_k = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(cache_dtype).float() for s in seq_lens]
-    ctx_v = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(cache_dtype).float() for s in seq_lens]
+    def rounded(s: int) -> torch.Tensor:
+        return torch.randn(s, num_kv_heads, head_dim, generator=g).to(cache_dtype).float()
+
+    ctx_k = [rounded(s) for s in seq_lens]
+    ctx_v = [rounded(s) for s in seq_lens]
 
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + extra_blocks
@@ -74,7 +77,9 @@ def make_paged_batch(
         value=new(ctx_v) if reqs else torch.empty(0, num_kv_heads, head_dim),
         key_cache=key_cache,
         value_cache=value_cache,
-        meta=AttentionMetadata.build(np.array(q_lens), np.array(seq_lens), block_tables, block_size),
+        meta=AttentionMetadata.build(
+            np.array(q_lens), np.array(seq_lens), block_tables, block_size
+        ),
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         scale=head_dim**-0.5,
@@ -97,8 +102,9 @@ def dense_attention_f64(batch: PagedBatch) -> torch.Tensor:
         q_pos = torch.arange(seq_len - q_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=batch.scale
-        )
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=batch.scale,
+        )  # fmt: skip
         outs.append(o.transpose(0, 1))
     if not outs:
         return torch.empty(0, *batch.query.shape[1:], dtype=torch.float64)

@@ -141,7 +141,8 @@ static inline __m256 exp256(__m256 x) {
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    const __m256i biased = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    const __m256i e = _mm256_slli_epi32(biased, 23); /* 2^fx as float bits */
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
@@ -276,7 +277,8 @@ static void pv_accumulate(float *acc, float corr, const float *p, const float *v
         for (int j = 0; j < n; j++) {
             const __m256 pj = _mm256_set1_ps(p[j]);
             const float *vj = v + (int64_t)j * D + d;
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, a[u]);
     }
@@ -302,8 +304,9 @@ static void pv_accumulate(float *acc, float corr, const float *p, const float *v
  * head_dim elements per (token, kv head). Strides are in elements. */
 int pa_write_kv(const void *key, const void *value, void *key_cache, void *value_cache,
                 const int64_t *slot_mapping, int64_t num_tokens, int64_t num_blocks,
-                int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok, int64_t k_stride_head,
-                int64_t v_stride_tok, int64_t v_stride_head, int dtype, int num_threads) {
+                int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
+                int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
+                int num_threads) {
     if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > 2)
         return PA_ERR_ARG;
     for (int64_t t = 0; t < num_tokens; t++) /* validate first: fail without a partial write */
@@ -313,7 +316,7 @@ int pa_write_kv(const void *key, const void *value, void *key_cache, void *value
     char *kc = (char *)key_cache, *vc = (char *)value_cache;
     /* threads only pay off for big prefills; a decode step writes a few KB */
     const int big = num_tokens * num_kv_heads * head_dim >= (1 << 16);
-    (void)num_threads;
+    (void)num_threads; /* unused when built without OpenMP */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (big)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
@@ -368,7 +371,8 @@ static int tile_tokens(int group, int head_dim) {
 /* The kernel indexes raw memory with these values, so bad metadata must fail, not crash. */
 static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, int64_t num_blocks,
                           int max_blocks) {
-    if (P->query_start_loc[0] != 0 || P->query_start_loc[num_reqs] != num_tokens) return PA_ERR_META;
+    if (P->query_start_loc[0] != 0 || P->query_start_loc[num_reqs] != num_tokens)
+        return PA_ERR_META;
     for (int r = 0; r < num_reqs; r++) {
         const int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
         const int seq_len = P->seq_lens[r];
@@ -443,7 +447,9 @@ static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv
 
 /* Pages are scattered, so the hardware prefetcher can't guess the next tiles: ask for them.
  * Must be inlined: gcc deems a function that only prefetches pure, and drops calls to it. */
-static inline __attribute__((always_inline)) void prefetch_blocks(const Problem *P, const int32_t *btab, int kv_head, int b0, int b1) {
+static inline __attribute__((always_inline)) void prefetch_blocks(const Problem *P,
+                                                                  const int32_t *btab,
+                                                                  int kv_head, int b0, int b1) {
     const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
     for (int b = b0; b < b1; b++) {
         const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * bytes;
