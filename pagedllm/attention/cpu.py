@@ -11,11 +11,15 @@ KV cache layout, per layer: ``key_cache`` and ``value_cache`` each
 * Keys and values are separate tensors with the same layout, so one offset addresses both.
 * ``head_dim`` innermost: the q.k dot products and the p*v accumulation vectorize over it.
 
-The kernel reads K/V in place through the block tables (no gather copy), processes the
-query heads of a GQA group together so each K/V tile is loaded once for the whole group (and,
-for prefill chunks, once for a tile of query tokens), keeps an online softmax per row, and runs
-items in parallel with OpenMP. Decode tokens and prefill chunks (causal inside the chunk,
-possibly starting mid-context) go in the same call.
+A step is two C calls: ``pa_write_kv`` scatters the new K/V into their slots (a row memcpy
+per token and kv head), then ``pa_attention`` attends. Writing first is what lets a prefill
+chunk's tokens see each other. The attention reads K/V in place through the block tables (no
+gather copy), processes the query heads of a GQA group together so each K/V tile is loaded once
+for the whole group (and, for prefill chunks, once for a tile of query tokens), folds 64 keys
+at a time into each row's online softmax, and runs items in parallel with OpenMP. Decode tokens
+and prefill chunks (causal inside the chunk, possibly starting mid-context) go in the same
+call. Hot loops are AVX2/FMA intrinsics with scalar fallbacks; metadata that would index
+outside the tensors is rejected (ValueError) rather than crashing the process.
 
 Dtypes: the cache may be float32, float16 or bfloat16 (converted to float32 per tile, in a
 per-thread scratch buffer, when read); the math and the accumulation are float32. Queries are
