@@ -1,0 +1,624 @@
+/*
+ * Paged attention for CPUs: one call handles a flat batch that mixes decode tokens (q_len 1)
+ * and prefill chunks (q_len > 1, causal inside the chunk, possibly starting mid-context).
+ *
+ * Layouts (see pagedllm/attention/cpu.py for the why):
+ *   query / out      [num_tokens, num_heads, head_dim]            float32, last dim contiguous
+ *   key / value      [num_tokens, num_kv_heads, head_dim]         cache dtype, last dim contiguous
+ *   key/value_cache  [num_blocks, num_kv_heads, block_size, head_dim]  contiguous, f32/f16/bf16
+ *   block_tables     [num_reqs, max_blocks] int32, query_start_loc [num_reqs + 1] int32,
+ *   seq_lens         [num_reqs] int32 (context length including this step's tokens),
+ *   slot_mapping     [num_tokens] int64 (negative = padding token, not written).
+ *
+ * Work is split into items (request, kv head, tile of query tokens). An item keeps, for every
+ * (token, query head of the GQA group) row, the online-softmax state (running max m, running
+ * sum l, accumulator acc[head_dim]) and walks the request's block table once, so each K/V tile
+ * is read from the pool in place (no gather) and reused by all rows of the item while it is
+ * in L1. Items run in parallel with OpenMP, largest first.
+ *
+ * Causality needs no mask: positions inside the context are contiguous, so a row at position
+ * p sees exactly the first min(n, p - block_start + 1) keys of a block (a prefix).
+ *
+ * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available (the dot
+ * products are reductions gcc will not vectorize without -ffast-math), with scalar fallbacks.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#else
+#define PA_AVX2 0
+#endif
+
+enum { PA_F32 = 0, PA_F16 = 1, PA_BF16 = 2 };
+
+enum {
+    PA_OK = 0,
+    PA_ERR_ARG = -1,   /* bad dimension / dtype argument */
+    PA_ERR_NOMEM = -2, /* scratch allocation failed */
+    PA_ERR_META = -3,  /* metadata out of range (would read or write outside the tensors) */
+};
+
+static size_t dtype_size(int dtype) { return dtype == PA_F32 ? 4 : 2; }
+
+/* ------------------------------------------------------------------------------------------ */
+/* dtype conversion (cache -> float32), used only for f16 / bf16 caches                       */
+/* ------------------------------------------------------------------------------------------ */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        /* zero or subnormal: mant * 2^-24 is exact in float32 */
+        f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Converts n 16-bit values to float32. */
+static void convert_to_f32(const uint16_t *src, float *dst, int64_t n, int dtype) {
+    int64_t i = 0;
+#if PA_AVX2
+    if (dtype == PA_BF16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+    }
+#if defined(__F16C__)
+    if (dtype == PA_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    }
+#endif
+#endif
+    for (; i < n; i++) dst[i] = dtype == PA_BF16 ? bf16_to_float(src[i]) : half_to_float(src[i]);
+}
+
+/* Returns a float32 view of n cache elements: the cache itself for f32, else scratch. */
+static const float *load_f32(const void *src, int64_t n, int dtype, float *scratch) {
+    if (dtype == PA_F32) return (const float *)src;
+    convert_to_f32((const uint16_t *)src, scratch, n, dtype);
+    return scratch;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* vector helpers                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+#if PA_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)] */
+static inline __m128 hsum4x256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* exp(x) for x <= 0 (Cephes polynomial, ~2 ulp); inputs below -87 give ~1e-38, i.e. 0 next
+ * to the row max whose weight is exactly 1. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
+    /* x - fx * ln2 with ln2 split in two for accuracy */
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    const __m256i e = _mm256_slli_epi32(biased, 23); /* 2^fx as float bits */
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int D) {
+    int d = 0;
+    float s = 0.0f;
+#if PA_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; d + 16 <= D; d += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+    }
+    for (; d + 8 <= D; d += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    s = hsum256(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* s[j] = q . k[j] for j < n (k rows are D apart). */
+static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
+    int j = 0;
+#if PA_AVX2
+    if (D % 8 == 0) {
+        /* four keys at a time: one q load feeds four independent FMA chains */
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (int64_t)j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+            }
+            _mm_storeu_ps(s + j, hsum4x256(a0, a1, a2, a3));
+        }
+    }
+#endif
+    for (; j < n; j++) s[j] = dot(q, k + (int64_t)j * D, D);
+}
+
+/* Two rows at once: s0[j] = q0 . k[j], s1[j] = q1 . k[j] for j < n. */
+static void qk_scores2(const float *q0, const float *q1, const float *k, int n, int D, float *s0,
+                       float *s1) {
+    int j = 0;
+#if PA_AVX2
+    if (D % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (int64_t)j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+            __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+                __m256 kv = _mm256_loadu_ps(k0 + d);
+                a0 = _mm256_fmadd_ps(x, kv, a0);
+                b0 = _mm256_fmadd_ps(y, kv, b0);
+                kv = _mm256_loadu_ps(k0 + D + d);
+                a1 = _mm256_fmadd_ps(x, kv, a1);
+                b1 = _mm256_fmadd_ps(y, kv, b1);
+                kv = _mm256_loadu_ps(k0 + 2 * D + d);
+                a2 = _mm256_fmadd_ps(x, kv, a2);
+                b2 = _mm256_fmadd_ps(y, kv, b2);
+                kv = _mm256_loadu_ps(k0 + 3 * D + d);
+                a3 = _mm256_fmadd_ps(x, kv, a3);
+                b3 = _mm256_fmadd_ps(y, kv, b3);
+            }
+            _mm_storeu_ps(s0 + j, hsum4x256(a0, a1, a2, a3));
+            _mm_storeu_ps(s1 + j, hsum4x256(b0, b1, b2, b3));
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        s0[j] = dot(q0, k + (int64_t)j * D, D);
+        s1[j] = dot(q1, k + (int64_t)j * D, D);
+    }
+}
+
+/* max(init, s[0..n)) */
+static float max_with(const float *s, int n, float init) {
+    int j = 0;
+    float m = init;
+#if PA_AVX2
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float hm = _mm_cvtss_f32(h);
+        m = hm > m ? hm : m;
+    }
+#endif
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* s[j] = exp(s[j] - m) for j < n; returns the sum. */
+static float exp_shift_sum(float *s, int n, float m) {
+    int j = 0;
+    float sum = 0.0f;
+#if PA_AVX2
+    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        _mm256_storeu_ps(s + j, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    sum = hsum256(vsum);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* acc = acc * corr + sum_j p[j] * v[j] over j < n (v rows are D apart). */
+static void pv_accumulate(float *acc, float corr, const float *p, const float *v, int n, int D) {
+    int d = 0;
+#if PA_AVX2
+    const __m256 vc = _mm256_set1_ps(corr);
+    /* 64 columns at a time: eight accumulators stay in registers across all n keys */
+    for (; d + 64 <= D; d += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * u), vc);
+        for (int j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v + (int64_t)j * D + d;
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, a[u]);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), vc);
+        for (int j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (int64_t)j * D + d), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
+#endif
+    for (; d < D; d++) {
+        float a = acc[d] * corr;
+        for (int j = 0; j < n; j++) a += p[j] * v[(int64_t)j * D + d];
+        acc[d] = a;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* KV write                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Scatters new K/V rows (already in the cache dtype) into their slots: a plain byte copy of
+ * head_dim elements per (token, kv head). Strides are in elements. */
+int pa_write_kv(const void *key, const void *value, void *key_cache, void *value_cache,
+                const int64_t *slot_mapping, int64_t num_tokens, int64_t num_blocks,
+                int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
+                int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
+                int num_threads) {
+    if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > 2)
+        return PA_ERR_ARG;
+    for (int64_t t = 0; t < num_tokens; t++) /* validate first: fail without a partial write */
+        if (slot_mapping[t] >= num_blocks * block_size) return PA_ERR_META;
+    const size_t es = dtype_size(dtype), row_bytes = es * (size_t)head_dim;
+    const char *kb = (const char *)key, *vb = (const char *)value;
+    char *kc = (char *)key_cache, *vc = (char *)value_cache;
+    /* threads only pay off for big prefills; a decode step writes a few KB */
+    const int big = num_tokens * num_kv_heads * head_dim >= (1 << 16);
+    (void)num_threads; /* unused when built without OpenMP */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (big)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / block_size, off = slot % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = ((blk * num_kv_heads + h) * block_size + off) * head_dim;
+            memcpy(kc + dst * es, kb + (t * k_stride_tok + h * k_stride_head) * es, row_bytes);
+            memcpy(vc + dst * es, vb + (t * v_stride_tok + h * v_stride_head) * es, row_bytes);
+        }
+    }
+    return PA_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* attention                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int req, kv_head, t0, t1; /* query tokens [t0, t1) of the request's chunk */
+    int64_t cost;             /* ~ rows * keys visited, for largest-first ordering */
+} WorkItem;
+
+typedef struct {
+    const float *query;
+    float *out;
+    const void *key_cache, *value_cache;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    int64_t bt_stride, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head;
+    int num_heads, num_kv_heads, head_dim, block_size, dtype;
+    float scale;
+} Problem;
+
+typedef struct {
+    float *q, *acc, *m, *l, *s, *kbuf, *vbuf; /* per-thread scratch */
+} Scratch;
+
+static int cmp_cost_desc(const void *a, const void *b) {
+    int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
+    return (ca < cb) - (ca > cb);
+}
+
+/* Query tokens per item: enough rows (tokens x group heads) to amortize each K/V tile load,
+ * few enough that the rows' q and acc (2 x rows x head_dim floats) stay cache resident. */
+static int tile_tokens(int group, int head_dim) {
+    int rows = 4096 / head_dim;
+    if (rows < group) rows = group;
+    int t = rows / group;
+    return t < 1 ? 1 : t;
+}
+
+/* The kernel indexes raw memory with these values, so bad metadata must fail, not crash. */
+static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                          int max_blocks) {
+    if (P->query_start_loc[0] != 0 || P->query_start_loc[num_reqs] != num_tokens)
+        return PA_ERR_META;
+    for (int r = 0; r < num_reqs; r++) {
+        const int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
+        const int seq_len = P->seq_lens[r];
+        if (q_len < 0 || seq_len < q_len) return PA_ERR_META;
+        if (q_len == 0) continue; /* its block table is never read */
+        const int nb = (seq_len + P->block_size - 1) / P->block_size;
+        if (nb > max_blocks) return PA_ERR_META;
+        const int32_t *btab = P->block_tables + (int64_t)r * P->bt_stride;
+        for (int b = 0; b < nb; b++)
+            if (btab[b] < 0 || btab[b] >= num_blocks) return PA_ERR_META;
+    }
+    return PA_OK;
+}
+
+static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *count) {
+    int64_t n = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
+        if (q_len > 0) n += (int64_t)((q_len + tile - 1) / tile) * P->num_kv_heads;
+    }
+    WorkItem *items = (WorkItem *)malloc((size_t)(n > 0 ? n : 1) * sizeof(WorkItem));
+    if (!items) return NULL;
+    const int group = P->num_heads / P->num_kv_heads;
+    int64_t i = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        const int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
+        const int ctx_start = P->seq_lens[r] - q_len;
+        for (int t0 = 0; t0 < q_len; t0 += tile) {
+            const int t1 = t0 + tile < q_len ? t0 + tile : q_len;
+            const int64_t cost = (int64_t)(t1 - t0) * group * (ctx_start + t1);
+            for (int g = 0; g < P->num_kv_heads; g++) items[i++] = (WorkItem){r, g, t0, t1, cost};
+        }
+    }
+    qsort(items, (size_t)n, sizeof(WorkItem), cmp_cost_desc);
+    *count = n;
+    return items;
+}
+
+/* Keys folded into a row's softmax state at once: several blocks per update amortize the
+ * per-update work (max, rescale, horizontal sums) that dominates with small blocks. */
+#define CHUNK_KEYS 64
+
+/* A run of consecutive logical blocks of one request and kv head, as float32 tiles. */
+typedef struct {
+    const float *k[CHUNK_KEYS], *v[CHUNK_KEYS]; /* [n[b], head_dim] each */
+    int n[CHUNK_KEYS];                          /* valid keys per block */
+    int nblocks, nkeys, start;                  /* start = position of the first key */
+} Chunk;
+
+static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv_head, int b0,
+                       int b1, int seq_len, Chunk *c) {
+    const int B = P->block_size, D = P->head_dim;
+    const size_t es = dtype_size(P->dtype);
+    c->nblocks = b1 - b0;
+    c->start = b0 * B;
+    c->nkeys = 0;
+    for (int b = b0; b < b1; b++) {
+        const int i = b - b0, n = imin(B, seq_len - b * B);
+        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * B * D;
+        c->k[i] = load_f32((const char *)P->key_cache + off * es, (int64_t)n * D, P->dtype,
+                           S->kbuf + (int64_t)i * B * D);
+        c->v[i] = load_f32((const char *)P->value_cache + off * es, (int64_t)n * D, P->dtype,
+                           S->vbuf + (int64_t)i * B * D);
+        c->n[i] = n;
+        c->nkeys += n;
+    }
+}
+
+/* Pages are scattered, so the hardware prefetcher can't guess the next tiles: ask for them.
+ * Must be inlined: gcc deems a function that only prefetches pure, and drops calls to it. */
+static inline __attribute__((always_inline)) void prefetch_blocks(const Problem *P,
+                                                                  const int32_t *btab,
+                                                                  int kv_head, int b0, int b1) {
+    const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
+    for (int b = b0; b < b1; b++) {
+        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * bytes;
+        const char *k = (const char *)P->key_cache + off, *v = (const char *)P->value_cache + off;
+        for (size_t i = 0; i < bytes; i += 64) {
+            __builtin_prefetch(k + i);
+            __builtin_prefetch(v + i);
+        }
+    }
+}
+
+/* s0[j] = q0 . key j (and s1[j] = q1 . key j unless q1 is NULL) for the chunk's first nv keys. */
+static void chunk_scores(const Chunk *c, const float *q0, const float *q1, int nv, int D,
+                         float *s0, float *s1) {
+    for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++) {
+        const int m = imin(c->n[b], nv - off);
+        if (q1)
+            qk_scores2(q0, q1, c->k[b], m, D, s0 + off, s1 + off);
+        else
+            qk_scores(q0, c->k[b], m, D, s0 + off);
+    }
+}
+
+/* Folds scores s[0..nv) of the chunk's keys into row r's online-softmax state: new max,
+ * rescale of the old sum/accumulator by exp(m_old - m_new), then acc += sum_j p_j v_j. */
+static void online_softmax_pv(Scratch *S, int r, float *s, int nv, const Chunk *c, int D) {
+    const float m_old = S->m[r], m_new = max_with(s, nv, m_old);
+    /* 0 on the first chunk (m = -inf); skip the exp when the max did not move */
+    const float corr = m_new == m_old ? 1.0f : expf(m_old - m_new);
+    S->l[r] = S->l[r] * corr + exp_shift_sum(s, nv, m_new);
+    S->m[r] = m_new;
+    float *acc = S->acc + (int64_t)r * D;
+    for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++)
+        pv_accumulate(acc, b == 0 ? corr : 1.0f, s + off, c->v[b], imin(c->n[b], nv - off), D);
+}
+
+/* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
+ * that order; all rows of a token share one causal limit. */
+static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
+    const int D = P->head_dim, B = P->block_size, group = P->num_heads / P->num_kv_heads;
+    const int q_begin = P->query_start_loc[it->req];
+    const int q_len = P->query_start_loc[it->req + 1] - q_begin;
+    const int seq_len = P->seq_lens[it->req];
+    const int ctx_start = seq_len - q_len; /* position of the chunk's first token */
+    const int ntok = it->t1 - it->t0, rows = ntok * group;
+    const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
+
+    for (int i = 0; i < ntok; i++) {
+        const float *qt = P->query + (int64_t)(q_begin + it->t0 + i) * P->q_stride_tok;
+        for (int h = 0; h < group; h++) {
+            const float *src = qt + (int64_t)(it->kv_head * group + h) * P->q_stride_head;
+            float *dst = S->q + (int64_t)(i * group + h) * D;
+            for (int d = 0; d < D; d++) dst[d] = src[d] * P->scale; /* fold scale into q once */
+        }
+    }
+    memset(S->acc, 0, sizeof(float) * (size_t)rows * D);
+    for (int r = 0; r < rows; r++) {
+        S->m[r] = -INFINITY;
+        S->l[r] = 0.0f;
+    }
+
+    const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
+    const int cb = chunk_blocks(B), smax = cb * B;
+    Chunk c;
+    for (int b0 = 0; b0 < num_blocks; b0 += cb) {
+        const int b1 = imin(b0 + cb, num_blocks);
+        load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
+        prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
+        /* rows in pairs: two rows x four keys give eight independent FMA chains. Rows are
+         * token-major, so the second row sees at least as many keys as the first; scores past
+         * a row's own limit are computed on real keys and then ignored. */
+        const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
+        for (int r = 0; r < rows; r += 2) {
+            const int pair = r + 1 < rows;
+            const int nv0 = imin(first_visible + r / group, c.nkeys);
+            const int nv1 = pair ? imin(first_visible + (r + 1) / group, c.nkeys) : 0;
+            if (nv0 <= 0 && nv1 <= 0) continue;
+            const float *q0 = S->q + (int64_t)r * D;
+            chunk_scores(&c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
+            if (nv0 > 0) online_softmax_pv(S, r, S->s, nv0, &c, D);
+            if (nv1 > 0) online_softmax_pv(S, r + 1, S->s + smax, nv1, &c, D);
+        }
+    }
+
+    for (int i = 0; i < ntok; i++) {
+        float *ot = P->out + (int64_t)(q_begin + it->t0 + i) * P->o_stride_tok;
+        for (int h = 0; h < group; h++) {
+            const int r = i * group + h;
+            float *dst = ot + (int64_t)(it->kv_head * group + h) * P->o_stride_head;
+            const float inv = 1.0f / S->l[r];
+            for (int d = 0; d < D; d++) dst[d] = S->acc[(int64_t)r * D + d] * inv;
+        }
+    }
+}
+
+static int scratch_alloc(Scratch *S, int rows, int D, int B) {
+    const size_t fl = sizeof(float), chunk = (size_t)chunk_blocks(B) * B;
+    S->q = (float *)malloc(fl * (size_t)rows * D);
+    S->acc = (float *)malloc(fl * (size_t)rows * D);
+    S->m = (float *)malloc(fl * (size_t)rows);
+    S->l = (float *)malloc(fl * (size_t)rows);
+    S->s = (float *)malloc(fl * chunk * 2); /* one score row per row of a pair */
+    S->kbuf = (float *)malloc(fl * chunk * D);
+    S->vbuf = (float *)malloc(fl * chunk * D);
+    return S->q && S->acc && S->m && S->l && S->s && S->kbuf && S->vbuf;
+}
+
+static void scratch_free(Scratch *S) {
+    free(S->q);
+    free(S->acc);
+    free(S->m);
+    free(S->l);
+    free(S->s);
+    free(S->kbuf);
+    free(S->vbuf);
+}
+
+/* Paged attention over the flat batch; the new K/V must already be in the cache. Returns
+ * PA_OK or a negative error code. Strides are in elements. */
+int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
+                 const int32_t *block_tables, const int32_t *query_start_loc,
+                 const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                 int max_blocks, int64_t bt_stride, int num_heads,
+                 int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
+                 int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
+                 int dtype, int num_threads, int64_t parallel_work) {
+    if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
+        block_size <= 0 || dtype < 0 || dtype > 2 || num_threads <= 0)
+        return PA_ERR_ARG;
+    const Problem P = {
+        .query = query, .out = out, .key_cache = key_cache, .value_cache = value_cache,
+        .block_tables = block_tables, .query_start_loc = query_start_loc, .seq_lens = seq_lens,
+        .bt_stride = bt_stride, .q_stride_tok = q_stride_tok, .q_stride_head = q_stride_head,
+        .o_stride_tok = o_stride_tok, .o_stride_head = o_stride_head, .num_heads = num_heads,
+        .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
+        .dtype = dtype, .scale = scale};
+    const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
+    int64_t n_items = 0;
+    const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
+    if (meta_status != PA_OK) return meta_status;
+    WorkItem *items = build_items(&P, num_reqs, tile, &n_items);
+    if (!items) return PA_ERR_NOMEM;
+    int nt = num_threads < n_items ? num_threads : (int)n_items;
+    /* waking a thread team costs microseconds (far more when cores are oversubscribed), so
+     * steps under parallel_work (rows x keys x head_dim) run on the calling thread */
+    int64_t work = 0;
+    for (int64_t i = 0; i < n_items; i++) work += items[i].cost;
+    if (nt < 1 || work * head_dim < parallel_work) nt = 1;
+    int status = PA_OK;
+
+#pragma omp parallel num_threads(nt)
+    {
+        Scratch S;
+        const int ok = scratch_alloc(&S, tile * group, head_dim, block_size);
+        if (!ok) {
+#pragma omp atomic write
+            status = PA_ERR_NOMEM;
+        }
+        /* every thread must reach the worksharing loop; failed ones just skip their items */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++)
+            if (ok) run_item(&P, &items[i], &S);
+        scratch_free(&S);
+    }
+    free(items);
+    return status;
+}
+
+/* Lets the Python side check it loaded the build it expects. */
+int pa_abi_version(void) { return 3; }
+
+int pa_has_avx2(void) { return PA_AVX2; }
