@@ -111,6 +111,7 @@ class LLMEngine:
         """Schedules, runs the model once, samples, and returns progress of every touched request."""
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        self._record_peaks()
         t1 = time.perf_counter()
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
@@ -122,9 +123,6 @@ class LLMEngine:
         outputs = self._collect_outputs({r.parent_id for r in touched})
         self._record_times(t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.counters.num_steps += 1
-        used = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
-        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
-        self.counters.peak_running = max(self.counters.peak_running, len(self.scheduler.running))
         self._maybe_log()
         return outputs
 
@@ -182,6 +180,12 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ stats
+    def _record_peaks(self) -> None:
+        """Right after scheduling, before finished requests free their blocks."""
+        kv, c = self.scheduler.kv, self.counters
+        c.peak_used_blocks = max(c.peak_used_blocks, kv.num_blocks - kv.num_free_blocks)
+        c.peak_running = max(c.peak_running, len(self.scheduler.running))
+
     def _record_times(self, schedule: float, execute: float, update: float) -> None:
         t, runner = self.step_times, self.executor.runner
         sample, self._sample_time = getattr(self, "_sample_time", 0.0), 0.0

@@ -73,8 +73,15 @@ class OutputProcessor:
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params)
 
     def update_text(self, req: Request) -> str | None:
-        """Detokenizes the sequence's new tokens; returns the stop string it hit, if any."""
+        """Detokenizes the sequence's new tokens; returns the stop string it hit, if any.
+
+        With no stop strings and only a final output wanted, nobody looks at the text before
+        the end, so it is decoded once when the sequence finishes.
+        """
         state = self.states[req.parent_id]
+        params = req.params
+        if params.output_kind == "final_only" and not params.stop and not req.is_finished:
+            return None
         seq = state.seqs.get(req.index)
         if seq is None:
             detok = None

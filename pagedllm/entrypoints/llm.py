@@ -35,7 +35,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for every prompt; returns RequestOutputs in input order."""
         prompts = _as_list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        params = [_final_only(p) for p in self._params_list(sampling_params, len(prompts))]
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 
@@ -111,6 +111,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """generate() returns finished outputs only, so the engine need not build partial ones."""
+    params = params.clone()
+    params.output_kind = "final_only"
+    return params
 
 
 def _as_list(prompts) -> list:

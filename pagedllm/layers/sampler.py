@@ -36,18 +36,23 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()  # [num_rows, vocab]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # log-probs are only computed when some row reports them or ranks by them (best_of)
+        need_lp = any(r.params.logprobs is not None or (r.params.best_of or 0) > r.params.n for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
         logits = _mask_banned(logits, rows)
         logits = _apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist(), [0.0] * len(rows), None)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(raw_logprobs, rows))
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        flags = [r.params.greedy for r in rows]
+        if all(flags):
             return tokens
+        greedy = torch.tensor(flags, device=logits.device)
         sampled = _sample_random(logits, rows)
         return torch.where(greedy, tokens, sampled)
 
