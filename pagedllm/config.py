@@ -124,9 +124,10 @@ def parse_swap_space(value: int | float | str) -> int:
             raise ValueError(f"swap_space={value!r} must be >= 0 GiB")
         return int(value * 1024**3)
     try:
-        return int(float(value) * 1024**3)
+        gib = float(value)
     except (TypeError, ValueError):
         return parse_size(value, "swap_space")
+    return parse_swap_space(gib)
 
 
 def default_device() -> torch.device:

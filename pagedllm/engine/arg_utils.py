@@ -37,6 +37,7 @@ class EngineArgs:
     device: str = "auto"
     watermark: float = 0.01
     disable_log_stats: bool = True
+    log_stats_interval: float = 10.0  # seconds between engine log lines when stats are logged
     served_model_name: str | None = None
     tokenizer_mode: str = "auto"
     preallocation: str = "none"  # benchmark knob: emulate contiguous pre-allocation
@@ -62,7 +63,7 @@ class EngineArgs:
             device=device,
             attention_backend=self.attention_backend,
             num_threads=self.num_threads,
-            log_stats_interval=0 if self.disable_log_stats else 10.0,
+            log_stats_interval=0 if self.disable_log_stats else self.log_stats_interval,
         )
 
     def _model_config(self, device: torch.device) -> ModelConfig:

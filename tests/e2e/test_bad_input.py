@@ -73,3 +73,14 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 def test_kv_cache_too_small_for_max_model_len(llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(llama_dir, block_size=8, num_gpu_blocks_override=10, max_model_len=512)
+
+
+def test_stop_token_ids_outside_vocabulary(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["hello"], SamplingParams(stop_token_ids=[10**6], min_tokens=2, max_tokens=4), use_tqdm=False)
+    _still_serves(llm)
+
+
+def test_negative_swap_space(llama_dir):
+    with pytest.raises(ValueError, match="swap_space"):
+        LLM(llama_dir, swap_space="-1", num_gpu_blocks_override=64, max_model_len=256)

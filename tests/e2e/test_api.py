@@ -1,0 +1,82 @@
+"""The offline API surface: chat, engine methods, metrics, logging, Hub errors."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, block_size=8, num_gpu_blocks_override=200)
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hello world"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, chat_template=TEMPLATE)[0]
+    expected = tok.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+    assert out.prompt_token_ids == expected
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_chat_without_template_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_engine_step_abort_and_metrics(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("keep", "hello world", params)
+    engine.add_request("drop", "the lazy dog", params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("keep", "again", params)
+    engine.step()
+    metrics = {m.name: m.value for m in llm.get_metrics() if not m.labels}
+    assert metrics["pagedllm:num_requests_running"] == 2
+    assert llm.get_kv_cache_stats().num_used_blocks > 0
+    engine.abort_request("drop")
+    assert len(engine.scheduler.running) == 1
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["keep"] and finished[0].outputs[0].finish_reason == "length"
+    metrics = {(m.name, tuple(m.labels.items())): m.value for m in llm.get_metrics()}
+    assert metrics[("pagedllm:request_success", (("finished_reason", "abort"),))] >= 1
+    assert metrics[("pagedllm:generation_tokens", ())] >= 50
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
+
+
+def test_periodic_log_line(llama_dir, caplog):
+    llm = LLM(llama_dir, num_gpu_blocks_override=100, disable_log_stats=False, log_stats_interval=1e-9)
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
+        llm.generate(["hello world"], SamplingParams(max_tokens=3), use_tqdm=False)
+    line = next(r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage())
+    for part in ("Running:", "Swapped:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line
+
+
+def test_start_up_logs_block_count(llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm.worker.executor"):
+        LLM(llama_dir, kv_cache_memory="1MiB", max_model_len=256)
+    assert any("KV cache:" in r.getMessage() and "blocks" in r.getMessage() for r in caplog.records)
+
+
+def test_uncached_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="Hub"):
+        LLM("pagedllm-test/definitely-not-cached")
+
+
+def test_kv_cache_memory_sizes_the_pool(llama_dir):
+    llm = LLM(llama_dir, kv_cache_memory="1MiB", block_size=16, max_model_len=256)
+    # tiny llama: 2 layers x 2 KV heads x 16 dims x 4 bytes x (K and V) = 512 bytes/token
+    assert llm.get_kv_cache_stats().num_blocks == 1024 * 1024 // (512 * 16)
