@@ -199,8 +199,10 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ ops
     async def _call(self, fn: Callable, *args: Any) -> Any:
         """Runs ``fn(*args)`` on the engine thread between steps and returns its result."""
-        if self.dead_error is not None:
-            raise self.dead_error
+        if self._thread is None and not self._stopping:
+            self.start()  # used without a server lifespan: start on first use
+        if self.dead_error is not None or self._stopping:
+            raise self.dead_error or EngineDeadError("the engine has been shut down")
         fut = self._loop.create_future()
         self._submit(fn, args, fut)
         return await fut

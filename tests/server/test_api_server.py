@@ -23,7 +23,8 @@ PROMPTS = ["hello world", "the quick brown fox", "paged attention keeps", "a blo
 
 @pytest.fixture(scope="module")
 def client(live_server):  # noqa: F811
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,10 @@ def test_n_seed_and_logprobs(client):
     a, b = client.completions.create(**kw, logprobs=2), client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in b.choices]
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
@@ -303,10 +308,11 @@ def test_api_key_and_chat_template_flag(server_model_dir, tmp_path):  # noqa: F8
         assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 401
         r = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
-        assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0) as good:
+            assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
         toks = httpx.post(f"{srv.url}/tokenize", json={"messages": [{"role": "user", "content": "ab"}]},
                           headers={"Authorization": "Bearer sekret"}).json()["tokens"]
@@ -316,13 +322,14 @@ def test_api_key_and_chat_template_flag(server_model_dir, tmp_path):  # noqa: F8
         srv.stop()
 
 
-def test_engine_death_gives_500_and_health_503(server_model_dir):  # noqa: F811
+def test_engine_death_gives_500_and_health_503(server_model_dir, request):  # noqa: F811
     srv = start_server(server_model_dir)
     try:
         def boom():
             raise RuntimeError("simulated step failure")
         srv.engine.engine.step = boom
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=10)
+        request.addfinalizer(client.close)
         with pytest.raises(openai.InternalServerError, match="simulated step failure"):
             client.completions.create(model="tiny", prompt="hi", max_tokens=4)
         health = httpx.get(f"{srv.url}/health")
@@ -336,7 +343,7 @@ def test_engine_death_gives_500_and_health_503(server_model_dir):  # noqa: F811
         assert not srv.thread.is_alive() and time.time() - start < 15
 
 
-def test_engine_death_mid_stream_sends_error_event(server_model_dir):  # noqa: F811
+def test_engine_death_mid_stream_sends_error_event(server_model_dir, request):  # noqa: F811
     srv = start_server(server_model_dir)
     try:
         real_step, calls = srv.engine.engine.step, []
@@ -348,6 +355,7 @@ def test_engine_death_mid_stream_sends_error_event(server_model_dir):  # noqa: F
             return real_step()
         srv.engine.engine.step = dies_on_twentieth
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=10)
+        request.addfinalizer(client.close)
         stream = client.completions.create(model="tiny", prompt="hi", max_tokens=50, stream=True,
                                            extra_body={"ignore_eos": True})
         received = []

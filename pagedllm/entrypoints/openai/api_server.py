@@ -21,6 +21,7 @@ from collections.abc import Awaitable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
@@ -81,8 +82,17 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
     return await with_cancellation(raw, _serving(raw).create_chat_completion(request, time.time()))
 
 
-@router.post("/generate", responses=_ERRORS)
-async def generate(request: GenerateRequest, raw: Request):
+_GENERATE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": GenerateRequest.model_json_schema()}}}}
+
+
+@router.post("/generate", responses=_ERRORS, openapi_extra=_GENERATE_BODY)
+async def generate(raw: Request):
+    """vLLM's legacy endpoint; like vLLM it reads JSON whatever the content type (``curl -d``)."""
+    try:
+        request = GenerateRequest.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
     return await with_cancellation(raw, _serving(raw).generate(request, time.time()))
 
 
@@ -246,8 +256,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the --model value)")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
+                        "(or set $PAGEDLLM_API_KEY)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     add_engine_args(parser)
@@ -264,7 +275,7 @@ def run_server(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     engine_args = engine_args_from_cli(args)
     app = build_app(engine_args, served_model_name=args.served_model_name or [args.model],
-                    chat_template=args.chat_template, api_key=args.api_key)
+                    chat_template=args.chat_template, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

@@ -278,8 +278,8 @@ class OpenAIServing:
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids)
         kwargs = {k: v for k, v in optional.items() if v is not None}
-        kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-                      include_stop_str_in_output=req.include_stop_str_in_output,
+        kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
+                      min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, output_kind=output_kind, **fields)
         try:
             return SamplingParams(**kwargs)
