@@ -239,7 +239,12 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
      "top_logprobs"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": "nope"}', "model"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}', None),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                             '"top_logprobs": 21}', "top_logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     "tools"),
     ("/generate", '{"prompt": "x", "bogus": 1}', "bogus"),
     ("/generate", '{"prompt": "x", "top_k": 1.5}', "top_k"),
     ("/tokenize", '{}', "prompt"),

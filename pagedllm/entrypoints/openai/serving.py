@@ -35,6 +35,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
 _PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
                 | set(GenerateRequest.model_fields))
 _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
+_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 # ---------------------------------------------------------------------- errors
@@ -365,6 +366,18 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
         """``POST /v1/chat/completions``: renders the chat template, then generates."""
         model = self.check_model(req.model)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            group = await self.start_chat(rid, req, arrival)
+        except ServingError as exc:
+            exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # engine messages name the prompt/logprobs
+            raise
+        if req.stream:
+            return await start_streaming(sse_body(self.chat_events(group, rid, model, req), group),
+                                         "text/event-stream")
+        return self.chat_response(rid, model, req, (await collect(group))[0])
+
+    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float) -> RequestGroup:
         _unsupported(req.tools, "tools", "tools (function calling)")
         fmt = (req.response_format or {}).get("type", "text")
         _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
@@ -375,12 +388,7 @@ class OpenAIServing:
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
                                       logprobs=logprobs)
         prompt = self.render_chat(req.messages, req.add_generation_prompt)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.start(rid, [prompt], params, arrival)
-        if req.stream:
-            return await start_streaming(sse_body(self.chat_events(group, rid, model, req), group),
-                                         "text/event-stream")
-        return self.chat_response(rid, model, req, (await collect(group))[0])
+        return await self.start(rid, [prompt], params, arrival)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
         """Chat template -> prompt text and ids (no extra BOS: the template writes its own)."""
