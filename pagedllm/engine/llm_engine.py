@@ -13,7 +13,7 @@ from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.executor import UniProcExecutor
 
@@ -174,6 +174,8 @@ class LLMEngine:
                 continue
             finished = all(s.is_finished for s in seqs) and len(seqs) == seqs[0].params.num_sequences
             out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
+            if out is not None:
+                out.metrics = _request_metrics(seqs, finished)
             if finished:
                 for s in seqs:
                     self.counters.request_success[s.finish_reason] += 1
@@ -264,6 +266,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+
+def _request_metrics(seqs: list[Request], finished: bool) -> RequestMetrics:
+    """Timestamps of a user request over its sequences: earliest first token, latest last token."""
+    firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+    lasts = [s.last_token_time for s in seqs if s.last_token_time is not None]
+    return RequestMetrics(arrival_time=seqs[0].arrival_time, first_scheduled_time=seqs[0].first_scheduled_time,
+                          first_token_time=min(firsts, default=None), last_token_time=max(lasts, default=None),
+                          finished_time=time.time() if finished else None)
 
 
 def _load_tokenizer(path: str):

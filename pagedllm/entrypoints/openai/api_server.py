@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    pagedllm serve MODEL [flags]
+    python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
+
+``build_app`` makes the ASGI app from EngineArgs, an LLMEngine or an AsyncLLMEngine; the engine
+thread starts with the app (lifespan) and stops with it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
+
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                       GenerateRequest, TokenizeRequest)
+from .serving import OpenAIServing, ServingError, error_body
+
+logger = logging.getLogger(__name__)
+
+# routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
+_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize")
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
+
+router = APIRouter()
+
+
+# ---------------------------------------------------------------------- cancellation
+async def with_cancellation(raw: Request, handler: Awaitable):
+    """Runs a handler, cancelling it if the client disconnects first (its requests are aborted).
+
+    Starlette cancels a streaming body on disconnect by itself, but a plain handler keeps
+    running; this races it against the ``http.disconnect`` message.
+    """
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _serving(raw: Request) -> OpenAIServing:
+    return raw.app.state.serving
+
+
+# ---------------------------------------------------------------------- routes
+@router.post("/v1/completions", responses=_ERRORS)
+async def create_completion(request: CompletionRequest, raw: Request):
+    return await with_cancellation(raw, _serving(raw).create_completion(request, time.time()))
+
+
+@router.post("/v1/chat/completions", responses=_ERRORS)
+async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
+    return await with_cancellation(raw, _serving(raw).create_chat_completion(request, time.time()))
+
+
+_GENERATE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": GenerateRequest.model_json_schema()}}}}
+
+
+@router.post("/generate", responses=_ERRORS, openapi_extra=_GENERATE_BODY)
+async def generate(raw: Request):
+    """vLLM's legacy endpoint; like vLLM it reads JSON whatever the content type (``curl -d``)."""
+    try:
+        request = GenerateRequest.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+    return await with_cancellation(raw, _serving(raw).generate(request, time.time()))
+
+
+@router.get("/v1/models")
+async def show_models(raw: Request):
+    return _serving(raw).models()
+
+
+@router.post("/tokenize", responses=_ERRORS)
+async def tokenize(request: TokenizeRequest, raw: Request):
+    return _serving(raw).tokenize(request)
+
+
+@router.post("/detokenize", responses=_ERRORS)
+async def detokenize(request: DetokenizeRequest, raw: Request):
+    return _serving(raw).detokenize(request)
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    engine: AsyncLLMEngine = raw.app.state.engine
+    if engine.is_healthy:
+        return Response(status_code=200)
+    reason = str(engine.dead_error or "the engine is not running")
+    return JSONResponse(error_body(reason, 503), status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    snapshot = await raw.app.state.engine.get_metrics()
+    return Response(raw.app.state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---------------------------------------------------------------------- errors and auth
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first offending field."""
+    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if err.get("type") == "json_invalid":  # loc is a character offset, not a field
+        reason = (err.get("ctx") or {}).get("error", "")
+        return JSONResponse(error_body(f"malformed JSON body: {reason}".rstrip(": "), 400), status_code=400)
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    # a union field fails once per alternative: show a few, so "expected str or list" is visible
+    message = "; ".join(_describe(e) for e in exc.errors()[:3])
+    return JSONResponse(error_body(message, 400, param), status_code=400)
+
+
+def _describe(err: dict) -> str:
+    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+
+def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+
+def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), 500), status_code=500)
+
+
+def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ServingError, lambda _, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._ok(scope):
+            body = error_body("invalid or missing API key", 401, code="invalid_api_key")
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.expected)
+
+
+# ---------------------------------------------------------------------- the app
+def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
+              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The ASGI app; ``chat_template`` is a template string or a path to a template file."""
+    async_engine = _as_async_engine(engine)
+    names = _served_names(engine, served_model_name)
+    prometheus = PrometheusMetrics(names[0])
+    async_engine.observers.append(prometheus)
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
+    app.state.engine, app.state.metrics = async_engine, prometheus
+    app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template))
+    app.include_router(router)
+    _add_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
+    if isinstance(engine, AsyncLLMEngine):
+        return engine
+    if isinstance(engine, LLMEngine):
+        return AsyncLLMEngine(engine)
+    return AsyncLLMEngine.from_engine_args(engine)
+
+
+def _served_names(engine, served_model_name: str | list[str] | None) -> list[str]:
+    if isinstance(served_model_name, str):
+        return [served_model_name]
+    if served_model_name:
+        return list(served_model_name)
+    if isinstance(engine, EngineArgs):
+        return [engine.served_model_name or engine.model]
+    inner = engine.engine if isinstance(engine, AsyncLLMEngine) else engine
+    return [inner.model_config.model]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A path to a template file, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if value.endswith((".jinja", ".jinja2", ".j2")):
+        raise ValueError(f"chat_template={value!r}: file not found")
+    return value
+
+
+def _lifespan(engine: AsyncLLMEngine):
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+    return lifespan
+
+
+# ---------------------------------------------------------------------- command line
+_MISSING_HELP = {"tensor_parallel_size": "number of tensor-parallel ranks", "seed": "engine random seed"}
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Server flags plus the engine flags (vLLM's names)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the --model value)")
+    g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
+                        "(or set $PAGEDLLM_API_KEY)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    add_engine_args(parser)
+    for action in parser._actions:
+        if action.help is None and action.dest in _MISSING_HELP:
+            action.help = _MISSING_HELP[action.dest]
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Loads the model, then serves until interrupted."""
+    import uvicorn
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    engine_args = engine_args_from_cli(args)
+    app = build_app(engine_args, served_model_name=args.served_model_name or [args.model],
+                    chat_template=args.chat_template, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds ``pagedllm serve MODEL`` to the pagedllm CLI."""
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, help="model to serve (overrides --model)")
+    make_arg_parser(p)
+    p.set_defaults(func=run_server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server",
+                                     description="pagedllm OpenAI-compatible server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    args = make_arg_parser(parser).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_server(args)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

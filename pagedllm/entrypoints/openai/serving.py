@@ -1,0 +1,495 @@
+"""Request handlers behind the HTTP routes: completions, chat, tokenize, and legacy /generate.
+
+Every handler validates completely (model name, unsupported fields, SamplingParams, prompt
+length) before anything is streamed, so bad input is always a 400 with an OpenAI-style body.
+The engine requests of one HTTP request live in a ``RequestGroup`` whose synchronous
+``close()`` aborts whatever is unfinished: it runs in ``finally`` blocks, so a disconnect, a
+cancellation or an error anywhere frees the KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedllm.engine.llm_engine import PromptType
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatLogprob, ChatLogprobContent, ChatMessage, ChatResponseMessage,
+                       ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                       CompletionResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, GenerateRequest,
+                       ModelCard, ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+                500: "server_error", 503: "service_unavailable"}
+_PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+                | set(GenerateRequest.model_fields))
+_PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
+_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
+# ---------------------------------------------------------------------- errors
+def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else status}}
+
+
+class ServingError(Exception):
+    """An error with its HTTP status; the app turns it into an OpenAI-style error response."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.status, self.param, self.code), status_code=self.status)
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine/SamplingParams message names first ("top_p=0 is invalid")."""
+    match = re.match(r"[A-Za-z_]+", message)
+    word = _PARAM_ALIASES.get(match.group(0), match.group(0)) if match else None
+    return word if word in _PARAM_NAMES else None
+
+
+def bad_request(exc: BaseException) -> ServingError:
+    return ServingError(str(exc) or type(exc).__name__, 400, param_of(str(exc)))
+
+
+def _unsupported(condition: object, param: str, what: str) -> None:
+    if condition:
+        raise ServingError(f"{what} is not supported by this server", 400, param)
+
+
+# ---------------------------------------------------------------------- engine requests
+class RequestGroup:
+    """The engine requests behind one HTTP request (several prompts -> several requests)."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+        self.streams: list[RequestStream] = []
+        self._pumps: list[asyncio.Task] = []
+
+    async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:
+        """Queues one request; an invalid prompt or parameter becomes a 400."""
+        try:
+            self.streams.append(await self.engine.add_request(request_id, prompt, params, arrival))
+        except EngineDeadError:
+            raise
+        except (ValueError, TypeError) as exc:  # TypeError: the tokenizer refuses e.g. lone surrogates
+            raise bad_request(exc) from None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields ``(prompt index, output)`` from all requests as they arrive."""
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(self.streams)]
+        remaining = len(self.streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    async def finals(self) -> list[RequestOutput]:
+        """The last output of every request (requests run with output_kind="final_only")."""
+        last: list[RequestOutput | None] = [None] * len(self.streams)
+        async for i, out in self.outputs():
+            last[i] = out
+        return last
+
+    def close(self) -> None:
+        """Aborts every unfinished request (frees its blocks); safe to call more than once."""
+        for task in self._pumps:
+            task.cancel()
+        for stream in self.streams:
+            self.engine.abort(stream.request_id)
+
+
+async def _pump(i: int, stream: RequestStream, merged: asyncio.Queue) -> None:
+    try:
+        async for out in stream:
+            merged.put_nowait((i, out))
+        merged.put_nowait((i, None))
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+        merged.put_nowait((i, exc))
+
+
+# ---------------------------------------------------------------------- streaming helpers
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def sse_body(events: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:
+    """Server-sent events ending in ``[DONE]``.
+
+    An error before the first event propagates (so the client gets a real HTTP status); a
+    later one becomes an ``{"error": ...}`` event, since the 200 status is already sent.
+    """
+    sent = False
+    try:
+        async for event in events:
+            sent = True
+            yield event
+    except Exception as exc:
+        if not sent:
+            raise
+        status = 500 if not isinstance(exc, ServingError) else exc.status
+        yield sse(error_body(str(exc), status))
+    finally:
+        group.close()
+    yield sse("[DONE]")
+
+
+async def start_streaming(body: AsyncIterator[str], media_type: str) -> StreamingResponse:
+    """Waits for the first chunk, so errors before any output still get an HTTP error status."""
+    first = await anext(body)  # on error the generator has already closed its group
+
+    async def chained() -> AsyncIterator[str]:
+        yield first
+        async for chunk in body:
+            yield chunk
+    return StreamingResponse(chained(), media_type=media_type)
+
+
+async def collect(group: RequestGroup) -> list[RequestOutput]:
+    try:
+        return await group.finals()
+    finally:
+        group.close()
+
+
+# ---------------------------------------------------------------------- response pieces
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def completion_logprobs(c: CompletionOutput, offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy format; each top_logprobs dict holds the sampled token and the top-k."""
+    lp = CompletionLogprobs()
+    for token_id, entry in zip(c.token_ids, c.logprobs or []):
+        token = entry[token_id].decoded_token or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(entry[token_id].logprob)
+        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()})
+        lp.text_offset.append(offset)
+        offset += len(token)
+    return lp
+
+
+def _chat_logprob(token: str | None, logprob: float) -> ChatLogprob:
+    token = token or ""
+    return ChatLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8", "replace")))
+
+
+def chat_logprobs(c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs or []):
+        best = sorted(entry.values(), key=lambda e: -e.logprob)[:top]
+        sampled = _chat_logprob(entry[token_id].decoded_token, entry[token_id].logprob)
+        content.append(ChatLogprobContent(**sampled.model_dump(),
+                                          top_logprobs=[_chat_logprob(e.decoded_token, e.logprob) for e in best]))
+    return ChatChoiceLogprobs(content=content)
+
+
+@dataclass
+class StreamState:
+    """What a stream has sent so far: finished choices, text offsets, token counts."""
+
+    finished: set[int] = field(default_factory=set)
+    started: set[int] = field(default_factory=set)
+    text_len: dict[int, int] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+    logprobs: bool = False  # per-token logprobs must reach the client even when the text is held back
+
+    def news(self, i: int, out: RequestOutput, n: int) -> list[tuple[int, CompletionOutput]]:
+        """The choices of this output that carry something new, with their global index."""
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        fresh = []
+        for c in out.outputs:
+            idx = i * n + c.index
+            self.completion_tokens += len(c.token_ids)
+            if idx in self.finished or not (c.text or c.finish_reason or (self.logprobs and c.token_ids)):
+                continue  # nothing to show: text held back (a partial character, a possible stop string)
+            if c.finish_reason is not None:
+                self.finished.add(idx)
+            fresh.append((idx, c))
+        return fresh
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens)
+
+
+# ---------------------------------------------------------------------- the handlers
+class OpenAIServing:
+    """Completion, chat, tokenizer and legacy handlers over one AsyncLLMEngine."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_config = engine.engine.model_config
+        # the engine thread uses its tokenizer concurrently; a fast tokenizer is not safe to share
+        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        self.chat_template = chat_template
+
+    # ------------------------------------------------------------------ shared checks
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise ServingError(f"The model `{name}` does not exist; this server serves "
+                               f"{self.served_model_names}", 400, "model", "model_not_found")
+        return name
+
+    def check_token_ids(self, ids: list[int] | None, param: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"{param} contains {bad[:5]}: token ids must be in [0, {vocab})", 400, param)
+
+    def sampling_params(self, req: SamplingFields, output_kind: str, **fields) -> SamplingParams:
+        """SamplingParams from the request's fields (None = the default); ValueError -> 400."""
+        _unsupported(req.logit_bias, "logit_bias", "logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
+        self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids)
+        kwargs = {k: v for k, v in optional.items() if v is not None}
+        kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
+                      min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind, **fields)
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from None
+
+    async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
+                    arrival: float) -> RequestGroup:
+        """Adds every prompt's request; if one is invalid, aborts those already added."""
+        group = RequestGroup(self.engine)
+        try:
+            for i, prompt in enumerate(prompts):
+                await group.add(base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, params, arrival)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    # ------------------------------------------------------------------ completions
+    async def create_completion(self, req: CompletionRequest, arrival: float):
+        """``POST /v1/completions``: a JSON response, or server-sent events when streaming."""
+        model = self.check_model(req.model)
+        _unsupported(req.suffix, "suffix", "suffix")
+        _unsupported(req.echo and req.logprobs is not None, "echo", "echo together with logprobs")
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
+        params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
+                                      best_of=req.best_of, logprobs=req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        group = await self.start(rid, self.completion_prompts(req.prompt), params, arrival)
+        if req.stream:
+            body = sse_body(self.completion_events(group, rid, model, req), group)
+            return await start_streaming(body, "text/event-stream")
+        return self.completion_response(rid, model, req, await collect(group))
+
+    def completion_prompts(self, prompt) -> list[PromptType]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ServingError("prompt must not be empty", 400, "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    def completion_response(self, rid: str, model: str, req: CompletionRequest,
+                            finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(finals):
+            prefix = self.prompt_text(out) if req.echo else ""
+            for j, c in enumerate(out.outputs):
+                lp = completion_logprobs(c, 0) if req.logprobs is not None else None
+                choices.append(CompletionChoice(index=i * (req.n or 1) + j, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
+
+    async def completion_events(self, group: RequestGroup, rid: str, model: str,
+                                req: CompletionRequest) -> AsyncIterator[str]:
+        state, created = StreamState(logprobs=req.logprobs is not None), int(time.time())
+        async for i, out in group.outputs():
+            for idx, c in state.news(i, out, req.n or 1):
+                yield sse(self.completion_chunk(state, idx, c, out, req, rid, model, created))
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": state.usage().model_dump()})
+
+    def completion_chunk(self, state: StreamState, idx: int, c: CompletionOutput, out: RequestOutput,
+                         req: CompletionRequest, rid: str, model: str, created: int) -> dict:
+        text = c.text
+        if req.echo and idx not in state.started:
+            text = self.prompt_text(out) + text
+        state.started.add(idx)
+        offset = state.text_len.get(idx, 0)
+        state.text_len[idx] = offset + len(text)
+        lp = completion_logprobs(c, offset) if req.logprobs is not None else None
+        choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason)
+        return CompletionResponse(id=rid, model=model, created=created, choices=[choice]).model_dump()
+
+    # ------------------------------------------------------------------ chat
+    async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
+        """``POST /v1/chat/completions``: renders the chat template, then generates."""
+        model = self.check_model(req.model)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            group = await self.start_chat(rid, req, arrival)
+        except ServingError as exc:
+            exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # engine messages name the prompt/logprobs
+            raise
+        if req.stream:
+            return await start_streaming(sse_body(self.chat_events(group, rid, model, req), group),
+                                         "text/event-stream")
+        return self.chat_response(rid, model, req, (await collect(group))[0])
+
+    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float) -> RequestGroup:
+        _unsupported(req.tools, "tools", "tools (function calling)")
+        fmt = (req.response_format or {}).get("type", "text")
+        _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
+                                      logprobs=logprobs)
+        prompt = self.render_chat(req.messages, req.add_generation_prompt)
+        return await self.start(rid, [prompt], params, arrival)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
+        """Chat template -> prompt text and ids (no extra BOS: the template writes its own)."""
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ServingError("this model's tokenizer has no chat template; start the server with "
+                               "--chat-template FILE_OR_STRING", 400, "messages")
+        if not messages:
+            raise ServingError("messages must not be empty", 400, "messages")
+        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+            return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        except Exception as exc:  # jinja errors (raise_exception in a template), tokenizer type errors
+            raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
+
+    def chat_response(self, rid: str, model: str, req: ChatCompletionRequest,
+                      out: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatCompletionChoice(
+            index=j, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason, logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None)
+            for j, c in enumerate(out.outputs)]
+        return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([out]))
+
+    async def chat_events(self, group: RequestGroup, rid: str, model: str,
+                          req: ChatCompletionRequest) -> AsyncIterator[str]:
+        state, created = StreamState(logprobs=bool(req.logprobs)), int(time.time())
+        chunk = lambda choice: sse(ChatCompletionChunk(  # noqa: E731
+            id=rid, model=model, created=created, choices=[choice]).model_dump())
+        async for _, out in group.outputs():
+            for idx, c in state.news(0, out, req.n or 1):
+                if idx not in state.started:  # OpenAI streams open each choice with the role
+                    state.started.add(idx)
+                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content="")))
+                lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
+                yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(content=c.text), logprobs=lp,
+                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": state.usage().model_dump()})
+
+    # ------------------------------------------------------------------ tokenizer and models
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ServingError("give exactly one of prompt or messages", 400, "prompt")
+        if req.messages is not None:
+            ids = self.render_chat(req.messages, req.add_generation_prompt)["prompt_token_ids"]
+        else:
+            ids = _encode(self.tokenizer, req.prompt, req.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.model_config.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        self.check_token_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=self.model_config.model,
+                                         max_model_len=self.model_config.max_model_len)
+                               for name in self.served_model_names])
+
+    # ------------------------------------------------------------------ legacy /generate
+    async def generate(self, req: GenerateRequest, arrival: float):
+        """vLLM's simple api_server: ``{"text": [prompt + completion, ...]}``; streams NDJSON."""
+        fields = req.model_dump(exclude={"prompt", "stream"})
+        self.check_token_ids(fields["stop_token_ids"], "stop_token_ids")
+        try:
+            params = SamplingParams(**fields, output_kind="cumulative" if req.stream else "final_only")
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from None
+        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+        group = await self.start(f"generate-{uuid.uuid4().hex}", [prompt], params, arrival)
+        if req.stream:
+            return await start_streaming(self.generate_lines(group), "application/x-ndjson")
+        return JSONResponse(self.generate_json((await collect(group))[0]))
+
+    def generate_json(self, out: RequestOutput) -> dict:
+        prompt = self.prompt_text(out)
+        return {"text": [prompt + c.text for c in out.outputs]}
+
+    async def generate_lines(self, group: RequestGroup) -> AsyncIterator[str]:
+        """One JSON object per line (vLLM's format); an error after the first line ends the stream."""
+        try:
+            async for _, out in group.outputs():
+                yield json.dumps(self.generate_json(out)) + "\n"
+        finally:
+            group.close()
+
+
+def _message_text(m: ChatMessage) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    if any(p.type != "text" for p in m.content):
+        raise ServingError("only text content parts are supported", 400, "messages")
+    return "".join(p.text or "" for p in m.content)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (TypeError, ValueError) as exc:
+        raise ServingError(f"cannot tokenize the prompt: {exc}", 400, "prompt") from None
+

@@ -1,0 +1,102 @@
+"""Prometheus glue: vLLM's metric set under the ``pagedllm:`` prefix, one registry per server.
+
+Gauges and counters are a snapshot of ``LLMEngine.get_metrics()`` taken (on the engine thread)
+just before each scrape and exposed through a custom collector, so the engine's own counters
+stay the single source of truth. Latency histograms are observed as outputs leave the engine.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedllm.metrics.stats import Metric
+from pagedllm.outputs import RequestOutput
+
+__all__ = ["PrometheusMetrics", "CONTENT_TYPE_LATEST"]
+
+# vLLM's buckets: latency in seconds from sub-millisecond decode steps to minute-long requests
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+_HELP = {
+    "pagedllm:num_requests_running": "Number of sequences in the running batch.",
+    "pagedllm:num_requests_waiting": "Number of requests waiting to be scheduled.",
+    "pagedllm:num_requests_swapped": "Number of requests swapped to CPU.",
+    "pagedllm:kv_cache_usage_perc": "KV-cache usage: 1 means 100 percent of blocks in use.",
+    "pagedllm:cpu_kv_cache_usage_perc": "CPU (swap) KV-cache usage: 1 means 100 percent.",
+    "pagedllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "pagedllm:prefix_cache_hits": "Prompt tokens served by the prefix cache.",
+    "pagedllm:num_preemptions": "Cumulative number of preemptions.",
+    "pagedllm:prompt_tokens": "Number of prefill tokens processed.",
+    "pagedllm:generation_tokens": "Number of generation tokens processed.",
+    "pagedllm:request_success": "Count of finished sequences by finish reason.",
+}
+
+
+class _EngineSnapshotCollector(Collector):
+    """Exposes the last engine metric snapshot as gauge and counter families."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: list[Metric] = []
+
+    def collect(self):
+        by_name: dict[str, list[Metric]] = defaultdict(list)
+        for m in self.snapshot:
+            by_name[m.name].append(m)
+        for name, metrics in by_name.items():
+            yield self._family(name, metrics)
+
+    def _family(self, name: str, metrics: list[Metric]):
+        label_names = ["model_name", *sorted(metrics[0].labels)]
+        cls = CounterMetricFamily if metrics[0].kind == "counter" else GaugeMetricFamily
+        family = cls(name, _HELP.get(name, name), labels=label_names)
+        for m in metrics:
+            family.add_metric([self.model_name, *(str(m.labels[k]) for k in label_names[1:])], m.value)
+        return family
+
+
+class PrometheusMetrics:
+    """The ``/metrics`` registry of one server; also an AsyncLLMEngine output observer."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine = _EngineSnapshotCollector(model_name)
+        self.registry.register(self._engine)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                                   REQUEST_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds", "Time spent waiting before the first schedule.",
+                                     REQUEST_BUCKETS)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        hist = Histogram(f"pagedllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return hist.labels(model_name=self.model_name)
+
+    def observe(self, out: RequestOutput, prev_token_time: float | None) -> None:
+        """Records latencies of one output; ``prev_token_time`` is the request's previous last token."""
+        m = out.metrics
+        if m is None:
+            return
+        if prev_token_time is None and m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        elif prev_token_time is not None and m.last_token_time is not None and m.last_token_time > prev_token_time:
+            self.itl.observe(m.last_token_time - prev_token_time)
+        if out.finished and m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+
+    def render(self, engine_metrics: list[Metric]) -> bytes:
+        """Prometheus text exposition, with gauges/counters taken from ``engine_metrics``."""
+        self._engine.snapshot = engine_metrics
+        return generate_latest(self.registry)

@@ -1,0 +1,94 @@
+"""Live-server helpers and fixtures: uvicorn in a background thread, tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import make_model_dir
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@dataclass
+class LiveServer:
+    """A running server: its base URL, app (engine in ``app.state.engine``) and uvicorn handle."""
+
+    url: str
+    app: object
+    server: object
+    thread: threading.Thread
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    def on_loop(self, coro, timeout: float = 30):
+        """Runs a coroutine on the server's event loop (where the engine's futures live)."""
+        loop = self.engine._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def wait_idle(self, timeout: float = 10):
+        """Waits until no request is in flight and returns the KV-cache stats."""
+        deadline = time.time() + timeout
+        while True:
+            stats = self.on_loop(self.engine.get_kv_cache_stats())
+            if (stats.num_used_blocks == 0 and self.engine.num_in_flight == 0) or time.time() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, api_key: str | None = None, chat_template: str | None = None,
+                 **engine_kwargs) -> LiveServer:
+    import uvicorn
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.api_server import build_app
+    kwargs = dict(block_size=8, num_gpu_blocks_override=256, max_model_len=128, max_num_seqs=128)
+    kwargs.update(engine_kwargs)
+    app = build_app(EngineArgs(model=model_dir, **kwargs), served_model_name="tiny", api_key=api_key,
+                    chat_template=chat_template)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama whose tokenizer carries a simple chat template."""
+    from transformers import AutoTokenizer
+    path = make_model_dir(tmp_path_factory.mktemp("server-llama"), "llama")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def live_server(server_model_dir):
+    srv = start_server(server_model_dir)
+    yield srv
+    srv.stop()

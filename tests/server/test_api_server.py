@@ -1,0 +1,399 @@
+"""The OpenAI-compatible server, driven by the real ``openai`` client against a live uvicorn."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import live_server, server_model_dir, start_server  # noqa: F401 - fixtures
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm import LLM, SamplingParams
+
+PROMPTS = ["hello world", "the quick brown fox", "paged attention keeps", "a block table",
+           "héllo wörld", "tiny tokenizer for tests", "jumps over the lazy dog", "this is a"]
+
+
+@pytest.fixture(scope="module")
+def client(live_server):  # noqa: F811
+    with openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir):  # noqa: F811
+    """The same model offline: the oracle for greedy text and token ids."""
+    return LLM(server_model_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128)
+
+
+def greedy(offline, prompt: str, max_tokens: int, **kw):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def metric_values(url: str) -> dict[tuple, float]:
+    """``{(sample name, sorted labels): value}`` of a /metrics scrape (parsed by prometheus_client)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def gauge(values: dict, name: str) -> float:
+    return values[(f"pagedllm:{name}", (("model_name", "tiny"),))]
+
+
+# ---------------------------------------------------------------------- happy paths
+def test_models_health_tokenize(live_server, client):  # noqa: F811
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{live_server.url}/health").status_code == 200
+    toks = httpx.post(f"{live_server.url}/tokenize", json={"prompt": "hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0 and toks["max_model_len"] == 128
+    text = httpx.post(f"{live_server.url}/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"]
+    assert "hello world" in text
+
+
+def test_completion_matches_offline_and_stream(client, offline):
+    ref = greedy(offline, "hello world", 10)
+    out = client.completions.create(model="tiny", prompt="hello world", max_tokens=10, temperature=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.completion_tokens == len(ref.token_ids) and out.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and not chunks[-1].choices
+
+
+def test_token_prompts_batch_and_echo(client, offline):
+    ids = offline.get_tokenizer().encode("the quick brown fox")
+    out = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == len(ids) + 2 and out.usage.completion_tokens == 16
+    out = client.completions.create(model="tiny", prompt=["x", "hello world"], max_tokens=4, temperature=0)
+    assert out.choices[1].text == greedy(offline, "hello world", 4).text
+    echo = client.completions.create(model="tiny", prompt="hello world", max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("hello world")
+
+
+def test_chat_stream_equals_non_stream(client):
+    msgs = [{"role": "user", "content": "hello there"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_n_seed_and_logprobs(client):
+    kw = dict(model="tiny", prompt="paged attention", max_tokens=6, temperature=1.0, seed=7, n=3)
+    a, b = client.completions.create(**kw, logprobs=2), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in b.choices]
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3, n=2)
+    content = chat.choices[1].logprobs.content
+    assert len(chat.choices) == 2 and len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_stop_strings_and_vllm_extras(client, offline):
+    ref = greedy(offline, "the quick brown fox", 16, ignore_eos=True)
+    stop = ref.text[4:6]
+    out = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == ref.text[:ref.text.find(stop)] and out.choices[0].finish_reason == "stop"
+    stop_id = ref.token_ids[3]
+    out = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=16, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id], "top_k": 5, "min_p": 0.01,
+                                                "repetition_penalty": 1.0, "min_tokens": 1, "ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == stop_id
+    assert out.usage.completion_tokens == ref.token_ids.index(stop_id) + 1
+
+
+def test_legacy_generate(live_server, offline):  # noqa: F811
+    body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0}
+    full = httpx.post(f"{live_server.url}/generate", json=body).json()
+    assert full == {"text": ["hello world" + greedy(offline, "hello world", 6).text]}
+    with httpx.stream("POST", f"{live_server.url}/generate", json={**body, "stream": True}) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1] == full and len(lines) >= 2
+
+
+# ---------------------------------------------------------------------- metrics
+def test_metrics_parse_and_gauges_move(live_server, client):  # noqa: F811
+    before = metric_values(live_server.url)
+    streams = [client.completions.create(model="tiny", prompt=p, max_tokens=100, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}) for p in PROMPTS[:4]]
+    for s in streams:
+        next(iter(s))  # every request is running now
+    during = metric_values(live_server.url)
+    assert gauge(during, "num_requests_running") >= 1 and gauge(during, "kv_cache_usage_perc") > 0
+    for s in streams:
+        s.close()
+    live_server.wait_idle()
+    client.completions.create(model="tiny", prompt="hi", max_tokens=3)  # aborted requests have no e2e latency
+    after = metric_values(live_server.url)
+    assert gauge(after, "num_requests_running") == 0 and gauge(after, "kv_cache_usage_perc") == 0
+    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "prefix_cache_queries_total"):
+        key = (f"pagedllm:{name}", (("model_name", "tiny"),))
+        assert after[key] > before.get(key, 0), name
+    abort = ("pagedllm:request_success_total", (("finished_reason", "abort"), ("model_name", "tiny")))
+    assert after[abort] >= before[abort] + 4
+    names = {k[0] for k in after}
+    for metric in ("num_requests_waiting", "num_requests_swapped", "cpu_kv_cache_usage_perc",
+                   "prefix_cache_hits_total", "num_preemptions_total"):
+        assert f"pagedllm:{metric}" in names
+
+
+# ---------------------------------------------------------------------- load and disconnects
+async def _one_stream(aclient, i: int, expected: dict[str, str]) -> str:
+    prompt = PROMPTS[i % len(PROMPTS)]
+    disconnect = i % 4 == 0
+    stream = await aclient.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
+                                              max_tokens=100 if disconnect else 8,
+                                              extra_body={"ignore_eos": disconnect})
+    text = ""
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        if disconnect:
+            await stream.close()  # drops the connection mid-stream
+            return "disconnected"
+    assert text == expected[prompt]
+    return "ok"
+
+
+def test_64_concurrent_streams_with_disconnects(live_server, offline):  # noqa: F811
+    expected = {p: greedy(offline, p, 8).text for p in PROMPTS}
+    before = metric_values(live_server.url)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0,
+                                      timeout=60) as aclient:
+            return await asyncio.gather(*(_one_stream(aclient, i, expected) for i in range(64)))
+    results = asyncio.run(run())
+    assert results.count("ok") == 48 and results.count("disconnected") == 16
+    stats = live_server.wait_idle()
+    assert stats.num_used_blocks == 0 and live_server.engine.num_in_flight == 0
+    assert not live_server.engine.engine.has_unfinished_requests()
+    abort = ("pagedllm:request_success_total", (("finished_reason", "abort"), ("model_name", "tiny")))
+    assert metric_values(live_server.url)[abort] >= before[abort] + 16
+
+
+def test_non_streaming_disconnect_aborts(live_server):  # noqa: F811
+    before = metric_values(live_server.url)
+    body = {"prompt": "hello world", "max_tokens": 110, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=0.3)
+    assert live_server.wait_idle().num_used_blocks == 0
+    abort = ("pagedllm:request_success_total", (("finished_reason", "abort"), ("model_name", "tiny")))
+    assert metric_values(live_server.url)[abort] == before[abort] + 1
+
+
+# ---------------------------------------------------------------------- bad input
+BAD = [
+    ("/v1/completions", '{"prompt": "x", ', None),
+    ("/v1/completions", '[1, 2]', None),
+    ("/v1/completions", '{"max_tokens": 5}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "temperature": "hot"}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "stream": "yes"}', "stream"),
+    ("/v1/completions", '{"prompt": 5}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "temperature": -1}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "top_p": 1.5}', "top_p"),
+    ("/v1/completions", '{"prompt": "x", "top_k": 0}', "top_k"),
+    ("/v1/completions", '{"prompt": "x", "n": 0}', "n"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "logprobs": 50}', "logprobs"),
+    ("/v1/completions", '{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
+    ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "seed": 100000000000000000000000}', "seed"),
+    ("/v1/completions", '{"prompt": "x", "stop_token_ids": [99999]}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": "x", "model": "gpt-4"}', "model"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1000}', "prompt"),
+    ("/v1/completions", '{"prompt": "' + "hello " * 200 + '"}', "prompt"),
+    ("/v1/completions", '{"prompt": [1, 99999]}', "prompt"),
+    ("/v1/completions", '{"prompt": ""}', "prompt"),
+    ("/v1/completions", '{"prompt": []}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "stream": true, "best_of": 3}', "best_of"),
+    ("/v1/completions", '{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+    ("/v1/chat/completions", '{"messages": "hi"}', "messages"),
+    ("/v1/chat/completions", '{"messages": []}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"content": "hi"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+     "top_logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": "nope"}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                             '"top_logprobs": 21}', "top_logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     "tools"),
+    ("/generate", '{"prompt": "x", "bogus": 1}', "bogus"),
+    ("/generate", '{"prompt": "x", "top_k": 1.5}', "top_k"),
+    ("/tokenize", '{}', "prompt"),
+    ("/detokenize", '{"tokens": [-1]}', "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD)
+def test_bad_input_is_400_and_server_keeps_serving(live_server, path, body, param):  # noqa: F811
+    r = httpx.post(f"{live_server.url}{path}", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    ok = httpx.post(f"{live_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_missing_chat_template_is_400(live_server, client, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(live_server.app.state.serving.tokenizer, "chat_template", None)
+    with pytest.raises(openai.BadRequestError, match="chat-template"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------- fuzz
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.integers(), st.floats(-5, 5),
+                     st.text(max_size=8))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                       max_leaves=6)
+_FIELDS = ["model", "prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+           "stream", "logprobs", "top_logprobs", "echo", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "best_of", "stream_options",
+           "tokens", "add_special_tokens"]
+_GOOD = {"prompt": st.sampled_from(["hi", "hello world", [5, 6, 7]]), "model": st.just("tiny"),
+         "messages": st.just([{"role": "user", "content": "hi"}])}
+_BODIES = st.fixed_dictionaries(
+    {"max_tokens": st.one_of(st.integers(-2, 4), _SCALARS)},
+    optional={f: st.one_of(_GOOD.get(f, _VALUES), _VALUES) for f in _FIELDS})
+_PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"])
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=_PATHS, body=st.one_of(_BODIES, _VALUES))
+def test_fuzz_never_500(live_server, path, body):  # noqa: F811
+    r = httpx.post(f"{live_server.url}{path}", json=body, timeout=30)
+    assert r.status_code in (200, 400), (r.status_code, r.text)
+    if r.status_code == 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_fuzz_left_nothing_behind(live_server):  # noqa: F811
+    assert live_server.wait_idle().num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------- separate servers
+def test_api_key_and_chat_template_flag(server_model_dir, tmp_path):  # noqa: F811
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    srv = start_server(server_model_dir, api_key="sekret", chat_template=str(template))
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0) as good:
+            assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
+        toks = httpx.post(f"{srv.url}/tokenize", json={"messages": [{"role": "user", "content": "ab"}]},
+                          headers={"Authorization": "Bearer sekret"}).json()["tokens"]
+        assert httpx.post(f"{srv.url}/detokenize", json={"tokens": toks},
+                          headers={"Authorization": "Bearer sekret"}).json()["prompt"] == "[ab]"
+    finally:
+        srv.stop()
+
+
+def test_engine_death_gives_500_and_health_503(server_model_dir, request):  # noqa: F811
+    srv = start_server(server_model_dir)
+    try:
+        def boom():
+            raise RuntimeError("simulated step failure")
+        srv.engine.engine.step = boom
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=10)
+        request.addfinalizer(client.close)
+        with pytest.raises(openai.InternalServerError, match="simulated step failure"):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "simulated step failure" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError):
+            list(client.completions.create(model="tiny", prompt="hi", max_tokens=4, stream=True))
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+    finally:
+        start = time.time()
+        srv.stop()
+        assert not srv.thread.is_alive() and time.time() - start < 15
+
+
+def test_engine_death_mid_stream_sends_error_event(server_model_dir, request):  # noqa: F811
+    srv = start_server(server_model_dir)
+    try:
+        real_step, calls = srv.engine.engine.step, []
+
+        def dies_on_twentieth():
+            calls.append(1)
+            if len(calls) >= 20:
+                raise RuntimeError("died mid-stream")
+            return real_step()
+        srv.engine.engine.step = dies_on_twentieth
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=10)
+        request.addfinalizer(client.close)
+        stream = client.completions.create(model="tiny", prompt="hi", max_tokens=50, stream=True,
+                                           extra_body={"ignore_eos": True})
+        received = []
+        with pytest.raises(openai.APIError, match="died mid-stream"):
+            for chunk in stream:
+                received.append(chunk.choices[0].text)
+        assert received  # the 200 and some text were already sent: the error arrives as an SSE event
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------- command line
+def test_module_help_lists_flags():
+    out = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--host", "--port", "--block-size", "--swap-space", "--gpu-memory-utilization",
+                 "--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--tensor-parallel-size", "--dtype", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                 "--preemption-mode", "--served-model-name", "--chat-template", "--api-key",
+                 "--uvicorn-log-level", "--model"):
+        assert flag in out.stdout, flag
+    assert "127.0.0.1" in out.stdout and "(default: 16)" in out.stdout
+
+
+def test_pagedllm_serve_parses_positional_model(capsys):
+    from pagedllm.engine.arg_utils import engine_args_from_cli
+    from pagedllm.entrypoints.cli import build_parser
+    args = build_parser().parse_args(["serve", "some/model", "--swap-space", "16GiB", "--port", "9000",
+                                      "--no-enable-prefix-caching", "--served-model-name", "a", "b"])
+    assert args.model_tag == "some/model" and args.port == 9000 and args.served_model_name == ["a", "b"]
+    engine_args = engine_args_from_cli(args)
+    assert engine_args.swap_space == "16GiB" and engine_args.enable_prefix_caching is False
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--help"])
+    assert exc.value.code == 0 and "--api-key" in capsys.readouterr().out
