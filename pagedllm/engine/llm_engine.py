@@ -15,7 +15,7 @@ from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.executor import UniProcExecutor
+from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model.tokenizer)
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks)
         self.sampler = Sampler()
@@ -266,6 +266,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops tensor-parallel worker processes (nothing to do for one process)."""
+        self.executor.shutdown()
 
 
 def _request_metrics(seqs: list[Request], finished: bool) -> RequestMetrics:

@@ -1,4 +1,4 @@
-"""Executors: run the model for a SchedulerOutput. One process for now (tensor_parallel_size=1)."""
+"""Executors: run the model for a SchedulerOutput, in this process or across tensor-parallel ranks."""
 from __future__ import annotations
 
 import logging
@@ -23,19 +23,27 @@ class UniProcExecutor:
     """Holds the model runner in this process; sizes and allocates the KV cache at start-up."""
 
     def __init__(self, config: EngineConfig):
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not supported yet; use 1")
         self.config = config
+        self._start_workers()
         if config.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or _physical_cores())
+            torch.set_num_threads(config.num_threads or num_threads_per_rank(config))
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config)
         self.num_blocks, self.num_cpu_blocks = self._size_cache()
-        self.runner.init_cache(self.num_blocks, self.num_cpu_blocks)
+        self.collective("init_cache", self.num_blocks, self.num_cpu_blocks)
+
+    def _start_workers(self) -> None:
+        """No other ranks in a single-process executor."""
+
+    def collective(self, method: str, *args):
+        """Calls ``method`` on the model runner of every rank (here: only this one)."""
+        return getattr(self.runner, method)(*args)
 
     def execute(self, scheduler_output):
-        return self.runner.execute(scheduler_output)
+        return self.collective("execute", scheduler_output)
+
+    def shutdown(self) -> None:
+        """Nothing to release in a single process."""
 
     # ------------------------------------------------------------------ sizing
     def _size_cache(self) -> tuple[int, int]:
@@ -64,7 +72,7 @@ class UniProcExecutor:
         before = _peak_rss()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        self.runner.profile_run(sched.max_num_batched_tokens, sched.max_model_len)
+        self.collective("profile_run", sched.max_num_batched_tokens, sched.max_model_len)
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             used = torch.cuda.max_memory_allocated(device)
@@ -98,6 +106,11 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def num_threads_per_rank(config: EngineConfig) -> int:
+    """Physical cores shared evenly between the tensor-parallel ranks."""
+    return max(1, _physical_cores() // config.parallel.tensor_parallel_size)
+
+
 def _physical_cores() -> int:
     try:
         with open("/proc/cpuinfo") as f:
@@ -105,3 +118,10 @@ def _physical_cores() -> int:
         return max(1, len(cores)) if cores else os.cpu_count() or 1
     except OSError:
         return os.cpu_count() or 1
+
+
+def make_executor(config: EngineConfig) -> UniProcExecutor:
+    if config.parallel.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    from pagedllm.worker.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor(config)
