@@ -49,14 +49,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import random
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -459,7 +457,7 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU/`silu` MLP, RoPE θ=10000) |",
+        "| architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU/`silu` MLP, RoPE θ=10000) |",
         f"| parameters | {stats['params']:,} ({stats['non_embedding_params']:,} non-embedding; embeddings tied) |",
         f"| layers / hidden / intermediate | {args.layers} / {args.hidden} / {args.ffn} |",
         f"| attention heads / KV heads / head_dim | {args.heads} / {args.kv_heads} (GQA) / {args.hidden // args.heads} |",
