@@ -159,6 +159,7 @@ def train_tokenizer(docs: list[str], vocab_size: int, out_dir: Path, max_len: in
         pad_token=PAD,
         model_max_length=max_len,
         clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
     )
     fast.save_pretrained(str(out_dir))
     return fast
@@ -245,6 +246,7 @@ def make_portable(out_dir: Path, save_dtype: str):
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     tc["add_bos_token"] = True
     tc["add_eos_token"] = False
+    tc["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 
