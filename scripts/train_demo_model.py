@@ -394,14 +394,12 @@ def main(argv=None):
             last_eval = time.time()
     train_s = time.time() - t_train
 
-    # ---- final evaluation (full splits are small enough: cap at a few hundred windows)
+    # ---- final evaluation: the whole val split; the first 256 windows of train
     final_train = evaluate(model, train_stream, args.seq_len, args.batch, 256)
     final_val = evaluate(model, val_stream, args.seq_len, args.batch, 10**9)
     print(f"final: {step} steps, {tokens_seen:,} tokens, {train_s / 60:.1f} min; "
           f"train loss {final_train:.4f}, val loss {final_val:.4f} "
           f"(ppl {math.exp(final_val):.1f})", flush=True)
-    log.append({"step": step, "minutes": round(train_s / 60, 2),
-                "train_loss_ema": round(ema, 4), "val_loss": round(final_val, 4)})
 
     # ---- save
     from transformers import GenerationConfig
@@ -452,7 +450,7 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         "# pagedllm demo model (tiny Llama trained on the King James Bible)",
         "",
         "A deliberately tiny `LlamaForCausalLM` bundled with pagedllm so that tests, examples and",
-        "benchmarks have a real Hugging Face checkpoint that loads offline in milliseconds.  It writes",
+        "benchmarks have a real Hugging Face checkpoint that loads offline in well under a second.  It writes",
         "KJV-flavoured English; it knows nothing else and is not useful for any real task.",
         "",
         "## Architecture",
@@ -476,9 +474,11 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         "The King James Version of the Bible (1611) from Debian's `bible-kjv-text` package (read with",
         "the `bible` program of `bible-kjv`).  Debian's copyright file states: *\"The copyright for the",
         "King James Version text of the Bible is expired since the translation was done in 1611 under",
-        "King James the first of Great Britain.\"*  The text is public domain (the data file is also",
-        "marked \"provided for unrestricted use\" by its compiler, Chip Chapin, 1989).  The Crown's",
-        "letters patent on the KJV apply only within the United Kingdom.",
+        "King James the first of Great Britain.\"*  The data file's own notice (Chip Chapin, 1989) reads",
+        "*\"provided for unrestricted use ... Users may copy, modify or distribute this file at will.\"*",
+        "The KJV text is in the public domain (in the United Kingdom alone the Crown claims perpetual",
+        "rights in it by letters patent).  The GPL-2+ in the same copyright file covers Debian's `bible`",
+        "program, not the text.  The weights and tokenizer here are derived from the text only.",
         "",
         "Pre-processing: chapter headings and verse numbers removed; the verses of each chapter joined",
         "into one paragraph; each chapter is a document, documents separated by `<|endoftext|>`.",
@@ -502,10 +502,15 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         "(corpus, tokenizer, training, evaluation, saving, samples) on a CPU shared with other jobs.",
         "",
         f"Final loss (mean token cross-entropy, nats): **train {stats['final_train_loss']:.3f}, "
-        f"val {stats['final_val_loss']:.3f}** (val perplexity {math.exp(stats['final_val_loss']):.1f}); "
-        f"val loss of the saved {args.save_dtype} weights: {stats['saved_val_loss']:.3f}.",
+        f"val {stats['final_val_loss']:.3f}** (val perplexity {math.exp(stats['final_val_loss']):.1f}).",
+        f"Val is the whole held-out split; train is the first {256 * args.seq_len:,} tokens of the",
+        "training stream (Genesis onwards, non-overlapping windows).  The saved "
+        f"{args.save_dtype} weights give val {stats['saved_val_loss']:.3f}.",
         "",
-        "| step | minutes | train loss (EMA) | val loss |",
+        f"Progress (val here is the first {args.eval_windows * args.seq_len:,} tokens of the val split only,",
+        "hence lower than the full-split figure above; train is an EMA of the batch loss):",
+        "",
+        "| step | minutes | train loss (EMA) | val loss (subset) |",
         "|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['step']} | {r['minutes']} | {r['train_loss_ema']:.3f} | {r['val_loss']:.3f} |" for r in log]
@@ -513,7 +518,8 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         lines += ["", "## Sample generations", "",
                   "60 new tokens each, prompt included, from `transformers` `generate()`.",
                   "Greedy decoding, then sampling with temperature 0.8, top-p 0.95, "
-                  f"`torch.manual_seed({args.seed})`.", ""]
+                  f"`torch.manual_seed({args.seed})`.  Greedy decoding falls into loops, as",
+                  "expected of a model this small; sampled text is the better showcase.", ""]
         for s in samples:
             lines += [f"**{s['prompt']}**", "",
                       f"- greedy: {s['greedy']}",
