@@ -16,7 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import build_bench_model  # noqa: E402
+from throughput import default_model_dir, ensure_model  # noqa: E402  (the shared ~34M random Llama)
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top ops for the last batch")
     args = ap.parse_args(argv)
-    llm = LLM(build_bench_model(), kv_cache_memory="1GiB", attention_backend=args.attention_backend)
+    llm = LLM(str(ensure_model(default_model_dir())), kv_cache_memory="1GiB", attention_backend=args.attention_backend)
     print(f"attention backend: {llm.llm_engine.executor.runner.backend.name}, threads: {torch.get_num_threads()}")
     rows = [run(llm, int(b), args.prompt_len, args.output_len) for b in args.batches.split(",")]
     cols = ["batch", "ms_per_step", "tok_s", "schedule", "prepare", "forward", "sample", "update", "overhead"]
