@@ -1,0 +1,35 @@
+"""Smoke test for benchmarks/kv_memory.py on a very small configuration."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_memory.py"
+_spec = importlib.util.spec_from_file_location("pagedllm_bench_kv_memory", _PATH)
+kv_memory = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = kv_memory
+_spec.loader.exec_module(kv_memory)
+
+
+def test_kv_memory_small_run(tmp_path):
+    out = tmp_path / "res" / "kv"
+    results = kv_memory.main([
+        "--num-requests", "12", "--max-model-len", "256", "--prompt-median", "24", "--output-median", "24",
+        "--budget-seqs", "2", "--block-sizes", "16", "64", "--prefix-requests", "4", "--prefix-len", "100",
+        "--prefix-output-len", "4", "--prefix-kv-tokens", "4096", "--sharing-prompts", "2",
+        "--beam-max-tokens", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["memory"] == results["memory"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    by_mode = {r["config"]: r for r in results["memory"]}
+    contiguous = by_mode["contiguous max_model_len"]
+    assert contiguous["peak_running"] <= 2 and contiguous["preemptions"] == 0
+    paged = by_mode["paged block_size=16"]
+    assert paged["kv_utilization"] > contiguous["kv_utilization"]
+    assert paged["peak_running"] > contiguous["peak_running"]
+    assert all(r["output_tokens"] == results["memory"][0]["output_tokens"] for r in results["memory"])
+    off, on = results["prefix"]
+    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"] == off["prompt_tokens_total"]
+    shared = [r for r in results["sharing"] if "savings" in r]
+    assert all(s["peak_saved_pct"] > 0 for s in shared[0]["savings"][:1] + shared[1]["savings"])
