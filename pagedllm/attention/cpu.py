@@ -55,6 +55,8 @@ from pagedllm.attention.torch_ref import TorchReferenceBackend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+# fused model-body ops (RMSNorm, rotary) share the library: one build, one cache entry
+SOURCES = (SOURCE, Path(__file__).resolve().parent.parent / "layers" / "csrc" / "cpu_ops.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LDLIBS = ("-lm",)
 ABI_VERSION = 3  # must match pa_abi_version() in the C file
@@ -105,7 +107,7 @@ def _compile(cc: str, cflags: tuple[str, ...], out_path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        cmd = [cc, *cflags, str(SOURCE), "-o", tmp, *LDLIBS]
+        cmd = [cc, *cflags, *map(str, SOURCES), "-o", tmp, *LDLIBS]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -134,6 +136,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         i64, i64, i64, i64,  # query / out strides (token, head), in elements
         ctypes.c_float, i32, i32, i64,  # scale, cache dtype, threads, parallel_work
     ]
+    lib.pl_add_rms_norm.restype = i32
+    lib.pl_add_rms_norm.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_float, i32]
+    lib.pl_rotary_neox.restype = i32
+    lib.pl_rotary_neox.argtypes = [vp, vp, vp, vp, i64, i32, i32, i64, i64, i64, i32]
     return lib
 
 
@@ -145,7 +151,7 @@ def build_and_load(
     cc = cc or find_compiler()
     if cc is None or shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler found (tried $CC, gcc, cc; got {cc!r})")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(src.read_bytes() for src in SOURCES)
     name = f"paged_attention-{_build_key(source, cc, cflags)}.so"
     out_path = (cache_dir or kernel_cache_dir()) / name
     if not out_path.exists():

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_ops
+
 
 def rope_parameters(hf_config) -> dict:
     """The config's RoPE settings in one dict (transformers 5 ``rope_parameters`` or 4.x fields)."""
@@ -45,6 +47,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        if q.stride(-1) == 1 and k.stride(-1) == 1 and cpu_ops.usable(q, k, self.cos):
+            positions = positions.to(torch.int64).contiguous()
+            cpu_ops.rotary_neox_(q, positions, self.cos, self.sin)  # in place, no gathers
+            cpu_ops.rotary_neox_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim // 2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
