@@ -194,7 +194,7 @@ def run_prefix_config(model: str, wl: Workload, caching: bool, args) -> dict:
     trace = drive(llm)
     s, c = llm.get_kv_cache_stats(), llm.llm_engine.counters
     return {"prefix_caching": caching, "prompt_tokens_total": sum(map(len, wl.prompts)),
-            "prompt_tokens_computed": c.prompt_tokens, "prefix_cache_hits": s.prefix_cache_hits,
+            "prompt_tokens_computed": c.prompt_tokens_computed, "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_queries": s.prefix_cache_queries, "peak_used_blocks": c.peak_used_blocks,
             "peak_running": max(trace.running), **throughput(llm, trace, len(wl.prompts))}
 

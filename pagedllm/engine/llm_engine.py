@@ -119,7 +119,7 @@ class LLMEngine:
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
         touched = self.scheduler.update(sampled)
-        self._count(sched_out, sampled)
+        self._count(sched_out, sampled, touched)
         for req in touched:
             if self.output_processor.update_text(req) is not None:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -202,14 +202,16 @@ class LLMEngine:
         t.update += update
         t.steps += 1
 
-    def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+    def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens], touched: list[Request]) -> None:
+        self.counters.prompt_tokens += sum(r.num_prompt_tokens for r in touched
+                                           if r.index == 0 and r.num_output_tokens == 1)
         prompt = 0
         for c in sched_out.chunks:
             req = self.scheduler.requests.get(c.request_id)
             if req is not None and c.start < req.num_prompt_tokens:
                 prompt += min(c.seq_len, req.num_prompt_tokens) - c.start
         gen = sum(len(s.token_ids) for s in sampled)
-        self.counters.prompt_tokens += prompt
+        self.counters.prompt_tokens_computed += prompt
         self.counters.generation_tokens += gen
         self._log_window[0] += prompt
         self._log_window[1] += gen
