@@ -196,8 +196,16 @@ def test_64_concurrent_streams_with_disconnects(live_server, offline):  # noqa: 
     assert metric_values(live_server.url)[abort] >= before[abort] + 16
 
 
-def test_non_streaming_disconnect_aborts(live_server):  # noqa: F811
+def test_non_streaming_disconnect_aborts(live_server, monkeypatch):  # noqa: F811
     before = metric_values(live_server.url)
+    engine = live_server.engine.engine
+    real_step = engine.step
+
+    def slow_step():  # 110 steps take > 1 s, so the client gives up while the request runs
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     body = {"prompt": "hello world", "max_tokens": 110, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=0.3)
