@@ -23,15 +23,6 @@ pytestmark = pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """The oracles are loops of tiny torch ops; intra-op threads only add sync overhead there
-    (3x slower on a busy 2-core box). Kernel threading is exercised with explicit num_threads."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 # (num_cached, q_len): decodes, a fresh prefill, chunks starting mid-context, partial blocks
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 70), (100, 1), (16, 16), (31, 2)]
 

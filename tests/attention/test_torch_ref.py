@@ -10,16 +10,6 @@ from pagedllm.attention.torch_ref import TorchReferenceBackend
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 17), (16, 16)]
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """The oracles are loops of tiny torch ops; intra-op threads only add sync overhead there
-    (3x slower on a busy 2-core box). Kernel threading is exercised with explicit num_threads."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])
