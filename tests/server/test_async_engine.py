@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from live_server import server_model_dir  # noqa: F401 - fixture
@@ -60,9 +61,20 @@ def test_cancelled_and_closed_requests_free_their_blocks(engine_args):
             pass
 
     async def body(engine):
+        real_step = engine.engine.step
+
+        def slow_step():  # keep the requests running long enough to cancel them mid-flight
+            time.sleep(0.005)
+            return real_step()
+
+        engine.engine.step = slow_step
         tasks = [asyncio.create_task(consume(engine, f"r{i}")) for i in range(4)]
-        await asyncio.sleep(0.3)
+        for _ in range(200):  # until all four hold blocks (at most ~2 s)
+            await asyncio.sleep(0.01)
+            if (await engine.get_kv_cache_stats()).num_used_blocks >= 4:
+                break
         assert (await engine.get_kv_cache_stats()).num_used_blocks > 0
+        assert not any(t.done() for t in tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
