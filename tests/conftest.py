@@ -86,3 +86,13 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60, vocab: int 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lens]
+
+
+@pytest.fixture
+def single_torch_thread():
+    """The attention oracles are loops of tiny torch ops; intra-op threads only add sync
+    overhead there (3x slower on a busy 2-core box). Kernel threading is tested explicitly."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

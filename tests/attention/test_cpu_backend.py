@@ -18,7 +18,8 @@ from pagedllm.attention.testing import (
 )
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
-pytestmark = pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="no C compiler")
+pytestmark = [pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="no C compiler"),
+              pytest.mark.usefixtures("single_torch_thread")]
 
 ATOL = RTOL = 1e-5
 

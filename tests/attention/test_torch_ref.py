@@ -7,6 +7,8 @@ import torch
 from pagedllm.attention.testing import dense_attention_f64, gather_context, make_paged_batch
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 17), (16, 16)]
 
 
