@@ -41,3 +41,42 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                                heads, head_dim, x.stride(0), x.stride(1), cos.shape[0], torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"pl_rotary_neox failed ({rc}): positions beyond the rotary table?")
+
+
+# oneDNN's prepacked float32 GEMM beats MKL's by 1.3-4x for 4..512 rows on this kind of CPU
+# (decode batches), MKL stays ahead for 1-2 rows and for big prefill chunks: measured per shape
+# in benchmarks/RESULTS.md. Packing keeps a second copy of each weight.
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
+PACKING_ENABLED = os.environ.get("PAGEDLLM_PACKED_LINEAR", "1") != "0"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a float32 CPU weight [out, in], or None where not applicable."""
+    if not (PACKING_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    """F.linear, through the packed weight when the row count is in the range where it wins."""
+    if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:
+    """Attaches packed weights to every linear-like module (``packed_weight``); returns how many.
+
+    Skipped when the second copy would take more than a quarter of the available RAM.
+    """
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+    if ram_bytes is not None and weight_bytes > ram_bytes // 4:
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            module.packed_weight = pack_weight(module.weight)
+            count += module.packed_weight is not None
+    return count

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from pagedllm.layers import cpu_ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,6 +34,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    packed_weight = None  # set by cpu_ops.pack_model once the weights are loaded
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [n, vocab_shard]
+        logits = cpu_ops.linear(hidden, self.weight, None, self.packed_weight)  # [n, vocab_shard]
         return all_gather_last_dim(logits)[..., : self.vocab_size]

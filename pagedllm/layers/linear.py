@@ -6,10 +6,10 @@ rank's slice of a checkpoint tensor into place, so the loader never needs to kno
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from pagedllm.layers import cpu_ops
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -28,9 +28,10 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight = None  # set by cpu_ops.pack_model once the weights are loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -97,7 +98,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias))
+        return all_reduce(cpu_ops.linear(x, self.weight, self.bias, self.packed_weight))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

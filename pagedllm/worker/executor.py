@@ -78,7 +78,7 @@ class UniProcExecutor:
             used = torch.cuda.max_memory_allocated(device)
             return int(total * cache.gpu_memory_utilization - used)
         activation = max(0, _peak_rss() - before)
-        budget = cache.gpu_memory_utilization * _available_ram() - activation
+        budget = cache.gpu_memory_utilization * available_ram() - activation
         return int(max(0, min(budget, CPU_KV_CAP_GIB * 1024**3)))
 
     def _check_fits(self, num_blocks: int, block_bytes: int) -> None:
@@ -94,7 +94,7 @@ class UniProcExecutor:
                 "or lower max_model_len")
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

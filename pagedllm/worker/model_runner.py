@@ -10,6 +10,7 @@ from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.cache_engine import CacheEngine
 
@@ -25,6 +26,9 @@ class ModelRunner:
         self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device)
         load_weights(self.model, mc.model)
+        if self.device.type == "cpu":
+            from pagedllm.worker.executor import available_ram
+            cpu_ops.pack_model(self.model, available_ram())
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
         self.cache: CacheEngine | None = None
