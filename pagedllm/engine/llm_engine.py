@@ -115,7 +115,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         self._record_peaks()
-        t1 = time.perf_counter()
+        self.step_times.add(schedule=time.perf_counter() - t0)
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
         touched = self.scheduler.update(sampled)
@@ -124,7 +124,7 @@ class LLMEngine:
             if self.output_processor.update_text(req) is not None:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
         outputs = self._collect_outputs({r.parent_id for r in touched})
-        self._record_times(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.step_times.add(update=time.perf_counter() - t2, steps=1)
         self.counters.num_steps += 1
         self._maybe_log()
         return outputs
@@ -132,13 +132,16 @@ class LLMEngine:
     def _execute(self, sched_out: SchedulerOutput) -> list[SampledTokens]:
         if sched_out.is_empty:
             return []
-        logits = self.executor.execute(sched_out)
         t0 = time.perf_counter()
+        logits = self.executor.execute(sched_out)
+        t1 = time.perf_counter()
+        prepare = self.executor.runner.last_prepare_time  # rank 0's share of execute()
+        self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         rows, owners = self._sampling_rows(sched_out)
         if not rows:
             return []
         result = self.sampler(logits, rows)
-        self._sample_time = time.perf_counter() - t0
+        self.step_times.add(sample=time.perf_counter() - t1)
         sampled, i = [], 0
         for rid, n in owners:
             tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
@@ -155,7 +158,7 @@ class LLMEngine:
             gens = [req.generator] + req.fork_generators[: chunk.num_samples - 1]
             banned = self._banned(req)
             for gen in gens:
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, gen, banned))
+                rows.append(SamplingRow(req.params, req.all_token_ids, req.num_prompt_tokens, gen, banned))
             owners.append((req.request_id, chunk.num_samples))
         return rows, owners
 
@@ -172,7 +175,7 @@ class LLMEngine:
             seqs = [self.scheduler.requests[s] for s in self.scheduler.sequences.get(pid, [])]
             if not seqs:
                 continue
-            finished = all(s.is_finished for s in seqs) and len(seqs) == seqs[0].params.num_sequences
+            finished = self.scheduler.is_done(pid)
             out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
             if out is not None:
                 out.metrics = _request_metrics(seqs, finished)
@@ -190,17 +193,6 @@ class LLMEngine:
         kv, c = self.scheduler.kv, self.counters
         c.peak_used_blocks = max(c.peak_used_blocks, kv.num_blocks - kv.num_free_blocks)
         c.peak_running = max(c.peak_running, len(self.scheduler.running))
-
-    def _record_times(self, schedule: float, execute: float, update: float) -> None:
-        t, runner = self.step_times, self.executor.runner
-        sample, self._sample_time = getattr(self, "_sample_time", 0.0), 0.0
-        prepare, runner.last_prepare_time = runner.last_prepare_time, 0.0
-        t.schedule += schedule
-        t.prepare += prepare
-        t.sample += sample
-        t.forward += max(0.0, execute - sample - prepare)
-        t.update += update
-        t.steps += 1
 
     def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens], touched: list[Request]) -> None:
         self.counters.prompt_tokens += sum(r.num_prompt_tokens for r in touched

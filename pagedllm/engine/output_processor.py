@@ -88,7 +88,7 @@ class OutputProcessor:
             if req.params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
             seq = state.seqs[req.index] = SequenceState(detok)
-        new_ids = req.output_token_ids[seq.num_tokens_seen:]
+        new_ids = req.all_token_ids[req.num_prompt_tokens + seq.num_tokens_seen:]
         seq.num_tokens_seen = req.num_output_tokens
         if seq.detok is None or not new_ids or seq.stopped_by_string:
             return None

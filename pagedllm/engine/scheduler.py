@@ -284,6 +284,11 @@ class Scheduler:
         for rid in self.sequences.get(parent_id, []):
             self.finish(rid, RequestStatus.FINISHED_ABORTED)
 
+    def is_done(self, parent_id: str) -> bool:
+        """Every sequence of the user request exists (all forks made) and has finished."""
+        seqs = [self.requests[s] for s in self.sequences.get(parent_id, [])]
+        return bool(seqs) and len(seqs) == seqs[0].params.num_sequences and all(s.is_finished for s in seqs)
+
     def release(self, parent_id: str) -> None:
         """Forgets a finished user request's bookkeeping."""
         for rid in self.sequences.pop(parent_id, []):

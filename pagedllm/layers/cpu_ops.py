@@ -14,7 +14,7 @@ ENABLED = os.environ.get("PAGEDLLM_FUSED_CPU_OPS", "1") != "0"
 
 
 def _lib():
-    from pagedllm.attention.cpu import load_library
+    from pagedllm.attention.cpu import load_library  # lru_cached: built and loaded once
     return load_library()
 
 

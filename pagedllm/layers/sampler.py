@@ -19,10 +19,19 @@ class SamplingRow:
     """One row to sample: a sequence's parameters, history and generator."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output, the sequence's own list (not copied per step)
+    num_prompt_tokens: int
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()  # eos/stop ids masked until min_tokens is reached
+
+    # the slices are taken only by the penalties, the one place that needs the history
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass

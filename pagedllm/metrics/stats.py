@@ -56,6 +56,10 @@ class StepTimes:
     update: float = 0.0  # scheduler update, detokenization, outputs
     steps: int = 0
 
+    def add(self, **seconds: float) -> None:
+        for phase, value in seconds.items():
+            setattr(self, phase, getattr(self, phase) + value)
+
     @property
     def total(self) -> float:
         return self.schedule + self.prepare + self.forward + self.sample + self.update

@@ -9,7 +9,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -48,6 +48,7 @@ class ModelRunner:
 
         A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens).
         """
+        self.last_prepare_time = 0.0
         # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
@@ -85,7 +86,6 @@ class ModelRunner:
         blocks_per_seq = -(-seq // self.block_size)
         saved = self.cache
         self.init_cache(num_seqs * blocks_per_seq)
-        from pagedllm.engine.scheduler_output import ScheduledChunk
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0,
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]

@@ -76,13 +76,19 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     assert kv.get_computed_blocks(_req("c", list(range(9))))[1] == 8  # blocks 0, 1 still cached
 
 
-def test_fork_shares_blocks_and_copy_on_write_copies_only_the_partial_block():
+def _forked_pair():
+    """A 6-token parent in blocks [0, 1] (block 1 half full) and a child forked from it."""
     kv = KVCacheManager(10, 4)
     parent = _req("p", list(range(6)))
     _compute(kv, parent, 6)
     child = _req("p#1", list(range(6)))
     child.num_computed_tokens = 6
     kv.fork(parent, child)
+    return kv, parent, child
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_only_the_partial_block():
+    kv, parent, child = _forked_pair()
     assert kv.block_ids("p#1") == [0, 1]
     assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
     kv.check_integrity()
@@ -113,10 +119,5 @@ def test_allocation_failure_changes_nothing():
 
 
 def test_num_tokens_stored_counts_shared_blocks_once():
-    kv = KVCacheManager(10, 4)
-    parent = _req("p", list(range(6)))
-    _compute(kv, parent, 6)
-    child = _req("p#1", list(range(6)))
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
+    kv, parent, child = _forked_pair()
     assert kv.num_tokens_stored() == 6

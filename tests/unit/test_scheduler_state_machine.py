@@ -29,8 +29,7 @@ def fake_step(sched: Scheduler, rng: random.Random) -> None:
                              [-1.0] * c.num_samples) for c in out.chunks if c.num_samples]
     sched.update(sampled)
     for pid in list(sched.sequences):
-        seqs = [sched.requests[s] for s in sched.sequences[pid]]
-        if all(s.is_finished for s in seqs) and len(seqs) == seqs[0].params.num_sequences:
+        if sched.is_done(pid):
             sched.release(pid)
 
 

@@ -274,7 +274,6 @@ class OpenAIServing:
         _unsupported(req.logit_bias, "logit_bias", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
-        self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids)
@@ -455,7 +454,6 @@ class OpenAIServing:
     async def generate(self, req: GenerateRequest, arrival: float):
         """vLLM's simple api_server: ``{"text": [prompt + completion, ...]}``; streams NDJSON."""
         fields = req.model_dump(exclude={"prompt", "stream"})
-        self.check_token_ids(fields["stop_token_ids"], "stop_token_ids")
         try:
             params = SamplingParams(**fields, output_kind="cumulative" if req.stream else "final_only")
         except (ValueError, TypeError) as exc:
