@@ -39,6 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from pagedllm.metrics.stats import StepTimes  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"
 RESULTS_DIR = BENCH_DIR / "results"
@@ -148,51 +150,6 @@ def ensure_model(path: Path) -> Path:
 # --------------------------------------------------------------------------- pagedllm side
 
 
-class StepTimer:
-    """Times engine phases by wrapping instance methods from outside (the engine has no timers).
-
-    ``schedule`` = Scheduler.schedule, ``forward`` = executor.execute (model + logits),
-    ``sample`` = Sampler, ``update`` = Scheduler.update, ``detok`` = OutputProcessor.update_text,
-    ``other`` = the rest of LLMEngine.step (sampling rows, outputs, counters).
-    """
-
-    PARTS = ("schedule", "forward", "sample", "update", "detok")
-
-    def __init__(self, engine, sync):
-        self.t: dict[str, float] = defaultdict(float)
-        self.sync = sync
-        self.kv = engine.scheduler.kv
-        self.peak_blocks_in_forward = 0
-        engine.step = self._wrap("step", engine.step)
-        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
-        engine.executor.execute = self._wrap("forward", engine.executor.execute, sync=True)
-        engine.sampler = self._wrap("sample", engine.sampler)
-        engine.scheduler.update = self._wrap("update", engine.scheduler.update)
-        engine.output_processor.update_text = self._wrap("detok", engine.output_processor.update_text)
-
-    def _wrap(self, key, fn, sync=False):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if sync:
-                self.sync()
-                used = self.kv.num_blocks - self.kv.num_free_blocks
-                self.peak_blocks_in_forward = max(self.peak_blocks_in_forward, used)
-            self.t[key] += time.perf_counter() - t0
-            return out
-        return timed
-
-    def reset(self) -> None:
-        self.t.clear()
-        self.peak_blocks_in_forward = 0
-
-    def per_step_ms(self, steps: int) -> dict[str, float]:
-        parts = {k: self.t[k] for k in self.PARTS}
-        parts["other"] = max(0.0, self.t["step"] - sum(parts.values()))
-        parts["step"] = self.t["step"]
-        return {k: 1e3 * v / max(1, steps) for k, v in parts.items()}
-
-
 def engine_kwargs(args) -> dict:
     kw = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=0, dtype="float32",
               attention_backend=args.attention_backend, num_threads=args.num_threads, device=args.device)
@@ -205,9 +162,7 @@ def engine_kwargs(args) -> dict:
 
 def make_llm(model_dir: Path, args):
     from pagedllm import LLM
-    llm = LLM(str(model_dir), **engine_kwargs(args))
-    llm.step_timer = StepTimer(llm.llm_engine, _sync_fn(args.device))
-    return llm
+    return LLM(str(model_dir), **engine_kwargs(args))
 
 
 def paged_generate(llm, prompts, output_lens) -> list[list[int]]:
@@ -226,22 +181,29 @@ def _engine_snapshot(engine) -> dict:
                 prefix_hits=engine.get_kv_cache_stats().prefix_cache_hits)
 
 
+def per_step_ms(t) -> dict[str, float]:
+    """The engine's StepTimes as ms per step. On CUDA, kernels still running after the forward
+    call are counted in ``sample`` (its .tolist() is the first synchronisation)."""
+    parts = {k: getattr(t, k) for k in ("schedule", "prepare", "forward", "sample", "update")}
+    parts["step"] = t.total
+    return {k: 1e3 * v / max(1, t.steps) for k, v in parts.items()}
+
+
 def run_paged(llm, wl: Workload, prompts) -> dict:
     """One timed pagedllm run from an empty cache; returns time, outputs and engine stats."""
     engine = llm.llm_engine
     llm.reset_prefix_cache()  # repeats reuse the prompts: no run may hit an earlier run's blocks
     engine.counters.peak_used_blocks = 0
-    llm.step_timer.reset()
+    engine.step_times = StepTimes()  # the engine's own per-phase timers
     before = _engine_snapshot(engine)
     t0 = time.perf_counter()
     outputs = paged_generate(llm, prompts, wl.output_lens)
     elapsed = time.perf_counter() - t0
     after = _engine_snapshot(engine)
     stats = {k: after[k] - before[k] for k in after}
-    stats["peak_used_blocks"] = engine.counters.peak_used_blocks  # sampled after each step's frees
-    stats["peak_blocks_in_forward"] = llm.step_timer.peak_blocks_in_forward  # sampled during forwards
-    stats["step_ms"] = llm.step_timer.per_step_ms(stats["steps"])
-    stats["outside_step_ms_total"] = 1e3 * (elapsed - llm.step_timer.t["step"])
+    stats["peak_used_blocks"] = engine.counters.peak_used_blocks  # recorded right after scheduling
+    stats["step_ms"] = per_step_ms(engine.step_times)
+    stats["outside_step_ms_total"] = 1e3 * (elapsed - engine.step_times.total)
     return dict(time_s=elapsed, outputs=outputs, engine=stats)
 
 
@@ -407,10 +369,9 @@ def engine_rows(results: dict, info: dict) -> list[list[str]]:
         e = r["pagedllm"]["engine"]
         ms = e["step_ms"]
         rows.append([name, str(e["steps"]), f"{e['peak_used_blocks']}/{info['num_blocks']}",
-                     str(e["peak_blocks_in_forward"]),
                      str(e["preemptions"]), f"{ms['step']:.2f}", f"{ms['forward']:.2f}",
-                     f"{ms['schedule']:.2f}", f"{ms['sample']:.2f}", f"{ms['update']:.2f}",
-                     f"{ms['detok']:.2f}", f"{ms['other']:.2f}",
+                     f"{ms['schedule']:.2f}", f"{ms['prepare']:.2f}", f"{ms['sample']:.2f}",
+                     f"{ms['update']:.2f}",
                      f"{100 * (1 - ms['forward'] / ms['step']) if ms['step'] else 0:.0f}%"])
     return rows
 
@@ -423,9 +384,9 @@ def print_report(results: dict, info: dict, meta: dict) -> None:
                         "ratio", "notes"], throughput_rows(results)))
     print(f"\npagedllm engine stats (median run; backend {info['attention_backend']}, block_size "
           f"{info['block_size']}, max_num_seqs {info['max_num_seqs']}, max_num_batched_tokens "
-          f"{info['max_num_batched_tokens']}). Per-step ms measured by this script around engine methods:")
-    print(format_table(["workload", "steps", "peak blocks", "fwd peak", "preempt", "step", "forward", "schedule",
-                        "sample", "update", "detok", "other", "non-fwd"], engine_rows(results, info)))
+          f"{info['max_num_batched_tokens']}). Per-step ms from the engine's own timers (LLMEngine.step_times):")
+    print(format_table(["workload", "steps", "peak blocks", "preempt", "step", "forward", "schedule", "prepare",
+                        "sample", "update", "non-fwd"], engine_rows(results, info)))
 
 
 def save_json(data: dict, path: Path) -> None:
