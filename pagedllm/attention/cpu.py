@@ -31,7 +31,8 @@ with ``-O3 -march=native -fopenmp`` into
 source, flags, compiler version and host CPU, so a stale or foreign build is never loaded.
 The compiler writes a temporary file that is atomically renamed into place, so concurrent
 processes may build at once safely. If there is no compiler or the build fails,
-``get_cpu_backend()`` logs a warning and returns the torch reference backend.
+``get_cpu_backend()`` logs a warning and returns the torch reference backend; the engine's
+selector (``attention/selector.py``) falls back to the faster SDPA backend instead.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def load_library() -> ctypes.CDLL | None:
     try:
         return build_and_load()
     except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
-        logger.warning("CPU paged-attention kernel unavailable (%s); using torch reference", exc)
+        logger.warning("CPU paged-attention kernel unavailable (%s); falling back to a torch backend", exc)
         return None
 
 

@@ -226,6 +226,15 @@ def test_missing_compiler_raises(tmp_path):
         cpu.build_and_load(cc=str(tmp_path / "no-such-cc"), cache_dir=tmp_path)
 
 
+def test_engine_selector_falls_back_to_sdpa_without_the_kernel(monkeypatch):
+    from pagedllm.attention.sdpa import SdpaBackend
+    from pagedllm.attention.selector import get_attention_backend
+    monkeypatch.setattr(cpu, "load_library", lambda: None)
+    assert isinstance(get_attention_backend("auto", torch.device("cpu")), SdpaBackend)
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        get_attention_backend("cpu", torch.device("cpu"))
+
+
 def test_fallback_to_reference_when_unavailable(monkeypatch):
     monkeypatch.setattr(cpu, "load_library", lambda: None)
     assert isinstance(get_cpu_backend(), TorchReferenceBackend)

@@ -1,10 +1,11 @@
-"""The torch reference backend against dense float64 SDPA with a positional causal mask."""
+"""The torch backends (reference and the SDPA fallback) against dense float64 attention."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedllm.attention.testing import dense_attention_f64, gather_context, make_paged_batch
+from pagedllm.attention.sdpa import SdpaBackend
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -12,14 +13,15 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 17), (16, 16)]
 
 
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_torch_ref_matches_dense_f64(block_size, head_dim, group):
+def test_torch_backends_match_dense_f64(backend, block_size, head_dim, group):
     batch = make_paged_batch(MIXED, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, seed=group)  # fmt: skip
     kc, vc = batch.fresh_caches()
-    out = TorchReferenceBackend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta,
+    out = backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta,
                                           batch.scale)  # fmt: skip
     torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=1e-5, rtol=1e-5)
     for r in range(batch.meta.num_reqs):
