@@ -126,29 +126,28 @@ class OutputProcessor:
         return out
 
     def _completion(self, state: RequestState, req: Request, finished: bool, delta: bool) -> CompletionOutput:
+        """Cumulative output, or (delta) only what is new since the last call; nothing is copied
+        from the start of the sequence in delta mode, so streaming stays O(new tokens) per step."""
         seq = state.seqs.get(req.index) or SequenceState(None)
-        text = self._visible_text(seq, req, state.params)
-        token_ids = req.output_token_ids
-        logprobs = self._logprobs(seq, req)
+        visible = self._visible_len(seq, req, state.params)
+        logprobs = self._convert_logprobs(seq, req)
+        t0 = c0 = 0
         if delta:
             t0, c0 = state.sent_tokens.get(req.index, 0), state.sent_text.get(req.index, 0)
-            state.sent_tokens[req.index], state.sent_text[req.index] = len(token_ids), len(text)
-            token_ids, text = token_ids[t0:], text[c0:]
-            logprobs = logprobs[t0:] if logprobs is not None else None
+            state.sent_tokens[req.index], state.sent_text[req.index] = req.num_output_tokens, visible
         stop_reason = seq.stopped_by_string if seq.stopped_by_string is not None else req.stop_reason
-        return CompletionOutput(req.index, text, list(token_ids),
+        return CompletionOutput(req.index, seq.text[c0:visible], req.all_token_ids[req.num_prompt_tokens + t0:],
                                 req.cumulative_logprob if req.logprobs is not None else None,
-                                logprobs, req.finish_reason, stop_reason)
+                                logprobs[t0:] if logprobs is not None else None, req.finish_reason, stop_reason)
 
     @staticmethod
-    def _visible_text(seq: SequenceState, req: Request, params) -> str:
+    def _visible_len(seq: SequenceState, req: Request, params) -> int:
         """While running, hold back a tail that could still turn out to start a stop string."""
         if req.is_finished or not params.stop or params.include_stop_str_in_output:
-            return seq.text
-        hold = max(len(s) for s in params.stop) - 1
-        return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+            return len(seq.text)
+        return max(0, len(seq.text) - (max(len(s) for s in params.stop) - 1))
 
-    def _logprobs(self, seq: SequenceState, req: Request) -> list[dict[int, Logprob]] | None:
+    def _convert_logprobs(self, seq: SequenceState, req: Request) -> list[dict[int, Logprob]] | None:
         """Converts new logprob entries once; rank is the position among the returned top-k."""
         if req.logprobs is None:
             return None
@@ -156,7 +155,7 @@ class OutputProcessor:
             ranked = sorted(entry.items(), key=lambda kv: -kv[1])
             seq.logprobs.append({tok: Logprob(lp, rank + 1, self._decode_one(tok))
                                  for rank, (tok, lp) in enumerate(ranked)})
-        return list(seq.logprobs)
+        return seq.logprobs
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
