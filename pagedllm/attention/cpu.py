@@ -56,11 +56,12 @@ from pagedllm.attention.torch_ref import TorchReferenceBackend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
-# fused model-body ops (RMSNorm, rotary) share the library: one build, one cache entry
-SOURCES = (SOURCE, Path(__file__).resolve().parent.parent / "layers" / "csrc" / "cpu_ops.c")
+# fused model-body ops (RMSNorm, rotary, the small-batch decoder) share the library: one build, one cache entry
+_PKG = Path(__file__).resolve().parent.parent
+SOURCES = (SOURCE, _PKG / "layers" / "csrc" / "cpu_ops.c", _PKG / "models" / "csrc" / "llama_decode.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LDLIBS = ("-lm",)
-ABI_VERSION = 3  # must match pa_abi_version() in the C file
+ABI_VERSION = 4  # must match pa_abi_version() in the C file
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

@@ -101,8 +101,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, variant, rotary, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_decoder = None  # models/cpu_decode.py, set by LlamaForCausalLM.enable_fused_decode
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta):
+        fused = self.fused_decoder
+        if fused is not None and fused.applies(input_ids.shape[0], kv_caches):
+            return fused(input_ids, positions, meta)  # small CPU batch: the whole stack in one C call
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -127,6 +131,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)  # [num_tokens, hidden]
+
+    def enable_fused_decode(self, backend: AttentionBackend) -> str | None:
+        """Routes small float32 CPU batches through the one-call C decoder once the weights are
+        loaded; returns why not, or None when enabled."""
+        from pagedllm.models.cpu_decode import FusedCpuDecoder, unsupported_reason
+        reason = unsupported_reason(self.model, backend)
+        self.model.fused_decoder = None if reason else FusedCpuDecoder(self.model, backend)
+        return reason
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_rows, vocab]

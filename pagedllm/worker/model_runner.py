@@ -1,6 +1,7 @@
 """Owns the model: builds one flat token batch + AttentionMetadata per step and runs it."""
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -13,6 +14,8 @@ from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -29,6 +32,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             from pagedllm.worker.executor import available_ram
             cpu_ops.pack_model(self.model, available_ram())
+            reason = self.model.enable_fused_decode(self.backend)
+            if reason:
+                logger.info("fused CPU decode path off: %s", reason)
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
         self.cache: CacheEngine | None = None

@@ -619,6 +619,6 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
 }
 
 /* Lets the Python side check it loaded the build it expects. */
-int pa_abi_version(void) { return 3; }
+int pa_abi_version(void) { return 4; }
 
 int pa_has_avx2(void) { return PA_AVX2; }

@@ -1,0 +1,175 @@
+"""The Llama-family decoder stack in one C call, for small float32 CPU batches.
+
+At decode batch sizes every matmul is a weight-streaming matrix-vector product that runs at
+memory bandwidth in MKL and in ``csrc/llama_decode.c`` alike; what the C path removes is the
+Python and dispatch cost of the ~25 ops per layer around them (~1.7 ms of a ~9 ms batch-1 step
+on the 34M benchmark model; ``benchmarks/RESULTS.md``). Larger batches (prefill chunks, big
+decode batches) are compute bound and keep the torch path, where oneDNN/MKL GEMMs win.
+
+Used only when it computes exactly what the torch path computes: float32 weights and KV cache
+on the CPU, one tensor-parallel rank, the compiled CPU attention backend selected, and
+``PAGEDLLM_FUSED_DECODE`` not ``0`` (the A/B switch for benchmarks).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
+# up to this many tokens per step: measured against the oneDNN-packed torch path (RESULTS.md)
+DEFAULT_MAX_TOKENS = 48
+_C_MAX_TOKENS = 64  # LD_MAX_TOKENS in the C file
+
+_VP = ctypes.c_void_p
+_PTR_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b",
+               "gate_up_w", "gate_up_b", "down_w", "down_b", "q_norm", "k_norm",
+               "key_cache", "value_cache")  # fmt: skip
+
+
+class LdModel(ctypes.Structure):
+    _fields_ = [
+        *[(n, ctypes.c_int32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads",
+                                        "head_dim", "intermediate", "block_size", "cache_dtype")],
+        *[(n, ctypes.c_int64) for n in ("num_blocks", "vocab_size", "max_position")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
+        *[(n, ctypes.POINTER(_VP)) for n in _PTR_FIELDS],
+    ]  # fmt: skip
+
+
+class LdBatch(ctypes.Structure):
+    _fields_ = [
+        *[(n, _VP) for n in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping",
+                             "positions", "input_ids")],
+        ("num_reqs", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
+        *[(n, ctypes.c_int64) for n in ("bt_stride", "num_tokens", "parallel_work")],
+    ]  # fmt: skip
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.ld_forward.restype = ctypes.c_int
+    lib.ld_forward.argtypes = [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, ctypes.c_int]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ptr_array(values: list) -> ctypes.Array:
+    return (_VP * len(values))(*values)
+
+
+def unsupported_reason(model, backend) -> str | None:
+    """Why ``model`` (a LlamaModel) cannot take the fused path, or None if it can."""
+    from pagedllm.distributed.parallel_state import get_tp_size
+    if not ENABLED:
+        return "disabled by PAGEDLLM_FUSED_DECODE=0"
+    if getattr(backend, "name", None) != "cpu":
+        return f"attention backend {getattr(backend, 'name', backend)!r} is not the compiled CPU kernel"
+    if get_tp_size() != 1:
+        return "tensor parallelism"
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            return f"parameter {name} is not a contiguous float32 CPU tensor"
+    return None
+
+
+class FusedCpuDecoder:
+    """Runs a ``LlamaModel`` forward (embedding through final norm) in one ``ld_forward`` call.
+
+    Holds raw pointers into the model's parameters (which must not be replaced afterwards) and,
+    per KV-cache list it has seen, into the cache tensors; keeps the tensors referenced so the
+    pointers stay valid.
+    """
+
+    def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
+        self._lib = backend._lib
+        _bind(self._lib)
+        self.max_tokens = min(max_tokens, _C_MAX_TOKENS)
+        self.parallel_work = backend.parallel_work
+        self._model = model
+        self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in _PTR_FIELDS[:12]}
+        self._caches_key: tuple | None = None
+        self._struct = self._build_struct(model)
+
+    @staticmethod
+    def _layer_ptrs(model, field: str) -> list[int | None]:
+        def pick(layer):
+            attn, mlp = layer.self_attn, layer.mlp
+            return {
+                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv_w": attn.qkv_proj.weight, "qkv_b": attn.qkv_proj.bias,
+                "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
+                "gate_up_w": mlp.gate_up_proj.weight, "gate_up_b": mlp.gate_up_proj.bias,
+                "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+                "q_norm": attn.q_norm.weight if attn.qk_norm else None,
+                "k_norm": attn.k_norm.weight if attn.qk_norm else None,
+            }[field]  # fmt: skip
+        return [_ptr(pick(layer)) for layer in model.layers]
+
+    def _build_struct(self, model) -> LdModel:
+        attn = model.layers[0].self_attn
+        rotary = attn.rotary
+        m = LdModel(
+            num_layers=len(model.layers), hidden=model.embed_tokens.weight.shape[1],
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=model.layers[0].mlp.down_proj.weight.shape[1],
+            vocab_size=model.embed_tokens.weight.shape[0], max_position=rotary.cos.shape[0],
+            eps=model.norm.eps, scale=attn.scale, embed=_ptr(model.embed_tokens.weight),
+            final_norm=_ptr(model.norm.weight), cos=_ptr(rotary.cos), sin=_ptr(rotary.sin),
+        )  # fmt: skip
+        for field, arr in self._arrays.items():
+            setattr(m, field, ctypes.cast(arr, ctypes.POINTER(_VP)))
+        return m
+
+    def _bind_caches(self, kv_caches) -> bool:
+        """Points the struct at this KV cache list; False if the cache is not float32 CPU."""
+        key_cache = kv_caches[0][0]
+        key = (id(kv_caches), key_cache.data_ptr())
+        if key == self._caches_key:
+            return True
+        if key_cache.dtype != torch.float32 or key_cache.device.type != "cpu":
+            return False
+        if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            return False
+        num_blocks, _, block_size, _ = key_cache.shape
+        self._cache_refs = (kv_caches, _ptr_array([k.data_ptr() for k, _ in kv_caches]),
+                            _ptr_array([v.data_ptr() for _, v in kv_caches]))
+        m = self._struct
+        m.key_cache = ctypes.cast(self._cache_refs[1], ctypes.POINTER(_VP))
+        m.value_cache = ctypes.cast(self._cache_refs[2], ctypes.POINTER(_VP))
+        m.num_blocks, m.block_size, m.cache_dtype = num_blocks, block_size, 0
+        self._caches_key = key
+        return True
+
+    def applies(self, num_tokens: int, kv_caches) -> bool:
+        return 0 < num_tokens <= self.max_tokens and self._bind_caches(kv_caches)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states ``[num_tokens, hidden]``; the KV cache is written in place."""
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        qsl = meta.query_start_loc.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        batch = LdBatch(
+            query_start_loc=qsl.data_ptr(), seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(),
+            slot_mapping=slots.data_ptr(), positions=pos.data_ptr(), input_ids=ids.data_ptr(),
+            num_reqs=seq_lens.shape[0], max_blocks=tables.shape[1], bt_stride=tables.stride(0),
+            num_tokens=ids.shape[0], parallel_work=self.parallel_work,
+        )  # fmt: skip
+        out = torch.empty(ids.shape[0], self._struct.hidden, dtype=torch.float32)
+        rc = self._lib.ld_forward(ctypes.byref(self._struct), ctypes.byref(batch), out.data_ptr(),
+                                  torch.get_num_threads())
+        if rc != 0:
+            from pagedllm.attention.cpu import _raise_on_error
+            _raise_on_error(rc, "ld_forward")
+        return out

@@ -1,0 +1,103 @@
+"""The one-call C decoder (models/cpu_decode.py) against the torch model path.
+
+End-to-end greedy parity with transformers through this path is covered by test_parity.py
+(its decode steps and its 32-token chunked-prefill runs are small batches, which take it).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_model_dir
+from pagedllm import LLM
+from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
+from pagedllm.layers import cpu_ops
+from pagedllm.models import cpu_decode
+
+pytestmark = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
+
+BLOCK = 8
+# odd sizes: rows and inner dims that are not multiples of the 4-row / 8-lane tiles
+ODD = dict(hidden_size=42, num_attention_heads=3, num_key_value_heads=1, intermediate_size=45)
+
+
+@pytest.fixture(scope="module")
+def odd_llama_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("odd"), "llama", **ODD)
+
+
+def _model(model_dir):
+    llm = LLM(model_dir, num_gpu_blocks_override=40, block_size=BLOCK, max_model_len=256)
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.model.fused_decoder is not None, "fused path should be on for float32 CPU"
+    return runner.model, runner.cache.layer_caches
+
+
+def _step(model, caches, fused: bool, reqs: list[tuple[list[int], int, list[int]]]):
+    """One forward over requests given as (new token ids, history length, block ids)."""
+    query_lens = np.array([len(ids) for ids, _, _ in reqs])
+    seq_lens = np.array([h + len(ids) for ids, h, _ in reqs])
+    tables = np.full((len(reqs), max(len(b) for _, _, b in reqs)), -1, dtype=np.int32)
+    for i, (_, _, blocks) in enumerate(reqs):
+        tables[i, : len(blocks)] = blocks
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
+    ids = torch.tensor([t for ids, _, _ in reqs for t in ids])
+    positions = torch.from_numpy(positions_from_lens(query_lens, seq_lens))
+    saved = model.model.fused_decoder
+    model.model.fused_decoder = saved if fused else None
+    try:
+        with torch.inference_mode():
+            return model(ids, positions, caches, meta)
+    finally:
+        model.model.fused_decoder = saved
+
+
+def _clone(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd"])
+def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir):
+    model, caches = _model(odd_llama_dir if arch == "odd" else model_dirs[arch])
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    # histories written by the torch path: A has 20 tokens (3 blocks), B has 9 (2 blocks)
+    hist_a, hist_b = rand(20), rand(9)
+    _step(model, caches, False, [(hist_a, 0, [5, 17, 2]), (hist_b, 0, [30, 8])])
+    # then: A decodes one token (into its partial 3rd block), B prefills a 7-token chunk with
+    # history that crosses into a new block, C is a fresh 3-token prompt; shuffled block ids
+    batch = [(rand(1), 20, [5, 17, 2]), (rand(7), 9, [30, 8, 11]), (rand(3), 0, [39])]
+    fused_caches, torch_caches = _clone(caches), _clone(caches)
+    got = _step(model, fused_caches, True, batch)
+    want = _step(model, torch_caches, False, batch)
+    assert got.shape == want.shape == (11, model.config.hidden_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for (fk, fv), (tk, tv) in zip(fused_caches, torch_caches):  # same K/V written to the same slots
+        torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5, equal_nan=True)  # unwritten: garbage
+        torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_batches_over_the_limit_take_the_torch_path(llama_dir):
+    model, caches = _model(llama_dir)
+    fused = model.model.fused_decoder
+    assert fused.applies(1, caches) and fused.applies(fused.max_tokens, caches)
+    assert not fused.applies(fused.max_tokens + 1, caches)
+    half = [(k.half(), v.half()) for k, v in caches]
+    assert not fused.applies(1, half)  # only a float32 cache
+
+
+def test_bad_metadata_raises_instead_of_writing_outside_the_cache(llama_dir):
+    model, caches = _model(llama_dir)
+    with pytest.raises(ValueError, match="out of range"):
+        _step(model, caches, True, [([5, 6], 0, [10_000])])
+
+
+def test_fused_path_off_when_not_applicable(llama_dir, monkeypatch):
+    llm = LLM(llama_dir, num_gpu_blocks_override=40, max_model_len=256, attention_backend="torch")
+    assert llm.llm_engine.executor.runner.model.model.fused_decoder is None
+    model, _ = _model(llama_dir)
+    assert "backend" in cpu_decode.unsupported_reason(model.model, object())
+    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    assert "PAGEDLLM_FUSED_DECODE" in model.enable_fused_decode(llm.llm_engine.executor.runner.backend)
+    assert model.model.fused_decoder is None
