@@ -96,6 +96,7 @@ class Scheduler:
         if not out.preempted_ids and not self.swapped:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_copies()
+        out.released_ids = self.kv.take_released()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -176,11 +177,13 @@ class Scheduler:
         samples = 0
         if req.num_computed_tokens == req.num_tokens:
             samples = 1 + req.num_forks_pending
+        block_start, new_blocks = self.kv.take_block_update(req.request_id)
         out.chunks.append(ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:start + num_new],
             start=start,
-            block_ids=self.kv.block_ids(req.request_id),
+            new_block_start=block_start,
+            new_block_ids=new_blocks,
             num_samples=samples,
         ))
 

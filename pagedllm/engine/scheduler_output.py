@@ -11,7 +11,11 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # the tokens to compute: all_token_ids[start : start + num_new_tokens]
     start: int
-    block_ids: list[int]  # the request's whole block table after allocation
+    # the request's block table after allocation, as an update of the runner's persistent copy:
+    # entries [0, new_block_start) are unchanged since the request's previous chunk (or its
+    # table was released and new_block_start is 0), new_block_ids replace entries from there on
+    new_block_start: int
+    new_block_ids: list[int]
     num_samples: int  # 0 while prefilling a chunk that does not reach the last token; n on a fork
 
     @property
@@ -22,6 +26,10 @@ class ScheduledChunk:
     def seq_len(self) -> int:
         return self.start + len(self.token_ids)
 
+    @property
+    def num_blocks(self) -> int:
+        return self.new_block_start + len(self.new_block_ids)
+
 
 @dataclass
 class SchedulerOutput:
@@ -30,6 +38,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     preempted_ids: list[str] = field(default_factory=list)
+    # requests whose block tables were dropped since the previous output (finished, aborted,
+    # preempted, swapped out): the runner forgets their persistent rows before this step
+    released_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,11 @@ class KVCacheManager:
         self._hashes: dict[str, list[bytes]] = {}
         self._num_hashed_blocks: dict[str, int] = {}  # blocks of the table already in the cache
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for this step
+        # incremental block-table updates for the runner's persistent tables: per request, the
+        # first table index changed since its last take_block_update(); requests whose tables
+        # were released (finished, preempted, swapped out) since the last take_released()
+        self._dirty_from: dict[str, int] = {}
+        self._released: list[str] = []
         self.prefix_stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------- queries
@@ -61,6 +66,28 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def take_block_update(self, request_id: str) -> tuple[int, list[int]]:
+        """``(start, ids)``: the request's block ids from index ``start`` on, where every entry
+        before ``start`` is unchanged since the previous call for it (0 after any release)."""
+        table = self.tables.get(request_id, [])
+        start = min(self._dirty_from.pop(request_id, 0), len(table))
+        self._dirty_from[request_id] = len(table)
+        return start, [b.block_id for b in table[start:]]
+
+    def take_released(self) -> list[str]:
+        """Requests whose device block tables were dropped since the previous call."""
+        released, self._released = self._released, []
+        return released
+
+    def _mark_dirty(self, request_id: str, index: int) -> None:
+        self._dirty_from[request_id] = min(self._dirty_from.get(request_id, index), index)
+
+    def _drop_table(self, request_id: str) -> list[KVBlock]:
+        self._dirty_from.pop(request_id, None)
+        if request_id in self.tables:
+            self._released.append(request_id)
+        return self.tables.pop(request_id, [])
 
     # ----------------------------------------------------------------- prefix hits
     def get_computed_blocks(self, req) -> tuple[list[KVBlock], int]:
@@ -113,6 +140,8 @@ class KVCacheManager:
         if needed + reserve > self.pool.num_free_blocks:
             return False
         rid = req.request_id
+        if rid not in self.tables:
+            self._mark_dirty(rid, 0)
         table = self.tables.setdefault(rid, [])
         self.requests[rid] = req
         if new_computed:
@@ -120,9 +149,10 @@ class KVCacheManager:
             table.extend(new_computed)
             self._num_hashed_blocks[rid] = len(table)
         num_computed = req.num_computed_tokens + len(new_computed) * self.block_size
-        self._copy_on_write(table, num_computed)
+        self._copy_on_write(rid, table, num_computed)
         total_blocks = cdiv(max(num_computed + num_new_tokens, reserve_tokens), self.block_size)
         if total_blocks > len(table):
+            self._mark_dirty(rid, len(table))
             table.extend(self.pool.allocate(total_blocks - len(table)))
         self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
@@ -131,7 +161,7 @@ class KVCacheManager:
         idx = num_computed // self.block_size
         return num_computed % self.block_size != 0 and idx < len(table) and table[idx].ref_cnt > 1
 
-    def _copy_on_write(self, table: list[KVBlock], num_computed: int) -> None:
+    def _copy_on_write(self, rid: str, table: list[KVBlock], num_computed: int) -> None:
         """The partial block about to be written is shared: write into a private copy instead."""
         if not self._write_block_is_shared(table, num_computed):
             return
@@ -140,6 +170,7 @@ class KVCacheManager:
         self.pending_copies.append((table[idx].block_id, copy.block_id))
         self.pool.free([table[idx]])
         table[idx] = copy
+        self._mark_dirty(rid, idx)
 
     def _cache_full_blocks(self, req, num_tokens_after: int) -> None:
         """Registers blocks that become full with this step's tokens in the prefix cache."""
@@ -167,6 +198,7 @@ class KVCacheManager:
         blocks = self.tables.get(parent.request_id, [])
         self.pool.touch(blocks)
         self.tables[child.request_id] = list(blocks)
+        self._mark_dirty(child.request_id, 0)
         self.requests[child.request_id] = child
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
         self._num_hashed_blocks[child.request_id] = self._num_hashed_blocks.get(parent.request_id, 0)
@@ -174,7 +206,7 @@ class KVCacheManager:
     def free(self, req) -> None:
         """Returns a request's blocks; its tail blocks are evicted first from the cache."""
         rid = req.request_id
-        table = self.tables.pop(rid, [])
+        table = self._drop_table(rid)
         self.pool.free(reversed(table))
         self.cpu_pool.free(self.cpu_tables.pop(rid, []))
         self.requests.pop(rid, None)
@@ -191,7 +223,7 @@ class KVCacheManager:
     def swap_out(self, req) -> list[tuple[int, int]]:
         """Moves all of a request's blocks to CPU blocks; returns the (device, cpu) copy plan."""
         rid = req.request_id
-        table = self.tables.pop(rid, [])
+        table = self._drop_table(rid)
         cpu_ids = self.cpu_pool.allocate(len(table))
         self.cpu_tables[rid] = cpu_ids
         plan = [(b.block_id, c) for b, c in zip(table, cpu_ids)]
@@ -211,6 +243,7 @@ class KVCacheManager:
         cpu_ids = self.cpu_tables.pop(rid)
         table = self.pool.allocate(len(cpu_ids))
         self.tables[rid] = table
+        self._mark_dirty(rid, 0)
         self.requests[rid] = req
         self.cpu_pool.free(cpu_ids)
         return [(c, b.block_id) for c, b in zip(cpu_ids, table)]

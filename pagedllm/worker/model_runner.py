@@ -13,6 +13,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import build_model, get_model_class, load_weights
+from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class ModelRunner:
                 logger.info("fused CPU decode path off: %s", reason)
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
+        self.block_table = PersistentBlockTable(-(-mc.max_model_len // self.block_size),
+                                                config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
         self.last_prepare_time = 0.0
 
@@ -55,6 +58,7 @@ class ModelRunner:
         A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens).
         """
         self.last_prepare_time = 0.0
+        self.block_table.release(out.released_ids)
         # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
@@ -71,10 +75,8 @@ class ModelRunner:
         chunks = out.chunks
         query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         seq_lens = np.fromiter((c.seq_len for c in chunks), dtype=np.int64, count=len(chunks))
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_ids)] = c.block_ids
+        rows = np.fromiter((self.block_table.apply(c) for c in chunks), dtype=np.int64, count=len(chunks))
+        tables = self.block_table.gather(rows, max(c.num_blocks for c in chunks))
         ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(query_lens.sum()))
         positions = positions_from_lens(query_lens, seq_lens)
         last = np.cumsum(query_lens) - 1
@@ -92,8 +94,9 @@ class ModelRunner:
         blocks_per_seq = -(-seq // self.block_size)
         saved = self.cache
         self.init_cache(num_seqs * blocks_per_seq)
-        chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0,
+        chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]
         self.execute(SchedulerOutput(chunks=chunks))
         self.cache = saved
+        self.block_table.reset()

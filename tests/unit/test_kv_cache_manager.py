@@ -121,3 +121,36 @@ def test_allocation_failure_changes_nothing():
 def test_num_tokens_stored_counts_shared_blocks_once():
     kv, parent, child = _forked_pair()
     assert kv.num_tokens_stored() == 6
+
+
+def test_block_table_updates_carry_only_what_changed():
+    kv = KVCacheManager(10, 4)
+    req = _req("a", list(range(6)))
+    _compute(kv, req, 6)
+    assert kv.take_block_update("a") == (0, [0, 1])  # a new table: everything
+    assert kv.take_block_update("a") == (2, [])  # nothing changed since
+    for t in (100, 101, 102):
+        req.append_token(t)
+    _compute(kv, req, 3)
+    assert kv.take_block_update("a") == (2, [2])  # one block appended
+    kv.free(req)
+    assert kv.take_released() == ["a"] and kv.take_released() == []
+    _compute(kv, _req("a", [1]), 1)  # the same id again: a new table from index 0
+    assert kv.take_block_update("a") == (0, [3])
+
+
+def test_block_table_update_after_copy_on_write_and_swap():
+    kv, parent, child = _forked_pair()
+    assert kv.take_block_update("p#1") == (0, [0, 1])  # a forked child starts from scratch
+    child.append_token(7)
+    _compute(kv, child, 1)
+    assert kv.take_block_update("p#1") == (1, [2])  # the written partial block was replaced
+    kv = KVCacheManager(10, 4, num_cpu_blocks=4)
+    req = _req("s", list(range(6)))
+    _compute(kv, req, 6)
+    kv.take_block_update("s")
+    kv.pool.allocate(2)  # blocks 2, 3 taken: swapped-in blocks get other ids
+    kv.swap_out(req)
+    assert kv.take_released() == ["s"]
+    kv.swap_in(req)
+    assert kv.take_block_update("s") == (0, kv.block_ids("s")) and kv.block_ids("s") != [0, 1]

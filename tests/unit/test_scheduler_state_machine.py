@@ -2,7 +2,9 @@
 
 The model is replaced by random token draws, so every scheduling path (chunked prefill,
 preemption, forks with copy-on-write, prefix hits, aborts) runs hundreds of times quickly;
-``check_integrity()`` runs after every step and every block is free at the end.
+``check_integrity()`` runs after every step and every block is free at the end. The
+incremental block-table updates are applied to a runner-style persistent table, which must
+equal the KV manager's table for every scheduled request, every step.
 """
 from __future__ import annotations
 
@@ -16,15 +18,18 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.block_table import PersistentBlockTable
 
 NUM_BLOCKS, BLOCK = 24, 8
 
 
-def fake_step(sched: Scheduler, rng: random.Random) -> None:
+def fake_step(sched: Scheduler, rng: random.Random, table: PersistentBlockTable) -> None:
     out = sched.schedule()
-    # every chunk must fit the block table it was given
+    table.release(out.released_ids)
     for c in out.chunks:
-        assert len(c.block_ids) * BLOCK >= c.seq_len
+        assert c.num_blocks * BLOCK >= c.seq_len  # every chunk fits the block table it was given
+        row = table.apply(c)
+        assert table.table[row, :c.num_blocks].tolist() == sched.kv.block_ids(c.request_id)
     sampled = [SampledTokens(c.request_id, [rng.randrange(3, 12) for _ in range(c.num_samples)],
                              [-1.0] * c.num_samples) for c in out.chunks if c.num_samples]
     sched.update(sampled)
@@ -45,6 +50,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             CacheConfig(block_size=BLOCK, watermark=0.05), NUM_BLOCKS, self.num_cpu_blocks)
         self.rng = random.Random(0)
         self.next_id = 0
+        self.table = PersistentBlockTable(max_blocks_per_seq=2, num_rows=2)  # small: exercises growth
 
     @rule(prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 30), n=st.integers(1, 3),
           shared_prefix=st.booleans())
@@ -58,7 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        fake_step(self.sched, self.rng)
+        fake_step(self.sched, self.rng, self.table)
 
     @precondition(lambda self: self.sched.sequences)
     @rule(data=st.data())
@@ -80,12 +86,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(2000):
             if not self.sched.has_unfinished():
                 break
-            fake_step(self.sched, self.rng)
+            fake_step(self.sched, self.rng, self.table)
             self.sched.kv.check_integrity()
         assert not self.sched.has_unfinished(), "requests left unfinished"
         assert self.sched.kv.num_free_blocks == NUM_BLOCKS
         assert self.sched.kv.cpu_pool.num_free_blocks == self.num_cpu_blocks
         assert not self.sched.sequences
+        self.table.release(self.sched.schedule().released_ids)
+        assert not self.table.rows, "rows of finished requests were never released"
 
 
 class SwapSchedulerMachine(SchedulerMachine):
