@@ -13,8 +13,15 @@ Workloads (full sizes; ``--quick`` divides request counts and lengths by 8):
   long16      16 requests, 512 -> 128            HF: batch 16
   mixed32     32 requests, 128 -> 16..256        HF: batch 32, every row runs to the longest
   prefill512  1 request, 512 -> 1 (prompt tok/s) HF: batch 1
-The headline metric is output tok/s (for mixed32: *useful* output tok/s = requested tokens /
-time; for prefill512: prompt tok/s). Ratio = pagedllm / transformers on that metric.
+  lognormal   64 requests, lognormal prompt and output lengths (medians 128, sigma 0.7, clipped
+              to [4, 1024], seed 0)                HF: batch 32, left-padded; not run by default
+The headline metric is output tok/s (for mixed32 and lognormal: *useful* output tok/s =
+requested tokens / time; for prefill512: prompt tok/s). Ratio = pagedllm / transformers on it.
+
+``--sweep`` adds a concurrency sweep: for each c in ``--concurrency`` (default 1,8,16,32,64,128),
+c requests of 128 -> 128 through both systems (transformers: one static batch of c), printed as
+a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
+(``results/throughput-concurrency.png`` by default).
 """
 from __future__ import annotations
 
@@ -59,21 +66,52 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 @dataclass
 class Workload:
+    """Requests given by their prompt and output lengths, and the transformers batch sizes to run."""
     name: str
-    num_requests: int
-    prompt_len: int
+    prompt_lens: list[int]
     output_lens: list[int]
     hf_batch_sizes: list[int]
     headline: str = "output"  # "output" | "useful" | "prompt"
     description: str = ""
 
+    def __post_init__(self) -> None:
+        if len(self.prompt_lens) != len(self.output_lens):
+            raise ValueError(f"workload {self.name!r}: {len(self.prompt_lens)} prompt lengths but "
+                             f"{len(self.output_lens)} output lengths; give one of each per request")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.output_lens)
+
+    @property
+    def prompt_len(self) -> int | None:
+        """The common prompt length, or None when the prompts differ in length."""
+        return self.prompt_lens[0] if len(set(self.prompt_lens)) == 1 else None
+
     @property
     def prompt_tokens(self) -> int:
-        return self.num_requests * self.prompt_len
+        return sum(self.prompt_lens)
 
     @property
     def output_tokens(self) -> int:
         return sum(self.output_lens)
+
+
+@dataclass(frozen=True)
+class LognormalSpec:
+    """Long-tailed lengths as in real traffic. With both lengths clipped to ``hi`` = 1024, prompt +
+    output stays within the default model's 2048 positions."""
+    num_requests: int = 64
+    prompt_median: int = 128
+    output_median: int = 128
+    sigma: float = 0.7
+    lo: int = 4
+    hi: int = 1024
+    seed: int = 0
+    hf_batch_size: int = 32
+
+
+LOGNORMAL = LognormalSpec()
 
 
 def _q(x: int, quick: bool, lo: int = 1) -> int:
@@ -87,25 +125,52 @@ def mixed_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     return lens
 
 
+def lognormal_lengths(rng: np.random.Generator, n: int, median: int, sigma: float, lo: int, hi: int) -> list[int]:
+    """n lengths whose log is normal around log(median) with std sigma, rounded, clipped to [lo, hi]."""
+    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), lo, hi).astype(int).tolist()
+
+
+def lognormal_workload(quick: bool, spec: LognormalSpec = LOGNORMAL) -> Workload:
+    """Prompt lengths, then output lengths, from one generator seeded with ``spec.seed``."""
+    q = lambda x, lo=1: _q(x, quick, lo)  # noqa: E731
+    n, hi = q(spec.num_requests, 2), q(spec.hi, 8)
+    rng = np.random.default_rng(spec.seed)
+    prompts = lognormal_lengths(rng, n, q(spec.prompt_median, 4), spec.sigma, spec.lo, hi)
+    outputs = lognormal_lengths(rng, n, q(spec.output_median, 2), spec.sigma, spec.lo, hi)
+    desc = (f"lognormal lengths: medians {q(spec.prompt_median, 4)} -> {q(spec.output_median, 2)}, sigma "
+            f"{spec.sigma}, clipped to [{spec.lo}, {hi}], seed {spec.seed}; static batches pad both")
+    return Workload("lognormal", prompts, outputs, [q(spec.hf_batch_size, 4)], "useful", desc)
+
+
 def build_workloads(quick: bool) -> dict[str, Workload]:
     q = lambda x, lo=1: _q(x, quick, lo)  # noqa: E731
     p128, o128, p512 = q(128, 4), q(128, 2), q(512, 4)
     n64, n16, n32 = q(64, 2), q(16, 2), q(32, 4)
     wls = [
-        Workload("single", 1, p128, [o128], [1], description="1 request, decode-bound latency path"),
-        Workload("batch64", n64, p128, [o128] * n64, [n64, q(16, 2)], description="many equal requests"),
-        Workload("long16", n16, p512, [o128] * n16, [n16], description="long prompts"),
-        Workload("mixed32", n32, p128, mixed_lengths(n32, q(16, 2), q(256, 4)), [n32], "useful",
+        Workload("single", [p128], [o128], [1], description="1 request, decode-bound latency path"),
+        Workload("batch64", [p128] * n64, [o128] * n64, [n64, q(16, 2)], description="many equal requests"),
+        Workload("long16", [p512] * n16, [o128] * n16, [n16], description="long prompts"),
+        Workload("mixed32", [p128] * n32, mixed_lengths(n32, q(16, 2), q(256, 4)), [n32], "useful",
                  description="output lengths spread evenly; static batches pad to the longest"),
-        Workload("prefill512", 1, p512, [1], [1], "prompt", description="prompt processing only"),
+        Workload("prefill512", [p512], [1], [1], "prompt", description="prompt processing only"),
+        lognormal_workload(quick),
     ]
     return {w.name: w for w in wls}
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random ids in [len(SPECIAL_TOKENS), vocab): no pad/bos/eos inside a prompt."""
+def sweep_workloads(concurrency: list[int], prompt_len: int, output_len: int) -> list[Workload]:
+    """One workload per concurrency c: c equal requests, and transformers runs them as one batch of c."""
+    return [Workload(f"c{c}", [prompt_len] * c, [output_len] * c, [c],
+                     description=f"concurrency sweep: {c} requests submitted at once") for c in concurrency]
+
+
+def make_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    """One prompt per length, random ids in [len(SPECIAL_TOKENS), vocab): no pad/bos/eos inside.
+    Drawn as one flat stream, so equal lengths give the same prompts as an (n, length) draw."""
     rng = np.random.default_rng(seed)
-    return rng.integers(len(SPECIAL_TOKENS), vocab, size=(n, length)).tolist()
+    flat = rng.integers(len(SPECIAL_TOKENS), vocab, size=sum(lens)).tolist()
+    ends = np.cumsum(lens).tolist()
+    return [flat[end - n:end] for n, end in zip(lens, ends)]
 
 
 def workload_seed(name: str) -> int:
@@ -229,18 +294,34 @@ def load_hf(model_dir: Path, device: str):
     return model
 
 
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Pads a static batch on the left, so that every row's next token lands in the same column.
+    The mask zeroes the pads; transformers derives position ids from it, so a padded row sees the
+    same positions and keys as it would alone."""
+    width = max(map(len, prompts))
+    ids = [[pad_id] * (width - len(p)) + p for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
+
+
 def hf_generate(model, prompts, output_lens, batch_size: int, device: str) -> list[list[int]]:
-    """Static batches in request order; each batch runs to its longest requested length."""
+    """Static batches in request order, left-padded; each batch runs to its longest requested
+    length, and each request keeps only its requested tokens."""
     outs = []
     for i in range(0, len(prompts), batch_size):
-        ids = torch.tensor(prompts[i:i + batch_size], device=device)  # equal lengths: no padding
-        new = max(output_lens[i:i + batch_size])
-        with torch.inference_mode():
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=new, pad_token_id=0)
-        assert seq.shape[1] == ids.shape[1] + new, "transformers stopped early"
-        outs += seq[:, ids.shape[1]:].tolist()
+        lens = output_lens[i:i + batch_size]
+        rows = _hf_batch(model, prompts[i:i + batch_size], max(lens), device)
+        outs += [row[:n] for row, n in zip(rows, lens)]
     return outs
+
+
+def _hf_batch(model, prompts, new_tokens: int, device: str) -> list[list[int]]:
+    ids, mask = (torch.tensor(x, device=device) for x in left_pad(prompts))
+    with torch.inference_mode():
+        seq = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=new_tokens, pad_token_id=0)
+    assert seq.shape[1] == ids.shape[1] + new_tokens, "transformers stopped early"
+    return seq[:, ids.shape[1]:].tolist()
 
 
 def run_hf(model, wl: Workload, prompts, batch_size: int, device: str) -> dict:
@@ -259,11 +340,22 @@ def _sync_fn(device: str):
     return lambda: None
 
 
-def metrics(wl: Workload, time_s: float, generated: int) -> dict:
-    """Throughputs for one run; ``generated`` counts every token produced (incl. padding rows)."""
+def metrics(wl: Workload, time_s: float, generated: int, prompt_pads: int = 0) -> dict:
+    """Throughputs for one run; ``generated`` counts every token produced (incl. padding rows),
+    ``prompt_pads`` the pad tokens fed in front of shorter prompts (not counted as prompt tokens)."""
     return dict(time_s=time_s, output_tok_s=generated / time_s, useful_output_tok_s=wl.output_tokens / time_s,
                 total_tok_s=(wl.prompt_tokens + generated) / time_s, prompt_tok_s=wl.prompt_tokens / time_s,
-                generated_tokens=generated, padding_share=1 - wl.output_tokens / generated)
+                generated_tokens=generated, padding_share=1 - wl.output_tokens / generated,
+                prompt_padding_share=prompt_pads / (prompt_pads + wl.prompt_tokens))
+
+
+def static_batch_tokens(wl: Workload, batch_size: int) -> tuple[int, int]:
+    """(tokens generated, pad tokens fed into prompts) when transformers runs ``wl`` in static
+    batches: every row generates the batch's longest output and is padded to its longest prompt."""
+    batches = range(0, wl.num_requests, batch_size)
+    generated = sum(max(wl.output_lens[i:i + batch_size]) * len(wl.output_lens[i:i + batch_size]) for i in batches)
+    pads = sum(max(b) * len(b) - sum(b) for b in (wl.prompt_lens[i:i + batch_size] for i in batches))
+    return generated, pads
 
 
 def headline(wl: Workload, m: dict) -> float:
@@ -288,7 +380,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def bench_workload(wl: Workload, llm, hf, vocab: int, args) -> dict:
-    prompts = make_prompts(wl.num_requests, wl.prompt_len, vocab, workload_seed(wl.name))
+    prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
     warm(wl, llm, hf, vocab, args)
     paged_runs, hf_runs = [], defaultdict(list)
     for _ in range(args.repeats):  # alternate the systems so machine noise hits both alike
@@ -301,8 +393,8 @@ def bench_workload(wl: Workload, llm, hf, vocab: int, args) -> dict:
 def warm(wl: Workload, llm, hf, vocab: int, args) -> None:
     """A small untimed run of each system on this workload's shapes (other prompts)."""
     n = min(wl.num_requests, 4)
-    prompts = make_prompts(n, wl.prompt_len, vocab, workload_seed(wl.name) + 1)
-    small = Workload(wl.name, n, wl.prompt_len, [min(4, x) for x in wl.output_lens[:n]], [n])
+    small = Workload(wl.name, wl.prompt_lens[:n], [min(4, x) for x in wl.output_lens[:n]], [n])
+    prompts = make_prompts(small.prompt_lens, vocab, workload_seed(wl.name) + 1)
     run_paged(llm, small, prompts)
     if hf is not None:
         run_hf(hf, small, prompts, n, args.device)
@@ -313,9 +405,7 @@ def summarize(wl: Workload, paged: dict, hf: dict[int, dict]) -> dict:
     res = dict(workload=_wl_json(wl), pagedllm=dict(**p, times_s=paged["times_s"], engine=paged["engine"]),
                transformers={})
     for bs, run in hf.items():
-        generated = sum(max(wl.output_lens[i:i + bs]) * len(wl.output_lens[i:i + bs])
-                        for i in range(0, wl.num_requests, bs))
-        m = metrics(wl, run["time_s"], generated)
+        m = metrics(wl, run["time_s"], *static_batch_tokens(wl, bs))
         m.update(times_s=run["times_s"], batch_size=bs,
                  ratio=headline(wl, p) / headline(wl, m),
                  greedy_agreement=prefix_agreement(paged["outputs"], run["outputs"], wl.output_lens))
@@ -324,8 +414,9 @@ def summarize(wl: Workload, paged: dict, hf: dict[int, dict]) -> dict:
 
 
 def _wl_json(wl: Workload) -> dict:
-    return dict(num_requests=wl.num_requests, prompt_len=wl.prompt_len, output_lens=wl.output_lens,
-                hf_batch_sizes=wl.hf_batch_sizes, headline=wl.headline, description=wl.description)
+    return dict(num_requests=wl.num_requests, prompt_len=wl.prompt_len, prompt_lens=wl.prompt_lens,
+                output_lens=wl.output_lens, hf_batch_sizes=wl.hf_batch_sizes, headline=wl.headline,
+                description=wl.description)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -338,10 +429,18 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _span(lens: list[int]) -> str:
+    return str(lens[0]) if min(lens) == max(lens) else f"{min(lens)}..{max(lens)}"
+
+
 def _shape(wl: dict) -> str:
-    lens = wl["output_lens"]
-    out = str(lens[0]) if min(lens) == max(lens) else f"{min(lens)}..{max(lens)}"
-    return f"{wl['num_requests']}x {wl['prompt_len']}->{out}"
+    return f"{wl['num_requests']}x {_span(wl['prompt_lens'])}->{_span(wl['output_lens'])}"
+
+
+def _pad_note(m: dict) -> str:
+    notes = [f"pad {100 * m['padding_share']:.0f}%" if m["padding_share"] > 0 else "",
+             f"prompt pad {100 * m['prompt_padding_share']:.0f}%" if m["prompt_padding_share"] > 0 else ""]
+    return " ".join(n for n in notes if n)
 
 
 def throughput_rows(results: dict) -> list[list[str]]:
@@ -351,10 +450,9 @@ def throughput_rows(results: dict) -> list[list[str]]:
         rows.append([name, _shape(wl), "pagedllm", f"{p['time_s']:.2f}", f"{p['output_tok_s']:.1f}",
                      f"{p['total_tok_s']:.1f}", _headline_cell(wl, p), "", ""])
         for key, m in r["transformers"].items():
-            note = f"pad {100 * m['padding_share']:.0f}%" if m["padding_share"] > 0 else ""
             rows.append(["", "", f"hf {key}", f"{m['time_s']:.2f}", f"{m['output_tok_s']:.1f}",
                          f"{m['total_tok_s']:.1f}", _headline_cell(wl, m), f"{m['ratio']:.2f}x",
-                         f"agree {100 * m['greedy_agreement']:.0f}% {note}".strip()])
+                         f"agree {100 * m['greedy_agreement']:.0f}% {_pad_note(m)}".strip()])
     return rows
 
 
@@ -376,9 +474,12 @@ def engine_rows(results: dict, info: dict) -> list[list[str]]:
     return rows
 
 
-def print_report(results: dict, info: dict, meta: dict) -> None:
+def print_header(meta: dict) -> None:
     print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, float32), "
           f"{meta['threads']} threads, repeats={meta['repeats']} (median), quick={meta['quick']}")
+
+
+def print_report(results: dict, info: dict) -> None:
     print("\nThroughput (tok/s). ratio = pagedllm / transformers on the headline metric")
     print(format_table(["workload", "shape", "system", "time s", "out tok/s", "total tok/s", "headline",
                         "ratio", "notes"], throughput_rows(results)))
@@ -387,6 +488,92 @@ def print_report(results: dict, info: dict, meta: dict) -> None:
           f"{info['max_num_batched_tokens']}). Per-step ms from the engine's own timers (LLMEngine.step_times):")
     print(format_table(["workload", "steps", "peak blocks", "preempt", "step", "forward", "schedule", "prepare",
                         "sample", "update", "non-fwd"], engine_rows(results, info)))
+
+
+def sweep_rows(sweep: dict) -> list[list[str]]:
+    rows = []
+    for c in sweep["concurrency"]:
+        r = sweep["results"][f"c{c}"]
+        p, h = r["pagedllm"], next(iter(r["transformers"].values()), None)
+        hf_cells = (["", "", "", "", ""] if h is None else
+                    [f"{h['time_s']:.2f}", f"{h['output_tok_s']:.1f}", f"{h['total_tok_s']:.1f}",
+                     f"{h['ratio']:.2f}x", f"{100 * h['greedy_agreement']:.0f}%"])
+        rows.append([str(c), f"{p['time_s']:.2f}", f"{p['output_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
+                     *hf_cells, str(p["engine"]["preemptions"])])
+    return rows
+
+
+def print_sweep(sweep: dict, info: dict) -> None:
+    print(f"\nConcurrency sweep: c requests of {sweep['prompt_len']} -> {sweep['output_len']} tokens, all at "
+          "once (pagedllm) / one static batch of c (transformers). ratio = output tok/s pagedllm / transformers")
+    print(format_table(["c", "paged s", "paged out tok/s", "paged total tok/s", "hf s", "hf out tok/s",
+                        "hf total tok/s", "ratio", "agree", "preempt"], sweep_rows(sweep)))
+    print("\npagedllm engine stats per concurrency (median run):")
+    print(format_table(["c", "steps", "peak blocks", "preempt", "step", "forward", "schedule", "prepare",
+                        "sample", "update", "non-fwd"], engine_rows(sweep["results"], info)))
+    print(f"\nchart: {sweep['chart']}")
+
+
+def chart_path(json_path: Path) -> Path:
+    """``results/throughput.json`` -> ``results/throughput-concurrency.png``: the chart sits next to its data."""
+    return json_path.with_name(f"{json_path.stem}-concurrency.png")
+
+
+def plot_sweep(sweep: dict, path: Path, title: str) -> None:
+    """Top: output tok/s (solid) and total tok/s (dashed) vs concurrency for both systems.
+    Bottom: the ratio, in its own panel so its labels never sit on the throughput lines."""
+    import matplotlib
+    matplotlib.use("Agg")  # writes files only; a benchmark box has no display
+    import matplotlib.pyplot as plt
+    cs = sweep["concurrency"]
+    runs = [sweep["results"][f"c{c}"] for c in cs]
+    hf = [next(iter(r["transformers"].values()), None) for r in runs]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 5.5), height_ratios=[3, 1])
+    for label, ms, color in (("pagedllm", [r["pagedllm"] for r in runs], "C0"), ("transformers", hf, "C1")):
+        if None not in ms:
+            top.plot(cs, [m["output_tok_s"] for m in ms], "o-", color=color, label=f"{label}, output tok/s")
+            top.plot(cs, [m["total_tok_s"] for m in ms], "s--", color=color, alpha=0.45,
+                     label=f"{label}, total tok/s")
+    if None not in hf:
+        _plot_ratio(bottom, cs, [h["ratio"] for h in hf])
+    _style_sweep_axes(top, bottom, cs, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_ratio(ax, cs: list[int], ratios: list[float]) -> None:
+    ax.plot(cs, ratios, "o-", color="C2")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    for c, r in zip(cs, ratios):
+        ax.annotate(f"{r:.2f}x", (c, r), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_ylim(0, max(ratios) * 1.35)
+
+
+def _style_sweep_axes(top, bottom, cs: list[int], title: str) -> None:
+    bottom.set_xscale("log", base=2)  # levels double, so equal spacing
+    bottom.set_xticks(cs, [str(c) for c in cs])
+    bottom.minorticks_off()
+    bottom.set_xlabel("concurrency (requests at once; transformers batch size)")
+    bottom.set_ylabel("pagedllm /\ntransformers", fontsize=8)
+    top.set_ylim(bottom=0)
+    top.set_ylabel("tokens / s")
+    top.set_title(title, fontsize=9)
+    top.legend(fontsize=8)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.figure.tight_layout()
+
+
+def finish_sweep(results: dict, args, meta: dict) -> dict:
+    """The sweep's JSON section; draws its chart."""
+    sweep = dict(concurrency=args.concurrency, prompt_len=args.sweep_prompt_len,
+                 output_len=args.sweep_output_len, chart=str(chart_path(args.output)), results=results)
+    title = (f"pagedllm vs transformers: c requests of {sweep['prompt_len']} -> {sweep['output_len']} tokens, "
+             f"ratio on output tok/s\n{Path(meta['model']).name} ({meta['model_params_m']:.0f}M params, float32), "
+             f"{args.device}, {meta['threads']} threads, median of {meta['repeats']}")
+    plot_sweep(sweep, Path(sweep["chart"]), title)
+    return sweep
 
 
 def save_json(data: dict, path: Path) -> None:
@@ -402,12 +589,19 @@ def save_json(data: dict, path: Path) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: build/reuse the random 34M Llama)")
-    ap.add_argument("--workloads", default="single,batch64,long16,mixed32,prefill512")
+    ap.add_argument("--workloads", default="single,batch64,long16,mixed32,prefill512",
+                    help="comma-separated; also 'lognormal' (by name only), or 'none' (e.g. with --sweep)")
     ap.add_argument("--quick", action="store_true", help=f"sizes divided by {QUICK_DIV}; repeats default 3")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median); 3 quick, 1 full")
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/throughput.json, or results/throughput-quick.json)")
+    sw = ap.add_argument_group("concurrency sweep (off unless --sweep or --concurrency is given)")
+    sw.add_argument("--sweep", action="store_true", help="also run the concurrency sweep and draw its chart")
+    sw.add_argument("--concurrency", default=None,
+                    help="sweep levels, comma-separated (default 1,8,16,32,64,128); implies --sweep")
+    sw.add_argument("--sweep-prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
+    sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
     g = ap.add_argument_group("pagedllm engine")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
@@ -420,7 +614,20 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 1)
     args.output = args.output or RESULTS_DIR / ("throughput-quick.json" if args.quick else "throughput.json")
+    _sweep_args(ap, args)
     return args
+
+
+def _sweep_args(ap: argparse.ArgumentParser, args) -> None:
+    args.sweep = args.sweep or args.concurrency is not None
+    try:
+        args.concurrency = [int(c) for c in (args.concurrency or "1,8,16,32,64,128").split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--concurrency={args.concurrency!r}: give comma-separated positive integers, e.g. 1,8,16")
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error(f"--concurrency={args.concurrency!r}: give comma-separated positive integers, e.g. 1,8,16")
+    args.sweep_prompt_len = args.sweep_prompt_len or _q(128, args.quick, 4)
+    args.sweep_output_len = args.sweep_output_len or _q(128, args.quick, 2)
 
 
 def physical_cores() -> int:
@@ -443,7 +650,7 @@ def _core_ids(lines):
 
 def select_workloads(args) -> list[Workload]:
     all_wls = build_workloads(args.quick)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    names = [n.strip() for n in args.workloads.split(",") if n.strip() not in ("", "none")]
     unknown = [n for n in names if n not in all_wls]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(all_wls)}")
@@ -453,21 +660,34 @@ def select_workloads(args) -> list[Workload]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     workloads = select_workloads(args)
+    sweep = sweep_workloads(args.concurrency, args.sweep_prompt_len, args.sweep_output_len) if args.sweep else []
     args.num_threads = args.num_threads or physical_cores()
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir())
     llm = make_llm(model_dir, args)
     hf = None if args.skip_hf else load_hf(model_dir, args.device)
     vocab = llm.llm_engine.model_config.vocab_size
+    results = run_workloads(workloads, llm, hf, vocab, args)
+    sweep_results = run_workloads(sweep, llm, hf, vocab, args)
+    info, meta = engine_info(llm), run_meta(args, model_dir, llm)
+    data = dict(meta=meta, engine=info, results=results)
+    print_header(meta)
+    if results:
+        print_report(results, info)
+    if sweep:
+        data["sweep"] = finish_sweep(sweep_results, args, meta)
+        print_sweep(data["sweep"], info)
+    save_json(data, args.output)
+    print(f"\nsaved {args.output}")
+    return results
+
+
+def run_workloads(workloads: list[Workload], llm, hf, vocab: int, args) -> dict:
     results = {}
     for wl in workloads:
         t0 = time.perf_counter()
         results[wl.name] = bench_workload(wl, llm, hf, vocab, args)
         print(f"[{wl.name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
-    info, meta = engine_info(llm), run_meta(args, model_dir, llm)
-    print_report(results, info, meta)
-    save_json(dict(meta=meta, engine=info, results=results), args.output)
-    print(f"\nsaved {args.output}")
     return results
 
 

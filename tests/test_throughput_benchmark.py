@@ -6,6 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 _spec = importlib.util.spec_from_file_location("pagedllm_bench_throughput", _PATH)
 tp = importlib.util.module_from_spec(_spec)
@@ -49,3 +52,71 @@ def test_quick_run_end_to_end(llama_dir, tmp_path):
         assert r["pagedllm"]["engine"]["prefix_hits"] == 0  # repeats never reuse an earlier run's KV
         for m in r["transformers"].values():
             assert m["ratio"] > 0 and m["greedy_agreement"] == 1.0
+
+
+def test_lognormal_lengths_are_seeded_clipped_and_spread():
+    full = tp.build_workloads(quick=False)["lognormal"]
+    assert full.num_requests == 64 and full.hf_batch_sizes == [32] and full.headline == "useful"
+    assert full == tp.build_workloads(quick=False)["lognormal"]  # fixed by the seed
+    for lens in (full.prompt_lens, full.output_lens):
+        assert min(lens) >= 4 and max(lens) <= 1024 and len(set(lens)) > 20
+        assert 90 < float(np.median(lens)) < 180  # median 128, sigma 0.7
+    assert full.prompt_lens != full.output_lens and full.prompt_len is None
+    assert max(p + o for p, o in zip(full.prompt_lens, full.output_lens)) <= 2048  # the model's positions
+    quick = tp.build_workloads(quick=True)["lognormal"]
+    assert quick.num_requests == 8 and quick.hf_batch_sizes == [4] and max(quick.prompt_lens) <= 128
+    other_seed = tp.lognormal_workload(False, tp.LognormalSpec(seed=1))
+    assert other_seed.prompt_lens != full.prompt_lens
+
+
+def test_make_prompts_keeps_uniform_prompts_and_follows_lengths():
+    rng = np.random.default_rng(7)
+    assert tp.make_prompts([5, 5, 5], 100, 7) == rng.integers(3, 100, size=(3, 5)).tolist()  # as before
+    prompts = tp.make_prompts([2, 9, 4], 100, 7)
+    assert [len(p) for p in prompts] == [2, 9, 4] and min(min(p) for p in prompts) >= 3
+
+
+def test_static_batch_tokens_and_left_pad():
+    wl = tp.Workload("w", [3, 5, 2], [4, 1, 2], [2])
+    assert tp.static_batch_tokens(wl, 2) == (2 * 4 + 2, 2)  # batches (3,5)->4 out, (2)->2 out; one prompt pads 2
+    assert tp.static_batch_tokens(wl, 3) == (3 * 4, 2 + 3)
+    ids, mask = tp.left_pad([[7, 8], [5, 6, 9]])
+    assert ids == [[0, 7, 8], [5, 6, 9]] and mask == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_left_padded_hf_batch_equals_unpadded_rows(llama_dir):
+    hf = tp.load_hf(Path(llama_dir), "cpu")
+    prompts = tp.make_prompts([3, 11, 6, 8], 512, 0)
+    lens = [2, 7, 5, 1]
+    batched = tp.hf_generate(hf, prompts, lens, 4, "cpu")
+    assert [len(o) for o in batched] == lens  # only the requested tokens come back
+    assert batched == tp.hf_generate(hf, prompts, lens, 1, "cpu")  # pads change nothing
+
+
+def test_quick_lognormal_and_sweep_end_to_end(llama_dir, tmp_path):
+    out = tmp_path / "t.json"
+    results = tp.main(["--model", llama_dir, "--quick", "--repeats", "1", "--output", str(out),
+                       "--workloads", "lognormal", "--concurrency", "1,4", "--kv-cache-memory", "64MiB",
+                       "--num-threads", "1"])
+    data = json.loads(out.read_text())
+    assert set(results) == set(data["results"]) == {"lognormal"}
+    hf = data["results"]["lognormal"]["transformers"]["bs4"]
+    assert hf["greedy_agreement"] == 1.0 and hf["ratio"] > 0  # left padding keeps greedy identical
+    assert hf["padding_share"] > 0.3 and hf["prompt_padding_share"] > 0.3
+    assert data["results"]["lognormal"]["pagedllm"]["prompt_padding_share"] == 0
+    sweep = data["sweep"]
+    assert sweep["concurrency"] == [1, 4] and set(sweep["results"]) == {"c1", "c4"}
+    for c in (1, 4):
+        r = sweep["results"][f"c{c}"]
+        assert r["workload"]["num_requests"] == c and r["workload"]["prompt_lens"] == [16] * c
+        assert r["transformers"][f"bs{c}"]["ratio"] > 0 and r["transformers"][f"bs{c}"]["greedy_agreement"] == 1.0
+    chart = tmp_path / "t-concurrency.png"
+    assert sweep["chart"] == str(chart) and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_is_off_by_default_and_concurrency_is_validated():
+    args = tp.parse_args(["--quick"])
+    assert not args.sweep and (args.sweep_prompt_len, args.sweep_output_len) == (16, 16)
+    assert tp.parse_args(["--concurrency", "2,8"]).concurrency == [2, 8]
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--concurrency", "0,4"])
