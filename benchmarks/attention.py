@@ -1,6 +1,6 @@
 """Times the C paged-attention kernel against the torch reference and a gather + SDPA baseline.
 
-    python benchmarks/attention_kernel.py [--threads N] [--repeats R] [--block-size B]
+    python benchmarks/attention.py [--threads N] [--repeats R] [--block-size B]
 
 Each timed call is a full backend step (write the new K/V, then attend), on a pool of shuffled
 blocks. Cases: decode batch 1 and 64 (context 256) and one 512-token prefill; 8 query heads,
