@@ -267,7 +267,7 @@ def agreement(a: list[Trace], b: list[Trace]) -> float:
 
 def bench_batch1(engine, hf, args, vocab: int) -> dict:
     """One request at a time, the systems alternating so machine drift hits both alike."""
-    prompts = tp.make_prompts(args.repeats, args.input_len, vocab, seed=args.seed)
+    prompts = tp.make_prompts([args.input_len] * args.repeats, vocab, seed=args.seed)
     paged, ref = [], []
     for r, prompt in enumerate(prompts):
         engine.reset_prefix_cache()
@@ -282,7 +282,7 @@ def bench_batch1(engine, hf, args, vocab: int) -> dict:
 def bench_rate(engine, hf, args, vocab: int, rate: float) -> dict:
     """``--num-requests`` Poisson arrivals at ``rate``; both systems get the same schedule."""
     seed = args.seed + 1 + int(1000 * rate if math.isfinite(rate) else 0)
-    prompts = tp.make_prompts(args.num_requests, args.input_len, vocab, seed=seed)
+    prompts = tp.make_prompts([args.input_len] * args.num_requests, vocab, seed=seed)
     offsets = poisson_offsets(args.num_requests, rate, seed)
     engine.reset_prefix_cache()
     paged = serve_paged(engine, prompts, args.output_len, offsets, f"rate{rate}")
@@ -306,7 +306,7 @@ def _scenario(workload: dict, paged: list[Trace], ref: list[Trace], duration) ->
 
 def warm(engine, hf, args, vocab: int) -> None:
     """Small untimed runs of both systems on the benchmark's prompt length (other prompts)."""
-    prompts = tp.make_prompts(2, args.input_len, vocab, seed=args.seed + 999)
+    prompts = tp.make_prompts([args.input_len] * 2, vocab, seed=args.seed + 999)
     serve_paged(engine, prompts, 4, [0.0, 0.0], "warm")
     if hf is not None:
         serve_hf(hf, prompts, 4, [0.0, 0.0], 2, args.device)
