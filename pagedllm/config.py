@@ -102,6 +102,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     log_stats_interval: float = 10.0
+    compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:

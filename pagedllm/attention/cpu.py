@@ -225,6 +225,7 @@ class CpuAttentionBackend(AttentionBackend):
     def _threads(self) -> int:
         return max(1, self.num_threads or torch.get_num_threads())
 
+    @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
         _check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)

@@ -28,7 +28,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     seed: int = 0
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # wins over compile_model (vLLM's meaning: no compilation)
+    compile_model: bool = False
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     num_gpu_blocks_override: int | None = None
@@ -64,6 +65,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             num_threads=self.num_threads,
             log_stats_interval=0 if self.disable_log_stats else self.log_stats_interval,
+            compile_model=self.compile_model and not self.enforce_eager,
         )
 
     def _model_config(self, device: torch.device) -> ModelConfig:
@@ -123,6 +125,9 @@ def add_engine_args(parser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "sdpa", "cpu"])
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU (default: physical cores)")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    g.add_argument("--compile-model", action="store_true",
+                   help="torch.compile each decoder layer (start-up cost; no speed-up measured on CPU)")
+    g.add_argument("--enforce-eager", action="store_true", help="never compile (overrides --compile-model)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:
@@ -133,5 +138,6 @@ def engine_args_from_cli(args) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
-        num_threads=args.num_threads, device=args.device,
+        num_threads=args.num_threads, device=args.device, compile_model=args.compile_model,
+        enforce_eager=args.enforce_eager,
     )

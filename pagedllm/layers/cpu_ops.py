@@ -19,6 +19,10 @@ def _lib():
 
 
 def usable(*tensors: torch.Tensor) -> bool:
+    """The C op applies: float32 CPU tensors, library built, and not inside torch.compile
+    (inductor fuses the plain torch version into its own kernels)."""
+    if torch.compiler.is_compiling():
+        return False
     return ENABLED and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _lib() is not None
 
 
@@ -61,7 +65,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """F.linear, through the packed weight when the row count is in the range where it wins."""
-    if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+    # under torch.compile inductor picks (and prepacks) the GEMM itself
+    if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS \
+            and not torch.compiler.is_compiling():
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -36,12 +36,22 @@ class ModelRunner:
             reason = self.model.enable_fused_decode(self.backend)
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
+        if config.compile_model:
+            self._compile_layers()
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(-(-mc.max_model_len // self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
         self.last_prepare_time = 0.0
+
+    def _compile_layers(self) -> None:
+        """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
+        break, and the fused C ops give way to plain torch ops inside compiled code.
+        ``benchmarks/compile_probe.py`` measures it: no gain on CPU, seconds of compile time."""
+        layers = self.model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, dynamic=True)
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         mc = self.config.model
