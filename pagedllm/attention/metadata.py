@@ -56,6 +56,13 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Builds metadata from host arrays: computes query_start_loc and slot_mapping."""
+        from pagedllm.worker.host_to_device import to_device
+        host = cls.host_arrays(query_lens, seq_lens, block_tables, block_size)
+        return cls.from_tensors(to_device(host, device), host, block_size)
+
+    @staticmethod
+    def host_arrays(query_lens, seq_lens, block_tables, block_size: int) -> dict[str, np.ndarray]:
+        """The metadata's arrays on the host, named like the fields (for one batched transfer)."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         block_tables = np.asarray(block_tables, dtype=np.int32)
@@ -64,15 +71,20 @@ class AttentionMetadata:
         positions = positions_from_lens(query_lens, seq_lens)
         req_idx = np.repeat(np.arange(len(query_lens)), query_lens)
         block_ids = block_tables[req_idx, positions // block_size].astype(np.int64)
-        slots = block_ids * block_size + positions % block_size
+        return dict(query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
+                    block_tables=block_tables, slot_mapping=block_ids * block_size + positions % block_size,
+                    positions=positions)
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], host: dict[str, np.ndarray], block_size: int) -> "AttentionMetadata":
+        """Metadata over the device tensors of ``host`` (its ``host_arrays``; extra keys are
+        ignored). The maxima come from the host copies: no device synchronisation."""
+        q_lens, seq_lens = np.diff(host["query_start_loc"]), host["seq_lens"]
         return cls(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            slot_mapping=torch.from_numpy(slots).to(device),
-            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"], block_tables=t["block_tables"],
+            slot_mapping=t["slot_mapping"], block_size=block_size,
+            max_query_len=int(q_lens.max()) if len(q_lens) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
-            block_size=block_size,
         )
 
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -15,6 +15,7 @@ from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +89,14 @@ class ModelRunner:
         rows = np.fromiter((self.block_table.apply(c) for c in chunks), dtype=np.int64, count=len(chunks))
         tables = self.block_table.gather(rows, max(c.num_blocks for c in chunks))
         ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(query_lens.sum()))
-        positions = positions_from_lens(query_lens, seq_lens)
         last = np.cumsum(query_lens) - 1
         samples = np.fromiter((c.num_samples for c in chunks), dtype=np.int64, count=len(chunks))
         sample_idx = np.repeat(last, samples)  # each sampling chunk's last token, n times on a fork
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return to(ids), to(positions), meta, to(sample_idx)
+        host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
+        host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
+        dev = to_device(host, self.device)  # one host->device copy for the whole step
+        meta = AttentionMetadata.from_tensors(dev, host, self.block_size)
+        return dev["input_ids"], dev["positions"], meta, dev["sample_idx"]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> None:
