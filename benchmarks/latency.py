@@ -372,15 +372,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/latency.json, or results/latency-quick.json)")
-    g = ap.add_argument_group("pagedllm engine")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "cpu"])
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads for both systems (default: physical cores)")
-    g.add_argument("--kv-cache-memory", default="1GiB")
-    g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+    tp.add_engine_args(ap)
     return _fill_defaults(ap.parse_args(argv))
 
 

@@ -586,6 +586,19 @@ def save_json(data: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The pagedllm engine options of throughput.py and latency.py (read by engine_kwargs)."""
+    g = ap.add_argument_group("pagedllm engine")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "cpu"])
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for both systems (default: physical cores)")
+    g.add_argument("--kv-cache-memory", default="1GiB")
+    g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: build/reuse the random 34M Llama)")
@@ -602,15 +615,7 @@ def parse_args(argv=None):
                     help="sweep levels, comma-separated (default 1,8,16,32,64,128); implies --sweep")
     sw.add_argument("--sweep-prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
-    g = ap.add_argument_group("pagedllm engine")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "cpu"])
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads for both systems (default: physical cores)")
-    g.add_argument("--kv-cache-memory", default="1GiB")
-    g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+    add_engine_args(ap)
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 1)
     args.output = args.output or RESULTS_DIR / ("throughput-quick.json" if args.quick else "throughput.json")
