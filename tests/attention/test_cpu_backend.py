@@ -50,13 +50,18 @@ def check_against_oracles(batch: PagedBatch, backend=None):
     return out
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])  # query heads per KV head
+@pytest.mark.parametrize("head_dim", [64])
 def test_mixed_batch_matches_reference_and_dense(block_size, head_dim, group):
     batch = make_paged_batch(MIXED, num_heads=4 * group, num_kv_heads=4, head_dim=head_dim,
                              block_size=block_size, seed=block_size + head_dim + group)  # fmt: skip
     check_against_oracles(batch)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_head_dim_128(group):
+    test_mixed_batch_matches_reference_and_dense(16, 128, group)
 
 
 # 12 and 4 are not multiples of 8: they take the scalar tails
