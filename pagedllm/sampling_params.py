@@ -9,6 +9,15 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {allowed}")
 
 
+def _token_id(key, name: str) -> int:
+    """A token id given as an int or (OpenAI's JSON maps) a decimal string."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    raise ValueError(f"{name} key {key!r} is invalid: must be a non-negative token id")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. ``temperature == 0`` means greedy."""
@@ -25,6 +34,8 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits of those tokens, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -42,6 +53,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "must be a dict token id -> bias")
+            self.logit_bias = {_token_id(k, "logit_bias"): v for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == 0:  # vLLM treats 0 as "disabled" in newer releases; normalise to -1
             raise ValueError("top_k=0 is invalid: must be -1 (disabled) or >= 1")
         self._validate()
@@ -77,6 +93,13 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100,
+                   f"logit_bias[{token}]", bias, "must be a number in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in self.allowed_token_ids),
+                   "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative integers")
         _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
                "must be 'cumulative', 'delta' or 'final_only'")
 

@@ -84,9 +84,11 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]}: token ids must be integers in [0, {vocab})")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids contains {bad_stop[:5]}: token ids must be in [0, {vocab})")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad_ids = [t for t in tokens if t >= vocab]
+            if bad_ids:
+                raise ValueError(f"{name} contains {bad_ids[:5]}: token ids must be in [0, {vocab})")
         max_len = self.model_config.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} leaves no room to generate")

@@ -1,6 +1,7 @@
 """Vectorized sampler: one pass over ``[num_rows, vocab]`` logits with per-row parameters.
 
-Order: raw log-probs (reported, as vLLM's default) -> min_tokens masking -> penalties ->
+Order: raw log-probs (reported, as vLLM's default) -> allowed_token_ids and logit_bias ->
+min_tokens masking -> penalties ->
 greedy rows take argmax; random rows apply temperature, top-k, top-p, min-p and draw with the
 exponential-race trick ``argmax(p / q), q ~ Exp(1)``, where seeded rows draw ``q`` from their
 own generator so their tokens do not depend on the rest of the batch.
@@ -48,6 +49,7 @@ class Sampler:
         # log-probs are only computed when some row reports them or ranks by them (best_of)
         need_lp = any(r.params.logprobs is not None or (r.params.best_of or 0) > r.params.n for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+        logits = _apply_allowed_and_bias(logits, rows)
         logits = _mask_banned(logits, rows)
         logits = _apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
@@ -68,6 +70,25 @@ class Sampler:
 
 def _param_tensor(rows, attr: str, device, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor([getattr(r.params, attr) for r in rows], device=device, dtype=dtype)
+
+
+def _apply_allowed_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Masks every token outside a row's ``allowed_token_ids``, then adds its ``logit_bias``
+    (one scatter for the whole batch)."""
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if allowed:
+        keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=logits.device)
+        for j, (_, ids) in enumerate(allowed):
+            keep[j, ids] = True
+        idx = torch.tensor([i for i, _ in allowed], device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        row_idx = torch.tensor([i for i, b in biased for _ in b], device=logits.device)
+        col_idx = torch.tensor([t for _, b in biased for t in b], device=logits.device)
+        values = torch.tensor([v for _, b in biased for v in b.values()], dtype=logits.dtype, device=logits.device)
+        logits.index_put_((row_idx, col_idx), values, accumulate=True)
+    return logits
 
 
 def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

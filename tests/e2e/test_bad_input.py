@@ -17,6 +17,9 @@ def llm(llama_dir):
     (dict(n=0), "n"), (dict(min_p=2), "min_p"), (dict(best_of=1, n=2), "best_of"),
     (dict(logprobs=-1), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(presence_penalty=5), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logit_bias={5: 150}), r"logit_bias\[5\]"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
 ])
 def test_invalid_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -84,3 +87,11 @@ def test_stop_token_ids_outside_vocabulary(llm):
 def test_negative_swap_space(llama_dir):
     with pytest.raises(ValueError, match="swap_space"):
         LLM(llama_dir, swap_space="-1", num_gpu_blocks_override=64, max_model_len=256)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(logit_bias={99999: 1.0}), "logit_bias"),
+                                          (dict(allowed_token_ids=[4, 99999]), "allowed_token_ids")])
+def test_token_ids_outside_vocabulary_in_bias_and_allowed(llm, kwargs, name):
+    with pytest.raises(ValueError, match=f"{name} contains \\[99999\\]"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+    _still_serves(llm)

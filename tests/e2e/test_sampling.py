@@ -109,3 +109,40 @@ def test_text_prompts_and_input_order(llm):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert [o.prompt for o in outs] == prompts
     assert [o.prompt_token_ids for o in outs] == [llm.get_tokenizer().encode(p) for p in prompts]
+
+
+def test_logit_bias_and_allowed_tokens_match_transformers_processors(llm, hf_models):
+    """Greedy with a bias (and with an allow-list) equals transformers' generate with its own
+    SequenceBiasLogitsProcessor (and prefix_allowed_tokens_fn) on the same weights."""
+    import torch
+    prompts = random_prompts(3, seed=21, lo=5, hi=30)
+    model = hf_models["llama"]
+    # pushes each prompt's greedy tokens down and others up by about the logits' spread (~1)
+    bias = {354: -1.5, 407: -1.5, 123: -1.5, 490: 0.6, 287: 0.6, 210: -0.5}
+    allowed = [5, 17, 42, 99, 300, 411]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref_bias = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                                      sequence_bias={(t,): b for t, b in bias.items()})[0, len(prompt):].tolist()
+            ref_allowed = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                                         prefix_allowed_tokens_fn=lambda *_: allowed)[0, len(prompt):].tolist()
+        got_bias = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                      logit_bias=bias))[0].outputs[0].token_ids
+        got_allowed = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                         allowed_token_ids=allowed))[0].outputs[0].token_ids
+        plain = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+        assert got_bias == ref_bias and got_allowed == ref_allowed
+        assert got_bias != plain.token_ids and set(got_allowed) <= set(allowed)
+
+
+def test_logit_bias_dominates_sampling_per_row(llm):
+    """A +100 bias forces its token even when sampling; other rows of the batch are untouched."""
+    prompts = random_prompts(3, seed=22)
+    forced = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3, logit_bias={"77": 100})
+    free = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+    outs = _gen(llm, prompts, [forced, free, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3,
+                                                            allowed_token_ids=[8, 9])])
+    assert outs[0].outputs[0].token_ids == [77] * 6
+    assert outs[1].outputs[0].token_ids == _gen(llm, [prompts[1]], free)[0].outputs[0].token_ids
+    assert set(outs[2].outputs[0].token_ids) <= {8, 9}

@@ -125,6 +125,22 @@ def test_stop_strings_and_vllm_extras(client, offline):
     assert out.usage.completion_tokens == ref.token_ids.index(stop_id) + 1
 
 
+def test_logit_bias_and_allowed_token_ids(client, offline):
+    ref = greedy(offline, "the quick brown fox", 6, ignore_eos=True)
+    banned = {str(t): -100 for t in set(ref.token_ids)}  # OpenAI's JSON shape: string keys
+    out = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=6, temperature=0,
+                                    logit_bias=banned, extra_body={"ignore_eos": True})
+    want = greedy(offline, "the quick brown fox", 6, ignore_eos=True, logit_bias=banned)
+    assert out.choices[0].text == want.text and not set(want.token_ids) & set(ref.token_ids)
+    allowed = sorted(set(ref.token_ids))[:2]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=1.0, seed=1, extra_body={"allowed_token_ids": allowed})
+    want = offline.chat([{"role": "user", "content": "hi"}],
+                        SamplingParams(temperature=1.0, seed=1, max_tokens=5, allowed_token_ids=allowed),
+                        use_tqdm=False)[0].outputs[0]
+    assert chat.choices[0].message.content == want.text and set(want.token_ids) <= set(allowed)
+
+
 def test_legacy_generate(live_server, offline):  # noqa: F811
     body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0}
     full = httpx.post(f"{live_server.url}/generate", json=body).json()
@@ -239,6 +255,11 @@ BAD = [
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", '{"prompt": "x", "seed": 100000000000000000000000}', "seed"),
     ("/v1/completions", '{"prompt": "x", "stop_token_ids": [99999]}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": []}',
+     "allowed_token_ids"),
     ("/v1/completions", '{"prompt": "x", "model": "gpt-4"}', "model"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": 1000}', "prompt"),
     ("/v1/completions", '{"prompt": "' + "hello " * 200 + '"}', "prompt"),

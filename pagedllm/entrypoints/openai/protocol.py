@@ -71,6 +71,7 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 

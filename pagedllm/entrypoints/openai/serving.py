@@ -271,12 +271,12 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, output_kind: str, **fields) -> SamplingParams:
         """SamplingParams from the request's fields (None = the default); ValueError -> 400."""
-        _unsupported(req.logit_bias, "logit_bias", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
         optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                        frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids)
+                        frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids)
         kwargs = {k: v for k, v in optional.items() if v is not None}
         kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
