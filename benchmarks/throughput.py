@@ -222,6 +222,8 @@ def engine_kwargs(args) -> dict:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.quantization is not None:
+        kw["quantization"] = args.quantization
     return kw
 
 
@@ -597,6 +599,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="torch threads for both systems (default: physical cores)")
     g.add_argument("--kv-cache-memory", default="1GiB")
     g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="pagedllm only: weight-only int8 (transformers keeps the float32 weights)")
 
 
 def parse_args(argv=None):

@@ -34,6 +34,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     seed: int = 0
+    quantization: str | None = None  # weight-only, layers/quantization.py ("int8")
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
         """K and V for one token across all layers."""

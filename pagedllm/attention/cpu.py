@@ -142,6 +142,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pl_add_rms_norm.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_float, i32]
     lib.pl_rotary_neox.restype = i32
     lib.pl_rotary_neox.argtypes = [vp, vp, vp, vp, i64, i32, i32, i64, i64, i64, i32]
+    lib.ld_linear.restype = i32  # small-batch float32 / int8 matmul (models/csrc/llama_decode.c)
+    lib.ld_linear.argtypes = [vp, i64, vp, vp, vp, i64, i64, vp, i32]
+    lib.ld_dequant_i8.restype = i32
+    lib.ld_dequant_i8.argtypes = [vp, vp, vp, i64, i64, i32]
     return lib
 
 

@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              default_device, parse_swap_space, resolve_dtype)
+from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.utils import parse_size
@@ -30,6 +31,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False  # wins over compile_model (vLLM's meaning: no compilation)
     compile_model: bool = False
+    quantization: str | None = None  # "int8": weight-only int8 projections (layers/quantization.py)
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     num_gpu_blocks_override: int | None = None
@@ -94,6 +96,7 @@ class EngineArgs:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             seed=self.seed,
+            quantization=check_quantization(self.quantization),
         )
 
 
@@ -128,6 +131,8 @@ def add_engine_args(parser) -> None:
     g.add_argument("--compile-model", action="store_true",
                    help="torch.compile each decoder layer (start-up cost; no speed-up measured on CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="never compile (overrides --compile-model)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="weight-only int8 projections, quantized at load (per-channel, symmetric)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:
@@ -139,5 +144,5 @@ def engine_args_from_cli(args) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
         num_threads=args.num_threads, device=args.device, compile_model=args.compile_model,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, quantization=args.quantization,
     )

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
-from pagedllm.layers import cpu_ops
+from pagedllm.layers import cpu_ops, quantization
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -31,6 +31,8 @@ class LinearBase(nn.Module):
         self.packed_weight = None  # set by cpu_ops.pack_model once the weights are loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.int8:  # weight-only quantized (layers/quantization.py)
+            return quantization.int8_linear(x, self.weight, self.weight_scale, self.bias)
         return cpu_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
@@ -98,7 +100,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(cpu_ops.linear(x, self.weight, self.bias, self.packed_weight))
+        return all_reduce(super().forward(x))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

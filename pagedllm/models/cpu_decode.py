@@ -6,7 +6,8 @@ Python and dispatch cost of the ~25 ops per layer around them (~1.7 ms of a ~9 m
 on the 34M benchmark model; ``benchmarks/RESULTS.md``). Larger batches (prefill chunks, big
 decode batches) are compute bound and keep the torch path, where oneDNN/MKL GEMMs win.
 
-Used only when it computes exactly what the torch path computes: float32 weights and KV cache
+Used only when it computes exactly what the torch path computes: float32 weights (or int8
+projection weights with per-row scales, ``quantization="int8"``) and KV cache
 on the CPU, one tensor-parallel rank, the compiled CPU attention backend selected, and
 ``PAGEDLLM_FUSED_DECODE`` not ``0`` (the A/B switch for benchmarks).
 """
@@ -28,9 +29,10 @@ DEFAULT_MAX_TOKENS = 48
 _C_MAX_TOKENS = 64  # LD_MAX_TOKENS in the C file
 
 _VP = ctypes.c_void_p
-_PTR_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b",
-               "gate_up_w", "gate_up_b", "down_w", "down_b", "q_norm", "k_norm",
-               "key_cache", "value_cache")  # fmt: skip
+_PROJ = ("qkv", "o", "gate_up", "down")
+# the order of LdModel's pointer-array fields in the C file
+_PTR_FIELDS = ("input_norm", "post_norm", *(f"{p}_w" for p in _PROJ), *(f"{p}_s" for p in _PROJ),
+               *(f"{p}_b" for p in _PROJ), "q_norm", "k_norm", "key_cache", "value_cache")
 
 
 class LdModel(ctypes.Structure):
@@ -76,8 +78,9 @@ def unsupported_reason(model, backend) -> str | None:
     if get_tp_size() != 1:
         return "tensor parallelism"
     for name, p in model.named_parameters():
-        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
-            return f"parameter {name} is not a contiguous float32 CPU tensor"
+        int8_weight = p.dtype == torch.int8 and name.endswith("proj.weight")  # weight-only quantized
+        if p.device.type != "cpu" or not (p.dtype == torch.float32 or int8_weight) or not p.is_contiguous():
+            return f"parameter {name} is not a contiguous float32 (or int8 projection) CPU tensor"
     return None
 
 
@@ -95,7 +98,7 @@ class FusedCpuDecoder:
         self.max_tokens = min(max_tokens, _C_MAX_TOKENS)
         self.parallel_work = backend.parallel_work
         self._model = model
-        self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in _PTR_FIELDS[:12]}
+        self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in _PTR_FIELDS[:-2]}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
 
@@ -103,15 +106,13 @@ class FusedCpuDecoder:
     def _layer_ptrs(model, field: str) -> list[int | None]:
         def pick(layer):
             attn, mlp = layer.self_attn, layer.mlp
-            return {
-                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv_w": attn.qkv_proj.weight, "qkv_b": attn.qkv_proj.bias,
-                "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
-                "gate_up_w": mlp.gate_up_proj.weight, "gate_up_b": mlp.gate_up_proj.bias,
-                "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
-                "q_norm": attn.q_norm.weight if attn.qk_norm else None,
-                "k_norm": attn.k_norm.weight if attn.qk_norm else None,
-            }[field]  # fmt: skip
+            if field in ("input_norm", "post_norm"):
+                return (layer.input_layernorm if field == "input_norm" else layer.post_attention_layernorm).weight
+            if field in ("q_norm", "k_norm"):
+                return getattr(attn, field).weight if attn.qk_norm else None
+            proj, kind = field.rsplit("_", 1)
+            linear = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[proj]
+            return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None)}[kind]
         return [_ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:

@@ -12,6 +12,7 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
@@ -31,6 +32,7 @@ class ModelRunner:
         self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device)
         load_weights(self.model, mc.model)
+        quantize_model(self.model, mc.quantization)
         if self.device.type == "cpu":
             from pagedllm.worker.executor import available_ram
             cpu_ops.pack_model(self.model, available_ram())

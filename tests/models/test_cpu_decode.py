@@ -27,8 +27,8 @@ def odd_llama_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("odd"), "llama", **ODD)
 
 
-def _model(model_dir):
-    llm = LLM(model_dir, num_gpu_blocks_override=40, block_size=BLOCK, max_model_len=256)
+def _model(model_dir, **kwargs):
+    llm = LLM(model_dir, num_gpu_blocks_override=40, block_size=BLOCK, max_model_len=256, **kwargs)
     runner = llm.llm_engine.executor.runner
     assert runner.model.model.fused_decoder is not None, "fused path should be on for float32 CPU"
     return runner.model, runner.cache.layer_caches
@@ -57,9 +57,10 @@ def _clone(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8"])
 def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir):
-    model, caches = _model(odd_llama_dir if arch == "odd" else model_dirs[arch])
+    quant = "int8" if arch.endswith("-int8") else None
+    model, caches = _model(odd_llama_dir if arch.startswith("odd") else model_dirs[arch], quantization=quant)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
     # histories written by the torch path: A has 20 tokens (3 blocks), B has 9 (2 blocks)

@@ -57,8 +57,9 @@ typedef struct {
     const float *final_norm; /* [hidden] */
     const float *cos, *sin;  /* [max_position, head_dim / 2] */
     const float *const *input_norm, *const *post_norm;
-    const float *const *qkv_w, *const *qkv_b, *const *o_w, *const *o_b;
-    const float *const *gate_up_w, *const *gate_up_b, *const *down_w, *const *down_b;
+    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32 or int8 */
+    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* int8 scales or NULL */
+    const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *q_norm, *const *k_norm;
     void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
 } LdModel;
@@ -83,13 +84,27 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+/* One 8-wide chunk of weight row `row` from element i, as float32: float32 weights are loaded,
+ * int8 weights (weight-only quantization, layers/quantization.py) are widened; the per-row
+ * scale is applied once to the finished dot product. I8 is a literal at every call site. */
+#if LD_AVX2
+static inline __attribute__((always_inline)) __m256 load_w8(const void *row, int64_t i, const int I8) {
+    if (I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+#endif
+
+static inline __attribute__((always_inline)) float load_w1(const void *row, int64_t i, const int I8) {
+    return I8 ? (float)((const int8_t *)row)[i] : ((const float *)row)[i];
+}
+
 /* Register tile: dots[t][k] = W_k . x_t for 4 weight rows and NT <= 3 tokens (12 independent
  * FMA chains; each 8-wide weight chunk is loaded once for all NT tokens). Missing rows repeat
- * a valid one and their results are ignored. NT is a literal at every call site, so the
+ * a valid one and their results are ignored. NT and I8 are literals at every call site, so the
  * compiler specialises the loops. */
-static inline __attribute__((always_inline)) void tile4(const float *const *w, const float *x,
+static inline __attribute__((always_inline)) void tile4(const void *const *w, const float *x,
                                                         int64_t x_stride, int64_t n, const int NT,
-                                                        float dots[3][4]) {
+                                                        const int I8, float dots[3][4]) {
     int64_t i = 0;
 #if LD_AVX2
     __m256 acc[3][4];
@@ -99,7 +114,7 @@ static inline __attribute__((always_inline)) void tile4(const float *const *w, c
         __m256 xv[3];
         for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * x_stride + i);
         for (int k = 0; k < 4; k++) {
-            const __m256 wv = _mm256_loadu_ps(w[k] + i);
+            const __m256 wv = load_w8(w[k], i, I8);
             for (int t = 0; t < NT; t++) acc[t][k] = _mm256_fmadd_ps(wv, xv[t], acc[t][k]);
         }
     }
@@ -111,59 +126,109 @@ static inline __attribute__((always_inline)) void tile4(const float *const *w, c
 #endif
     for (; i < n; i++)
         for (int t = 0; t < NT; t++)
-            for (int k = 0; k < 4; k++) dots[t][k] += w[k][i] * x[t * x_stride + i];
+            for (int k = 0; k < 4; k++) dots[t][k] += load_w1(w[k], i, I8) * x[t * x_stride + i];
 }
 
-/* dots[t][k] = rows[k] . x[t] for all T tokens (x rows of length n, contiguous), rows[0..3]. */
-static void dot_rows(const float *const *rows, const float *x, int64_t T, int64_t n, float (*dots)[4]) {
+/* dots[t][k] = rows[k] . x[t] for all T tokens (x rows of length n, contiguous), rows[0..3]
+ * float32, or int8 when i8 (unscaled). */
+static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T, int64_t n, float (*dots)[4]) {
     int64_t t = 0;
-    for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, dots + t);
-    if (T - t == 2) tile4(rows, x + t * n, n, n, 2, dots + t);
-    if (T - t == 1) tile4(rows, x + t * n, n, n, 1, dots + t);
+    if (i8) {
+        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 1, dots + t);
+        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 1, dots + t);
+        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 1, dots + t);
+    } else {
+        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 0, dots + t);
+        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 0, dots + t);
+        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 0, dots + t);
+    }
 }
+
+/* A weight matrix [out, in]: float32 (scale NULL) or int8 with one float32 scale per row. */
+typedef struct {
+    const void *data;
+    const float *scale;
+} Weight;
+
+static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
+    return (const char *)W.data + row * in * (W.scale ? 1 : (int64_t)sizeof(float));
+}
+
+static inline float row_scale(Weight W, int64_t row) { return W.scale ? W.scale[row] : 1.0f; }
 
 /* y[t, o] = x[t] . W[o] (+ b[o]) for t < T; x, y contiguous [T, in] / [T, out]. */
-static void matmul(const float *x, int64_t T, const float *W, const float *b, int64_t in,
-                   int64_t out, float *y, int threads) {
+static void matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
+                   float *y, int threads) {
     const int64_t units = (out + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         const int64_t o = u * 4;
         const int nr = out - o < 4 ? (int)(out - o) : 4;
-        const float *rows[4];
-        for (int k = 0; k < 4; k++) rows[k] = W + (o + (k < nr ? k : 0)) * in;
+        const void *rows[4];
+        for (int k = 0; k < 4; k++) rows[k] = weight_row(W, o + (k < nr ? k : 0), in);
         float dots[LD_MAX_TOKENS][4];
-        dot_rows(rows, x, T, in, dots);
+        dot_rows(rows, W.scale != NULL, x, T, in, dots);
         for (int64_t t = 0; t < T; t++)
-            for (int k = 0; k < nr; k++) y[t * out + o + k] = dots[t][k] + (b ? b[o + k] : 0.0f);
+            for (int k = 0; k < nr; k++)
+                y[t * out + o + k] = dots[t][k] * row_scale(W, o + k) + (b ? b[o + k] : 0.0f);
     }
 }
 
 /* act[t, j] = silu(x[t] . W[j] + b[j]) * (x[t] . W[I + j] + b[I + j]) with I = inter: the
  * gate and up rows of one j are computed by the same thread, so the [T, 2I] product never
  * exists in memory. */
-static void gate_up_silu(const float *x, int64_t T, const float *W, const float *b, int64_t in,
+static void gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
                          int64_t inter, float *act, int threads) {
     const int64_t units = (inter + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         const int64_t j = u * 2;
         const int nj = inter - j < 2 ? 1 : 2;
-        const float *rows[4]; /* gate j, gate j+1, up j, up j+1 */
+        const void *rows[4]; /* gate j, gate j+1, up j, up j+1 */
         for (int k = 0; k < 2; k++) {
             const int64_t jk = j + (k < nj ? k : 0);
-            rows[k] = W + jk * in;
-            rows[2 + k] = W + (inter + jk) * in;
+            rows[k] = weight_row(W, jk, in);
+            rows[2 + k] = weight_row(W, inter + jk, in);
         }
         float dots[LD_MAX_TOKENS][4];
-        dot_rows(rows, x, T, in, dots);
+        dot_rows(rows, W.scale != NULL, x, T, in, dots);
         for (int64_t t = 0; t < T; t++)
             for (int k = 0; k < nj; k++) {
-                const float g = dots[t][k] + (b ? b[j + k] : 0.0f);
-                const float up = dots[t][2 + k] + (b ? b[inter + j + k] : 0.0f);
+                const float g = dots[t][k] * row_scale(W, j + k) + (b ? b[j + k] : 0.0f);
+                const float up = dots[t][2 + k] * row_scale(W, inter + j + k) + (b ? b[inter + j + k] : 0.0f);
                 act[t * inter + j + k] = silu(g) * up;
             }
     }
+}
+
+/* out [rows, in] float32 = q [rows, in] int8 * scale[row]: one pass, for batches big enough
+ * that MKL's GEMM on the widened weight beats the register-tile kernel. */
+int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows, int64_t in, int threads) {
+    if (rows < 0 || in <= 0 || threads <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *src = q + r * in;
+        float *dst = out + r * in;
+        const float s = scale[r];
+        int64_t i = 0;
+#if LD_AVX2
+        const __m256 sv = _mm256_set1_ps(s);
+        for (; i + 8 <= in; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(load_w8(src, i, 1), sv));
+#endif
+        for (; i < in; i++) dst[i] = (float)src[i] * s;
+    }
+    return 0;
+}
+
+/* The small-batch matmul on its own, for linear layers outside the one-call decoder (int8
+ * weights at batch sizes where dequantizing for MKL would cost more than it saves):
+ * y [T, out] = x [T, in] . W^T (+ bias), W float32 (scale NULL) or int8 with per-row scales. */
+int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
+              int64_t out, float *y, int threads) {
+    if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return -1;
+    matmul(x, T, (Weight){w, scale}, bias, in, out, y, threads);
+    return 0;
 }
 
 typedef struct {
@@ -193,7 +258,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    matmul(B->normed, T, m->qkv_w[l], m->qkv_b[l], m->hidden, qkv_size, B->qkv, threads);
+    matmul(B->normed, T, (Weight){m->qkv_w[l], m->qkv_s[l]}, m->qkv_b[l], m->hidden, qkv_size, B->qkv, threads);
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
     for (int64_t t = 0; t < T; t++) {
         if (m->q_norm[l]) pl_add_rms_norm(q + t * qkv_size, NULL, m->q_norm[l], q + t * qkv_size, m->num_heads, D, D, m->eps, 1);
@@ -233,10 +298,10 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
         if (rc != 0) break;
-        matmul(B.attn, T, m->o_w[l], m->o_b[l], q_size, H, B.normed, threads);
+        matmul(B.attn, T, (Weight){m->o_w[l], m->o_s[l]}, m->o_b[l], q_size, H, B.normed, threads);
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        gate_up_silu(B.normed, T, m->gate_up_w[l], m->gate_up_b[l], H, m->intermediate, B.act, threads);
-        matmul(B.act, T, m->down_w[l], m->down_b[l], m->intermediate, H, B.normed, threads);
+        gate_up_silu(B.normed, T, (Weight){m->gate_up_w[l], m->gate_up_s[l]}, m->gate_up_b[l], H, m->intermediate, B.act, threads);
+        matmul(B.act, T, (Weight){m->down_w[l], m->down_s[l]}, m->down_b[l], m->intermediate, H, B.normed, threads);
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;
         pl_add_rms_norm(B.normed, B.residual, next_norm, l + 1 < m->num_layers ? B.normed : out, T, H, H, m->eps, 1);
     }

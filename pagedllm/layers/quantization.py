@@ -1,0 +1,103 @@
+"""Weight-only int8 quantization of the linear projections (``quantization="int8"``).
+
+Each projection weight ``W [out, in]`` becomes ``q = round(W / s)`` in int8 with one float32
+scale per output row, ``s = max|W[row]| / 127`` (symmetric, per channel), computed from the
+checkpoint's weights at load time, after tensor-parallel sharding (each rank scales its own
+rows). Activations, norms, embeddings, the LM head and the KV cache stay in the model dtype.
+
+Why: decoding small batches streams every weight once per step, so on a CPU it runs at memory
+bandwidth; int8 weights are a quarter of float32's bytes. The one-call C decoder and
+``ld_linear`` widen int8 to float32 in registers (8 lanes per load) and apply the row scale to
+each finished dot product. Larger batches (prefill chunks) dequantize the layer's weight for one
+MKL GEMM, where the arithmetic dwarfs the conversion. On other devices the weight is
+dequantized per call: correct, no speed-up (GPU int8 kernels are not built).
+"""
+from __future__ import annotations
+
+import torch
+
+METHODS = ("int8",)
+# up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
+C_MAX_ROWS = 48
+
+
+def check_method(method: str | None) -> str | None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization={method!r} is not supported; use None or one of {METHODS}")
+    return method
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [out, in] int8, scale [out] float32)`` with ``weight ~= q * scale[:, None]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_model(model: torch.nn.Module, method: str | None) -> int:
+    """Replaces every projection's weight (modules with ``packed_weight``, i.e. the linear layers,
+    not embeddings or the LM head) by its quantized form; returns how many."""
+    if check_method(method) is None:
+        return 0
+    from pagedllm.layers.embedding import VocabParallelEmbedding
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "packed_weight") or isinstance(module, VocabParallelEmbedding):
+            continue
+        q, scale = quantize_int8(module.weight)
+        module.weight = torch.nn.Parameter(q, requires_grad=False)
+        module.register_buffer("weight_scale", scale.to(module.weight.device), persistent=False)
+        module.packed_weight = None
+        count += 1
+    return count
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (q * scale)^T + bias``: the C kernel for small float32 CPU batches, else the weight
+    widened (in C, into a reused buffer, on the CPU) for one GEMM."""
+    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    lib = _lib() if cpu_f32 else None
+    if lib is not None and x.dim() == 2 and x.shape[0] <= C_MAX_ROWS:
+        return _c_linear(lib, x.contiguous(), q, scale, bias)
+    if lib is not None:
+        return torch.nn.functional.linear(x, _dequantize_c(lib, q, scale), bias)
+    w = q.to(x.dtype) * scale.to(x.dtype)[:, None]  # [out, in]
+    return torch.nn.functional.linear(x, w, bias)
+
+
+_scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused: no page faults per call
+
+
+def _dequantize_c(lib, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
+    import threading
+    key = threading.get_ident()
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < q.numel():
+        buf = _scratch[key] = torch.empty(q.numel(), dtype=torch.float32)
+    w = buf[: q.numel()].view(q.shape)  # [out, in]
+    rc = lib.ld_dequant_i8(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1],
+                           torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ld_dequant_i8 failed ({rc}) for weight {tuple(q.shape)}")
+    return w
+
+
+def _lib():
+    from pagedllm.attention.cpu import load_library  # lru_cached: built and loaded once
+    return load_library()
+
+
+def _c_linear(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows, out_features = x.shape[0], q.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.ld_linear(x.data_ptr(), rows, q.data_ptr(), scale.data_ptr(), None if b is None else b.data_ptr(),
+                       q.shape[1], out_features, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ld_linear failed ({rc}): x {tuple(x.shape)}, weight {tuple(q.shape)}")
+    return y
