@@ -51,6 +51,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     watermark: float = 0.01
+    cache_dtype: torch.dtype | None = None  # KV storage dtype; None: the model's dtype
 
     def __post_init__(self):
         if self.block_size not in ALLOWED_BLOCK_SIZES:
@@ -117,6 +118,17 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+KV_CACHE_DTYPES = {"auto": None, **_DTYPES}
+
+
+def resolve_kv_cache_dtype(value: str) -> torch.dtype | None:
+    """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or a float type to store K/V in."""
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={value!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)} "
+                         "(fp8 caches are not implemented)")
+    return KV_CACHE_DTYPES[value]
 
 
 def parse_swap_space(value: int | float | str) -> int:

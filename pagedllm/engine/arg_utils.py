@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             default_device, parse_swap_space, resolve_dtype)
+                             default_device, parse_swap_space, resolve_dtype, resolve_kv_cache_dtype)
 from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
@@ -32,6 +32,7 @@ class EngineArgs:
     enforce_eager: bool = False  # wins over compile_model (vLLM's meaning: no compilation)
     compile_model: bool = False
     quantization: str | None = None  # "int8": weight-only int8 projections (layers/quantization.py)
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype), "float16", "bfloat16", "float32"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     num_gpu_blocks_override: int | None = None
@@ -59,6 +60,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 watermark=self.watermark,
+                cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),
@@ -131,6 +133,8 @@ def add_engine_args(parser) -> None:
     g.add_argument("--compile-model", action="store_true",
                    help="torch.compile each decoder layer (start-up cost; no speed-up measured on CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="never compile (overrides --compile-model)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache storage: auto (model dtype), float16, bfloat16 or float32")
     g.add_argument("--quantization", "-q", default=None, choices=["int8"],
                    help="weight-only int8 projections, quantized at load (per-channel, symmetric)")
 
@@ -144,5 +148,5 @@ def engine_args_from_cli(args) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
         num_threads=args.num_threads, device=args.device, compile_model=args.compile_model,
-        enforce_eager=args.enforce_eager, quantization=args.quantization,
+        enforce_eager=args.enforce_eager, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )

@@ -58,11 +58,15 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         mc = self.config.model
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks, self.block_size, mc.dtype, self.device,
+        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks, self.block_size, self.cache_dtype, self.device,
                                  num_cpu_blocks)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.config.cache.cache_dtype or self.config.model.dtype
+
     def block_bytes(self) -> int:
-        return CacheEngine.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.config.model.dtype)
+        return CacheEngine.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
