@@ -2,8 +2,9 @@
 
 Each projection weight ``W [out, in]`` becomes ``q = round(W / s)`` in int8 with one float32
 scale per output row, ``s = max|W[row]| / 127`` (symmetric, per channel), computed from the
-checkpoint's weights at load time, after tensor-parallel sharding (each rank scales its own
-rows). Activations, norms, embeddings, the LM head and the KV cache stay in the model dtype.
+checkpoint's weights at load time, after tensor-parallel sharding: each rank scales its own
+rows, so row-parallel layers (o_proj, down_proj) get one scale per row per rank, over that rank's
+slice of the inputs. Activations, norms, embeddings, the LM head and the KV cache stay in the model dtype.
 
 Why: decoding small batches streams every weight once per step, so on a CPU it runs at memory
 bandwidth; int8 weights are a quarter of float32's bytes. The one-call C decoder and
