@@ -85,7 +85,9 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
         by_index[c.index] = c if old is None else _merge_completion(old, c)
     # a finished best_of > n request lists only its n best sequences, in rank order
     order = [c.index for c in delta.outputs] if delta.finished else sorted(by_index)
-    return replace(delta, outputs=[by_index[i] for i in order])
+    # a delta stream carries prompt_logprobs once; the accumulated output keeps them
+    prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else acc.prompt_logprobs
+    return replace(delta, outputs=[by_index[i] for i in order], prompt_logprobs=prompt_logprobs)
 
 
 def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:

@@ -60,6 +60,7 @@ class RequestState:
     seqs: dict[int, SequenceState] = field(default_factory=dict)
     sent_text: dict[int, int] = field(default_factory=dict)  # index -> chars already streamed
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # converted once, when the first output carries them
 
 
 class OutputProcessor:
@@ -120,6 +121,7 @@ class OutputProcessor:
             seqs = sorted(seqs, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
         outputs = [self._completion(state, r, finished, params.output_kind == "delta") for r in seqs]
         out = RequestOutput(parent_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                            prompt_logprobs=self._prompt_logprobs(state, seqs, params.output_kind == "delta"),
                             num_cached_tokens=seqs[0].num_cached_tokens if seqs else 0)
         if finished:
             del self.states[parent_id]
@@ -156,6 +158,21 @@ class OutputProcessor:
             seq.logprobs.append({tok: Logprob(lp, rank + 1, self._decode_one(tok))
                                  for rank, (tok, lp) in enumerate(ranked)})
         return seq.logprobs
+
+    def _prompt_logprobs(self, state: RequestState, seqs: list[Request], delta: bool) -> list | None:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a dict
+        token id -> Logprob (the prompt token with its vocabulary rank, plus the top-k).
+        A delta stream carries them once, in its first output."""
+        if state.prompt_logprobs is not None:
+            return None if delta else state.prompt_logprobs
+        source = next((r.prompt_logprobs for r in seqs  # the sequence that computed the prompt
+                       if r.prompt_logprobs is not None and all(e is not None for e in r.prompt_logprobs[1:])), None)
+        if source is None:
+            return None
+        state.prompt_logprobs = [None] + [
+            {tok: Logprob(lp, rank, self._decode_one(tok)) for tok, (lp, rank) in entry.items()}
+            for entry in source[1:]]
+        return state.prompt_logprobs
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

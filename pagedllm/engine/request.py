@@ -60,6 +60,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # prompt_logprobs: entry p (p >= 1) = {prompt token p: (logprob, vocab rank), top-k...}
+        # from the logits at position p - 1; entry 0 stays None (nothing predicts the first token)
+        self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
         self.stop_reason: int | str | None = None
         self.num_forks_pending = 0  # siblings to fork off once the prompt is computed
         self.generator = make_generator(params.seed, index)

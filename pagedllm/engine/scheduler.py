@@ -147,7 +147,9 @@ class Scheduler:
             req = self.waiting[0]
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # a request that wants prompt logprobs needs logits at every prompt position
+            wants_prompt_logprobs = req.params.prompt_logprobs is not None
+            hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
                                           reserve_tokens=self._preallocation(req)):
@@ -178,6 +180,9 @@ class Scheduler:
         if req.num_computed_tokens == req.num_tokens:
             samples = 1 + req.num_forks_pending
         block_start, new_blocks = self.kv.take_block_update(req.request_id)
+        prompt_rows = 0
+        if req.prompt_logprobs is not None:  # positions start.. predicting prompt tokens start+1..
+            prompt_rows = max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
         out.chunks.append(ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:start + num_new],
@@ -185,6 +190,7 @@ class Scheduler:
             new_block_start=block_start,
             new_block_ids=new_blocks,
             num_samples=samples,
+            num_prompt_logprob_rows=prompt_rows,
         ))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -17,6 +17,9 @@ class ScheduledChunk:
     new_block_start: int
     new_block_ids: list[int]
     num_samples: int  # 0 while prefilling a chunk that does not reach the last token; n on a fork
+    # prompt_logprobs: logits are also needed at the chunk's first k positions (each predicts
+    # the prompt token after it)
+    num_prompt_logprob_rows: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -45,6 +48,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return sum(c.num_samples for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:

@@ -70,9 +70,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows, vocab]``.
+        """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows + P, vocab]``.
 
-        A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens).
+        A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens);
+        after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk.
         """
         self.last_prepare_time = 0.0
         self.block_table.release(out.released_ids)
@@ -83,10 +84,10 @@ class ModelRunner:
         if not out.chunks:
             return torch.empty(0, self.model.config.vocab_size)
         t0 = time.perf_counter()
-        input_ids, positions, meta, sample_idx = self.prepare_inputs(out)
+        input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         self.last_prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[sample_idx])  # [num_sample_rows, vocab]
+        return self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
 
     def prepare_inputs(self, out: SchedulerOutput):
         chunks = out.chunks
@@ -98,6 +99,11 @@ class ModelRunner:
         last = np.cumsum(query_lens) - 1
         samples = np.fromiter((c.num_samples for c in chunks), dtype=np.int64, count=len(chunks))
         sample_idx = np.repeat(last, samples)  # each sampling chunk's last token, n times on a fork
+        prompt_rows = np.fromiter((c.num_prompt_logprob_rows for c in chunks), dtype=np.int64, count=len(chunks))
+        if prompt_rows.any():  # prompt_logprobs: the chunk's first k positions, after the samples
+            starts = np.repeat(last + 1 - query_lens, prompt_rows)
+            offsets = np.arange(int(prompt_rows.sum())) - np.repeat(np.cumsum(prompt_rows) - prompt_rows, prompt_rows)
+            sample_idx = np.concatenate([sample_idx, starts + offsets])
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         dev = to_device(host, self.device)  # one host->device copy for the whole step

@@ -141,6 +141,25 @@ def test_logit_bias_and_allowed_token_ids(client, offline):
     assert chat.choices[0].message.content == want.text and set(want.token_ids) <= set(allowed)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    prompt = "the quick brown fox"
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp, n_prompt = out.choices[0].logprobs, len(ref.prompt_token_ids)
+    assert out.choices[0].text == prompt + ref.outputs[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref.prompt_logprobs[p][t].logprob for p, t in enumerate(ref.prompt_token_ids) if p > 0]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(want, abs=1e-5)
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True)]
+    tokens = [t for chunk in streamed for t in chunk.tokens]
+    assert tokens == lp.tokens and streamed[0].token_logprobs[0] is None
+
+
 def test_legacy_generate(live_server, offline):  # noqa: F811
     body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0}
     full = httpx.post(f"{live_server.url}/generate", json=body).json()

@@ -183,14 +183,29 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def completion_logprobs(c: CompletionOutput, offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy format; each top_logprobs dict holds the sampled token and the top-k."""
-    lp = CompletionLogprobs()
+def completion_logprobs(c: CompletionOutput, offset: int, lp: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """OpenAI's legacy format; each top_logprobs dict holds the sampled token and the top-k.
+    ``lp`` may already hold the echoed prompt's entries (``prompt_logprobs_entries``)."""
+    lp = lp or CompletionLogprobs()
     for token_id, entry in zip(c.token_ids, c.logprobs or []):
         token = entry[token_id].decoded_token or ""
         lp.tokens.append(token)
         lp.token_logprobs.append(entry[token_id].logprob)
         lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()})
+        lp.text_offset.append(offset)
+        offset += len(token)
+    return lp
+
+
+def prompt_logprobs_entries(out: RequestOutput, decode_one) -> CompletionLogprobs:
+    """echo + logprobs: the prompt's tokens first; the first has no logprob (null, as OpenAI)."""
+    lp, offset = CompletionLogprobs(), 0
+    for pos, token_id in enumerate(out.prompt_token_ids):
+        entry = out.prompt_logprobs[pos] if out.prompt_logprobs else None
+        token = (entry[token_id].decoded_token if entry else decode_one(token_id)) or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(entry[token_id].logprob if entry else None)
+        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()} if entry else None)
         lp.text_offset.append(offset)
         offset += len(token)
     return lp
@@ -303,11 +318,12 @@ class OpenAIServing:
         """``POST /v1/completions``: a JSON response, or server-sent events when streaming."""
         model = self.check_model(req.model)
         _unsupported(req.suffix, "suffix", "suffix")
-        _unsupported(req.echo and req.logprobs is not None, "echo", "echo together with logprobs")
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
+        scored_prompt = req.echo and req.logprobs is not None  # echo + logprobs: score the prompt too
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
-                                      best_of=req.best_of, logprobs=req.logprobs)
+                                      best_of=req.best_of, logprobs=req.logprobs,
+                                      prompt_logprobs=req.logprobs if scored_prompt else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = await self.start(rid, self.completion_prompts(req.prompt), params, arrival)
         if req.stream:
@@ -333,7 +349,7 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             prefix = self.prompt_text(out) if req.echo else ""
             for j, c in enumerate(out.outputs):
-                lp = completion_logprobs(c, 0) if req.logprobs is not None else None
+                lp = self.choice_logprobs(req, out, c, 0, echoed=bool(req.echo))
                 choices.append(CompletionChoice(index=i * (req.n or 1) + j, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
@@ -351,15 +367,27 @@ class OpenAIServing:
     def completion_chunk(self, state: StreamState, idx: int, c: CompletionOutput, out: RequestOutput,
                          req: CompletionRequest, rid: str, model: str, created: int) -> dict:
         text = c.text
-        if req.echo and idx not in state.started:
+        echo_now = bool(req.echo) and idx not in state.started
+        if echo_now:
             text = self.prompt_text(out) + text
         state.started.add(idx)
         offset = state.text_len.get(idx, 0)
         state.text_len[idx] = offset + len(text)
-        lp = completion_logprobs(c, offset) if req.logprobs is not None else None
+        lp = self.choice_logprobs(req, out, c, offset, echoed=echo_now)
         choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason)
         return CompletionResponse(id=rid, model=model, created=created, choices=[choice]).model_dump()
+
+    def choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int,
+                        echoed: bool) -> CompletionLogprobs | None:
+        """A choice's logprobs; with echo the prompt's come first (generated offsets then start
+        after the prompt text)."""
+        if req.logprobs is None:
+            return None
+        if not echoed:
+            return completion_logprobs(c, offset)
+        lp = prompt_logprobs_entries(out, lambda t: self.tokenizer.decode([t]))
+        return completion_logprobs(c, offset + len(self.prompt_text(out)), lp)
 
     # ------------------------------------------------------------------ chat
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
