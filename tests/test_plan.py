@@ -94,6 +94,17 @@ def test_gqa_hand_computed():
     assert p.mean_seqs_paged == int(7808 // 6.75) == 1156
 
 
+def test_int8_weights_and_half_kv_hand_computed():
+    p = plan_kv(GQA, gpu_memory=GiB, dtype="float32", quantization="int8", kv_cache_dtype="float16",
+                block_size=16, mean_len=100)
+    proj = 4 * (512 * 8 * 128 * 2 + 512 * 2 * 128 * 2 + 3 * 512 * 1024)  # layers x (attention + MLP)
+    rest = 12_562_944 - proj  # embeddings, lm_head, norms stay float32
+    assert p.weights_bytes == rest * 4 + proj * 1 + 4 * proj // 512  # + a float32 scale per output row
+    assert p.kv_bytes_per_token == 2 * 4 * 2 * 128 * 2  # float16 K/V although the weights are float32
+    with pytest.raises(ValueError, match="quantization"):
+        plan_kv(GQA, gpu_memory=GiB, quantization="fp4")
+
+
 def test_overrides_and_defaults():
     cfg = {**GQA, "num_key_value_heads": None, "head_dim": None}  # MHA, head_dim = hidden/heads
     p = plan_kv(cfg, gpu_memory=GiB, dtype="float32", weights_bytes=0)

@@ -154,11 +154,8 @@ def model_shape(config: dict) -> ModelShape:
     )
 
 
-def count_params(shape: ModelShape) -> int:
-    """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head.
-
-    Biases (well under 0.1% of any real model) are ignored.
-    """
+def projection_params(shape: ModelShape) -> int:
+    """Parameters of the attention and MLP projection matrices, all layers (what int8 quantizes)."""
     h, d = shape.hidden_size, shape.head_dim
     attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o + k, v
     mlp_mats = 3 if shape.gated_mlp else 2
@@ -167,12 +164,21 @@ def count_params(shape: ModelShape) -> int:
         mlp += mlp_mats * h * shape.shared_expert_intermediate_size
     else:
         mlp = mlp_mats * h * shape.intermediate_size
-    per_layer = attention + mlp + 2 * h  # two norms per block
+    return shape.num_layers * (attention + mlp)
+
+
+def count_params(shape: ModelShape) -> int:
+    """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head.
+
+    Biases (well under 0.1% of any real model) are ignored.
+    """
+    h = shape.hidden_size
     embeddings = shape.vocab_size * h
     if shape.model_type in _LEARNED_POSITIONS and shape.max_position_embeddings:
         embeddings += int(shape.max_position_embeddings) * h
     lm_head = 0 if shape.tie_word_embeddings else shape.vocab_size * h
-    return shape.num_layers * per_layer + embeddings + h + lm_head  # + final norm
+    norms = shape.num_layers * 2 * h + h  # two per block + the final one
+    return projection_params(shape) + embeddings + norms + lm_head
 
 
 def resolve_dtype(dtype: str, shape: ModelShape) -> str:
@@ -214,6 +220,8 @@ class KVPlan:
     blocks_per_mean_seq: float  # mean_len / block_size + 0.5 (half-empty last block)
     mean_seqs_paged: int  # mean_len sequences that fit with paging
     notes: tuple[str, ...] = field(default=())
+    kv_cache_dtype: str = ""  # the KV storage dtype (the weights' dtype unless set)
+    quantization: str | None = None
 
     @property
     def paging_gain(self) -> float:
@@ -264,12 +272,15 @@ def plan_kv(
     mean_len: int | None = None,
     weights_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> KVPlan:
     """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
 
     ``max_model_len`` defaults to the config's context length, ``mean_len`` to half of
     ``max_model_len``; ``weights_bytes`` defaults to an estimate from the parameter
-    count. Activations and runtime overhead are not modelled. Raises ``ValueError``
+    count (projections at 1 byte plus a float32 scale per row with ``quantization="int8"``);
+    ``kv_cache_dtype`` "auto" stores K/V in ``dtype``. Activations and runtime overhead are not modelled. Raises ``ValueError``
     (``ConfigError`` for config problems) on bad input.
     """
     if block_size not in BLOCK_SIZES:
@@ -282,13 +293,24 @@ def plan_kv(
     dtype = resolve_dtype(dtype, shape)
     nbytes = DTYPE_BYTES[dtype]
 
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, shape)
+    kv_nbytes = DTYPE_BYTES[kv_dtype]
+
     num_params = count_params(shape)
     estimated = weights_bytes is None
-    weights = num_params * nbytes if weights_bytes is None else int(weights_bytes)
+    if weights_bytes is not None:
+        weights = int(weights_bytes)
+    elif quantization == "int8":
+        proj = projection_params(shape)  # + one float32 scale per output row (~4 / hidden_size bytes each)
+        weights = (num_params - proj) * nbytes + proj + 4 * proj // shape.hidden_size
+    else:
+        weights = num_params * nbytes
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * nbytes
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_nbytes
     per_block = per_token * block_size
     num_blocks = max(budget, 0) // per_block
     max_seqs = max(budget, 0) // (per_token * max_model_len)
@@ -303,6 +325,7 @@ def plan_kv(
         max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
+        kv_cache_dtype=kv_dtype, quantization=quantization,
     )
 
 
@@ -425,6 +448,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block (default: 16)")
     parser.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                         help="weights/KV dtype; auto = config torch_dtype, else float16 (default: auto)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                        help="KV cache storage dtype; auto = --dtype (default: auto)")
+    parser.add_argument("--quantization", choices=("int8",), default=None,
+                        help="weight-only int8 projections: shrinks the weights estimate")
     parser.add_argument("--mean-len", type=_positive_int, default=None, metavar="N",
                         help="average sequence length (prompt + output) for the paged estimate "
                              "(default: half of --max-model-len)")
@@ -455,7 +482,9 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
     lines = [
         f"KV cache plan for {model or s.model_type} ({s.model_type})",
         _row("layers / heads / KV heads / head_dim", f"{s.num_layers} / {s.num_heads} / {s.num_kv_heads} / {s.head_dim}"),
-        _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"),
+        _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
+                      + (f", projections {plan.quantization}" if plan.quantization else "")),
+        _row("KV cache dtype", plan.kv_cache_dtype or plan.dtype),
         _row("parameters", f"{plan.num_params / 1e9:.2f} B"),
         _row(f"weights ({weights_src})", format_size(plan.weights_bytes)),
         _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
@@ -493,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
             config, gpu_memory=args.gpu_memory, max_model_len=args.max_model_len,
             block_size=args.block_size, dtype=args.dtype, mean_len=args.mean_len,
             weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
         )
     except ValueError as e:  # includes ConfigError
         print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)
