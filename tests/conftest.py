@@ -23,7 +23,7 @@ def _config(arch: str, **overrides):
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "mistral":
-        return tf.MistralConfig(sliding_window=None, **common)
+        return tf.MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":

@@ -28,3 +28,23 @@ def test_variant_greedy_matches_transformers(name, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_sliding_window_models_are_served_up_to_the_window(tmp_path, caplog):
+    """No sliding-window attention kernel: within the window it equals full attention, so the
+    engine caps max_model_len there (and refuses a larger explicit one); greedy still matches
+    transformers, whose model applies the window."""
+    import torch
+    import transformers as tf
+    path = make_model_dir(tmp_path / "mistral-sw", "mistral", sliding_window=48)
+    llm = LLM(path, num_gpu_blocks_override=64, block_size=8)
+    assert llm.llm_engine.model_config.max_model_len == 48 and "sliding-window" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len=64 exceeds the model's sliding_window=48"):
+        LLM(path, num_gpu_blocks_override=64, max_model_len=64)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = list(range(5, 40))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 13)  # 48 tokens: all inside the window
+    qwen = make_model_dir(tmp_path / "qwen2", "qwen2", sliding_window=48)  # use_sliding_window is False
+    assert LLM(qwen, num_gpu_blocks_override=64).llm_engine.model_config.max_model_len == 512
