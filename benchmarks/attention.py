@@ -120,7 +120,7 @@ class GatherSdpaBackend:
 
     name = "gather+sdpa"
 
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         num_heads, block_size = query.shape[1], key_cache.shape[2]
         group = num_heads // key_cache.shape[1]

@@ -29,8 +29,10 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally."""
+        """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally; with a
+        ``sliding_window`` W, the token at position p sees positions p - W + 1 .. p only."""
 
 
 def write_kv(

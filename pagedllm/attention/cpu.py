@@ -61,7 +61,7 @@ _PKG = Path(__file__).resolve().parent.parent
 SOURCES = (SOURCE, _PKG / "layers" / "csrc" / "cpu_ops.c", _PKG / "models" / "csrc" / "llama_decode.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LDLIBS = ("-lm",)
-ABI_VERSION = 4  # must match pa_abi_version() in the C file
+ABI_VERSION = 5  # must match pa_abi_version() in the C file
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -136,7 +136,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         i32, i64, i64, i32, i64,  # num_reqs, num_tokens, num_blocks, max_blocks, bt_stride
         i32, i32, i32, i32,  # heads, kv heads, head_dim, block_size
         i64, i64, i64, i64,  # query / out strides (token, head), in elements
-        ctypes.c_float, i32, i32, i64,  # scale, cache dtype, threads, parallel_work
+        ctypes.c_float, i32, i32, i32, i64,  # scale, sliding window (0: none), cache dtype, threads, parallel_work
     ]
     lib.pl_add_rms_norm.restype = i32
     lib.pl_add_rms_norm.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_float, i32]
@@ -230,7 +230,8 @@ class CpuAttentionBackend(AttentionBackend):
         return max(1, self.num_threads or torch.get_num_threads())
 
     @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
-    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
+                sliding_window: int | None = None):
         _check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)
@@ -247,7 +248,7 @@ class CpuAttentionBackend(AttentionBackend):
             meta.num_reqs, num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
             num_heads, num_kv_heads, head_dim, block_size,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            float(scale), DTYPE_CODES[key_cache.dtype], self._threads(), self.parallel_work,
+            float(scale), sliding_window or 0, DTYPE_CODES[key_cache.dtype], self._threads(), self.parallel_work,
         )  # fmt: skip
         _raise_on_error(rc, "pa_attention")
         return out if query.dtype == torch.float32 else out.to(query.dtype)

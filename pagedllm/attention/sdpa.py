@@ -15,7 +15,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
+                sliding_window: int | None = None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
@@ -31,15 +32,18 @@ class SdpaBackend(AttentionBackend):
             k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len].to(query.dtype)
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
-            mask = _causal_mask(end - start, seq_len, q.device)
+            mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                                enable_gqa=num_heads != num_kv_heads)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
 
-def _causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor | None:
-    if q_len == 1:
+def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None) -> torch.Tensor | None:
+    windowed = bool(window) and seq_len > window
+    if q_len == 1 and not windowed:
         return None  # a decode token sees the whole context
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+    return mask & (k_pos > q_pos[:, None] - window) if windowed else mask

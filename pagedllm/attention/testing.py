@@ -86,8 +86,9 @@ def make_paged_batch(
     )
 
 
-def dense_attention_f64(batch: PagedBatch) -> torch.Tensor:
-    """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask."""
+def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
+    (and, with ``sliding_window`` W, only the last W positions visible)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -100,7 +101,10 @@ def dense_attention_f64(batch: PagedBatch) -> torch.Tensor:
         k = batch.ctx_k[r].double().repeat_interleave(group, dim=1)  # [seq_len, H, D]
         v = batch.ctx_v[r].double().repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - q_len, seq_len)
-        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        k_pos = torch.arange(seq_len)[None, :]
+        mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window:
+            mask &= k_pos > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=batch.scale,

@@ -15,7 +15,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
+                sliding_window: int | None = None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         qsl = meta.query_start_loc.tolist()
@@ -25,12 +26,12 @@ class TorchReferenceBackend(AttentionBackend):
             if end == start:
                 continue
             out[start:end] = _attend_one(
-                query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len, scale
+                query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len, scale, sliding_window
             )
         return out
 
 
-def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float):
+def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None):
     """Online-softmax attention of one request's query chunk over its paged context."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -49,6 +50,8 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         s = torch.einsum("qhd,hkd->qhk", qf, k)  # [q_len, num_heads, n]
         k_pos = torch.arange(b * block_size, b * block_size + n, device=q.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [q_len, n]
+        if window:
+            causal &= k_pos[None, :] > q_pos[:, None] - window
         s = s.masked_fill(~causal[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))
         # rows with nothing visible yet keep m = -inf; use 0 there to avoid inf - inf

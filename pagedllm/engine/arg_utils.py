@@ -1,7 +1,6 @@
 """User-facing engine arguments (the keywords ``LLM(...)`` and the CLI accept)."""
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -13,8 +12,6 @@ from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.utils import parse_size
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +83,6 @@ class EngineArgs:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if max_len > limit and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
-        max_len = _within_sliding_window(hf, max_len, explicit=self.max_model_len is not None)
         heads = hf.num_attention_heads
         return ModelConfig(
             model=path,
@@ -104,31 +100,6 @@ class EngineArgs:
             seed=self.seed,
             quantization=check_quantization(self.quantization),
         )
-
-
-def active_sliding_window(hf_config) -> int | None:
-    """The attention window of a model whose layers (some or all) use sliding-window attention
-    (Mistral v0.1, Qwen2 with use_sliding_window, ...), or None."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
-
-
-def _within_sliding_window(hf_config, max_len: int, explicit: bool) -> int:
-    """Sliding-window attention is not implemented, and within the window it equals full
-    attention: such models are served up to the window (vLLM's ``disable_sliding_window``)."""
-    window = active_sliding_window(hf_config)
-    if window is None or max_len <= window:
-        return max_len
-    if explicit:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's sliding_window={window}: pagedllm does not "
-                         f"implement sliding-window attention, so it serves this model up to {window} tokens; "
-                         f"set max_model_len <= {window}")
-    logger.warning("this model uses sliding-window attention (window %d), which pagedllm does not implement: "
-                   "max_model_len capped at %d, where full attention gives the same result", window, window)
-    return window
 
 
 def _bool_flag(parser, name: str, default: bool, help: str) -> None:

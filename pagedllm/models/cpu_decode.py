@@ -43,6 +43,7 @@ class LdModel(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
         *[(n, ctypes.POINTER(_VP)) for n in _PTR_FIELDS],
+        ("window", ctypes.POINTER(ctypes.c_int32)),
     ]  # fmt: skip
 
 
@@ -128,6 +129,9 @@ class FusedCpuDecoder:
         )  # fmt: skip
         for field, arr in self._arrays.items():
             setattr(m, field, ctypes.cast(arr, ctypes.POINTER(_VP)))
+        self._windows = (ctypes.c_int32 * len(model.layers))(
+            *[layer.self_attn.sliding_window or 0 for layer in model.layers])
+        m.window = ctypes.cast(self._windows, ctypes.POINTER(ctypes.c_int32))
         return m
 
     def _bind_caches(self, kv_caches) -> bool:

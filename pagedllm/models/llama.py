@@ -29,8 +29,19 @@ class ArchVariant:
     qk_norm: bool = False
 
 
+def layer_sliding_window(cfg, layer_idx: int) -> int | None:
+    """The layer's attention window: ``layer_types`` says which layers slide (Qwen2 with
+    use_sliding_window, Gemma-style mixes); without it ``sliding_window`` applies to all (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if not window or (layer_types is not None and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return int(window)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, variant: ArchVariant, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg, variant: ArchVariant, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 layer_idx: int = 0):
         super().__init__()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         bias = variant.qkv_bias if variant.qkv_bias is not None else getattr(cfg, "attention_bias", False)
@@ -46,6 +57,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.sliding_window = layer_sliding_window(cfg, layer_idx)
 
     def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
@@ -57,7 +69,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]
 
 
@@ -73,9 +85,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, variant, rotary, backend):
+    def __init__(self, cfg, variant, rotary, backend, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, variant, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, variant, rotary, backend, layer_idx)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,7 +111,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, variant, rotary, backend) for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, variant, rotary, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused_decoder = None  # models/cpu_decode.py, set by LlamaForCausalLM.enable_fused_decode
 

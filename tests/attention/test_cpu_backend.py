@@ -28,20 +28,20 @@ ATOL = RTOL = 1e-5
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 70), (100, 1), (16, 16), (31, 2)]
 
 
-def run(backend, batch: PagedBatch, query=None, key=None, value=None):
+def run(backend, batch: PagedBatch, query=None, key=None, value=None, window=None):
     kc, vc = batch.fresh_caches()
     q = batch.query if query is None else query
     k = batch.key if key is None else key
     v = batch.value if value is None else value
-    out = backend.forward(q, k, v, kc, vc, batch.meta, batch.scale)
+    out = backend.forward(q, k, v, kc, vc, batch.meta, batch.scale, window)
     return out, kc, vc
 
 
-def check_against_oracles(batch: PagedBatch, backend=None):
-    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2, parallel_work=0), batch)
-    ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch)
+def check_against_oracles(batch: PagedBatch, backend=None, window=None):
+    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2, parallel_work=0), batch, window=window)
+    ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch, window=window)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch, window), atol=ATOL, rtol=RTOL)
     # the written slots hold exactly the new K/V, and nothing else in the pool changed
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     for r in range(batch.meta.num_reqs):
@@ -57,6 +57,18 @@ def test_mixed_batch_matches_reference_and_dense(block_size, head_dim, group):
     batch = make_paged_batch(MIXED, num_heads=4 * group, num_kv_heads=4, head_dim=head_dim,
                              block_size=block_size, seed=block_size + head_dim + group)  # fmt: skip
     check_against_oracles(batch)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 1000])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_sliding_window(window, block_size):
+    """Each row sees only its last ``window`` positions: decodes, prefill chunks starting
+    mid-context and tiles whose rows have different window starts, against both oracles."""
+    batch = make_paged_batch(MIXED + [(120, 40)], num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=block_size, seed=window)  # fmt: skip
+    out = check_against_oracles(batch, window=window)
+    if window < 100:  # the window changes the answer for the long requests
+        assert not torch.allclose(out.double(), dense_attention_f64(batch), atol=1e-3)
 
 
 @pytest.mark.parametrize("group", [1, 8])

@@ -27,3 +27,12 @@ def test_torch_backends_match_dense_f64(backend, block_size, head_dim, group):
     for r in range(batch.meta.num_reqs):
         assert torch.equal(gather_context(kc, batch, r), batch.ctx_k[r])
         assert torch.equal(gather_context(vc, batch, r), batch.ctx_v[r])
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
+@pytest.mark.parametrize("window", [1, 7, 30])
+def test_torch_backends_sliding_window(backend, window):
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=window)
+    kc, vc = batch.fresh_caches()
+    out = backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale, window)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch, window), atol=1e-5, rtol=1e-5)

@@ -30,21 +30,24 @@ def test_variant_greedy_matches_transformers(name, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-def test_sliding_window_models_are_served_up_to_the_window(tmp_path, caplog):
-    """No sliding-window attention kernel: within the window it equals full attention, so the
-    engine caps max_model_len there (and refuses a larger explicit one); greedy still matches
-    transformers, whose model applies the window."""
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=16)),  # every layer slides
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),  # layer 1 slides
+], ids=["mistral", "qwen2-mixed-layers"])
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole", "chunked8"])
+def test_sliding_window_attention_matches_transformers(tmp_path, arch, overrides, budget):
+    """Prompts and generations run well past the window: every layer that slides must see only
+    its last 16 positions, exactly as transformers' model does."""
     import torch
     import transformers as tf
-    path = make_model_dir(tmp_path / "mistral-sw", "mistral", sliding_window=48)
-    llm = LLM(path, num_gpu_blocks_override=64, block_size=8)
-    assert llm.llm_engine.model_config.max_model_len == 48 and "sliding-window" in caplog.text
-    with pytest.raises(ValueError, match="max_model_len=64 exceeds the model's sliding_window=48"):
-        LLM(path, num_gpu_blocks_override=64, max_model_len=64)
+    path = make_model_dir(tmp_path / arch, arch, **overrides)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = list(range(5, 40))
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 13)  # 48 tokens: all inside the window
-    qwen = make_model_dir(tmp_path / "qwen2", "qwen2", sliding_window=48)  # use_sliding_window is False
-    assert LLM(qwen, num_gpu_blocks_override=64).llm_engine.model_config.max_model_len == 512
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    llm = LLM(path, num_gpu_blocks_override=300, block_size=8, **kw)
+    assert llm.llm_engine.model_config.max_model_len == 512  # not capped at the window
+    windows = [layer.self_attn.sliding_window for layer in llm.llm_engine.executor.runner.model.model.layers]
+    assert windows == ([16, 16] if arch == "mistral" else [None, 16])
+    prompts = random_prompts(4, seed=12, lo=20, hi=50) + [[9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]

@@ -348,6 +348,7 @@ typedef struct {
     int64_t bt_stride, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head;
     int num_heads, num_kv_heads, head_dim, block_size, dtype;
     float scale;
+    int window; /* sliding window: a row at position p sees keys p - window + 1 .. p; 0 = all */
 } Problem;
 
 typedef struct {
@@ -486,6 +487,12 @@ static void online_softmax_pv(Scratch *S, int r, float *s, int nv, const Chunk *
         pv_accumulate(acc, b == 0 ? corr : 1.0f, s + off, c->v[b], imin(c->n[b], nv - off), D);
 }
 
+/* s[0..lo) = -inf (lo <= 0: nothing); returns s. */
+static float *mask_before(float *s, int lo) {
+    for (int j = 0; j < lo; j++) s[j] = -INFINITY;
+    return s;
+}
+
 /* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
  * that order; all rows of a token share one causal limit. */
 static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
@@ -513,8 +520,11 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
 
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
     const int cb = chunk_blocks(B), smax = cb * B;
+    /* sliding window: blocks wholly before the first row's window are never read */
+    const int lowest_key = P->window ? ctx_start + it->t0 - P->window + 1 : 0;
+    const int first_block = lowest_key > 0 ? lowest_key / B : 0;
     Chunk c;
-    for (int b0 = 0; b0 < num_blocks; b0 += cb) {
+    for (int b0 = first_block; b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
         load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
         prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
@@ -529,8 +539,11 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
             if (nv0 <= 0 && nv1 <= 0) continue;
             const float *q0 = S->q + (int64_t)r * D;
             chunk_scores(&c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
-            if (nv0 > 0) online_softmax_pv(S, r, S->s, nv0, &c, D);
-            if (nv1 > 0) online_softmax_pv(S, r + 1, S->s + smax, nv1, &c, D);
+            /* sliding window: keys before a row's window start drop out of its softmax */
+            const int lo0 = P->window ? first_visible + r / group - P->window : 0;
+            const int lo1 = P->window && pair ? first_visible + (r + 1) / group - P->window : 0;
+            if (nv0 > 0 && lo0 < nv0) online_softmax_pv(S, r, mask_before(S->s, lo0), nv0, &c, D);
+            if (nv1 > 0 && lo1 < nv1) online_softmax_pv(S, r + 1, mask_before(S->s + smax, lo1), nv1, &c, D);
         }
     }
 
@@ -575,9 +588,9 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  int max_blocks, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
-                 int dtype, int num_threads, int64_t parallel_work) {
+                 int window, int dtype, int num_threads, int64_t parallel_work) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
-        block_size <= 0 || dtype < 0 || dtype > 2 || num_threads <= 0)
+        block_size <= 0 || dtype < 0 || dtype > 2 || num_threads <= 0 || window < 0)
         return PA_ERR_ARG;
     const Problem P = {
         .query = query, .out = out, .key_cache = key_cache, .value_cache = value_cache,
@@ -585,7 +598,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         .bt_stride = bt_stride, .q_stride_tok = q_stride_tok, .q_stride_head = q_stride_head,
         .o_stride_tok = o_stride_tok, .o_stride_head = o_stride_head, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-        .dtype = dtype, .scale = scale};
+        .dtype = dtype, .scale = scale, .window = window};
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
@@ -619,6 +632,6 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
 }
 
 /* Lets the Python side check it loaded the build it expects. */
-int pa_abi_version(void) { return 4; }
+int pa_abi_version(void) { return 5; }
 
 int pa_has_avx2(void) { return PA_AVX2; }

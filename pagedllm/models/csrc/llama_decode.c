@@ -37,7 +37,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
                  int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
                  int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
-                 int64_t o_stride_head, float scale, int dtype, int num_threads,
+                 int64_t o_stride_head, float scale, int window, int dtype, int num_threads,
                  int64_t parallel_work);
 int pl_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                     int64_t dim, int64_t x_stride, float eps, int threads);
@@ -62,6 +62,7 @@ typedef struct {
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *q_norm, *const *k_norm;
     void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
+    const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
 } LdModel;
 
 /* Attention metadata of the step (same arrays as the paged-attention kernel takes). */
@@ -273,7 +274,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
         rc = pa_attention(q, B->attn, m->key_cache[l], m->value_cache[l], b->block_tables,
                           b->query_start_loc, b->seq_lens, b->num_reqs, T, m->num_blocks, b->max_blocks,
                           b->bt_stride, m->num_heads, m->num_kv_heads, (int)D, m->block_size, qkv_size, D,
-                          q_size, D, m->scale, m->cache_dtype, threads, b->parallel_work);
+                          q_size, D, m->scale, m->window[l], m->cache_dtype, threads, b->parallel_work);
     return rc;
 }
 
