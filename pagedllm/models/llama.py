@@ -76,6 +76,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # SwiGLU is all this MLP (and the C decoder) computes
+            raise ValueError(f"hidden_act={act!r} is not supported: this Llama-family MLP is SwiGLU (silu)")
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)

@@ -51,3 +51,9 @@ def test_sliding_window_attention_matches_transformers(tmp_path, arch, overrides
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def test_unsupported_activation_is_refused(tmp_path):
+    path = make_model_dir(tmp_path / "gelu", "llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LLM(path, num_gpu_blocks_override=64)
