@@ -4,7 +4,11 @@ Each projection weight ``W [out, in]`` becomes ``q = round(W / s)`` in int8 with
 scale per output row, ``s = max|W[row]| / 127`` (symmetric, per channel), computed from the
 checkpoint's weights at load time, after tensor-parallel sharding: each rank scales its own
 rows, so row-parallel layers (o_proj, down_proj) get one scale per row per rank, over that rank's
-slice of the inputs. Activations, norms, embeddings, the LM head and the KV cache stay in the model dtype.
+slice of the inputs. Activations, norms, embeddings, the LM head and the KV cache stay in the model dtype
+(an int8 LM head too was measured with benchmarks/throughput.py --quantization int8 and lost:
+single 224 -> 208, mixed32 837 -> 715, batch64 952 -> 632 output tok/s; its matrix-vector product
+is 1.9x faster for one row, but beyond a few rows this int8 kernel loses to the oneDNN-packed
+float32 GEMM).
 
 Why: decoding small batches streams every weight once per step, so on a CPU it runs at memory
 bandwidth; int8 weights are a quarter of float32's bytes. The one-call C decoder and

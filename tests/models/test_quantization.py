@@ -20,6 +20,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # input dim split across tensor-parallel
 
 def _fake_quant(w: torch.Tensor) -> torch.Tensor:
     s = w.abs().amax(dim=1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row stays zero (as quantize_int8)
     return torch.round(w / s).clamp(-127, 127) * s
 
 
