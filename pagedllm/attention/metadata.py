@@ -46,6 +46,12 @@ class AttentionMetadata:
     def query_lens(self) -> torch.Tensor:
         return self.query_start_loc[1:] - self.query_start_loc[:-1]
 
+    def request_spans(self) -> list[tuple[int, int, int, int]]:
+        """``(request, first token, end token, seq_len)`` of every request with new tokens
+        (host-side loop bounds for the per-request torch backends)."""
+        qsl, seq_lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
+        return [(r, qsl[r], qsl[r + 1], n) for r, n in enumerate(seq_lens) if qsl[r + 1] > qsl[r]]
+
     @classmethod
     def build(
         cls,

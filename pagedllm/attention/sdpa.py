@@ -21,11 +21,7 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
         bs = key_cache.shape[2]
-        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        for r, seq_len in enumerate(seq_lens):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
+        for r, start, end, seq_len in meta.request_spans():
             blocks = meta.block_tables[r, : (seq_len + bs - 1) // bs].long()
             # [n_blocks, kv_heads, bs, dim] -> [kv_heads, n_blocks * bs, dim] -> first seq_len positions
             # (cast: the cache may be stored in another dtype, kv_cache_dtype)

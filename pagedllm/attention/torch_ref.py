@@ -19,12 +19,7 @@ class TorchReferenceBackend(AttentionBackend):
                 sliding_window: int | None = None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        qsl = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for r, seq_len in enumerate(seq_lens):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
+        for r, start, end, seq_len in meta.request_spans():
             out[start:end] = _attend_one(
                 query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len, scale, sliding_window
             )
