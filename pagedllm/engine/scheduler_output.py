@@ -55,4 +55,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.blocks_to_swap_out and not self.blocks_to_copy
+        """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
+        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids)

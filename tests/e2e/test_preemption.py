@@ -54,3 +54,14 @@ def test_parallel_sampling_survives_preemption(llama_dir, reference, mode):
     seeded_n = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
     assert _outputs(tight, seeded_n) == reference[1]
     assert tight.get_kv_cache_stats().num_preemptions > 0
+
+
+def test_runner_forgets_the_block_table_rows_of_finished_requests(llama_dir):
+    """Released tables reach the runner even through a step that has nothing else to run."""
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(llama_dir, num_gpu_blocks_override=64, max_model_len=128)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
+    runner = llm.llm_engine.executor.runner
+    assert len(runner.block_table.rows) == 2  # finished in the last step: released by the next one
+    llm.llm_engine.step()  # idle: no tokens, only the release
+    assert not runner.block_table.rows and llm.get_kv_cache_stats().num_used_blocks == 0
