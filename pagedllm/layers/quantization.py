@@ -19,6 +19,8 @@ dequantized per call: correct, no speed-up (GPU int8 kernels are not built).
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 METHODS = ("int8",)
@@ -77,7 +79,6 @@ _scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused:
 
 def _dequantize_c(lib, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
-    import threading
     key = threading.get_ident()
     buf = _scratch.get(key)
     if buf is None or buf.numel() < q.numel():

@@ -98,7 +98,6 @@ class FusedCpuDecoder:
         _bind(self._lib)
         self.max_tokens = min(max_tokens, _C_MAX_TOKENS)
         self.parallel_work = backend.parallel_work
-        self._model = model
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in _PTR_FIELDS[:-2]}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)

@@ -30,9 +30,5 @@ def to_device(arrays: dict[str, np.ndarray], device: torch.device | str, pack: b
     out = {}
     for (name, a), part in zip(arrays.items(), flat.split(sizes)):
         t = part.view(a.shape)  # [flat] -> the array's shape
-        out[name] = t if a.dtype == np.int64 else t.to(_TORCH_DTYPES[a.dtype])
+        out[name] = t if a.dtype == np.int64 else t.to(torch.from_numpy(a[:0]).dtype)
     return out
-
-
-_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int16): torch.int16, np.dtype(np.int8): torch.int8,
-                 np.dtype(np.uint8): torch.uint8, np.dtype(np.bool_): torch.bool}
