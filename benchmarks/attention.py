@@ -42,6 +42,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))  # this checkout, not an installed cop
 sys.path.insert(0, str(BENCH_DIR))  # the shared helpers in throughput.py
 
 import throughput as tp  # noqa: E402  (format_table, save_json, git commit)
+
 from pagedllm.attention.backend import write_kv  # noqa: E402
 from pagedllm.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedllm.attention.testing import PagedBatch, make_paged_batch  # noqa: E402
@@ -184,15 +185,22 @@ def _repeats(backend, case: str, repeats: int) -> int:
 # --------------------------------------------------------------------------- reporting
 
 
+def _ms(backends: dict, key: str) -> str:
+    return f"{backends[key]['ms']:.3f}" if key in backends else "-"
+
+
+def _speedup(case: dict, key: str) -> str:
+    return f"{case['speedup'][key]:.1f}x" if key in case["speedup"] else "-"
+
+
 def table_rows(cases: dict, bw: dict) -> list[list[str]]:
     rows = []
     for name, c in cases.items():
         cpu, b = c["backends"]["cpu"], c["backends"]
-        ms = lambda k: f"{b[k]['ms']:.3f}" if k in b else "-"  # noqa: E731
-        x = lambda k: f"{c['speedup'][k]:.1f}x" if k in c["speedup"] else "-"  # noqa: E731
         rows.append([name, f"{c['bytes']['total'] / MiB:.2f}", f"{cpu['ms']:.3f}", f"{cpu['gbs']:.1f}",
                      f"{100 * cpu['gbs'] / bw['read_gbs']:.0f}%", f"{100 * cpu['gbs'] / bw['copy_gbs']:.0f}%",
-                     ms("torch"), ms("gather+sdpa"), x("torch"), x("gather+sdpa"), f"{c['max_abs_diff']:.1e}"])
+                     *(_ms(b, k) for k in ("torch", "gather+sdpa")),
+                     *(_speedup(c, k) for k in ("torch", "gather+sdpa")), f"{c['max_abs_diff']:.1e}"])
     return rows
 
 

@@ -30,8 +30,10 @@ def decode_output(llm: LLM, batch: int, prompt_len: int):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": [10 + (i + j) % 4000 for j in range(prompt_len)]}, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        ids = [10 + (i + j) % 4000 for j in range(prompt_len)]
+        engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": ids}, params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
     return engine.scheduler.schedule()
 

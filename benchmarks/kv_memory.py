@@ -398,7 +398,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beam-max-tokens", type=int, help="beam search max_tokens (default 120, quick 48)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: the model is tiny, and one thread keeps timings steady on a busy machine)")
+                   help="torch threads (default 1: the model is tiny, and one thread keeps timings "
+                        "steady on a busy machine)")
     p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="where the tiny model is built")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "kv_memory", help="results path without suffix")
     args = p.parse_args(argv)

@@ -56,9 +56,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 import throughput as tp  # noqa: E402  (the shared 34M random Llama, tables, JSON, thread count)
+import torch  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results"
 QUICK_DIV = 8

@@ -28,7 +28,8 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{batch}-{i}", p, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()  # prefill first: we time decode steps only
     from pagedllm.metrics.stats import StepTimes
     engine.step_times = StepTimes()

@@ -29,10 +29,11 @@ import random
 import re
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import httpx
 import numpy as np

@@ -1,12 +1,12 @@
 """Typed, frozen engine configuration. Validation raises ValueError naming the parameter."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -145,7 +145,7 @@ def parse_swap_space(value: int | float | str) -> int:
 
 
 def default_device() -> torch.device:
-    forced = os.environ.get("PAGEDLLM_DEVICE")
+    forced = envs.PAGEDLLM_DEVICE
     if forced:
         return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -112,7 +112,7 @@ class SamplingParams:
         """Sequences sampled for the request: best_of when set, else n."""
         return self.best_of or self.n
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         from copy import deepcopy
         return deepcopy(self)
 

@@ -117,7 +117,7 @@ def parse_chapters(text: str) -> list[tuple[str, str]]:
             chapters[-1][1][-1] += " " + line.strip()
         elif not chapters:
             # not in `bible` format: treat blank-line separated blocks as documents
-            return [("doc%d" % i, " ".join(b.split()))
+            return [(f"doc{i}", " ".join(b.split()))
                     for i, b in enumerate(re.split(r"\n\s*\n", text)) if b.strip()]
     out = []
     for heading, verses in chapters:
@@ -460,7 +460,8 @@ def write_model_card(out_dir: Path, args, argv, stats, log, samples):
         "| architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU/`silu` MLP, RoPE θ=10000) |",
         f"| parameters | {stats['params']:,} ({stats['non_embedding_params']:,} non-embedding; embeddings tied) |",
         f"| layers / hidden / intermediate | {args.layers} / {args.hidden} / {args.ffn} |",
-        f"| attention heads / KV heads / head_dim | {args.heads} / {args.kv_heads} (GQA) / {args.hidden // args.heads} |",
+        f"| attention heads / KV heads / head_dim | {args.heads} / {args.kv_heads} (GQA) / "
+        f"{args.hidden // args.heads} |",
         f"| vocabulary | {args.vocab} (byte-level BPE, `tokenizers`) |",
         f"| max_position_embeddings | {args.max_pos} (trained on {args.seq_len}-token windows) |",
         f"| weights | `model.safetensors`, {args.save_dtype}, {stats['weights_bytes'] / 1e6:.2f} MB |",

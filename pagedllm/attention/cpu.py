@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
@@ -71,12 +72,11 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def kernel_cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "kernels"
+    return envs.PAGEDLLM_CACHE_DIR / "kernels"
 
 
 def find_compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "gcc", "cc"):
+    for cc in (envs.CC, "gcc", "cc"):
         if cc and shutil.which(cc):
             return cc
     return None
@@ -169,7 +169,7 @@ def build_and_load(
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The process-wide kernel library, or None (with one warning) if it cannot be built."""
     try:

@@ -60,7 +60,7 @@ class AttentionMetadata:
         block_tables: np.ndarray,
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Builds metadata from host arrays: computes query_start_loc and slot_mapping."""
         from pagedllm.worker.host_to_device import to_device
         host = cls.host_arrays(query_lens, seq_lens, block_tables, block_size)
@@ -82,7 +82,8 @@ class AttentionMetadata:
                     positions=positions)
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], host: dict[str, np.ndarray], block_size: int) -> "AttentionMetadata":
+    def from_tensors(cls, t: dict[str, torch.Tensor], host: dict[str, np.ndarray],
+                     block_size: int) -> AttentionMetadata:
         """Metadata over the device tensors of ``host`` (its ``host_arrays``; extra keys are
         ignored). The maxima come from the host copies: no device synchronisation."""
         q_lens, seq_lens = np.diff(host["query_start_loc"]), host["seq_lens"]

@@ -25,8 +25,10 @@ class SdpaBackend(AttentionBackend):
             blocks = meta.block_tables[r, : (seq_len + bs - 1) // bs].long()
             # [n_blocks, kv_heads, bs, dim] -> [kv_heads, n_blocks * bs, dim] -> first seq_len positions
             # (cast: the cache may be stored in another dtype, kv_cache_dtype)
-            k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len].to(query.dtype)
-            v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, key_cache.shape[3])[:, :seq_len].to(query.dtype)
+            head_dim = key_cache.shape[3]
+            # [n_blocks, kv_heads, bs, hd] -> [kv_heads, n_blocks * bs, hd] -> first seq_len tokens
+            k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
+            v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
             mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,

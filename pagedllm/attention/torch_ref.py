@@ -34,7 +34,7 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
     qf = q.float() * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
     m = torch.full((q_len, num_heads), float("-inf"), device=q.device)
-    l = torch.zeros(q_len, num_heads, device=q.device)
+    row_sum = torch.zeros(q_len, num_heads, device=q.device)
     acc = torch.zeros(q_len, num_heads, head_dim, device=q.device)
     for b in range((seq_len + block_size - 1) // block_size):
         block_id = int(block_table[b])
@@ -53,7 +53,7 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])  # [q_len, num_heads, n]
         correction = torch.exp(m - m_safe)
-        l = l * correction + p.sum(dim=-1)
+        row_sum = row_sum * correction + p.sum(dim=-1)
         acc = acc * correction[..., None] + torch.einsum("qhk,hkd->qhd", p, v)
         m = m_new
-    return (acc / l[..., None]).to(q.dtype)
+    return (acc / row_sum[..., None]).to(q.dtype)

@@ -1,13 +1,22 @@
 """User-facing engine arguments (the keywords ``LLM(...)`` and the CLI accept)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             default_device, parse_swap_space, resolve_dtype, resolve_kv_cache_dtype)
+from pagedllm import envs
+from pagedllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    default_device,
+    parse_swap_space,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
@@ -55,7 +64,8 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory=None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory, "kv_cache_memory"),
+                kv_cache_memory=(None if self.kv_cache_memory is None
+                                 else parse_size(self.kv_cache_memory, "kv_cache_memory")),
                 swap_space=parse_swap_space(self.swap_space),
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -81,7 +91,7 @@ class EngineArgs:
         max_len = self.max_model_len or limit
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
-        if max_len > limit and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+        if max_len > limit and not envs.PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
         heads = hf.num_attention_heads
         return ModelConfig(
@@ -113,15 +123,19 @@ def add_engine_args(parser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="local checkpoint directory, Hub id, or 'pagedllm-demo' (bundled)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, float16, bfloat16")
-    g.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64, 128], help="tokens per KV block")
+    g.add_argument("--dtype", default=d.dtype,
+                   help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, float16, bfloat16")
+    g.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64, 128],
+                   help="tokens per KV block")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of device memory (on CPU: of available RAM, capped) for weights, activations and KV")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
     g.add_argument("--swap-space", default=d.swap_space, help="CPU swap space for preempted KV, GiB or e.g. '16GiB'")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048 CPU, 8192 GPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default 2048 CPU, 8192 GPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     _bool_flag(g, "enable-prefix-caching", d.enable_prefix_caching, "reuse KV of shared prompt prefixes")
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])

@@ -121,7 +121,7 @@ class AsyncLLMEngine:
         self.dead_error: EngineDeadError | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(args))
 
     # ------------------------------------------------------------------ lifecycle
@@ -167,7 +167,7 @@ class AsyncLLMEngine:
             async for out in stream:
                 yield out
 
-    def aborting_on_exit(self, stream: RequestStream) -> "_AbortOnExit":
+    def aborting_on_exit(self, stream: RequestStream) -> _AbortOnExit:
         """Context manager: on exit, forgets the stream and aborts the request unless finished."""
         return _AbortOnExit(self, stream)
 

@@ -48,7 +48,7 @@ class LLMEngine:
         self._log_window = [0, 0]  # prompt, generation tokens since the last log line
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     # ------------------------------------------------------------------ requests
@@ -93,7 +93,8 @@ class LLMEngine:
                 raise ValueError(f"{name} contains {bad_ids[:5]}: token ids must be in [0, {vocab})")
         max_len = self.model_config.max_model_len
         if len(ids) >= max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} leaves no room to generate")
+            raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} "
+                             "leaves no room to generate")
         if params.max_tokens is None:
             params.max_tokens = max_len - len(ids)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.num_sequences)

@@ -63,7 +63,8 @@ def summary_line(llm, outputs, elapsed: float) -> str:
     stats = llm.get_kv_cache_stats()
     peak = llm.llm_engine.counters.peak_used_blocks
     return (f"[pagedllm] {len(outputs)} requests: {prompt_toks} prompt + {gen_toks} generated tokens in "
-            f"{elapsed:.2f} s ({gen_toks / elapsed:.1f} generated tok/s, {(prompt_toks + gen_toks) / elapsed:.1f} total tok/s); "
+            f"{elapsed:.2f} s ({gen_toks / elapsed:.1f} generated tok/s, "
+            f"{(prompt_toks + gen_toks) / elapsed:.1f} total tok/s); "
             f"KV blocks used at peak {peak} of {stats.num_blocks} (block size {stats.block_size}); "
             f"prefix-cache hits {stats.prefix_cache_hits} of {stats.prefix_cache_queries} tokens")
 

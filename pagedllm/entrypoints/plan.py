@@ -15,8 +15,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from pagedllm.utils import format_size, parse_size
 
@@ -280,7 +281,8 @@ def plan_kv(
     ``max_model_len`` defaults to the config's context length, ``mean_len`` to half of
     ``max_model_len``; ``weights_bytes`` defaults to an estimate from the parameter
     count (projections at 1 byte plus a float32 scale per row with ``quantization="int8"``);
-    ``kv_cache_dtype`` "auto" stores K/V in ``dtype``. Activations and runtime overhead are not modelled. Raises ``ValueError``
+    ``kv_cache_dtype`` "auto" stores K/V in ``dtype``. Activations and runtime overhead are not modelled.
+    Raises ``ValueError``
     (``ConfigError`` for config problems) on bad input.
     """
     if block_size not in BLOCK_SIZES:
@@ -481,7 +483,8 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
     weights_src = "estimated from config" if plan.weights_estimated else "given"
     lines = [
         f"KV cache plan for {model or s.model_type} ({s.model_type})",
-        _row("layers / heads / KV heads / head_dim", f"{s.num_layers} / {s.num_heads} / {s.num_kv_heads} / {s.head_dim}"),
+        _row("layers / heads / KV heads / head_dim",
+             f"{s.num_layers} / {s.num_heads} / {s.num_kv_heads} / {s.head_dim}"),
         _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
                       + (f", projections {plan.quantization}" if plan.quantization else "")),
         _row("KV cache dtype", plan.kv_cache_dtype or plan.dtype),

@@ -279,6 +279,7 @@ class KVCacheManager:
         held = [c for ids in self.cpu_tables.values() for c in ids]
         free = self.cpu_pool.free_ids()
         if sorted(held + free) != list(range(self.cpu_pool.num_blocks)):
-            raise AssertionError(f"CPU blocks: held {sorted(held)} + free {sorted(free)} != all {self.cpu_pool.num_blocks}")
+            raise AssertionError(f"CPU blocks: held {sorted(held)} + free {sorted(free)} "
+                                 f"!= all {self.cpu_pool.num_blocks}")
         if set(self.cpu_tables) & set(self.tables):
             raise AssertionError("a request holds device and CPU blocks at once")

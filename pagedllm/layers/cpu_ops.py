@@ -5,12 +5,9 @@ kernel library is available; everything else takes the plain torch path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-# escape hatch (and A/B switch for benchmarks): PAGEDLLM_FUSED_CPU_OPS=0 uses plain torch ops
-ENABLED = os.environ.get("PAGEDLLM_FUSED_CPU_OPS", "1") != "0"
+from pagedllm import envs
 
 
 def _lib():
@@ -23,7 +20,9 @@ def usable(*tensors: torch.Tensor) -> bool:
     (inductor fuses the plain torch version into its own kernels)."""
     if torch.compiler.is_compiling():
         return False
-    return ENABLED and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _lib() is not None
+    # PAGEDLLM_FUSED_CPU_OPS=0: escape hatch (and A/B switch for benchmarks) to plain torch ops
+    on_cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return envs.PAGEDLLM_FUSED_CPU_OPS and on_cpu and _lib() is not None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,12 +50,11 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 # (decode batches), MKL stays ahead for 1-2 rows and for big prefill chunks: measured per shape
 # in benchmarks/RESULTS.md. Packing keeps a second copy of each weight.
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
-PACKING_ENABLED = os.environ.get("PAGEDLLM_PACKED_LINEAR", "1") != "0"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-packed copy of a float32 CPU weight [out, in], or None where not applicable."""
-    if not (PACKING_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32):
+    if not (envs.PAGEDLLM_PACKED_LINEAR and weight.device.type == "cpu" and weight.dtype == torch.float32):
         return None
     if not torch.backends.mkldnn.is_available():
         return None

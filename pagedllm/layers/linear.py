@@ -105,5 +105,6 @@ class RowParallelLinear(LinearBase):
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+                         f"{tuple(param.shape)}")
     param.data.copy_(loaded)

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 # up to this many tokens per step: measured against the oneDNN-packed torch path (RESULTS.md)
 DEFAULT_MAX_TOKENS = 48
 _C_MAX_TOKENS = 64  # LD_MAX_TOKENS in the C file
@@ -72,7 +71,7 @@ def _ptr_array(values: list) -> ctypes.Array:
 def unsupported_reason(model, backend) -> str | None:
     """Why ``model`` (a LlamaModel) cannot take the fused path, or None if it can."""
     from pagedllm.distributed.parallel_state import get_tp_size
-    if not ENABLED:
+    if not envs.PAGEDLLM_FUSED_DECODE:
         return "disabled by PAGEDLLM_FUSED_DECODE=0"
     if getattr(backend, "name", None) != "cpu":
         return f"attention backend {getattr(backend, 'name', backend)!r} is not the compiled CPU kernel"

@@ -32,7 +32,8 @@ def resolve_model_path(model: str) -> str:
             raise ValueError(f"model={model!r} is a directory without config.json; expected a Hugging Face checkpoint")
         return model
     if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
-        raise ValueError(f"model={model!r} does not exist: pass an existing local directory or a Hub id like 'org/name'")
+        raise ValueError(f"model={model!r} does not exist: pass an existing local directory or a Hub id "
+                         "like 'org/name'")
     return _download_from_hub(model)
 
 

@@ -1,8 +1,7 @@
 """Architecture name (config.json ``architectures``) -> model class."""
 from __future__ import annotations
 
-from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                   Qwen3ForCausalLM)
+from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

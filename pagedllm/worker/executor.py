@@ -7,16 +7,13 @@ import resource
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.utils import cdiv, human_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# On CPU the KV pool is capped (like vLLM's VLLM_CPU_KVCACHE_SPACE) so that several engines in
-# one process or on one machine leave it usable: gpu_memory_utilization x available RAM, at most
-# this many GiB, further capped at what max_num_seqs full-length sequences could ever use.
-CPU_KV_CAP_GIB = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
 
 
 class UniProcExecutor:
@@ -79,7 +76,10 @@ class UniProcExecutor:
             return int(total * cache.gpu_memory_utilization - used)
         activation = max(0, _peak_rss() - before)
         budget = cache.gpu_memory_utilization * available_ram() - activation
-        return int(max(0, min(budget, CPU_KV_CAP_GIB * 1024**3)))
+        # On CPU the KV pool is capped (like vLLM's VLLM_CPU_KVCACHE_SPACE) so that several engines in
+        # one process or on one machine leave it usable: gpu_memory_utilization x available RAM, at
+        # most PAGEDLLM_CPU_KVCACHE_SPACE GiB, further capped at what max_num_seqs sequences could use.
+        return int(max(0, min(budget, envs.PAGEDLLM_CPU_KVCACHE_SPACE * 1024**3)))
 
     def _check_fits(self, num_blocks: int, block_bytes: int) -> None:
         bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len

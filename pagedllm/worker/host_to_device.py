@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 
-def to_device(arrays: dict[str, np.ndarray], device: torch.device | str, pack: bool | None = None) -> dict[str, torch.Tensor]:
+def to_device(arrays: dict[str, np.ndarray], device: torch.device | str,
+              pack: bool | None = None) -> dict[str, torch.Tensor]:
     """Tensors on ``device`` with each array's shape and dtype (integer arrays only).
 
     ``pack`` defaults to "not on the CPU"; tests force it to check the packed round trip.

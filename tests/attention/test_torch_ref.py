@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.testing import dense_attention_f64, gather_context, make_paged_batch
 from pagedllm.attention.sdpa import SdpaBackend
+from pagedllm.attention.testing import dense_attention_f64, gather_context, make_paged_batch
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

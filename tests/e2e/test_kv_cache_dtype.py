@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = random_prompts(6, seed=11, lo=4, hi=40)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = random_prompts(12, seed=3, lo=20, hi=40)

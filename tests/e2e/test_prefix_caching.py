@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conftest import random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 SYSTEM = random_prompts(1, seed=30, lo=40, hi=41)[0]  # 40 tokens: 5 full blocks of 8

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = random_prompts(5, seed=31, lo=2, hi=45) + [[7]]  # ... and a one-token prompt

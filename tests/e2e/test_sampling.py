@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conftest import random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 

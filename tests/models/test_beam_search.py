@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import random_prompts
+
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 
 W, MAX_NEW = 4, 10

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, random_prompts
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import cpu_decode
 
 
 def test_compiled_layers_match_transformers(llama_dir, hf_models, monkeypatch):
-    monkeypatch.setattr(cpu_decode, "ENABLED", False)  # decode steps through the layers too
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")  # decode steps through the layers too
     llm = LLM(llama_dir, num_gpu_blocks_override=64, max_model_len=128, compile_model=True)
     layers = llm.llm_engine.executor.runner.model.model.layers
     assert all(type(layer).__name__ == "OptimizedModule" for layer in layers)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_model_dir
+
 from pagedllm import LLM
 from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
 from pagedllm.layers import cpu_ops
@@ -99,6 +99,6 @@ def test_fused_path_off_when_not_applicable(llama_dir, monkeypatch):
     assert llm.llm_engine.executor.runner.model.model.fused_decoder is None
     model, _ = _model(llama_dir)
     assert "backend" in cpu_decode.unsupported_reason(model.model, object())
-    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
     assert "PAGEDLLM_FUSED_DECODE" in model.enable_fused_decode(llm.llm_engine.executor.runner.backend)
     assert model.model.fused_decoder is None

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ARCHS, hf_greedy, random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 MAX_NEW = 12

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import hf_greedy, random_prompts
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_ops, quantization
 

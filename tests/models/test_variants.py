@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy, make_model_dir, random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 VARIANTS = {

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 import pytest
-
 from conftest import make_model_dir
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -24,13 +24,20 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
-                       GenerateRequest, TokenizeRequest)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    GenerateRequest,
+    TokenizeRequest,
+)
 from .serving import OpenAIServing, ServingError, error_body
 
 logger = logging.getLogger(__name__)
@@ -275,7 +282,7 @@ def run_server(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     engine_args = engine_args_from_cli(args)
     app = build_app(engine_args, served_model_name=args.served_model_name or [args.model],
-                    chat_template=args.chat_template, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"))
+                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

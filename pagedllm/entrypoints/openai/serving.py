@@ -24,11 +24,32 @@ from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatLogprob, ChatLogprobContent, ChatMessage, ChatResponseMessage,
-                       ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                       CompletionResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, GenerateRequest,
-                       ModelCard, ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo)
+from .protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobContent,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                 500: "server_error", 503: "service_unavailable"}

@@ -1,0 +1,81 @@
+"""The one reader of environment variables (like vLLM's ``envs.py``).
+
+Every variable pagedllm honours is declared here, with its default and what it does; other
+modules read ``envs.NAME``, which looks the variable up at that moment (lazily), so a test's
+``monkeypatch.setenv`` or a user's ``os.environ[...] = ...`` before building an engine takes
+effect. No other module under ``pagedllm/`` touches ``os.environ`` (a test enforces it).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    """A switch: "0" (or "false"/"no"/"off") turns it off, anything else on."""
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        return raw.strip().lower() not in ("0", "false", "no", "off")
+    return read
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
+    return read
+
+
+def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or default
+
+
+def _cache_dir() -> Path:
+    raw = os.environ.get("PAGEDLLM_CACHE_DIR")
+    return Path(raw) if raw else Path.home() / ".cache" / "pagedllm"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    read: Callable[[], Any]
+    doc: str
+
+
+VARIABLES: dict[str, EnvVar] = {
+    "PAGEDLLM_CACHE_DIR": EnvVar(_cache_dir, "where compiled C kernels are cached (default ~/.cache/pagedllm)"),
+    "CC": EnvVar(_str("CC"), "C compiler for the CPU kernels (default: gcc, then cc)"),
+    "PAGEDLLM_DEVICE": EnvVar(_str("PAGEDLLM_DEVICE"), "force the device (cpu, cuda, cuda:N) instead of auto"),
+    "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": EnvVar(
+        _flag("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", False),
+        "1 allows max_model_len above the model's max_position_embeddings"),
+    "PAGEDLLM_CPU_KVCACHE_SPACE": EnvVar(
+        _float("PAGEDLLM_CPU_KVCACHE_SPACE", 4.0), "cap (GiB) on the KV pool sized from RAM on CPU"),
+    "PAGEDLLM_FUSED_CPU_OPS": EnvVar(
+        _flag("PAGEDLLM_FUSED_CPU_OPS", True), "0 turns off the fused C norm/rotary/activation ops on CPU"),
+    "PAGEDLLM_PACKED_LINEAR": EnvVar(
+        _flag("PAGEDLLM_PACKED_LINEAR", True), "0 turns off oneDNN-packed float32 linear weights on CPU"),
+    "PAGEDLLM_FUSED_DECODE": EnvVar(
+        _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
+    "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    var = VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted(VARIABLES)
