@@ -7,16 +7,20 @@ from typing import Any
 import torch
 
 from pagedllm import envs
+from pagedllm.kv_cache.planning import kv_bytes
 from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
 PREALLOCATION_MODES = ("none", "max_model_len", "request")
+# "auto": the fast (Rust) tokenizer when there is one; "slow": the Python one (vLLM's use_fast=False)
+TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+DTYPES = ("auto", *_DTYPES)  # what resolve_dtype accepts
 
 
 @dataclass(frozen=True)
@@ -35,11 +39,16 @@ class ModelConfig:
     head_dim: int
     seed: int = 0
     quantization: str | None = None  # weight-only, layers/quantization.py ("int8")
+    tokenizer_mode: str = "auto"  # one of TOKENIZER_MODES
+    trust_remote_code: bool = False  # passed to transformers for the config and the tokenizer
+
+    def __post_init__(self):
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} must be one of {TOKENIZER_MODES}")
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
         """K and V for one token across all layers."""
-        elem = torch.tensor([], dtype=cache_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim, cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -54,10 +63,8 @@ class CacheConfig:
     cache_dtype: torch.dtype | None = None  # KV storage dtype; None: the model's dtype
 
     def __post_init__(self):
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(f"block_size={self.block_size!r} is not allowed; use one of {ALLOWED_BLOCK_SIZES}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        check_block_size(self.block_size)
+        check_memory_utilization(self.gpu_memory_utilization)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -107,8 +114,29 @@ class EngineConfig:
     compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
 
 
+def check_block_size(block_size: int) -> int:
+    if block_size not in ALLOWED_BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size!r} is not allowed; use one of {ALLOWED_BLOCK_SIZES}")
+    return block_size
+
+
+def check_memory_utilization(fraction: float) -> float:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization={fraction!r} must be in (0, 1]")
+    return fraction
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the canonical spelling in DTYPES)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (no fast half precision there), the checkpoint's dtype on CUDA."""
+    """``auto``: float32 on CPU (no fast half precision there), the checkpoint's dtype on CUDA.
+
+    ``device`` is the device the model will run on; ``pagedllm plan`` passes the one it plans for
+    (a GPU, by default), whatever machine it runs on.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

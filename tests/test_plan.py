@@ -195,3 +195,37 @@ def test_standalone_module_offline_hub_id(tmp_path):
     )
     assert proc.returncode == 2
     assert "not in the local Hugging Face cache" in proc.stderr
+
+
+# --------------------------------------------------------------------------- plan vs the engine
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_plan_block_bytes_equal_the_engines(model_dirs, kv_cache_dtype):
+    """plan's per-block bytes are what the engine allocates, and a budget of N of them buys N blocks."""
+    from pagedllm import LLM
+    tiny = model_dirs["llama"]
+    p = plan_kv(load_config(tiny), gpu_memory=GiB, device="cpu", block_size=16, kv_cache_dtype=kv_cache_dtype)
+    assert p.dtype == "float32"  # "auto" on the CPU, as the engine resolves it
+    llm = LLM(tiny, device="cpu", block_size=16, max_model_len=128, kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory=20 * p.kv_bytes_per_block + p.kv_bytes_per_block // 2)
+    assert llm.get_kv_cache_stats().num_blocks == 20
+    kv = llm.llm_engine.executor.runner.cache.kv  # the pool itself: [layers, 2, blocks, kv_heads, block, head_dim]
+    assert kv.numel() * kv.element_size() == 20 * p.kv_bytes_per_block
+    assert p.kv_bytes_per_token * 16 == p.kv_bytes_per_block
+
+
+def test_plan_auto_dtype_follows_the_planned_device():
+    """"auto" means what it means to the engine on that device: the checkpoint's half type on a GPU, else
+    float16 there; float32 on a CPU."""
+    f32 = {**GQA, "torch_dtype": "float32"}
+    assert plan_kv(GQA, gpu_memory=GiB).dtype == "bfloat16"
+    assert plan_kv(f32, gpu_memory=GiB).dtype == "float16"
+    assert plan_kv(GQA, gpu_memory=GiB, device="cpu").dtype == "float32"
+    with pytest.raises(ValueError, match="device"):
+        plan_kv(GQA, gpu_memory=GiB, device="tpu")
+
+
+def test_plan_reads_the_bundled_demo_model(capsys):
+    assert plan_mod.main(["--model", "pagedllm-demo", "--gpu-memory", "1GiB", "--device", "cpu"]) == 0
+    assert "on cpu" in capsys.readouterr().out

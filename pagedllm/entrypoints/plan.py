@@ -19,10 +19,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from pagedllm.config import (
+    ALLOWED_BLOCK_SIZES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    check_block_size,
+    check_memory_utilization,
+    dtype_name,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
+from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
+from pagedllm.layers.quantization import check_method as check_quantization
+from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
 from pagedllm.utils import format_size, parse_size
 
 __all__ = [
-    "BLOCK_SIZES",
     "ConfigError",
     "add_arguments",
     "format_plan",
@@ -34,16 +49,10 @@ __all__ = [
     "model_shape",
     "plan_kv",
     "register",
-    "resolve_dtype",
     "run",
 ]
 
-BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
-_DTYPE_ALIASES = {
-    "half": "float16", "fp16": "float16", "bf16": "bfloat16",
-    "float": "float32", "fp32": "float32",
-}
+PLAN_DEVICES = ("cuda", "cpu")  # the device planned for: it decides what dtype "auto" means
 # Families whose MLP is up/down only (no gate projection); everything else is assumed
 # to be a gated (SwiGLU/GeGLU-style, 3-matrix) MLP, as in Llama.
 _NON_GATED_MLP = {
@@ -182,17 +191,6 @@ def count_params(shape: ModelShape) -> int:
     return projection_params(shape) + embeddings + norms + lm_head
 
 
-def resolve_dtype(dtype: str, shape: ModelShape) -> str:
-    """Canonical dtype name; ``auto`` takes the config's torch_dtype, else float16."""
-    name = str(dtype).lower().removeprefix("torch.")
-    if name == "auto":
-        name = str(shape.config_dtype or "float16").lower().removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r} (resolved to {name!r}); use one of {sorted(DTYPE_BYTES)}")
-    return name
-
-
 # --------------------------------------------------------------------------- plan
 
 
@@ -223,6 +221,7 @@ class KVPlan:
     notes: tuple[str, ...] = field(default=())
     kv_cache_dtype: str = ""  # the KV storage dtype (the weights' dtype unless set)
     quantization: str | None = None
+    device: str = "cuda"  # the device planned for (PLAN_DEVICES)
 
     @property
     def paging_gain(self) -> float:
@@ -263,6 +262,22 @@ def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, es
     return tuple(notes)
 
 
+def _weights_bytes(shape: ModelShape, num_params: int, dtype: torch.dtype, quantization: str | None) -> int:
+    """Estimated weight bytes; int8 projections take 1 byte plus one float32 scale per output row."""
+    if quantization != "int8":
+        return num_params * dtype.itemsize
+    proj = projection_params(shape)  # + one float32 scale per output row (~4 / hidden_size bytes each)
+    return (num_params - proj) * dtype.itemsize + proj + 4 * proj // shape.hidden_size
+
+
+def _resolve_dtypes(shape: ModelShape, dtype: str, kv_cache_dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
+    """(weights dtype, KV dtype) as the engine would pick them on ``device`` (config.resolve_dtype)."""
+    if device not in PLAN_DEVICES:
+        raise ValueError(f"device={device!r} must be one of {PLAN_DEVICES}")
+    weights = resolve_dtype(dtype, config_dtype(shape.config_dtype), torch.device(device))
+    return weights, resolve_kv_cache_dtype(kv_cache_dtype) or weights
+
+
 def plan_kv(
     config: dict,
     *,
@@ -275,50 +290,39 @@ def plan_kv(
     gpu_memory_utilization: float = 0.9,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    device: str = "cuda",
 ) -> KVPlan:
     """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
 
     ``max_model_len`` defaults to the config's context length, ``mean_len`` to half of
     ``max_model_len``; ``weights_bytes`` defaults to an estimate from the parameter
-    count (projections at 1 byte plus a float32 scale per row with ``quantization="int8"``);
-    ``kv_cache_dtype`` "auto" stores K/V in ``dtype``. Activations and runtime overhead are not modelled.
-    Raises ``ValueError``
-    (``ConfigError`` for config problems) on bad input.
+    count (projections at 1 byte plus a float32 scale per row with ``quantization="int8"``).
+    ``dtype`` and ``kv_cache_dtype`` mean what they mean to the engine running on ``device``
+    ("auto" on "cuda": the checkpoint's half type; on "cpu": float32). The per-token and
+    per-block bytes come from ``kv_cache.planning``, the functions the engine sizes its pool with.
+    Activations and runtime overhead are not modelled. Raises ``ValueError`` (``ConfigError``
+    for config problems) on bad input.
     """
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    check_block_size(block_size)
+    check_memory_utilization(gpu_memory_utilization)
     _check_positive("gpu_memory", gpu_memory)
     shape = model_shape(config)
     max_model_len, mean_len = _resolve_lengths(shape, max_model_len, mean_len)
-    dtype = resolve_dtype(dtype, shape)
-    nbytes = DTYPE_BYTES[dtype]
-
-    if quantization not in (None, "int8"):
-        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
-    kv_dtype = dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, shape)
-    kv_nbytes = DTYPE_BYTES[kv_dtype]
-
+    weights_dtype, kv_dtype = _resolve_dtypes(shape, dtype, kv_cache_dtype, device)
     num_params = count_params(shape)
     estimated = weights_bytes is None
-    if weights_bytes is not None:
-        weights = int(weights_bytes)
-    elif quantization == "int8":
-        proj = projection_params(shape)  # + one float32 scale per output row (~4 / hidden_size bytes each)
-        weights = (num_params - proj) * nbytes + proj + 4 * proj // shape.hidden_size
-    else:
-        weights = num_params * nbytes
+    weights = _weights_bytes(shape, num_params, weights_dtype, check_quantization(quantization)) \
+        if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_nbytes
-    per_block = per_token * block_size
+    per_token = kv_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
+    per_block = kv_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype, block_size)
     num_blocks = max(budget, 0) // per_block
     max_seqs = max(budget, 0) // (per_token * max_model_len)
-    blocks_per_mean = mean_len / block_size + 0.5
+    blocks_per_mean = mean_blocks_per_sequence(mean_len, block_size)
     return KVPlan(
-        shape=shape, dtype=dtype, dtype_bytes=nbytes, block_size=block_size,
+        shape=shape, dtype=dtype_name(weights_dtype), dtype_bytes=weights_dtype.itemsize, block_size=block_size,
         max_model_len=max_model_len, mean_len=mean_len, gpu_memory=gpu_memory,
         gpu_memory_utilization=gpu_memory_utilization, num_params=num_params,
         weights_bytes=weights, weights_estimated=estimated, kv_bytes_per_token=per_token,
@@ -327,16 +331,11 @@ def plan_kv(
         max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
-        kv_cache_dtype=kv_dtype, quantization=quantization,
+        kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
     )
 
 
 # --------------------------------------------------------------------------- config loading
-
-
-def _looks_like_path(model: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a missing path."""
-    return model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
 
 
 def _read_json(path: str) -> dict:
@@ -375,8 +374,12 @@ def _download_config(repo_id: str, revision: str | None) -> str:
 
 
 def load_config(model: str, revision: str | None = None) -> dict:
-    """Load ``config.json`` from a directory, a JSON file path, or a Hub repo id (cache first)."""
-    expanded = os.path.expanduser(model)
+    """Load ``config.json`` from a directory, a JSON file path, the bundled demo model, or a Hub repo id.
+
+    Paths and Hub ids are told apart as the engine tells them (``models.loader.looks_like_path``), but
+    only ``config.json`` is fetched from the Hub (cache first), never the weights.
+    """
+    expanded = os.path.expanduser(demo_model_path() if model == DEMO_MODEL_NAME else model)
     if os.path.isdir(expanded):
         path = os.path.join(expanded, "config.json")
         if not os.path.isfile(path):
@@ -384,7 +387,7 @@ def load_config(model: str, revision: str | None = None) -> dict:
         return _read_json(path)
     if os.path.isfile(expanded):
         return _read_json(expanded)
-    if _looks_like_path(model):
+    if looks_like_path(model) or model.endswith(".json"):
         raise ConfigError(f"no such file or directory: {model!r}")
     return _read_json(_download_config(model, revision))
 
@@ -446,13 +449,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of GPU memory the engine may use (default: 0.9)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                         help="maximum sequence length (default: the config's max_position_embeddings)")
-    parser.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16,
+    parser.add_argument("--block-size", type=int, choices=ALLOWED_BLOCK_SIZES, default=16,
                         help="tokens per KV block (default: 16)")
-    parser.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
-                        help="weights/KV dtype; auto = config torch_dtype, else float16 (default: auto)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
-                        help="KV cache storage dtype; auto = --dtype (default: auto)")
-    parser.add_argument("--quantization", choices=("int8",), default=None,
+    parser.add_argument("--device", choices=PLAN_DEVICES, default="cuda",
+                        help="device to plan for; decides what --dtype auto means (default: cuda)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype; auto = as the engine picks it on --device: the config's "
+                             "torch_dtype if half precision, else float16 on cuda; float32 on cpu (default: auto)")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="KV cache storage dtype; auto = the weights' dtype (default: auto)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                         help="weight-only int8 projections: shrinks the weights estimate")
     parser.add_argument("--mean-len", type=_positive_int, default=None, metavar="N",
                         help="average sequence length (prompt + output) for the paged estimate "
@@ -482,7 +488,7 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
     s = plan.shape
     weights_src = "estimated from config" if plan.weights_estimated else "given"
     lines = [
-        f"KV cache plan for {model or s.model_type} ({s.model_type})",
+        f"KV cache plan for {model or s.model_type} ({s.model_type}) on {plan.device}",
         _row("layers / heads / KV heads / head_dim",
              f"{s.num_layers} / {s.num_heads} / {s.num_kv_heads} / {s.head_dim}"),
         _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
@@ -525,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
             config, gpu_memory=args.gpu_memory, max_model_len=args.max_model_len,
             block_size=args.block_size, dtype=args.dtype, mean_len=args.mean_len,
             weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
+            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device,
         )
     except ValueError as e:  # includes ConfigError
         print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)

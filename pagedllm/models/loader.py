@@ -31,10 +31,15 @@ def resolve_model_path(model: str) -> str:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model={model!r} is a directory without config.json; expected a Hugging Face checkpoint")
         return model
-    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
+    if looks_like_path(model):
         raise ValueError(f"model={model!r} does not exist: pass an existing local directory or a Hub id "
                          "like 'org/name'")
     return _download_from_hub(model)
+
+
+def looks_like_path(model: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else is meant as a local path."""
+    return model.startswith((".", "/", "~")) or model.strip("/").count("/") > 1
 
 
 def _download_from_hub(repo_id: str) -> str:
@@ -53,8 +58,13 @@ def _download_from_hub(repo_id: str) -> str:
 
 def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
     with open(os.path.join(model_dir, "config.json")) as f:
-        name = json.load(f).get("torch_dtype") or None
-    return getattr(torch, name, None) if isinstance(name, str) else None
+        return config_dtype(json.load(f).get("torch_dtype"))
+
+
+def config_dtype(name: object) -> torch.dtype | None:
+    """A config.json ``torch_dtype`` value ("bfloat16", "torch.float16") as a torch dtype; None if absent or unknown."""
+    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else None
 
 
 def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.kv_cache.planning import kv_bytes
 
 
 class CacheEngine:
@@ -25,8 +26,7 @@ class CacheEngine:
 
     @staticmethod
     def block_bytes(model_config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * model_config.num_layers * num_kv_heads * block_size * model_config.head_dim * elem
+        return kv_bytes(model_config.num_layers, num_kv_heads, model_config.head_dim, dtype, block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""

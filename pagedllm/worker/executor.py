@@ -9,7 +9,8 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.utils import cdiv, human_bytes
+from pagedllm.kv_cache.planning import blocks_per_sequence
+from pagedllm.utils import human_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class UniProcExecutor:
     def _useful_blocks(self) -> int:
         """More blocks than max_num_seqs full-length sequences can hold would never be used."""
         sched = self.config.scheduler
-        return sched.max_num_seqs * cdiv(sched.max_model_len, self.config.cache.block_size)
+        return sched.max_num_seqs * blocks_per_sequence(sched.max_model_len, self.config.cache.block_size)
 
     def _profiled_budget(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -83,7 +84,7 @@ class UniProcExecutor:
 
     def _check_fits(self, num_blocks: int, block_bytes: int) -> None:
         bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len
-        per_seq = cdiv(max_len, bs)
+        per_seq = blocks_per_sequence(max_len, bs)
         logger.info("KV cache: %d blocks x %d tokens (%s) = %d tokens; %.1f sequences of max_model_len=%d",
                     num_blocks, bs, human_bytes(num_blocks * block_bytes), num_blocks * bs,
                     num_blocks / per_seq, max_len)

@@ -11,6 +11,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
@@ -43,7 +44,7 @@ class ModelRunner:
             self._compile_layers()
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
-        self.block_table = PersistentBlockTable(-(-mc.max_model_len // self.block_size),
+        self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
         self.last_prepare_time = 0.0
