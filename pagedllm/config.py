@@ -41,6 +41,7 @@ class ModelConfig:
     quantization: str | None = None  # weight-only, layers/quantization.py ("int8")
     tokenizer_mode: str = "auto"  # one of TOKENIZER_MODES
     trust_remote_code: bool = False  # passed to transformers for the config and the tokenizer
+    served_model_names: tuple[str, ...] = ()  # what HTTP clients call the model (the first one in metrics)
 
     def __post_init__(self):
         if self.tokenizer_mode not in TOKENIZER_MODES:

@@ -1,12 +1,29 @@
-"""User-facing engine arguments (the keywords ``LLM(...)`` and the CLI accept)."""
+"""User-facing engine arguments: the keywords ``LLM(...)`` takes and the CLI flags, from one declaration.
+
+Each :class:`EngineArgs` field carries a :class:`CliOption` in its metadata (help, choices, flag name,
+parse function, hidden, or the reason it is Python-only). :func:`add_engine_args` makes the argparse
+flags from it and :meth:`EngineArgs.from_cli_args` maps the parsed namespace back, so a new field
+appears on every command (generate, chat, serve) without being typed again. Choice lists are the
+constants the configs validate against.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
 from pagedllm import envs
+from pagedllm.attention.selector import BACKENDS as ATTENTION_BACKENDS
 from pagedllm.config import (
+    ALLOWED_BLOCK_SIZES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREALLOCATION_MODES,
+    PREEMPTION_MODES,
+    TOKENIZER_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -17,43 +34,92 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.utils import parse_size
 
 
+@dataclass(frozen=True)
+class CliOption:
+    """How one EngineArgs field appears on the command line (``--field-name`` unless ``flag`` says otherwise).
+
+    A bool field is a switch: ``--flag`` when it defaults to False, ``--flag/--no-flag`` when it
+    defaults to True. A field with ``python_only`` (the reason) gets no flag.
+    """
+
+    help: str
+    choices: tuple | None = None
+    parse: Callable[[str], Any] | None = None  # argparse ``type``; None keeps the string
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()  # short forms, e.g. "-q"
+    nargs: str | None = None
+    hidden: bool = False  # accepted, but left out of --help
+    python_only: str | None = None
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with its command-line declaration (see CliOption)."""
+    return field(default=default, metadata={"cli": CliOption(help, **kwargs)})
+
+
+def cli_option(f: Field) -> CliOption:
+    return f.metadata["cli"]
+
+
 @dataclass
 class EngineArgs:
-    model: str = DEMO_MODEL_NAME
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | str | None = None
-    swap_space: float | str = 4
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    seed: int = 0
-    enforce_eager: bool = False  # wins over compile_model (vLLM's meaning: no compilation)
-    compile_model: bool = False
-    quantization: str | None = None  # "int8": weight-only int8 projections (layers/quantization.py)
-    kv_cache_dtype: str = "auto"  # "auto" (model dtype), "float16", "bfloat16", "float32"
-    tensor_parallel_size: int = 1
-    trust_remote_code: bool = False
-    num_gpu_blocks_override: int | None = None
-    attention_backend: str = "auto"
-    num_threads: int | None = None
-    device: str = "auto"
-    watermark: float = 0.01
-    disable_log_stats: bool = True
-    log_stats_interval: float = 10.0  # seconds between engine log lines when stats are logged
-    served_model_name: str | None = None
-    tokenizer_mode: str = "auto"
-    preallocation: str = "none"  # benchmark knob: emulate contiguous pre-allocation
+    """Every engine option, with vLLM's names. ``create_engine_config`` validates and resolves them."""
+
+    model: str = option(DEMO_MODEL_NAME, "local checkpoint directory, Hub id, or 'pagedllm-demo' (bundled)")
+    tokenizer: str | None = option(None, "tokenizer path or Hub id (default: the model's)")
+    tokenizer_mode: str = option("auto", "auto: the fast tokenizer when there is one; slow: the Python "
+                                 "tokenizer (refused when the model has none)", choices=TOKENIZER_MODES)
+    trust_remote_code: bool = option(False, "let transformers run the model repository's code for its config "
+                                     "and tokenizer")
+    dtype: str = option("auto", "weights and activations; auto = float32 on CPU, the checkpoint's half type on CUDA",
+                        choices=DTYPES)
+    block_size: int = option(16, "tokens per KV block", choices=ALLOWED_BLOCK_SIZES, parse=int)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of device memory (on CPU: of available RAM, capped) for weights, activations and KV",
+        parse=float)
+    kv_cache_memory: int | str | None = option(None, "KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
+    swap_space: float | str = option(4, "CPU swap space for preempted KV, GiB or e.g. '16GiB'")
+    max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
+    max_num_seqs: int = option(256, "sequences per step", parse=int)
+    max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU)", parse=int)
+    enable_prefix_caching: bool = option(True, "reuse KV of shared prompt prefixes")
+    preemption_mode: str = option("recompute", "what a preempted request loses: its KV (recompute) or its place "
+                                  "on the device (swap to --swap-space)", choices=PREEMPTION_MODES)
+    seed: int = option(0, "engine random seed", parse=int)
+    enforce_eager: bool = option(False, "never compile (overrides --compile-model)")
+    compile_model: bool = option(False, "torch.compile each decoder layer (start-up cost; no speed-up measured "
+                                 "on CPU)")
+    quantization: str | None = option(None, "weight-only int8 projections, quantized at load (per-channel, "
+                                      "symmetric)", choices=QUANTIZATION_METHODS, aliases=("-q",))
+    kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype",
+                                 choices=tuple(KV_CACHE_DTYPES))
+    tensor_parallel_size: int = option(1, "number of tensor-parallel ranks", parse=int, aliases=("-tp",))
+    num_gpu_blocks_override: int | None = option(None, "force the number of KV blocks", parse=int)
+    attention_backend: str = option("auto", "attention kernels; auto = the C kernel on CPU, SDPA elsewhere",
+                                    choices=ATTENTION_BACKENDS)
+    num_threads: int | None = option(None, "torch threads on CPU (default: physical cores)", parse=int)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    watermark: float = option(0.01, "fraction of KV blocks kept free when admitting requests", parse=float)
+    disable_log_stats: bool = option(True, "no periodic throughput / KV-usage log lines")
+    log_stats_interval: float = option(10.0, "seconds between stats log lines (with --no-disable-log-stats)",
+                                       parse=float)
+    served_model_name: str | list[str] | None = option(
+        None, "model name(s) clients use (default: the --model value)", nargs="+")
+    # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
+    preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
+                                choices=PREALLOCATION_MODES, hidden=True)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs a command line parsed with :func:`add_engine_args` asks for."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if not cli_option(f).python_only})
 
     def create_engine_config(self) -> EngineConfig:
         device = default_device() if self.device == "auto" else torch.device(self.device)
@@ -78,7 +144,7 @@ class EngineArgs:
             device=device,
             attention_backend=self.attention_backend,
             num_threads=self.num_threads,
-            log_stats_interval=0 if self.disable_log_stats else self.log_stats_interval,
+            log_stats_interval=self._log_stats_interval(),
             compile_model=self.compile_model and not self.enforce_eager,
         )
 
@@ -109,58 +175,56 @@ class EngineArgs:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             seed=self.seed,
             quantization=check_quantization(self.quantization),
+            tokenizer_mode=self.tokenizer_mode,
+            trust_remote_code=self.trust_remote_code,
+            served_model_names=self.served_model_names(),
         )
 
+    def served_model_names(self) -> tuple[str, ...]:
+        """``served_model_name`` as a tuple; the model as given when unset."""
+        names = self.served_model_name or self.model
+        return (names,) if isinstance(names, str) else tuple(names)
 
-def _bool_flag(parser, name: str, default: bool, help: str) -> None:
-    import argparse
-    parser.add_argument(f"--{name}", default=default, action=argparse.BooleanOptionalAction, help=help)
-
-
-def add_engine_args(parser) -> None:
-    """Engine flags, named as vLLM names them."""
-    d = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=d.model, help="local checkpoint directory, Hub id, or 'pagedllm-demo' (bundled)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype,
-                   help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, float16, bfloat16")
-    g.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64, 128],
-                   help="tokens per KV block")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="fraction of device memory (on CPU: of available RAM, capped) for weights, activations and KV")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
-    g.add_argument("--swap-space", default=d.swap_space, help="CPU swap space for preempted KV, GiB or e.g. '16GiB'")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default 2048 CPU, 8192 GPU)")
-    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
-    _bool_flag(g, "enable-prefix-caching", d.enable_prefix_caching, "reuse KV of shared prompt prefixes")
-    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "sdpa", "cpu"])
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU (default: physical cores)")
-    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    g.add_argument("--compile-model", action="store_true",
-                   help="torch.compile each decoder layer (start-up cost; no speed-up measured on CPU)")
-    g.add_argument("--enforce-eager", action="store_true", help="never compile (overrides --compile-model)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV cache storage: auto (model dtype), float16, bfloat16 or float32")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="weight-only int8 projections, quantized at load (per-channel, symmetric)")
+    def _log_stats_interval(self) -> float:
+        """0 turns the stats log off (``disable_log_stats``)."""
+        if self.disable_log_stats:
+            return 0
+        if not self.log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval={self.log_stats_interval!r} must be > 0 seconds")
+        return self.log_stats_interval
 
 
-def engine_args_from_cli(args) -> EngineArgs:
-    return EngineArgs(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-        swap_space=args.swap_space, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
-        num_threads=args.num_threads, device=args.device, compile_model=args.compile_model,
-        enforce_eager=args.enforce_eager, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-    )
+def add_engine_args(parser: argparse.ArgumentParser, names: Sequence[str] | None = None,
+                    title: str = "engine") -> None:
+    """Adds one flag per EngineArgs field (vLLM's names) to ``parser``, from the fields' CliOption.
+
+    ``names`` picks a subset of fields (a benchmark exposing a few engine options); default: all.
+    """
+    chosen = [f for f in fields(EngineArgs) if not cli_option(f).python_only]
+    if names is not None:
+        unknown = set(names) - {f.name for f in chosen}
+        if unknown:
+            raise ValueError(f"names={sorted(unknown)} are not EngineArgs fields with a flag")
+        chosen = [f for f in chosen if f.name in names]
+    group = parser.add_argument_group(title)
+    for f in chosen:
+        opt = cli_option(f)
+        group.add_argument(*_flag_names(f.name, opt), dest=f.name, default=f.default, **_argparse_kwargs(f, opt))
+
+
+def _flag_names(name: str, opt: CliOption) -> list[str]:
+    return [opt.flag or "--" + name.replace("_", "-"), *opt.aliases]
+
+
+def _argparse_kwargs(f: Field, opt: CliOption) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"help": argparse.SUPPRESS if opt.hidden else opt.help}
+    if isinstance(f.default, bool):  # a switch: --flag, or --flag/--no-flag when on by default
+        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        return kwargs
+    extra = {"choices": opt.choices, "type": opt.parse, "nargs": opt.nargs}
+    return kwargs | {key: value for key, value in extra.items() if value is not None}
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    """Same as :meth:`EngineArgs.from_cli_args` (the name the entry points import)."""
+    return EngineArgs.from_cli_args(args)

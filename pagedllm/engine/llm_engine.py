@@ -35,7 +35,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.model_config = config.model
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model.tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks)
@@ -310,9 +310,17 @@ def _request_metrics(seqs: list[Request], finished: bool) -> RequestMetrics:
                           finished_time=time.time() if finished else None)
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(model_config):
+    """tokenizer_mode "slow" asks for the Python tokenizer (vLLM's use_fast=False) and refuses a fast one:
+    transformers 5 ignores use_fast and has a Python tokenizer for few models."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    slow = model_config.tokenizer_mode == "slow"
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer, use_fast=not slow,
+                                              trust_remote_code=model_config.trust_remote_code)
+    if slow and tokenizer.is_fast:
+        raise ValueError(f"tokenizer_mode='slow' but {model_config.tokenizer!r} has no slow (Python) tokenizer "
+                         f"here (got {type(tokenizer).__name__}); use tokenizer_mode='auto'")
+    return tokenizer
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:

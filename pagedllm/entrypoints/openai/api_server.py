@@ -218,14 +218,15 @@ def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLL
 
 
 def _served_names(engine, served_model_name: str | list[str] | None) -> list[str]:
+    """The explicit names, else the engine's own (EngineArgs.served_model_name, else the model as given)."""
     if isinstance(served_model_name, str):
         return [served_model_name]
     if served_model_name:
         return list(served_model_name)
     if isinstance(engine, EngineArgs):
-        return [engine.served_model_name or engine.model]
+        return list(engine.served_model_names())
     inner = engine.engine if isinstance(engine, AsyncLLMEngine) else engine
-    return [inner.model_config.model]
+    return list(inner.model_config.served_model_names) or [inner.model_config.model]
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -252,16 +253,11 @@ def _lifespan(engine: AsyncLLMEngine):
 
 
 # ---------------------------------------------------------------------- command line
-_MISSING_HELP = {"tensor_parallel_size": "number of tensor-parallel ranks", "seed": "engine random seed"}
-
-
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Server flags plus the engine flags (vLLM's names)."""
+    """Server flags plus the engine flags (vLLM's names; --served-model-name is an engine flag, as in vLLM)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the --model value)")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
@@ -269,9 +265,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     add_engine_args(parser)
-    for action in parser._actions:
-        if action.help is None and action.dest in _MISSING_HELP:
-            action.help = _MISSING_HELP[action.dest]
     return parser
 
 
@@ -281,8 +274,7 @@ def run_server(args: argparse.Namespace) -> int:
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     engine_args = engine_args_from_cli(args)
-    app = build_app(engine_args, served_model_name=args.served_model_name or [args.model],
-                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
+    app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

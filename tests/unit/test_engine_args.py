@@ -1,0 +1,127 @@
+"""EngineArgs is the one declaration of engine options: it makes the flags of every command, the
+flags map back to the same values, choices are the configs' constants, and no field is accepted and
+then ignored (each one changes the EngineConfig it creates)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from pagedllm.attention import selector
+from pagedllm.config import (
+    ALLOWED_BLOCK_SIZES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREALLOCATION_MODES,
+    PREEMPTION_MODES,
+    TOKENIZER_MODES,
+)
+from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, cli_option
+from pagedllm.entrypoints.cli import build_parser
+from pagedllm.layers import quantization
+
+CHOICES = {
+    "tokenizer_mode": TOKENIZER_MODES, "dtype": DTYPES, "block_size": ALLOWED_BLOCK_SIZES,
+    "preemption_mode": PREEMPTION_MODES, "quantization": quantization.METHODS,
+    "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
+    "preallocation": PREALLOCATION_MODES,
+}
+# a value other than the default for every field (a new field must be added here)
+NON_DEFAULT = {
+    "model": "org/model", "tokenizer": "org/tok", "tokenizer_mode": "slow", "trust_remote_code": True,
+    "dtype": "bfloat16", "block_size": 32, "gpu_memory_utilization": 0.5, "kv_cache_memory": "1GiB",
+    "swap_space": "2GiB", "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+    "enable_prefix_caching": False, "preemption_mode": "swap", "seed": 7, "enforce_eager": True,
+    "compile_model": True, "quantization": "int8", "kv_cache_dtype": "float16", "tensor_parallel_size": 2,
+    "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
+    "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
+    "preallocation": "request",
+}
+# a field whose effect shows only when another one is set
+NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+def _argv(values: dict) -> list[str]:
+    argv = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def test_every_field_has_a_flag_or_a_reason_to_be_python_only():
+    dests = {a.dest for a in _engine_parser()._actions} - {"help"}
+    for f in fields(EngineArgs):
+        reason = cli_option(f).python_only
+        assert (f.name in dests) != bool(reason), f.name
+    assert set(NON_DEFAULT) == {f.name for f in fields(EngineArgs)}
+
+
+def test_choices_are_the_config_constants():
+    actions = {a.dest: a for a in _engine_parser()._actions}
+    assert {name: tuple(a.choices) for name, a in actions.items() if a.choices} == CHOICES
+
+
+def test_defaults_parse_to_the_dataclass_defaults():
+    assert EngineArgs.from_cli_args(_engine_parser().parse_args([])) == EngineArgs()
+
+
+@pytest.mark.parametrize("command", [["generate", "a prompt"], ["chat"], ["serve"]])
+def test_cli_round_trip_on_every_command(command):
+    argv = [command[0], *_argv(NON_DEFAULT), *command[1:]]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(argv)) == EngineArgs(**NON_DEFAULT)
+
+
+def test_existing_flag_spellings_still_parse():
+    args = _engine_parser().parse_args(["-q", "int8", "-tp", "2", "--enable-prefix-caching", "--compile-model"])
+    assert (args.quantization, args.tensor_parallel_size, args.enable_prefix_caching, args.compile_model) == \
+        ("int8", 2, True, True)
+
+
+def test_hidden_flag_is_accepted_but_not_listed():
+    parser = _engine_parser()
+    assert parser.parse_args(["--preallocation", "max_model_len"]).preallocation == "max_model_len"
+    assert "--preallocation" not in parser.format_help()
+
+
+def test_bad_choice_exits_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _engine_parser().parse_args(["--tokenizer-mode", "fast"])
+    assert "--tokenizer-mode" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def config_values(model_dirs):
+    return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"]}
+
+
+@pytest.mark.parametrize("name", list(NON_DEFAULT))
+def test_every_field_changes_the_engine_config(llama_dir, config_values, name):
+    base = {"model": llama_dir, **NEEDS.get(name, {})}
+    before = EngineArgs(**base).create_engine_config()
+    after = EngineArgs(**{**base, name: config_values[name]}).create_engine_config()
+    assert after != before, name
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"tokenizer_mode": "fast"}, "tokenizer_mode"),
+    ({"disable_log_stats": False, "log_stats_interval": 0}, "log_stats_interval"),
+])
+def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        EngineArgs(model=llama_dir, **kwargs).create_engine_config()
+
+
+def test_served_model_names(llama_dir):
+    assert EngineArgs(model=llama_dir).create_engine_config().model.served_model_names == (llama_dir,)
+    assert EngineArgs(model=llama_dir, served_model_name="x").served_model_names() == ("x",)
