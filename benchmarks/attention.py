@@ -39,16 +39,16 @@ import torch.nn.functional as F
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))  # this checkout, not an installed copy
-sys.path.insert(0, str(BENCH_DIR))  # the shared helpers in throughput.py
+sys.path.insert(0, str(BENCH_DIR))  # benchmarks/common.py
 
-import throughput as tp  # noqa: E402  (format_table, save_json, git commit)
+import common  # noqa: E402  (format_table, save_json, git_commit)
 
 from pagedllm.attention.backend import write_kv  # noqa: E402
 from pagedllm.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedllm.attention.testing import PagedBatch, make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 
-RESULTS_DIR = BENCH_DIR / "results"
+RESULTS_DIR = common.RESULTS_DIR
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MiB = 2**20
@@ -211,7 +211,7 @@ def print_report(cases: dict, bw: dict, meta: dict) -> None:
           f"{'warm' if meta['warm_cache'] else 'flushed before each call'}")
     print(f"memory bandwidth ({bw['buffer_mib']} MiB buffer): copy {bw['copy_gbs']:.1f} GB/s (read + write), "
           f"sum() read {bw['read_gbs']:.1f} GB/s")
-    print(tp.format_table(["case", "min MiB", "cpu ms", "GB/s", "% read", "% copy", "torch ms", "sdpa ms",
+    print(common.format_table(["case", "min MiB", "cpu ms", "GB/s", "% read", "% copy", "torch ms", "sdpa ms",
                            "ref/cpu", "sdpa/cpu", "max|diff|"], table_rows(cases, bw)))
 
 
@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
         results[name] = bench_case(name, reqs, backends, args, flush)
     meta = run_meta(args)
     print_report(results, bw, meta)
-    tp.save_json(dict(meta=meta, bandwidth=bw, cases=results), args.output)
+    common.save_json(dict(meta=meta, bandwidth=bw, cases=results), args.output)
     print(f"\nsaved {args.output}")
     return dict(bandwidth=bw, cases=results)
 
@@ -273,7 +273,7 @@ def run_meta(args) -> dict:
                 warm_cache=args.warm_cache, l3_bytes=l3_bytes(), num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                 head_dim=HEAD_DIM, quick=args.quick, torch=torch.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                git_commit=tp._git_commit())
+                git_commit=common.git_commit())
 
 
 if __name__ == "__main__":

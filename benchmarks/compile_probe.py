@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import default_model_dir, ensure_model, format_table  # noqa: E402
+from common import default_model_dir, ensure_model, format_table  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 

@@ -50,16 +50,16 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(ROOT))  # this checkout's pagedllm, not whatever is installed
-sys.path.insert(0, str(BENCH_DIR))  # the shared helpers in throughput.py
+sys.path.insert(0, str(BENCH_DIR))  # benchmarks/common.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import common  # noqa: E402  (the shared 34M random Llama, engine options, tables, JSON, thread count)
 import numpy as np  # noqa: E402
-import throughput as tp  # noqa: E402  (the shared 34M random Llama, tables, JSON, thread count)
 import torch  # noqa: E402
 
-RESULTS_DIR = BENCH_DIR / "results"
+RESULTS_DIR = common.RESULTS_DIR
 QUICK_DIV = 8
 PERCENTILES = (50, 90, 99)
 
@@ -257,7 +257,7 @@ def compare(paged: dict, hf: dict, agree: float) -> dict:
 
 
 def agreement(a: list[Trace], b: list[Trace]) -> float:
-    return tp.prefix_agreement([t.token_ids for t in a], [t.token_ids for t in b],
+    return common.prefix_agreement([t.token_ids for t in a], [t.token_ids for t in b],
                                [len(t.token_ids) for t in a])
 
 
@@ -266,7 +266,7 @@ def agreement(a: list[Trace], b: list[Trace]) -> float:
 
 def bench_batch1(engine, hf, args, vocab: int) -> dict:
     """One request at a time, the systems alternating so machine drift hits both alike."""
-    prompts = tp.make_prompts([args.input_len] * args.repeats, vocab, seed=args.seed)
+    prompts = common.make_prompts([args.input_len] * args.repeats, vocab, seed=args.seed)
     paged, ref = [], []
     for r, prompt in enumerate(prompts):
         engine.reset_prefix_cache()
@@ -281,7 +281,7 @@ def bench_batch1(engine, hf, args, vocab: int) -> dict:
 def bench_rate(engine, hf, args, vocab: int, rate: float) -> dict:
     """``--num-requests`` Poisson arrivals at ``rate``; both systems get the same schedule."""
     seed = args.seed + 1 + int(1000 * rate if math.isfinite(rate) else 0)
-    prompts = tp.make_prompts([args.input_len] * args.num_requests, vocab, seed=seed)
+    prompts = common.make_prompts([args.input_len] * args.num_requests, vocab, seed=seed)
     offsets = poisson_offsets(args.num_requests, rate, seed)
     engine.reset_prefix_cache()
     paged = serve_paged(engine, prompts, args.output_len, offsets, f"rate{rate}")
@@ -305,7 +305,7 @@ def _scenario(workload: dict, paged: list[Trace], ref: list[Trace], duration) ->
 
 def warm(engine, hf, args, vocab: int) -> None:
     """Small untimed runs of both systems on the benchmark's prompt length (other prompts)."""
-    prompts = tp.make_prompts([args.input_len] * 2, vocab, seed=args.seed + 999)
+    prompts = common.make_prompts([args.input_len] * 2, vocab, seed=args.seed + 999)
     serve_paged(engine, prompts, 4, [0.0, 0.0], "warm")
     if hf is not None:
         serve_hf(hf, prompts, 4, [0.0, 0.0], 2, args.device)
@@ -338,13 +338,13 @@ def print_report(results: dict, meta: dict) -> None:
     print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, float32), {meta['threads']} threads, "
           f"quick={meta['quick']}")
     print("\nLatency (ms). TTFT/TPOT/E2E x = transformers / pagedllm at p50 (> 1: pagedllm faster)")
-    print(tp.format_table(["scenario", "system", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "E2E p50",
+    print(common.format_table(["scenario", "system", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "E2E p50",
                            "tok/s", "TTFT x", "TPOT x", "E2E x", "agree"], table_rows(results)))
     print("\npagedllm tails and queueing (ms):")
     rows = [[name, _p(r["pagedllm"]["ttft_ms"], 99), _p(r["pagedllm"]["tpot_ms"], 99),
              _p(r["pagedllm"]["itl_ms"], 50), _p(r["pagedllm"]["itl_ms"], 99), _p(r["pagedllm"]["queue_ms"], 50),
              _p(r.get("transformers", {}).get("ttft_ms"), 99)] for name, r in results.items()]
-    print(tp.format_table(["scenario", "TTFT p99", "TPOT p99", "ITL p50", "ITL p99", "queue p50",
+    print(common.format_table(["scenario", "TTFT p99", "TPOT p99", "ITL p50", "ITL p99", "queue p50",
                            "hf TTFT p99"], rows))
 
 
@@ -371,7 +371,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/latency.json, or results/latency-quick.json)")
-    tp.add_engine_args(ap)
+    common.add_engine_args(ap)
     return _fill_defaults(ap.parse_args(argv))
 
 
@@ -391,12 +391,12 @@ def _fill_defaults(args):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.num_threads = args.num_threads or tp.physical_cores()
+    args.num_threads = args.num_threads or common.physical_cores()
     torch.set_num_threads(args.num_threads)
-    model_dir = Path(args.model) if args.model else tp.ensure_model(tp.default_model_dir())
-    llm = tp.make_llm(model_dir, args)
+    model_dir = Path(args.model) if args.model else common.ensure_model(common.default_model_dir())
+    llm = common.make_llm(model_dir, args)
     engine = llm.llm_engine
-    hf = None if args.skip_hf else tp.load_hf(model_dir, args.device)
+    hf = None if args.skip_hf else common.load_hf(model_dir, args.device)
     vocab = engine.model_config.vocab_size
     warm(engine, hf, args, vocab)
     results = {}
@@ -407,7 +407,7 @@ def main(argv=None) -> dict:
         print(f"[{name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
     meta = run_meta(args, model_dir, llm)
     print_report(results, meta)
-    tp.save_json(dict(meta=meta, engine=tp.engine_info(llm), results=results), args.output)
+    common.save_json(dict(meta=meta, engine=common.engine_info(llm), results=results), args.output)
     print(f"\nsaved {args.output}")
     return results
 
@@ -422,8 +422,8 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 hf_max_batch=args.hf_max_batch,
                 seed=args.seed, torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), cpu=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), engine_kwargs=tp.engine_kwargs(args), skip_hf=args.skip_hf,
-                git_commit=tp._git_commit(),
+                cpu_count=os.cpu_count(), engine_kwargs=common.engine_kwargs(args), skip_hf=args.skip_hf,
+                git_commit=common.git_commit(),
                 env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
 
 

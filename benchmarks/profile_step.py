@@ -16,9 +16,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import default_model_dir, ensure_model  # noqa: E402  (the shared ~34M random Llama)
+from common import default_model_dir, ensure_model  # noqa: E402  (the shared ~34M random Llama)
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.engine.arg_utils import add_engine_args  # noqa: E402
 
 
 def run(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--attention-backend", default="auto")
+    add_engine_args(ap, ["attention_backend"])
     ap.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top ops for the last batch")
     args = ap.parse_args(argv)
     llm = LLM(str(ensure_model(default_model_dir())), kv_cache_memory="1GiB", attention_backend=args.attention_backend)

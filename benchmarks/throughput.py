@@ -26,7 +26,6 @@ a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -37,28 +36,30 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's pagedllm, not whatever is installed
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)
+    RESULTS_DIR,
+    add_engine_args,
+    default_model_dir,
+    engine_info,
+    engine_kwargs,
+    ensure_model,
+    format_table,
+    git_commit,
+    load_hf,
+    make_llm,
+    make_prompts,
+    physical_cores,
+    prefix_agreement,
+    save_json,
+)
 
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 
-BENCH_DIR = Path(__file__).resolve().parent
-CACHE_DIR = BENCH_DIR / ".cache"
-RESULTS_DIR = BENCH_DIR / "results"
 QUICK_DIV = 8
-
-# ~34M parameters: 8 x 3.15M (layers) + 2 x 4.19M (untied embeddings and lm_head).
-MODEL_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                    pad_token_id=0, initializer_range=0.05)
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 
 # --------------------------------------------------------------------------- workloads
@@ -164,72 +165,11 @@ def sweep_workloads(concurrency: list[int], prompt_len: int, output_len: int) ->
                      description=f"concurrency sweep: {c} requests submitted at once") for c in concurrency]
 
 
-def make_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    """One prompt per length, random ids in [len(SPECIAL_TOKENS), vocab): no pad/bos/eos inside.
-    Drawn as one flat stream, so equal lengths give the same prompts as an (n, length) draw."""
-    rng = np.random.default_rng(seed)
-    flat = rng.integers(len(SPECIAL_TOKENS), vocab, size=sum(lens)).tolist()
-    ends = np.cumsum(lens).tolist()
-    return [flat[end - n:end] for n, end in zip(lens, ends)]
-
-
 def workload_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-# --------------------------------------------------------------------------- model
-
-
-def _tokenizer(vocab_size: int):
-    """Word-level tokenizer ``<pad> <s> </s> t3 t4 ...``: every model id decodes to a word."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<pad>")
-
-
-def default_model_dir() -> Path:
-    key = zlib.crc32(json.dumps(MODEL_CONFIG, sort_keys=True).encode())
-    return CACHE_DIR / f"llama-34m-random-{key:08x}"
-
-
-def ensure_model(path: Path) -> Path:
-    """Builds the random checkpoint once (seed 0) into ``path``; a finished one is reused."""
-    if (path / "config.json").exists():
-        return path
-    import transformers as tf
-    tmp = path.with_name(path.name + ".tmp")
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL_CONFIG)).to(torch.float32)
-    model.save_pretrained(tmp, safe_serialization=True)
-    _tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
-    os.replace(tmp, path)
-    print(f"built {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter model in {path}")
-    return path
-
-
 # --------------------------------------------------------------------------- pagedllm side
-
-
-def engine_kwargs(args) -> dict:
-    kw = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=0, dtype="float32",
-              attention_backend=args.attention_backend, num_threads=args.num_threads, device=args.device)
-    if args.max_num_seqs is not None:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens is not None:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.quantization is not None:
-        kw["quantization"] = args.quantization
-    return kw
-
-
-def make_llm(model_dir: Path, args):
-    from pagedllm import LLM
-    return LLM(str(model_dir), **engine_kwargs(args))
 
 
 def paged_generate(llm, prompts, output_lens) -> list[list[int]]:
@@ -274,26 +214,7 @@ def run_paged(llm, wl: Workload, prompts) -> dict:
     return dict(time_s=elapsed, outputs=outputs, engine=stats)
 
 
-def engine_info(llm) -> dict:
-    e = llm.llm_engine
-    kv = e.get_kv_cache_stats()
-    return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
-                attention_backend=type(e.executor.runner.backend).__name__,
-                max_num_seqs=e.config.scheduler.max_num_seqs,
-                max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
-                enable_prefix_caching=e.config.cache.enable_prefix_caching, device=str(e.config.device))
-
-
 # --------------------------------------------------------------------------- transformers side
-
-
-def load_hf(model_dir: Path, device: str):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    # ignore_eos as pagedllm/vLLM mean it: EOS may be generated and does not stop. (min_new_tokens
-    # would instead mask EOS, and greedy outputs would differ wherever EOS is the argmax.)
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -364,15 +285,6 @@ def headline(wl: Workload, m: dict) -> float:
     return m[{"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[wl.headline]]
 
 
-def prefix_agreement(a: list[list[int]], b: list[list[int]], lens: list[int]) -> float:
-    """Mean fraction of each request's requested tokens on which the two greedy outputs agree."""
-    fracs = []
-    for x, y, n in zip(a, b, lens):
-        k = next((i for i, (u, v) in enumerate(zip(x[:n], y[:n])) if u != v), n)
-        fracs.append(k / n)
-    return float(np.mean(fracs))
-
-
 def median_run(runs: list[dict]) -> dict:
     """The run with the median time (upper median for an even count), with all times attached."""
     ranked = sorted(runs, key=lambda r: r["time_s"])
@@ -422,13 +334,6 @@ def _wl_json(wl: Workload) -> dict:
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda r: "  ".join(str(x).rjust(w) if i else str(x).ljust(w)  # noqa: E731
-                               for i, (x, w) in enumerate(zip(r, widths))).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def _span(lens: list[int]) -> str:
@@ -578,29 +483,7 @@ def finish_sweep(results: dict, args, meta: dict) -> dict:
     return sweep
 
 
-def save_json(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- main
-
-
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """The pagedllm engine options of throughput.py and latency.py (read by engine_kwargs)."""
-    g = ap.add_argument_group("pagedllm engine")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "cpu"])
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads for both systems (default: physical cores)")
-    g.add_argument("--kv-cache-memory", default="1GiB")
-    g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="pagedllm only: weight-only int8 (transformers keeps the float32 weights)")
 
 
 def parse_args(argv=None):
@@ -637,24 +520,6 @@ def _sweep_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--concurrency={args.concurrency!r}: give comma-separated positive integers, e.g. 1,8,16")
     args.sweep_prompt_len = args.sweep_prompt_len or _q(128, args.quick, 4)
     args.sweep_output_len = args.sweep_output_len or _q(128, args.quick, 2)
-
-
-def physical_cores() -> int:
-    try:
-        with open("/proc/cpuinfo") as f:
-            cores = {(p, c) for p, c in _core_ids(f)}
-        return len(cores) or os.cpu_count() or 1
-    except OSError:
-        return os.cpu_count() or 1
-
-
-def _core_ids(lines):
-    phys = "0"
-    for line in lines:
-        if line.startswith("physical id"):
-            phys = line.split(":")[1].strip()
-        elif line.startswith("core id"):
-            yield phys, line.split(":")[1].strip()
 
 
 def select_workloads(args) -> list[Workload]:
@@ -707,17 +572,8 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 model_params_m=params / 1e6, quick=args.quick, repeats=args.repeats, threads=args.num_threads,
                 torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                engine_kwargs=engine_kwargs(args), skip_hf=args.skip_hf, git_commit=_git_commit(),
+                engine_kwargs=engine_kwargs(args), skip_hf=args.skip_hf, git_commit=git_commit(),
                 env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
-
-
-def _git_commit() -> str | None:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":
