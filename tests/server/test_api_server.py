@@ -387,6 +387,8 @@ def test_stalled_body_gets_408_and_limits_are_configurable(server_model_dir):  #
         assert trickle.finish()[0] == 200
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 2})
         assert r.status_code == 413 and "limit is 1000 bytes" in r.json()["error"]["message"]
+        chunked = httpx.post(f"{srv.url}/generate", content=iter([b'{"prompt": "' + b"x" * 600, b"x" * 600 + b'"}']))
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413  # read in the handler
         assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     finally:
         srv.stop()
