@@ -1,7 +1,11 @@
 """Sampling parameters, compatible with vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+# OpenAI's seed is an integer; like vLLM we take the int64 range, where every value gets its own
+# random stream (see engine.request.make_generator)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def _check(cond: bool, name: str, value, allowed: str) -> None:
@@ -31,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # an int64, in [SEED_MIN, SEED_MAX]
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None  # added to the logits of those tokens, in [-100, 100]
@@ -43,10 +47,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # text is what the tokenizer's decode() gives; False (slow tokenizers only in HF) is refused
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: str = "cumulative"
-    extra_args: dict = field(default_factory=dict)
+    # vLLM passes these to custom samplers and plugins; pagedllm has none, so only None/{} is accepted
+    extra_args: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,7 +95,8 @@ class SamplingParams:
             _check(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
                    self.prompt_logprobs, "must be an integer in [0, 20]")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+            _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and SEED_MIN <= self.seed <= SEED_MAX,
+                   "seed", self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")
@@ -102,6 +109,15 @@ class SamplingParams:
                    "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative integers")
         _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
                "must be 'cumulative', 'delta' or 'final_only'")
+        self._validate_unsupported()
+
+    def _validate_unsupported(self) -> None:
+        """vLLM fields pagedllm cannot honour: only their no-op values are accepted."""
+        _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+               self.spaces_between_special_tokens,
+               "only True is supported (output text is what the tokenizer's decode() returns)")
+        _check(not self.extra_args, "extra_args", self.extra_args,
+               "must be None or empty: pagedllm has no custom sampler or plugin that reads them")
 
     @property
     def greedy(self) -> bool:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import random
+import struct
 import time
 
 import torch
@@ -25,12 +27,33 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+# torch's CPU generator state (CPUGeneratorImplState, kept stable for saved states): a header
+# {uint64 initial seed; int32 left; int32 seeded; uint64 next}, then the 624 Mersenne-Twister
+# words as uint64, then cached normal samples
+_MT_WORDS = 624
+_STATE_HEADER = struct.Struct("<QiiQ")
+_STATE_WORDS = struct.Struct(f"<{_MT_WORDS}Q")
+
+
 def make_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """Sequence ``index`` of a seeded request draws from its own generator seeded ``seed + index``."""
+    """The generator of sequence ``index`` of a request seeded ``seed`` (an int64).
+
+    ``manual_seed`` keeps only the low 32 bits on the CPU (seeds -1, 2**32 - 1 and 2**63 - 1
+    draw the same numbers) and ``seed + index`` makes request (5, sibling 1) equal (6, sibling 0).
+    Instead, the whole Mersenne-Twister state comes from ``init_by_array`` over the words of
+    ``(index, seed mod 2**64)`` (as CPython's ``random.seed`` and numpy do for large seeds), so
+    distinct pairs get distinct streams.
+    """
     if seed is None:
         return None
+    key = (index << 64) | (seed & 0xFFFF_FFFF_FFFF_FFFF)
+    words = random.Random(key).getstate()[1][:_MT_WORDS]  # the state right after init_by_array
     gen = torch.Generator()
-    gen.manual_seed(seed + index)
+    state = gen.get_state()  # [5056] uint8
+    # left=1, next=0: the first draw twists the state, as after init_by_array
+    head = _STATE_HEADER.pack(key & 0xFFFF_FFFF_FFFF_FFFF, 1, 1, 0) + _STATE_WORDS.pack(*words)
+    state[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    gen.set_state(state)
     return gen
 
 

@@ -7,6 +7,7 @@ stay the single source of truth. Latency histograms are observed as outputs leav
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -96,7 +97,14 @@ class PrometheusMetrics:
             if m.first_scheduled_time is not None:
                 self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 
-    def render(self, engine_metrics: list[Metric]) -> bytes:
-        """Prometheus text exposition, with gauges/counters taken from ``engine_metrics``."""
+    def render(self, engine_metrics: list[Metric], engine_running: bool = True) -> bytes:
+        """Prometheus text exposition, with gauges/counters taken from ``engine_metrics``.
+
+        A stopped or dead engine runs, queues and holds nothing any more (its streams were failed),
+        though its scheduler still lists what it had when it stopped: every gauge then reads 0,
+        and the counters keep their totals.
+        """
+        if not engine_running:
+            engine_metrics = [replace(m, value=0.0) if m.kind == "gauge" else m for m in engine_metrics]
         self._engine.snapshot = engine_metrics
         return generate_latest(self.registry)

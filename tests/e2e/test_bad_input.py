@@ -20,6 +20,10 @@ def llm(llama_dir):
     (dict(logit_bias={5: 150}), r"logit_bias\[5\]"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(seed=2**70), "seed"), (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"),
+    (dict(seed=True), "seed"), (dict(seed=1.5), "seed"),
+    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    (dict(extra_args={"custom": 1}), "extra_args"),
 ])
 def test_invalid_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -1,10 +1,15 @@
 """Sampling parameters end to end: seeds, n, stops, lengths, penalties, logprobs."""
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 from conftest import random_prompts
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.request import make_generator
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +30,29 @@ def test_seeded_sampling_is_independent_of_batch(llm):
     assert batch[-1].outputs[0].token_ids == alone
     different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
     assert _gen(llm, [prompt], different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_distinct_seeds_sample_distinct_tokens(llm):
+    """torch's CPU manual_seed keeps 32 bits: -1, 2**32 - 1 and 2**63 - 1 used to sample alike."""
+    prompt = random_prompts(1, seed=15)[0]
+    seeds = [-1, 2**32 - 1, SEED_MAX, SEED_MIN, 0, 2**32]
+    outs = [_gen(llm, [prompt], SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True))[0]
+            for s in seeds]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(seeds)
+    # sibling 1 of seed 5 used to draw what sibling 0 of seed 6 draws (seed + index)
+    five = _gen(llm, [prompt], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))[0]
+    six = _gen(llm, [prompt], SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True))[0]
+    assert five.outputs[1].token_ids != six.outputs[0].token_ids
+
+
+def test_generator_state_is_the_mersenne_twister_of_seed_and_index():
+    """Pins the CPU generator state layout make_generator writes: torch draws CPython's stream."""
+    for seed, index in [(-1, 0), (SEED_MAX, 3), (7, 1)]:
+        ref = random.Random((index << 64) | (seed % 2**64))
+        words = [ref.getrandbits(32) for _ in range(8)]
+        # random_(0, 2**32) takes the low word of each 64-bit draw (two 32-bit draws, high first)
+        got = torch.empty(4, dtype=torch.int64).random_(0, 2**32, generator=make_generator(seed, index))
+        assert got.tolist() == words[1::2]
 
 
 def test_n_sequences_share_the_prompt_and_are_reproducible(llm):

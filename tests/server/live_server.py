@@ -46,14 +46,61 @@ class LiveServer:
         self.thread.join(timeout)
 
 
-def _free_port() -> int:
+def raw_http(url: str, head: bytes, body_parts=(), timeout: float = 20) -> RawExchange:
+    """Sends a hand-made request over a plain socket: ``head`` (request line and headers), then
+    ``body_parts`` from a thread, while another thread reads the response until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(head)
+    exchange = RawExchange(sock)
+    exchange.sender = threading.Thread(target=exchange.send_all, args=(body_parts,), daemon=True)
+    exchange.reader = threading.Thread(target=exchange.read_all, daemon=True)
+    exchange.reader.start()
+    exchange.sender.start()
+    return exchange
+
+
+@dataclass
+class RawExchange:
+    sock: socket.socket
+    sent: int = 0
+    response: bytes = b""
+    sender: threading.Thread | None = None
+    reader: threading.Thread | None = None
+
+    def send_all(self, parts) -> None:
+        try:
+            for part in parts:
+                self.sock.sendall(part)
+                self.sent += len(part)
+        except OSError:
+            pass  # the server answered and closed the connection without reading the rest
+
+    def read_all(self) -> None:
+        try:
+            while chunk := self.sock.recv(65536):
+                self.response += chunk
+        except OSError:
+            pass  # reset after the response (the kernel keeps what arrived before the reset)
+
+    def finish(self, timeout: float = 20) -> tuple[int, bytes]:
+        """Waits for the server to close; returns (status, response body)."""
+        self.reader.join(timeout)
+        self.sock.close()
+        head, _, body = self.response.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
+        return status, body
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_server(model_dir: str, api_key: str | None = None, chat_template: str | None = None,
-                 **engine_kwargs) -> LiveServer:
+                 limits=None, **engine_kwargs) -> LiveServer:
+    """``limits``: the app's ServerLimits (default: the server's defaults)."""
     import uvicorn
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -61,8 +108,8 @@ def start_server(model_dir: str, api_key: str | None = None, chat_template: str 
     kwargs = dict(block_size=8, num_gpu_blocks_override=256, max_model_len=128, max_num_seqs=128)
     kwargs.update(engine_kwargs)
     app = build_app(EngineArgs(model=model_dir, **kwargs), served_model_name="tiny", api_key=api_key,
-                    chat_template=chat_template)
-    port = _free_port()
+                    chat_template=chat_template, limits=limits)
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)

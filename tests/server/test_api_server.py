@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -12,10 +15,11 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import live_server, server_model_dir, start_server  # noqa: F401 - fixtures
+from live_server import live_server, raw_http, server_model_dir, start_server  # noqa: F401 - fixtures
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.openai.api_server import ServerLimits
 
 PROMPTS = ["hello world", "the quick brown fox", "paged attention keeps", "a block table",
            "héllo wörld", "tiny tokenizer for tests", "jumps over the lazy dog", "this is a"]
@@ -109,6 +113,14 @@ def test_n_seed_and_logprobs(client):
                                           temperature=0, logprobs=True, top_logprobs=3, n=2)
     content = chat.choices[1].logprobs.content
     assert len(chat.choices) == 2 and len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_seeds_that_share_low_bits_sample_differently(client):
+    """-1, 2**32 - 1 and 2**63 - 1 used to reach the same 32-bit torch seed: the same text."""
+    kw = dict(model="tiny", prompt="paged attention", max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    texts = [client.completions.create(**kw, seed=seed).choices[0].text for seed in (-1, 2**32 - 1, 2**63 - 1)]
+    assert len(set(texts)) == 3, texts
+    assert client.completions.create(**kw, seed=-1).choices[0].text == texts[0]
 
 
 def test_stop_strings_and_vllm_extras(client, offline):
@@ -273,6 +285,12 @@ BAD = [
     ("/v1/completions", '{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", '{"prompt": "x", "seed": 100000000000000000000000}', "seed"),
+    ("/v1/completions", '{"prompt": "x", "seed": 9223372036854775808}', "seed"),
+    ("/v1/completions", '{"prompt": "x", "spaces_between_special_tokens": false}', "spaces_between_special_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"spaces_between_special_tokens": false}', "spaces_between_special_tokens"),
+    ("/generate", '{"prompt": "x", "spaces_between_special_tokens": false}', "spaces_between_special_tokens"),
+    ("/generate", '{"prompt": "x", "seed": -9223372036854775809}', "seed"),
     ("/v1/completions", '{"prompt": "x", "stop_token_ids": [99999]}', "stop_token_ids"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias"),
@@ -323,6 +341,72 @@ def test_missing_chat_template_is_400(live_server, client, monkeypatch):  # noqa
     monkeypatch.setattr(live_server.app.state.serving.tokenizer, "chat_template", None)
     with pytest.raises(openai.BadRequestError, match="chat-template"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------- request bodies
+def _post_head(path: str, framing: bytes) -> bytes:
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + framing + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_huge_body_is_refused_while_a_small_request_runs(live_server, framing):  # noqa: F811
+    """A 20 MB prompt used to be read whole and tokenized on the engine thread, stalling a
+    2-token request for 36 s; now it gets 413 from its Content-Length (or once 4 MiB of a
+    chunked body are read) and the small request is served as usual."""
+    body = b'{"prompt": "' + b"hello " * (20 * 2**20 // 6) + b'", "max_tokens": 2}'  # ~20 MB
+    parts = [body[i:i + 2**20] for i in range(0, len(body), 2**20)]
+    if framing == "chunked":
+        head = _post_head("/v1/completions", b"Transfer-Encoding: chunked")
+        parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts] + [b"0\r\n\r\n"]
+    else:
+        head = _post_head("/v1/completions", b"Content-Length: %d" % len(body))
+    big = raw_http(live_server.url, head, parts)
+    big.sender.join(60)  # everything sent, or cut off by the refusal
+    start = time.time()
+    small = httpx.post(f"{live_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    elapsed = time.time() - start
+    status, reply = big.finish()
+    assert small.status_code == 200 and elapsed < 1.0, elapsed
+    assert status == 413, big.response[:300]
+    error = json.loads(reply)["error"]
+    assert "--max-request-body-bytes" in error["message"] and error["code"] == 413
+    assert big.sent < len(body)  # the server stopped reading: the client could not send it all
+
+
+def test_stalled_body_gets_408_and_limits_are_configurable(server_model_dir):  # noqa: F811
+    srv = start_server(server_model_dir, limits=ServerLimits(max_request_body_bytes=1000, request_body_timeout=1.0))
+    try:
+        start = time.time()  # Content-Length 30, 5 bytes sent: used to stay open for good
+        status, reply = raw_http(srv.url, _post_head("/v1/completions", b"Content-Length: 30"), [b'{"pro']).finish()
+        assert status == 408 and time.time() - start < 6
+        assert "--request-body-timeout" in json.loads(reply)["error"]["message"]
+        body = b'{"prompt": "hi", "max_tokens": 2}'  # each piece in time: the timeout is per piece
+        head = _post_head("/v1/completions", b"Content-Length: %d\r\nConnection: close" % len(body))
+        trickle = raw_http(srv.url, head, _trickle([body[:10], body[10:20], body[20:]], 0.4))
+        assert trickle.finish()[0] == 200
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 2})
+        assert r.status_code == 413 and "limit is 1000 bytes" in r.json()["error"]["message"]
+        chunked = httpx.post(f"{srv.url}/generate", content=iter([b'{"prompt": "' + b"x" * 600, b"x" * 600 + b'"}']))
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413  # read in the handler
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def _trickle(parts: list[bytes], pause: float):
+    for part in parts:
+        time.sleep(pause)
+        yield part
+
+
+def test_server_limits_refuse_bad_values():
+    for kwargs, name in [(dict(max_request_body_bytes=0), "max_request_body_bytes"),
+                         (dict(request_body_timeout=0), "request_body_timeout"),
+                         (dict(shutdown_timeout=-1), "shutdown_timeout"),
+                         (dict(shutdown_timeout=float("inf")), "shutdown_timeout")]:
+        with pytest.raises(ValueError, match=name):
+            ServerLimits(**kwargs)
 
 
 # ---------------------------------------------------------------------- fuzz
@@ -422,6 +506,11 @@ def test_engine_death_mid_stream_sends_error_event(server_model_dir, request):  
             for chunk in stream:
                 received.append(chunk.choices[0].text)
         assert received  # the 200 and some text were already sent: the error arrives as an SSE event
+        # the scheduler still lists the request it was running when the engine died; nothing runs now
+        dead = metric_values(srv.url)
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert gauge(dead, name) == 0, name
+        assert dead[("pagedllm:generation_tokens_total", (("model_name", "tiny"),))] >= len(received)
     finally:
         srv.stop()
 
@@ -435,9 +524,77 @@ def test_module_help_lists_flags():
                  "--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                  "--tensor-parallel-size", "--dtype", "--enable-prefix-caching", "--no-enable-prefix-caching",
                  "--preemption-mode", "--served-model-name", "--chat-template", "--api-key",
-                 "--uvicorn-log-level", "--model"):
+                 "--uvicorn-log-level", "--model", "--max-request-body-bytes", "--request-body-timeout",
+                 "--shutdown-timeout"):
         assert flag in out.stdout, flag
     assert "127.0.0.1" in out.stdout and "(default: 16)" in out.stdout
+
+
+# every engine step takes >= 0.1 s, so a 110-token request would keep a draining server up for 11 s
+_SLOW_SERVER = """
+import sys, time
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_server import main
+real_step = LLMEngine.step
+def slow_step(self):
+    time.sleep(0.1)
+    return real_step(self)
+LLMEngine.step = slow_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _stream_until_cut(url: str, started: threading.Event) -> None:
+    body = {"prompt": "hello world", "max_tokens": 110, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                started.set()
+    except httpx.HTTPError:
+        pass  # the server went away mid-stream, as it should
+
+
+def test_sigint_under_load_exits_within_shutdown_timeout(server_model_dir, tmp_path):  # noqa: F811
+    """SIGINT used to drain for as long as the longest request (26 s seen), with no deadline."""
+    from live_server import free_port
+    port, log = free_port(), open(tmp_path / "server.log", "w+")  # a file: a full pipe would block the server
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SERVER, "--model", server_model_dir, "--port", str(port),
+                             "--shutdown-timeout", "1", "--max-model-len", "128", "--block-size", "8",
+                             "--num-gpu-blocks-override", "128", "--uvicorn-log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, log)
+        events = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=_stream_until_cut, args=(url, e), daemon=True) for e in events]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in events)  # four requests are streaming
+        start = time.time()
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(timeout=60)
+        elapsed = time.time() - start
+        assert returncode == 0 and elapsed < 1 + 4, (elapsed, _tail(log))
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-2000:]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, _tail(log)
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError("the server did not start")
 
 
 def test_pagedllm_serve_parses_positional_model(capsys):

@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -129,8 +131,10 @@ async def health(raw: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(raw: Request) -> Response:
-    snapshot = await raw.app.state.engine.get_metrics()
-    return Response(raw.app.state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+    engine: AsyncLLMEngine = raw.app.state.engine
+    snapshot = await engine.get_metrics()
+    body = raw.app.state.metrics.render(snapshot, engine_running=engine.is_healthy)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 # ---------------------------------------------------------------------- errors and auth
@@ -153,7 +157,8 @@ def _describe(err: dict) -> str:
 
 
 def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -191,10 +196,105 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(given, self.expected)
 
 
+# ---------------------------------------------------------------------- request bodies and shutdown
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one client can make the server do (the flags of the same names).
+
+    ``max_request_body_bytes``: a larger body is refused with 413 before it is read whole, from its
+    Content-Length up front or, for a chunked body, as soon as the bytes read pass the limit, so one
+    huge prompt can neither fill memory nor hold the tokenizer. The default, 4 MiB (TGI's is 2 MB,
+    nginx's 1 MiB), fits a 128k-token prompt several times over, as text or as token ids.
+    ``request_body_timeout``: seconds to wait for the next piece of a body (nginx's
+    client_body_timeout) before answering 408. ``shutdown_timeout``: seconds SIGINT/SIGTERM lets
+    in-flight requests finish before the rest are aborted; 20 keeps the exit inside Kubernetes'
+    default 30 s grace period.
+    """
+
+    max_request_body_bytes: int = 4 * 2**20
+    request_body_timeout: float = 30.0
+    shutdown_timeout: float = 20.0
+
+    def __post_init__(self):
+        size = self.max_request_body_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_request_body_bytes={size!r} is invalid: must be an integer >= 1")
+        for name in ("request_body_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} is invalid: must be a finite number of seconds")
+        if self.request_body_timeout <= 0:
+            raise ValueError(f"request_body_timeout={self.request_body_timeout!r} is invalid: must be > 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} is invalid: must be >= 0")
+
+
+class RequestBodyMiddleware:
+    """Pure ASGI: refuses a body over the size limit (413) or one that stops arriving (408)."""
+
+    def __init__(self, app, limits: ServerLimits):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limits.max_request_body_bytes:
+            exc = _too_large(declared, self.limits)  # refused before a byte of the body is read
+            await _http_error(None, exc)(scope, receive, send)
+            return
+        await self.app(scope, _BodyReader(receive, self.limits), send)
+
+
+class _BodyReader:
+    """Wraps ASGI ``receive``: counts body bytes and bounds the wait for each piece of the body.
+
+    Raises HTTPException (413 or 408) from inside the route's body read, so the app's error
+    handler answers it; the connection is closed since the rest of the body is never read.
+    """
+
+    def __init__(self, receive, limits: ServerLimits):
+        self._receive, self.limits = receive, limits
+        self.received, self.complete = 0, False
+
+    async def __call__(self) -> dict:
+        if self.complete:  # later receives wait for a disconnect, as long as the response takes
+            return await self._receive()
+        try:
+            message = await asyncio.wait_for(self._receive(), self.limits.request_body_timeout)
+        except asyncio.TimeoutError:
+            raise _body_timeout(self.limits) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            self.complete = not message.get("more_body", False)
+            if self.received > self.limits.max_request_body_bytes:
+                raise _too_large(self.received, self.limits, read_so_far=True)
+        return message
+
+
+def _content_length(scope) -> int | None:
+    value = dict(scope["headers"]).get(b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _too_large(size: int, limits: ServerLimits, read_so_far: bool = False) -> StarletteHTTPException:
+    what = f"more than {limits.max_request_body_bytes}" if read_so_far else str(size)
+    return StarletteHTTPException(413, f"request body is {what} bytes: the limit is {limits.max_request_body_bytes} "
+                                       "bytes (--max-request-body-bytes)", headers={"Connection": "close"})
+
+
+def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
+    return StarletteHTTPException(408, f"request body incomplete: no data for {limits.request_body_timeout:g} s "
+                                       "(--request-body-timeout)", headers={"Connection": "close"})
+
+
 # ---------------------------------------------------------------------- the app
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+              chat_template: str | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file."""
+    limits = limits or ServerLimits()
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
     prometheus = PrometheusMetrics(names[0])
@@ -204,7 +304,8 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template))
     app.include_router(router)
     _add_error_handlers(app)
-    if api_key:
+    app.add_middleware(RequestBodyMiddleware, limits=limits)
+    if api_key:  # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
 
@@ -264,18 +365,41 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(or set $PAGEDLLM_API_KEY)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    _add_limit_args(parser)
     add_engine_args(parser)
     return parser
 
 
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The ServerLimits flags (request bodies, shutdown); defaults come from the dataclass."""
+    d = ServerLimits()
+    g = parser.add_argument_group("server limits")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="refuse a request body larger than this with HTTP 413, before reading it")
+    g.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
+                   help="seconds to wait for the next part of a request body before answering HTTP 408")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; the rest are then aborted")
+
+
+def _limits_from_cli(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                        request_body_timeout=args.request_body_timeout, shutdown_timeout=args.shutdown_timeout)
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Loads the model, then serves until interrupted."""
+    """Loads the model, then serves until interrupted (SIGINT/SIGTERM: drains for --shutdown-timeout)."""
     import uvicorn
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
+    limits = _limits_from_cli(args)
     engine_args = engine_args_from_cli(args)
-    app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
+                    limits=limits)
+    # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
+    # and runs the lifespan's shutdown, which stops the engine
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=limits.shutdown_timeout)
     return 0
 
 

@@ -9,11 +9,24 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN
 
 # int64 range: larger values cannot become tensors or generator seeds
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Int64
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+
+
+def _only_true(value: bool) -> bool:
+    """vLLM's ``spaces_between_special_tokens``: declared so that False is refused, not ignored."""
+    if value is not True:
+        raise ValueError("only true is supported (output text is what the tokenizer's decode() returns)")
+    return value
+
+
+SpacesBetweenSpecialTokens = Annotated[bool, AfterValidator(_only_true)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -58,7 +71,7 @@ class SamplingFields(RequestModel):
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    seed: Int64 | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -74,6 +87,7 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
 
 
 class CompletionRequest(SamplingFields):
@@ -134,7 +148,7 @@ class GenerateRequest(StrictModel):
     top_p: float = 1.0
     top_k: Int64 = -1
     min_p: float = 0.0
-    seed: Int64 | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -143,6 +157,7 @@ class GenerateRequest(StrictModel):
     logprobs: Int64 | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # SamplingParams refuses False
 
 
 # ---------------------------------------------------------------------- responses
