@@ -89,8 +89,9 @@ class CpuAttentionBackend(AttentionBackend):
         self.write_kv(key, value, key_cache, value_cache, slots)
 
         q = _rows_contiguous(query, torch.float32)
-        out = torch.empty(q.shape, dtype=torch.float32)  # [num_tokens, num_heads, head_dim]
-        if q.shape[0] == 0:
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)  # ints: faster than a Size
+        if num_tokens == 0:
             return out.to(query.dtype)
         self._native.attention(q, out, key_cache, value_cache, block_tables, qsl, seq_lens, float(scale),
                                sliding_window or 0, self._threads(), self.parallel_work)
@@ -105,18 +106,15 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _check_shapes(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> None:
         """The C kernel trusts its arguments, so everything it relies on is checked here."""
-        _check_devices(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+        for name, t in (("query", query), ("key", key), ("value", value),
+                        ("key_cache", key_cache), ("value_cache", value_cache)):  # fmt: skip
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} must be on the CPU, got {t.device}")
         if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
             raise ValueError("key_cache and value_cache must have the same shape and dtype")
         if not self._native.supports_cache_dtype(key_cache.dtype):
             raise ValueError(f"unsupported cache dtype {key_cache.dtype}")
         _check_layout(query, key, value, key_cache, value_cache, meta)
-
-
-def _check_devices(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU, got {t.device}")
 
 
 def _check_layout(query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> None:

@@ -158,18 +158,20 @@ class NativeLibrary:
         differs from the C struct of the same name (done at load for every mirror here)."""
         abi.check_struct(self._lib, mirror)
 
-    def _check(self, rc: int, fn: str, detail: str = "") -> None:
-        if rc != 0:
-            exc, msg = self._errors.get(rc, (RuntimeError, "unknown error"))
-            raise exc(f"{fn}: {msg} (code {rc}){detail}")
+    def _raise(self, rc: int, fn: str, detail: str = "") -> None:
+        """Raises for a C error code. Callers test ``rc`` first so that the detail string is only
+        formatted on error: these calls are on the per-layer hot path."""
+        exc, msg = self._errors.get(rc, (RuntimeError, "unknown error"))
+        raise exc(f"{fn}: {msg} (code {rc}){detail}")
 
     def supports_cache_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in self._dtype_codes
 
     def dtype_code(self, dtype: torch.dtype) -> int:
-        if dtype not in self._dtype_codes:
-            raise ValueError(f"cache dtype {dtype} is not supported; allowed: {list(self._dtype_codes)}")
-        return self._dtype_codes[dtype]
+        try:
+            return self._dtype_codes[dtype]
+        except KeyError:
+            raise ValueError(f"cache dtype {dtype} is not supported; allowed: {list(self._dtype_codes)}") from None
 
     # --- paged attention (strides passed in elements, so strided views need no copy) ---------
 
@@ -180,12 +182,13 @@ class NativeLibrary:
         ``slot_mapping`` (int64, contiguous; negative = skip)."""
         num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         rc = self._lib.pa_write_kv(
-            _ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
             key.shape[0], num_blocks, num_kv_heads, head_dim, block_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             self.dtype_code(key_cache.dtype), num_threads,
         )  # fmt: skip
-        self._check(rc, "pa_write_kv")
+        if rc != 0:
+            self._raise(rc, "pa_write_kv")
 
     def attention(self, query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -195,14 +198,15 @@ class NativeLibrary:
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         rc = self._lib.pa_attention(
-            _ptr(query), _ptr(out), _ptr(key_cache), _ptr(value_cache),
-            _ptr(block_tables), _ptr(query_start_loc), _ptr(seq_lens),
+            query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
             seq_lens.shape[0], num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
             num_heads, num_kv_heads, head_dim, block_size,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             scale, window, self.dtype_code(key_cache.dtype), num_threads, parallel_work,
         )  # fmt: skip
-        self._check(rc, "pa_attention")
+        if rc != 0:
+            self._raise(rc, "pa_attention")
 
     # --- fused model-body ops (float32) ---------------------------------------------------------
 
@@ -213,7 +217,8 @@ class NativeLibrary:
         rows, dim = x.shape
         rc = self._lib.pl_add_rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, x.stride(0),
                                        eps, num_threads)
-        self._check(rc, "pl_add_rms_norm", f": x {tuple(x.shape)}")
+        if rc != 0:
+            self._raise(rc, "pl_add_rms_norm", f": x {tuple(x.shape)}")
 
     def rotary_neox_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_threads: int) -> None:
@@ -222,7 +227,8 @@ class NativeLibrary:
         tokens, heads, head_dim = x.shape
         rc = self._lib.pl_rotary_neox(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), tokens, heads, head_dim,
                                       x.stride(0), x.stride(1), cos.shape[0], num_threads)
-        self._check(rc, "pl_rotary_neox", f": positions must be in [0, {cos.shape[0]})")
+        if rc != 0:
+            self._raise(rc, "pl_rotary_neox", f": positions must be in [0, {cos.shape[0]})")
 
     # --- small-batch matmuls and the one-call decoder (llama_decode.c) -------------------------
 
@@ -233,18 +239,21 @@ class NativeLibrary:
         rows, in_features = x.shape
         rc = self._lib.ld_linear(_ptr(x), rows, _ptr(weight), _ptr(scale), _ptr(bias), in_features,
                                  weight.shape[0], _ptr(out), num_threads)
-        self._check(rc, "ld_linear", f": x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        if rc != 0:
+            self._raise(rc, "ld_linear", f": x {tuple(x.shape)}, weight {tuple(weight.shape)}")
 
     def dequantize_int8(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
         """``out [rows, in] = q [rows, in] (int8) * scale[row]``, all contiguous."""
         rc = self._lib.ld_dequant_i8(_ptr(q), _ptr(scale), _ptr(out), q.shape[0], q.shape[1], num_threads)
-        self._check(rc, "ld_dequant_i8", f": weight {tuple(q.shape)}")
+        if rc != 0:
+            self._raise(rc, "ld_dequant_i8", f": weight {tuple(q.shape)}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``
         ``[num_tokens, hidden]``; the KV cache is written in place."""
         rc = self._lib.ld_forward(ctypes.byref(model), ctypes.byref(batch), _ptr(out), num_threads)
-        self._check(rc, "ld_forward")
+        if rc != 0:
+            self._raise(rc, "ld_forward")
 
 
 # ---------------------------------------------------------------------------------------------
