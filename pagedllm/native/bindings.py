@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.native import abi, build
+from pagedllm.native import abi
 from pagedllm.native.abi import NativeLibraryError
+from pagedllm.native.build import CFLAGS, HEADER, build_library
 
 __all__ = ["LdBatch", "LdModel", "NativeLibrary", "NativeLibraryError", "is_available", "library", "load_default"]
 
@@ -117,7 +118,7 @@ class NativeLibrary:
     of one ``decoder_forward`` / ``linear`` call) and ``has_avx2`` (built with AVX2/FMA paths).
     """
 
-    def __init__(self, path: Path, header: Path = build.HEADER):
+    def __init__(self, path: Path, header: Path = HEADER):
         self.path = Path(path)
         header_text = header.read_text()
         abi.check_signatures(SIGNATURES, header_text)  # before calling anything through them
@@ -138,9 +139,9 @@ class NativeLibrary:
 
     @classmethod
     def build(cls, cc: str | None = None, cache_dir: Path | None = None,
-              cflags: tuple[str, ...] = build.CFLAGS) -> NativeLibrary:
+              cflags: tuple[str, ...] = CFLAGS) -> NativeLibrary:
         """Compiles (unless cached) and loads the library; raises on any failure."""
-        return cls(build.build_library(cc, cache_dir, cflags))
+        return cls(build_library(cc, cache_dir, cflags))
 
     def _bind(self, name: str, restype: type | None, argtypes: list[type]) -> None:
         try:
