@@ -1,4 +1,4 @@
-"""Fused float32 CPU ops (C, built with the attention kernel) with torch fallbacks.
+"""Fused float32 CPU ops (C, in the CPU library of ``pagedllm/native``) with torch fallbacks.
 
 Used by RMSNorm and the rotary embedding when the tensors are float32 on the CPU and the
 kernel library is available; everything else takes the plain torch path.
@@ -8,11 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
-
-
-def _lib():
-    from pagedllm.attention.cpu import load_library  # lru_cached: built and loaded once
-    return load_library()
+from pagedllm.native import bindings
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -22,28 +18,20 @@ def usable(*tensors: torch.Tensor) -> bool:
         return False
     # PAGEDLLM_FUSED_CPU_OPS=0: escape hatch (and A/B switch for benchmarks) to plain torch ops
     on_cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-    return envs.PAGEDLLM_FUSED_CPU_OPS and on_cpu and _lib() is not None
+    return envs.PAGEDLLM_FUSED_CPU_OPS and on_cpu and bindings.is_available()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` (if given) then RMSNorm of the result; x: [rows, dim], unit inner stride."""
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=torch.float32)
-    res_ptr = residual.data_ptr() if residual is not None else None
-    rc = _lib().pl_add_rms_norm(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim,
-                                x.stride(0), eps, torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"pl_add_rms_norm failed ({rc})")
+    bindings.library().add_rms_norm(x, residual, weight, out, eps, torch.get_num_threads())
     return out
 
 
 def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x ([tokens, heads, head_dim] view, unit inner stride) in place."""
-    tokens, heads, head_dim = x.shape
-    rc = _lib().pl_rotary_neox(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
-                               heads, head_dim, x.stride(0), x.stride(1), cos.shape[0], torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"pl_rotary_neox failed ({rc}): positions beyond the rotary table?")
+    bindings.library().rotary_neox_(x, positions, cos, sin, torch.get_num_threads())
 
 
 # oneDNN's prepacked float32 GEMM beats MKL's by 1.3-4x for 4..512 rows on this kind of CPU

@@ -23,8 +23,11 @@ import threading
 
 import torch
 
+from pagedllm.native import bindings
+
 METHODS = ("int8",)
 # up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
+# (capped at run time by the library's own limit, NativeLibrary.max_decode_tokens)
 C_MAX_ROWS = 48
 
 
@@ -65,11 +68,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """``x @ (q * scale)^T + bias``: the C kernel for small float32 CPU batches, else the weight
     widened (in C, into a reused buffer, on the CPU) for one GEMM."""
     cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-    lib = _lib() if cpu_f32 else None
-    if lib is not None and x.dim() == 2 and x.shape[0] <= C_MAX_ROWS:
-        return _c_linear(lib, x.contiguous(), q, scale, bias)
-    if lib is not None:
-        return torch.nn.functional.linear(x, _dequantize_c(lib, q, scale), bias)
+    native = bindings.library() if cpu_f32 and bindings.is_available() else None
+    if native is not None and x.dim() == 2 and x.shape[0] <= min(C_MAX_ROWS, native.max_decode_tokens):
+        return _c_linear(native, x.contiguous(), q, scale, bias)
+    if native is not None:
+        return torch.nn.functional.linear(x, _dequantize_c(native, q, scale), bias)
     w = q.to(x.dtype) * scale.to(x.dtype)[:, None]  # [out, in]
     return torch.nn.functional.linear(x, w, bias)
 
@@ -77,33 +80,23 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 _scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused: no page faults per call
 
 
-def _dequantize_c(lib, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _dequantize_c(native: bindings.NativeLibrary, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
     key = threading.get_ident()
     buf = _scratch.get(key)
     if buf is None or buf.numel() < q.numel():
         buf = _scratch[key] = torch.empty(q.numel(), dtype=torch.float32)
     w = buf[: q.numel()].view(q.shape)  # [out, in]
-    rc = lib.ld_dequant_i8(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1],
-                           torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"ld_dequant_i8 failed ({rc}) for weight {tuple(q.shape)}")
+    native.dequantize_int8(q, scale, w, torch.get_num_threads())
     return w
 
 
-def _lib():
-    from pagedllm.attention.cpu import load_library  # lru_cached: built and loaded once
-    return load_library()
-
-
-def _c_linear(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _c_linear(native: bindings.NativeLibrary, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
     rows, out_features = x.shape[0], q.shape[0]
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
         return y
     b = None if bias is None else bias.float().contiguous()
-    rc = lib.ld_linear(x.data_ptr(), rows, q.data_ptr(), scale.data_ptr(), None if b is None else b.data_ptr(),
-                       q.shape[1], out_features, y.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"ld_linear failed ({rc}): x {tuple(x.shape)}, weight {tuple(q.shape)}")
+    native.linear(x, q, scale, b, y, torch.get_num_threads())
     return y

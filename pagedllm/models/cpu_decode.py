@@ -1,7 +1,7 @@
 """The Llama-family decoder stack in one C call, for small float32 CPU batches.
 
 At decode batch sizes every matmul is a weight-streaming matrix-vector product that runs at
-memory bandwidth in MKL and in ``csrc/llama_decode.c`` alike; what the C path removes is the
+memory bandwidth in MKL and in ``native/csrc/llama_decode.c`` alike; what the C path removes is the
 Python and dispatch cost of the ~25 ops per layer around them (~1.7 ms of a ~9 ms batch-1 step
 on the 34M benchmark model; ``benchmarks/RESULTS.md``). Larger batches (prefill chunks, big
 decode batches) are compute bound and keep the torch path, where oneDNN/MKL GEMMs win.
@@ -20,44 +20,16 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.native import bindings
+from pagedllm.native.bindings import LAYER_ARRAY_FIELDS, LdBatch, LdModel
 
 logger = logging.getLogger(__name__)
 
-# up to this many tokens per step: measured against the oneDNN-packed torch path (RESULTS.md)
+# up to this many tokens per step: measured against the oneDNN-packed torch path (RESULTS.md);
+# capped by the library's own limit (NativeLibrary.max_decode_tokens)
 DEFAULT_MAX_TOKENS = 48
-_C_MAX_TOKENS = 64  # LD_MAX_TOKENS in the C file
 
 _VP = ctypes.c_void_p
-_PROJ = ("qkv", "o", "gate_up", "down")
-# the order of LdModel's pointer-array fields in the C file
-_PTR_FIELDS = ("input_norm", "post_norm", *(f"{p}_w" for p in _PROJ), *(f"{p}_s" for p in _PROJ),
-               *(f"{p}_b" for p in _PROJ), "q_norm", "k_norm", "key_cache", "value_cache")
-
-
-class LdModel(ctypes.Structure):
-    _fields_ = [
-        *[(n, ctypes.c_int32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                                        "head_dim", "intermediate", "block_size", "cache_dtype")],
-        *[(n, ctypes.c_int64) for n in ("num_blocks", "vocab_size", "max_position")],
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
-        *[(n, ctypes.POINTER(_VP)) for n in _PTR_FIELDS],
-        ("window", ctypes.POINTER(ctypes.c_int32)),
-    ]  # fmt: skip
-
-
-class LdBatch(ctypes.Structure):
-    _fields_ = [
-        *[(n, _VP) for n in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping",
-                             "positions", "input_ids")],
-        ("num_reqs", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
-        *[(n, ctypes.c_int64) for n in ("bt_stride", "num_tokens", "parallel_work")],
-    ]  # fmt: skip
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    lib.ld_forward.restype = ctypes.c_int
-    lib.ld_forward.argtypes = [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, ctypes.c_int]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -93,11 +65,10 @@ class FusedCpuDecoder:
     """
 
     def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
-        self._lib = backend._lib
-        _bind(self._lib)
-        self.max_tokens = min(max_tokens, _C_MAX_TOKENS)
+        self._native = bindings.library()
+        self.max_tokens = min(max_tokens, self._native.max_decode_tokens)
         self.parallel_work = backend.parallel_work
-        self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in _PTR_FIELDS[:-2]}
+        self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
 
@@ -148,7 +119,8 @@ class FusedCpuDecoder:
         m = self._struct
         m.key_cache = ctypes.cast(self._cache_refs[1], ctypes.POINTER(_VP))
         m.value_cache = ctypes.cast(self._cache_refs[2], ctypes.POINTER(_VP))
-        m.num_blocks, m.block_size, m.cache_dtype = num_blocks, block_size, 0
+        m.num_blocks, m.block_size = num_blocks, block_size
+        m.cache_dtype = self._native.dtype_code(torch.float32)
         self._caches_key = key
         return True
 
@@ -170,9 +142,5 @@ class FusedCpuDecoder:
             num_tokens=ids.shape[0], parallel_work=self.parallel_work,
         )  # fmt: skip
         out = torch.empty(ids.shape[0], self._struct.hidden, dtype=torch.float32)
-        rc = self._lib.ld_forward(ctypes.byref(self._struct), ctypes.byref(batch), out.data_ptr(),
-                                  torch.get_num_threads())
-        if rc != 0:
-            from pagedllm.attention.cpu import _raise_on_error
-            _raise_on_error(rc, "ld_forward")
+        self._native.decoder_forward(self._struct, batch, out, torch.get_num_threads())
         return out

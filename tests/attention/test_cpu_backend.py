@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.attention import cpu
 from pagedllm.attention.cpu import CpuAttentionBackend, get_cpu_backend
 from pagedllm.attention.testing import (
     PagedBatch,
@@ -17,6 +16,8 @@ from pagedllm.attention.testing import (
     make_paged_batch,
 )
 from pagedllm.attention.torch_ref import TorchReferenceBackend
+from pagedllm.native import bindings
+from pagedllm.native.bindings import NativeLibrary
 
 pytestmark = [pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="no C compiler"),
               pytest.mark.usefixtures("single_torch_thread")]
@@ -217,21 +218,20 @@ def test_property_random_shapes_match_dense(reqs, num_kv_heads, group, head_dim,
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    lib = cpu.build_and_load()
-    built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
-    assert len(built) == 1 and lib.pa_abi_version() == cpu.ABI_VERSION
+    lib = NativeLibrary.build()
+    built = list((tmp_path / "kernels").glob("pagedllm_native-*.so"))
+    assert len(built) == 1 and lib.path == built[0]
     mtime = built[0].stat().st_mtime_ns
-    cpu.build_and_load()  # second load reuses the cached file
+    NativeLibrary.build()  # second load reuses the cached file
     assert built[0].stat().st_mtime_ns == mtime
     assert not list((tmp_path / "kernels").glob("*.tmp"))
 
 
 def test_portable_scalar_build_matches_dense(tmp_path):
     """Without -march=native there is no AVX2: the scalar fallbacks must be right too."""
-    lib = cpu.build_and_load(cache_dir=tmp_path, cflags=("-O2", "-fopenmp", "-shared", "-fPIC"))
-    assert lib.pa_has_avx2() == 0
-    backend = CpuAttentionBackend(num_threads=2, parallel_work=0)
-    backend._lib = lib
+    lib = NativeLibrary.build(cache_dir=tmp_path, cflags=("-O2", "-fopenmp", "-shared", "-fPIC"))
+    assert not lib.has_avx2
+    backend = CpuAttentionBackend(num_threads=2, parallel_work=0, library=lib)
     for head_dim, cache_dtype in ((64, torch.float32), (12, torch.float16), (16, torch.bfloat16)):
         batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                                  block_size=8, cache_dtype=cache_dtype)  # fmt: skip
@@ -240,20 +240,20 @@ def test_portable_scalar_build_matches_dense(tmp_path):
 
 def test_missing_compiler_raises(tmp_path):
     with pytest.raises(RuntimeError):
-        cpu.build_and_load(cc=str(tmp_path / "no-such-cc"), cache_dir=tmp_path)
+        NativeLibrary.build(cc=str(tmp_path / "no-such-cc"), cache_dir=tmp_path)
 
 
 def test_engine_selector_falls_back_to_sdpa_without_the_kernel(monkeypatch):
     from pagedllm.attention.sdpa import SdpaBackend
     from pagedllm.attention.selector import get_attention_backend
-    monkeypatch.setattr(cpu, "load_library", lambda: None)
+    monkeypatch.setattr(bindings, "load_default", lambda: None)
     assert isinstance(get_attention_backend("auto", torch.device("cpu")), SdpaBackend)
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         get_attention_backend("cpu", torch.device("cpu"))
 
 
 def test_fallback_to_reference_when_unavailable(monkeypatch):
-    monkeypatch.setattr(cpu, "load_library", lambda: None)
+    monkeypatch.setattr(bindings, "load_default", lambda: None)
     assert isinstance(get_cpu_backend(), TorchReferenceBackend)
     assert not CpuAttentionBackend.is_available()
     with pytest.raises(RuntimeError):

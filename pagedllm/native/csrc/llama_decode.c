@@ -13,69 +13,19 @@
  * memory and applies them to all T tokens while they sit in L1, so the weights are streamed
  * once per step whatever T is. 8-lane FMA accumulators, summed pairwise at the end.
  *
- * Attention and the KV write are the paged-attention kernel's own functions (same library).
+ * Attention and the KV write are the paged-attention kernel's own functions (same library,
+ * declared in pagedllm_native.h with the structs LdModel and LdBatch).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LD_AVX2 1
-#else
-#define LD_AVX2 0
-#endif
-
-int pa_write_kv(const void *key, const void *value, void *key_cache, void *value_cache,
-                const int64_t *slot_mapping, int64_t num_tokens, int64_t num_blocks,
-                int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
-                int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
-                int num_threads);
-int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
-                 const int32_t *block_tables, const int32_t *query_start_loc,
-                 const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
-                 int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
-                 int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
-                 int64_t o_stride_head, float scale, int window, int dtype, int num_threads,
-                 int64_t parallel_work);
-int pl_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                    int64_t dim, int64_t x_stride, float eps, int threads);
-int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
-                   int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
-                   int threads);
-
-#define LD_MAX_TOKENS 64 /* the Python side only sends batches up to its own (smaller) limit */
-
-/* Per-layer pointers: one array entry per layer; bias / q_norm / k_norm entries may be NULL. */
-typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t block_size, cache_dtype;
-    int64_t num_blocks, vocab_size, max_position;
-    float eps, scale;
-    const float *embed;      /* [vocab, hidden] */
-    const float *final_norm; /* [hidden] */
-    const float *cos, *sin;  /* [max_position, head_dim / 2] */
-    const float *const *input_norm, *const *post_norm;
-    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32 or int8 */
-    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* int8 scales or NULL */
-    const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
-    const float *const *q_norm, *const *k_norm;
-    void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
-    const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
-} LdModel;
-
-/* Attention metadata of the step (same arrays as the paged-attention kernel takes). */
-typedef struct {
-    const int32_t *query_start_loc, *seq_lens, *block_tables;
-    const int64_t *slot_mapping, *positions, *input_ids;
-    int32_t num_reqs, max_blocks;
-    int64_t bt_stride, num_tokens, parallel_work;
-} LdBatch;
+#include "pagedllm_native.h"
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-#if LD_AVX2
+#if PN_AVX2
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -88,7 +38,7 @@ static inline float hsum(__m256 v) {
 /* One 8-wide chunk of weight row `row` from element i, as float32: float32 weights are loaded,
  * int8 weights (weight-only quantization, layers/quantization.py) are widened; the per-row
  * scale is applied once to the finished dot product. I8 is a literal at every call site. */
-#if LD_AVX2
+#if PN_AVX2
 static inline __attribute__((always_inline)) __m256 load_w8(const void *row, int64_t i, const int I8) {
     if (I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
     return _mm256_loadu_ps((const float *)row + i);
@@ -107,7 +57,7 @@ static inline __attribute__((always_inline)) void tile4(const void *const *w, co
                                                         int64_t x_stride, int64_t n, const int NT,
                                                         const int I8, float dots[3][4]) {
     int64_t i = 0;
-#if LD_AVX2
+#if PN_AVX2
     __m256 acc[3][4];
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
@@ -205,21 +155,21 @@ static void gate_up_silu(const float *x, int64_t T, Weight W, const float *b, in
 /* out [rows, in] float32 = q [rows, in] int8 * scale[row]: one pass, for batches big enough
  * that MKL's GEMM on the widened weight beats the register-tile kernel. */
 int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows, int64_t in, int threads) {
-    if (rows < 0 || in <= 0 || threads <= 0) return -1;
+    if (rows < 0 || in <= 0 || threads <= 0) return PN_ERR_ARG;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *src = q + r * in;
         float *dst = out + r * in;
         const float s = scale[r];
         int64_t i = 0;
-#if LD_AVX2
+#if PN_AVX2
         const __m256 sv = _mm256_set1_ps(s);
         for (; i + 8 <= in; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_mul_ps(load_w8(src, i, 1), sv));
 #endif
         for (; i < in; i++) dst[i] = (float)src[i] * s;
     }
-    return 0;
+    return PN_OK;
 }
 
 /* The small-batch matmul on its own, for linear layers outside the one-call decoder (int8
@@ -227,9 +177,9 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
  * y [T, out] = x [T, in] . W^T (+ bias), W float32 (scale NULL) or int8 with per-row scales. */
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
-    if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return -1;
+    if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
     matmul(x, T, (Weight){w, scale}, bias, in, out, y, threads);
-    return 0;
+    return PN_OK;
 }
 
 typedef struct {
@@ -283,13 +233,13 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
  * negative error code of a step (the kernels validate metadata before writing anything). */
 int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     const int64_t T = b->num_tokens, H = m->hidden;
-    if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return -1;
+    if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
-        if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return -3;
+        if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return PN_ERR_META;
     Buffers B;
     if (!alloc_buffers(&B, m, T)) {
         free_buffers(&B);
-        return -2;
+        return PN_ERR_NOMEM;
     }
     for (int64_t t = 0; t < T; t++) memcpy(B.residual + t * H, m->embed + b->input_ids[t] * H, sizeof(float) * H);
     const int64_t q_size = (int64_t)m->num_heads * m->head_dim;

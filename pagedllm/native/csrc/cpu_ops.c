@@ -7,6 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "pagedllm_native.h"
+
 #define PARALLEL_MIN_ELEMS (1 << 18) /* below this, one thread is faster than waking a team */
 
 /* residual += x (when residual is not NULL), then
@@ -14,7 +16,7 @@
  * x rows have stride x_stride; residual and out are contiguous [rows, dim]. */
 int pl_add_rms_norm(const float *x, float *residual, const float *weight, float *out,
                     int64_t rows, int64_t dim, int64_t x_stride, float eps, int threads) {
-    if (rows < 0 || dim <= 0) return -1;
+    if (rows < 0 || dim <= 0) return PN_ERR_ARG;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
@@ -39,7 +41,7 @@ int pl_add_rms_norm(const float *x, float *residual, const float *weight, float 
         const float *src = rr ? rr : xr;
         for (int64_t j = 0; j < dim; j++) o[j] = weight[j] * (src[j] * inv);
     }
-    return 0;
+    return PN_OK;
 }
 
 /* GPT-NeoX rotary embedding in place: for each token t and head h of x (strides ts, hs; unit
@@ -48,10 +50,10 @@ int pl_add_rms_norm(const float *x, float *residual, const float *weight, float 
 int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
                    int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
                    int threads) {
-    if (head_dim % 2) return -1;
+    if (head_dim % 2) return PN_ERR_ARG;
     int half = head_dim / 2;
     for (int64_t t = 0; t < tokens; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return -3;
+        if (pos[t] < 0 || pos[t] >= max_pos) return PN_ERR_META;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_cache + pos[t] * half;
@@ -65,5 +67,5 @@ int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const f
             }
         }
     }
-    return 0;
+    return PN_OK;
 }

@@ -31,23 +31,9 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PA_AVX2 1
-#else
-#define PA_AVX2 0
-#endif
+#include "pagedllm_native.h"
 
-enum { PA_F32 = 0, PA_F16 = 1, PA_BF16 = 2 };
-
-enum {
-    PA_OK = 0,
-    PA_ERR_ARG = -1,   /* bad dimension / dtype argument */
-    PA_ERR_NOMEM = -2, /* scratch allocation failed */
-    PA_ERR_META = -3,  /* metadata out of range (would read or write outside the tensors) */
-};
-
-static size_t dtype_size(int dtype) { return dtype == PA_F32 ? 4 : 2; }
+static size_t dtype_size(int dtype) { return dtype == PN_DTYPE_F32 ? 4 : 2; }
 
 /* ------------------------------------------------------------------------------------------ */
 /* dtype conversion (cache -> float32), used only for f16 / bf16 caches                       */
@@ -83,26 +69,26 @@ static float bf16_to_float(uint16_t h) {
 /* Converts n 16-bit values to float32. */
 static void convert_to_f32(const uint16_t *src, float *dst, int64_t n, int dtype) {
     int64_t i = 0;
-#if PA_AVX2
-    if (dtype == PA_BF16) {
+#if PN_AVX2
+    if (dtype == PN_DTYPE_BF16) {
         for (; i + 8 <= n; i += 8) {
             __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
             _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
         }
     }
 #if defined(__F16C__)
-    if (dtype == PA_F16) {
+    if (dtype == PN_DTYPE_F16) {
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     }
 #endif
 #endif
-    for (; i < n; i++) dst[i] = dtype == PA_BF16 ? bf16_to_float(src[i]) : half_to_float(src[i]);
+    for (; i < n; i++) dst[i] = dtype == PN_DTYPE_BF16 ? bf16_to_float(src[i]) : half_to_float(src[i]);
 }
 
 /* Returns a float32 view of n cache elements: the cache itself for f32, else scratch. */
 static const float *load_f32(const void *src, int64_t n, int dtype, float *scratch) {
-    if (dtype == PA_F32) return (const float *)src;
+    if (dtype == PN_DTYPE_F32) return (const float *)src;
     convert_to_f32((const uint16_t *)src, scratch, n, dtype);
     return scratch;
 }
@@ -111,7 +97,7 @@ static const float *load_f32(const void *src, int64_t n, int dtype, float *scrat
 /* vector helpers                                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-#if PA_AVX2
+#if PN_AVX2
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -150,7 +136,7 @@ static inline __m256 exp256(__m256 x) {
 static inline float dot(const float *a, const float *b, int D) {
     int d = 0;
     float s = 0.0f;
-#if PA_AVX2
+#if PN_AVX2
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (; d + 16 <= D; d += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
@@ -167,7 +153,7 @@ static inline float dot(const float *a, const float *b, int D) {
 /* s[j] = q . k[j] for j < n (k rows are D apart). */
 static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
     int j = 0;
-#if PA_AVX2
+#if PN_AVX2
     if (D % 8 == 0) {
         /* four keys at a time: one q load feeds four independent FMA chains */
         for (; j + 4 <= n; j += 4) {
@@ -192,7 +178,7 @@ static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
 static void qk_scores2(const float *q0, const float *q1, const float *k, int n, int D, float *s0,
                        float *s1) {
     int j = 0;
-#if PA_AVX2
+#if PN_AVX2
     if (D % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + (int64_t)j * D;
@@ -230,7 +216,7 @@ static void qk_scores2(const float *q0, const float *q1, const float *k, int n, 
 static float max_with(const float *s, int n, float init) {
     int j = 0;
     float m = init;
-#if PA_AVX2
+#if PN_AVX2
     if (n >= 8) {
         __m256 vm = _mm256_loadu_ps(s);
         for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
@@ -249,7 +235,7 @@ static float max_with(const float *s, int n, float init) {
 static float exp_shift_sum(float *s, int n, float m) {
     int j = 0;
     float sum = 0.0f;
-#if PA_AVX2
+#if PN_AVX2
     __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
         __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
@@ -268,7 +254,7 @@ static float exp_shift_sum(float *s, int n, float m) {
 /* acc = acc * corr + sum_j p[j] * v[j] over j < n (v rows are D apart). */
 static void pv_accumulate(float *acc, float corr, const float *p, const float *v, int n, int D) {
     int d = 0;
-#if PA_AVX2
+#if PN_AVX2
     const __m256 vc = _mm256_set1_ps(corr);
     /* 64 columns at a time: eight accumulators stay in registers across all n keys */
     for (; d + 64 <= D; d += 64) {
@@ -307,10 +293,10 @@ int pa_write_kv(const void *key, const void *value, void *key_cache, void *value
                 int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
                 int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
                 int num_threads) {
-    if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > 2)
-        return PA_ERR_ARG;
+    if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_BF16)
+        return PN_ERR_ARG;
     for (int64_t t = 0; t < num_tokens; t++) /* validate first: fail without a partial write */
-        if (slot_mapping[t] >= num_blocks * block_size) return PA_ERR_META;
+        if (slot_mapping[t] >= num_blocks * block_size) return PN_ERR_META;
     const size_t es = dtype_size(dtype), row_bytes = es * (size_t)head_dim;
     const char *kb = (const char *)key, *vb = (const char *)value;
     char *kc = (char *)key_cache, *vc = (char *)value_cache;
@@ -328,7 +314,7 @@ int pa_write_kv(const void *key, const void *value, void *key_cache, void *value
             memcpy(vc + dst * es, vb + (t * v_stride_tok + h * v_stride_head) * es, row_bytes);
         }
     }
-    return PA_OK;
+    return PN_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -373,19 +359,19 @@ static int tile_tokens(int group, int head_dim) {
 static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, int64_t num_blocks,
                           int max_blocks) {
     if (P->query_start_loc[0] != 0 || P->query_start_loc[num_reqs] != num_tokens)
-        return PA_ERR_META;
+        return PN_ERR_META;
     for (int r = 0; r < num_reqs; r++) {
         const int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
         const int seq_len = P->seq_lens[r];
-        if (q_len < 0 || seq_len < q_len) return PA_ERR_META;
+        if (q_len < 0 || seq_len < q_len) return PN_ERR_META;
         if (q_len == 0) continue; /* its block table is never read */
         const int nb = (seq_len + P->block_size - 1) / P->block_size;
-        if (nb > max_blocks) return PA_ERR_META;
+        if (nb > max_blocks) return PN_ERR_META;
         const int32_t *btab = P->block_tables + (int64_t)r * P->bt_stride;
         for (int b = 0; b < nb; b++)
-            if (btab[b] < 0 || btab[b] >= num_blocks) return PA_ERR_META;
+            if (btab[b] < 0 || btab[b] >= num_blocks) return PN_ERR_META;
     }
-    return PA_OK;
+    return PN_OK;
 }
 
 static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *count) {
@@ -581,7 +567,7 @@ static void scratch_free(Scratch *S) {
 }
 
 /* Paged attention over the flat batch; the new K/V must already be in the cache. Returns
- * PA_OK or a negative error code. Strides are in elements. */
+ * PN_OK or a negative error code. Strides are in elements. */
 int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
                  const int32_t *block_tables, const int32_t *query_start_loc,
                  const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
@@ -590,8 +576,8 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
                  int window, int dtype, int num_threads, int64_t parallel_work) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
-        block_size <= 0 || dtype < 0 || dtype > 2 || num_threads <= 0 || window < 0)
-        return PA_ERR_ARG;
+        block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_BF16 || num_threads <= 0 || window < 0)
+        return PN_ERR_ARG;
     const Problem P = {
         .query = query, .out = out, .key_cache = key_cache, .value_cache = value_cache,
         .block_tables = block_tables, .query_start_loc = query_start_loc, .seq_lens = seq_lens,
@@ -602,16 +588,16 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
-    if (meta_status != PA_OK) return meta_status;
+    if (meta_status != PN_OK) return meta_status;
     WorkItem *items = build_items(&P, num_reqs, tile, &n_items);
-    if (!items) return PA_ERR_NOMEM;
+    if (!items) return PN_ERR_NOMEM;
     int nt = num_threads < n_items ? num_threads : (int)n_items;
     /* waking a thread team costs microseconds (far more when cores are oversubscribed), so
      * steps under parallel_work (rows x keys x head_dim) run on the calling thread */
     int64_t work = 0;
     for (int64_t i = 0; i < n_items; i++) work += items[i].cost;
     if (nt < 1 || work * head_dim < parallel_work) nt = 1;
-    int status = PA_OK;
+    int status = PN_OK;
 
 #pragma omp parallel num_threads(nt)
     {
@@ -619,7 +605,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         const int ok = scratch_alloc(&S, tile * group, head_dim, block_size);
         if (!ok) {
 #pragma omp atomic write
-            status = PA_ERR_NOMEM;
+            status = PN_ERR_NOMEM;
         }
         /* every thread must reach the worksharing loop; failed ones just skip their items */
 #pragma omp for schedule(dynamic, 1)
@@ -630,8 +616,3 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
     free(items);
     return status;
 }
-
-/* Lets the Python side check it loaded the build it expects. */
-int pa_abi_version(void) { return 5; }
-
-int pa_has_avx2(void) { return PA_AVX2; }

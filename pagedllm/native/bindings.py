@@ -1,0 +1,286 @@
+"""The CPU kernel library (``csrc/``), loaded once per process and bound with ctypes.
+
+Attention (``attention/cpu.py``), the fused model-body ops (``layers/cpu_ops.py``), int8
+matmuls (``layers/quantization.py``) and the one-call decoder (``models/cpu_decode.py``) all go
+through this module: :func:`is_available` says whether the library built, :func:`library`
+returns it (or raises :class:`NativeLibraryError`), and :class:`NativeLibrary` has one typed
+method per C function, taking tensors and raising ``ValueError`` / ``MemoryError`` on a C error
+code. Loading checks the bindings against the C side (``abi.py``): argtypes against the header's
+prototypes, the ctypes struct mirrors below against ``sizeof`` / ``offsetof``, and the constants
+are read back from the library rather than retyped.
+
+The kernels trust their arguments' shapes and dtypes (they only range-check metadata): callers
+validate tensors before calling.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedllm.native import abi
+from pagedllm.native.abi import NativeLibraryError
+from pagedllm.native.build import CFLAGS, HEADER, build_library
+
+__all__ = ["LdBatch", "LdModel", "NativeLibrary", "NativeLibraryError", "is_available", "library", "load_default"]
+
+logger = logging.getLogger(__name__)
+
+_VP, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_P64 = ctypes.POINTER(ctypes.c_int64)
+
+# ---------------------------------------------------------------------------------------------
+# struct mirrors (field order and types as in csrc/pagedllm_native.h; checked at load)
+# ---------------------------------------------------------------------------------------------
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# LdModel's per-layer parameter arrays (one pointer per layer), in the C field order
+LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsb" for p in _PROJECTIONS),
+                      "q_norm", "k_norm")  # fmt: skip
+CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
+
+
+class LdModel(ctypes.Structure):
+    _fields_ = [
+        *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads",
+                              "head_dim", "intermediate", "block_size", "cache_dtype")],
+        *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
+        ("eps", _F32), ("scale", _F32),
+        *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
+        *[(n, ctypes.POINTER(_VP)) for n in (*LAYER_ARRAY_FIELDS, *CACHE_ARRAY_FIELDS)],
+        ("window", ctypes.POINTER(_I32)),
+    ]  # fmt: skip
+
+
+class LdBatch(ctypes.Structure):
+    _fields_ = [
+        *[(n, _VP) for n in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "positions",
+                             "input_ids")],
+        ("num_reqs", _I32), ("max_blocks", _I32),
+        *[(n, _I64) for n in ("bt_stride", "num_tokens", "parallel_work")],
+    ]  # fmt: skip
+
+
+STRUCTS: tuple[type[ctypes.Structure], ...] = (LdModel, LdBatch)
+
+# every PN_EXPORT function of the header: (restype, argtypes), checked against the prototypes
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "pa_write_kv": (_I32, [
+        _VP, _VP, _VP, _VP, _VP,  # key, value, key/value cache, slot_mapping
+        _I64, _I64, _I32, _I32, _I32,  # num_tokens, num_blocks, kv heads, head_dim, block_size
+        _I64, _I64, _I64, _I64,  # key / value strides (token, head), in elements
+        _I32, _I32,  # cache dtype, threads
+    ]),
+    "pa_attention": (_I32, [
+        _VP, _VP, _VP, _VP, _VP, _VP, _VP,  # query, out, key/value cache, block_tables, qsl, seq_lens
+        _I32, _I64, _I64, _I32, _I64,  # num_reqs, num_tokens, num_blocks, max_blocks, bt_stride
+        _I32, _I32, _I32, _I32,  # heads, kv heads, head_dim, block_size
+        _I64, _I64, _I64, _I64,  # query / out strides (token, head), in elements
+        _F32, _I32, _I32, _I32, _I64,  # scale, sliding window (0: none), cache dtype, threads, parallel_work
+    ]),
+    "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
+    "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
+    "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
+    "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
+    "ld_forward": (_I32, [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, _I32]),
+    "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
+    "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
+    "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
+}  # fmt: skip
+
+_DTYPE_CONSTANTS = {torch.float32: "DTYPE_F32", torch.float16: "DTYPE_F16", torch.bfloat16: "DTYPE_BF16"}
+_ERROR_CONSTANTS = {
+    "ERR_ARG": (ValueError, "bad dimensions or dtype"),
+    "ERR_NOMEM": (MemoryError, "scratch allocation failed"),
+    "ERR_META": (ValueError, "metadata out of range (a block id, slot, position, token id or length past its "
+                             "tensor)"),
+}  # fmt: skip
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# the library
+# ---------------------------------------------------------------------------------------------
+
+
+class NativeLibrary:
+    """One loaded build of the C library, with a typed method per kernel.
+
+    Loading binds every exported function and checks the bindings against the C side; any
+    mismatch raises :class:`NativeLibraryError` naming the function, constant or struct field.
+    Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
+    of one ``decoder_forward`` / ``linear`` call) and ``has_avx2`` (built with AVX2/FMA paths).
+    """
+
+    def __init__(self, path: Path, header: Path = HEADER):
+        self.path = Path(path)
+        header_text = header.read_text()
+        abi.check_signatures(SIGNATURES, header_text)  # before calling anything through them
+        self._lib = ctypes.CDLL(str(self.path))
+        for name, (restype, argtypes) in SIGNATURES.items():
+            self._bind(name, restype, argtypes)
+        self.abi_version = self.constant("ABI_VERSION")
+        declared = abi.header_constant(header_text, "PN_ABI_VERSION")
+        if self.abi_version != declared:
+            raise NativeLibraryError(f"{self.path}: ABI {self.abi_version}, but {header} declares {declared} "
+                                     "(stale or foreign build)")
+        for mirror in STRUCTS:
+            self.check_struct(mirror)
+        self.max_decode_tokens = self.constant("MAX_DECODE_TOKENS")
+        self.has_avx2 = bool(self.constant("HAS_AVX2"))
+        self._dtype_codes = {dt: self.constant(c) for dt, c in _DTYPE_CONSTANTS.items()}
+        self._errors = {self.constant(c): err for c, err in _ERROR_CONSTANTS.items()}
+
+    @classmethod
+    def build(cls, cc: str | None = None, cache_dir: Path | None = None,
+              cflags: tuple[str, ...] = CFLAGS) -> NativeLibrary:
+        """Compiles (unless cached) and loads the library; raises on any failure."""
+        return cls(build_library(cc, cache_dir, cflags))
+
+    def _bind(self, name: str, restype: type | None, argtypes: list[type]) -> None:
+        try:
+            fn = getattr(self._lib, name)
+        except AttributeError:
+            raise NativeLibraryError(f"{self.path} does not export {name}") from None
+        fn.restype, fn.argtypes = restype, argtypes
+
+    def constant(self, name: str) -> int:
+        """A constant of the header, read back from the library by name (e.g. ``"ERR_META"``)."""
+        return abi.read_constant(self._lib, name)
+
+    def check_struct(self, mirror: type[ctypes.Structure]) -> None:
+        """Raises :class:`NativeLibraryError` naming the first field where the ctypes ``mirror``
+        differs from the C struct of the same name (done at load for every mirror here)."""
+        abi.check_struct(self._lib, mirror)
+
+    def _raise(self, rc: int, fn: str, detail: str = "") -> None:
+        """Raises for a C error code. Callers test ``rc`` first so that the detail string is only
+        formatted on error: these calls are on the per-layer hot path."""
+        exc, msg = self._errors.get(rc, (RuntimeError, "unknown error"))
+        raise exc(f"{fn}: {msg} (code {rc}){detail}")
+
+    def supports_cache_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in self._dtype_codes
+
+    def dtype_code(self, dtype: torch.dtype) -> int:
+        try:
+            return self._dtype_codes[dtype]
+        except KeyError:
+            raise ValueError(f"cache dtype {dtype} is not supported; allowed: {list(self._dtype_codes)}") from None
+
+    # --- paged attention (strides passed in elements, so strided views need no copy) ---------
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, num_threads: int) -> None:
+        """Scatters key/value ``[num_tokens, num_kv_heads, head_dim]`` (cache dtype, unit inner
+        stride) into the caches ``[num_blocks, num_kv_heads, block_size, head_dim]`` at
+        ``slot_mapping`` (int64, contiguous; negative = skip)."""
+        num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+        rc = self._lib.pa_write_kv(
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+            key.shape[0], num_blocks, num_kv_heads, head_dim, block_size,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            self.dtype_code(key_cache.dtype), num_threads,
+        )  # fmt: skip
+        if rc != 0:
+            self._raise(rc, "pa_write_kv")
+
+    def attention(self, query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                  window: int, num_threads: int, parallel_work: int) -> None:
+        """Paged attention into ``out``; query/out ``[num_tokens, num_heads, head_dim]`` float32
+        with unit inner stride; metadata int32 and contiguous; ``window`` 0 = full attention."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+        rc = self._lib.pa_attention(
+            query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
+            num_heads, num_kv_heads, head_dim, block_size,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scale, window, self.dtype_code(key_cache.dtype), num_threads, parallel_work,
+        )  # fmt: skip
+        if rc != 0:
+            self._raise(rc, "pa_attention")
+
+    # --- fused model-body ops (float32) ---------------------------------------------------------
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                     eps: float, num_threads: int) -> None:
+        """``residual += x`` (if given), then ``out`` = RMSNorm of the result; x ``[rows, dim]``
+        with unit inner stride, residual and out contiguous."""
+        rows, dim = x.shape
+        rc = self._lib.pl_add_rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, x.stride(0),
+                                       eps, num_threads)
+        if rc != 0:
+            self._raise(rc, "pl_add_rms_norm", f": x {tuple(x.shape)}")
+
+    def rotary_neox_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_threads: int) -> None:
+        """Rotates x ``[tokens, heads, head_dim]`` (unit inner stride) in place; positions int64
+        contiguous, cos/sin ``[max_position, head_dim / 2]``."""
+        tokens, heads, head_dim = x.shape
+        rc = self._lib.pl_rotary_neox(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), tokens, heads, head_dim,
+                                      x.stride(0), x.stride(1), cos.shape[0], num_threads)
+        if rc != 0:
+            self._raise(rc, "pl_rotary_neox", f": positions must be in [0, {cos.shape[0]})")
+
+    # --- small-batch matmuls and the one-call decoder (llama_decode.c) -------------------------
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+               out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . weight^T (+ bias)``, all contiguous, T at most
+        ``max_decode_tokens``; weight float32 (scale None) or int8 with float32 per-row scales."""
+        rows, in_features = x.shape
+        rc = self._lib.ld_linear(_ptr(x), rows, _ptr(weight), _ptr(scale), _ptr(bias), in_features,
+                                 weight.shape[0], _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "ld_linear", f": x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+
+    def dequantize_int8(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
+        """``out [rows, in] = q [rows, in] (int8) * scale[row]``, all contiguous."""
+        rc = self._lib.ld_dequant_i8(_ptr(q), _ptr(scale), _ptr(out), q.shape[0], q.shape[1], num_threads)
+        if rc != 0:
+            self._raise(rc, "ld_dequant_i8", f": weight {tuple(q.shape)}")
+
+    def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
+        """The whole decoder stack on ``batch``: final-normed hidden states into ``out``
+        ``[num_tokens, hidden]``; the KV cache is written in place."""
+        rc = self._lib.ld_forward(ctypes.byref(model), ctypes.byref(batch), _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "ld_forward")
+
+
+# ---------------------------------------------------------------------------------------------
+# the process-wide instance
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def load_default() -> NativeLibrary | None:
+    """The process-wide library, built on first use; None (after one warning) if it cannot be
+    built or loaded, in which case callers take their torch fallbacks."""
+    try:
+        return NativeLibrary.build()
+    except Exception as exc:  # any build/load failure (no compiler, compile error, mismatch) means "fall back"
+        logger.warning("CPU kernel library unavailable (%s); falling back to torch code paths", exc)
+        return None
+
+
+def is_available() -> bool:
+    return load_default() is not None
+
+
+def library() -> NativeLibrary:
+    """The process-wide library; :class:`NativeLibraryError` if it is unavailable."""
+    lib = load_default()
+    if lib is None:
+        raise NativeLibraryError("the CPU kernel library could not be built or loaded (see the warning logged "
+                                 "at first use)")
+    return lib

@@ -1,0 +1,127 @@
+/* pagedllm_native.h: everything the CPU library shares with Python, declared once.
+ *
+ * The library is the three kernel files (paged_attention.c, cpu_ops.c, llama_decode.c) plus
+ * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
+ * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
+ *   - constants are read back through pn_constant() by name;
+ *   - the ctypes mirrors of the structs are checked at load against pn_struct_layout() and
+ *     pn_field_layout() (size and field count of each struct, offset and size of each field);
+ *   - the argtypes / restype of every PN_EXPORT function are checked against the prototypes
+ *     below, parsed from this file (so keep each one a plain `PN_EXPORT type name(args);`).
+ * This header is part of the build hash: editing it rebuilds the library.
+ */
+#ifndef PAGEDLLM_NATIVE_H
+#define PAGEDLLM_NATIVE_H
+
+#include <stdint.h>
+
+/* Bump when an exported signature or struct changes meaning, not only its layout (layout and
+ * argument types are checked automatically). */
+#define PN_ABI_VERSION 6
+
+/* Marks the functions Python binds; the bindings' argtypes are checked against them. */
+#define PN_EXPORT
+
+/* Most tokens one ld_forward / ld_linear call takes (the Python side sends batches up to its
+ * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
+#define LD_MAX_TOKENS 64
+
+/* KV cache dtypes (the math is float32 whatever the cache holds). */
+enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2 };
+
+/* Return codes of every exported function. */
+enum {
+    PN_OK = 0,
+    PN_ERR_ARG = -1,   /* bad dimension / dtype argument */
+    PN_ERR_NOMEM = -2, /* scratch allocation failed */
+    PN_ERR_META = -3,  /* metadata out of range (would read or write outside the tensors) */
+};
+
+/* The hot loops use AVX2/FMA intrinsics when the build flags allow, with scalar fallbacks. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PN_AVX2 1
+#else
+#define PN_AVX2 0
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* structs passed from Python (mirrored with ctypes in bindings.py)                           */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The model of the one-call decoder. Per-layer pointers: one array entry per layer; bias /
+ * q_norm / k_norm entries may be NULL. */
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int32_t block_size, cache_dtype;
+    int64_t num_blocks, vocab_size, max_position;
+    float eps, scale;
+    const float *embed;      /* [vocab, hidden] */
+    const float *final_norm; /* [hidden] */
+    const float *cos, *sin;  /* [max_position, head_dim / 2] */
+    const float *const *input_norm, *const *post_norm;
+    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32 or int8 */
+    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* int8 scales or NULL */
+    const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
+    const float *const *q_norm, *const *k_norm;
+    void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
+    const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
+} LdModel;
+
+/* Attention metadata of the step (same arrays as the paged-attention kernel takes). */
+typedef struct {
+    const int32_t *query_start_loc, *seq_lens, *block_tables;
+    const int64_t *slot_mapping, *positions, *input_ids;
+    int32_t num_reqs, max_blocks;
+    int64_t bt_stride, num_tokens, parallel_work;
+} LdBatch;
+
+/* ------------------------------------------------------------------------------------------ */
+/* paged attention (paged_attention.c); strides are in elements                               */
+/* ------------------------------------------------------------------------------------------ */
+
+PN_EXPORT int pa_write_kv(const void *key, const void *value, void *key_cache, void *value_cache,
+                          const int64_t *slot_mapping, int64_t num_tokens, int64_t num_blocks,
+                          int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
+                          int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
+                          int num_threads);
+PN_EXPORT int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
+                           const int32_t *block_tables, const int32_t *query_start_loc,
+                           const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                           int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
+                           int64_t o_stride_head, float scale, int window, int dtype, int num_threads,
+                           int64_t parallel_work);
+
+/* ------------------------------------------------------------------------------------------ */
+/* fused model-body ops (cpu_ops.c)                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+PN_EXPORT int pl_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                              int64_t dim, int64_t x_stride, float eps, int threads);
+PN_EXPORT int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
+                             int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
+                             int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* small-batch decoder and matmuls (llama_decode.c)                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+PN_EXPORT int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows, int64_t in,
+                            int threads);
+PN_EXPORT int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias,
+                        int64_t in, int64_t out, float *y, int threads);
+PN_EXPORT int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* what Python reads back at load (native.c)                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/* *value = the constant called `name` (e.g. "ABI_VERSION", "ERR_META"); PN_ERR_ARG if unknown. */
+PN_EXPORT int pn_constant(const char *name, int64_t *value);
+/* sizeof the struct called `type` and its number of fields; PN_ERR_ARG if unknown. */
+PN_EXPORT int pn_struct_layout(const char *type, int64_t *size, int64_t *num_fields);
+/* offsetof / sizeof the field `field` of the struct `type`; PN_ERR_ARG if unknown. */
+PN_EXPORT int pn_field_layout(const char *type, const char *field, int64_t *offset, int64_t *size);
+
+#endif /* PAGEDLLM_NATIVE_H */
