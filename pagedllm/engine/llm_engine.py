@@ -225,9 +225,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def _record_peaks(self) -> None:
         """Right after scheduling, before finished requests free their blocks."""
-        kv, c = self.scheduler.kv, self.counters
-        c.peak_used_blocks = max(c.peak_used_blocks, kv.num_blocks - kv.num_free_blocks)
-        c.peak_running = max(c.peak_running, len(self.scheduler.running))
+        snap, c = self.scheduler.make_stats(), self.counters
+        c.peak_used_blocks = max(c.peak_used_blocks, snap.num_used_blocks)
+        c.peak_running = max(c.peak_running, snap.num_running)
 
     def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens], touched: list[Request]) -> None:
         self.counters.prompt_tokens += sum(r.num_prompt_tokens for r in touched
@@ -249,36 +249,23 @@ class LLMEngine:
         if not interval or now - self._last_log < interval:
             return
         elapsed, (p, g) = now - self._last_log, self._log_window
-        s = self.get_kv_cache_stats()
+        s, q = self.get_kv_cache_stats(), self.scheduler.make_stats()
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "CPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    p / elapsed, g / elapsed, len(self.scheduler.running), len(self.scheduler.swapped),
-                    len(self.scheduler.waiting), 100 * s.usage, 100 * s.cpu_usage, 100 * s.prefix_cache_hit_rate)
+                    p / elapsed, g / elapsed, q.num_running, q.num_swapped, q.num_waiting,
+                    100 * s.usage, 100 * s.cpu_usage, 100 * s.prefix_cache_hit_rate)
         self._last_log, self._log_window = now, [0, 0]
 
     def get_kv_cache_stats(self) -> KVCacheStats:
-        kv = self.scheduler.kv
-        used = kv.num_blocks - kv.num_free_blocks
-        stored = kv.num_tokens_stored()
-        ps = kv.prefix_stats
-        return KVCacheStats(
-            block_size=kv.block_size, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-            num_used_blocks=used, num_cached_blocks=kv.pool.num_cached_free_blocks, usage=kv.usage(),
-            num_tokens_stored=stored, utilization=stored / (used * kv.block_size) if used else 0.0,
-            prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits, prefix_cache_hit_rate=ps.hit_rate,
-            num_cpu_blocks=kv.cpu_pool.num_blocks, num_cpu_free_blocks=kv.cpu_pool.num_free_blocks,
-            cpu_usage=kv.cpu_pool.usage(), num_preemptions=self.scheduler.stats.num_preemptions,
-            preemptions_by_mode=dict(self.scheduler.stats.preemptions_by_mode),
-        )
+        return self.scheduler.kv_cache_stats()
 
     def get_metrics(self) -> list[Metric]:
-        s, c = self.get_kv_cache_stats(), self.counters
-        sch = self.scheduler
+        s, c, q = self.get_kv_cache_stats(), self.counters, self.scheduler.make_stats()
         metrics = [
-            Metric("pagedllm:num_requests_running", len(sch.running)),
-            Metric("pagedllm:num_requests_waiting", len(sch.waiting)),
-            Metric("pagedllm:num_requests_swapped", len(sch.swapped)),
+            Metric("pagedllm:num_requests_running", q.num_running),
+            Metric("pagedllm:num_requests_waiting", q.num_waiting),
+            Metric("pagedllm:num_requests_swapped", q.num_swapped),
             Metric("pagedllm:kv_cache_usage_perc", s.usage),
             Metric("pagedllm:cpu_kv_cache_usage_perc", s.cpu_usage),
             Metric("pagedllm:prefix_cache_queries", s.prefix_cache_queries, kind="counter"),
@@ -294,7 +281,7 @@ class LLMEngine:
         return metrics
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stops tensor-parallel worker processes (nothing to do for one process)."""
