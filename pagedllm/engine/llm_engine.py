@@ -17,7 +17,7 @@ from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
-from pagedllm.outputs import BeamSearchOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.executor import make_executor
 
@@ -212,8 +212,6 @@ class LLMEngine:
                 continue
             finished = self.scheduler.is_done(pid)
             out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
-            if out is not None:
-                out.metrics = _request_metrics(seqs, finished)
             if finished:
                 for s in seqs:
                     self.counters.request_success[s.finish_reason] += 1
@@ -286,15 +284,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops tensor-parallel worker processes (nothing to do for one process)."""
         self.executor.shutdown()
-
-
-def _request_metrics(seqs: list[Request], finished: bool) -> RequestMetrics:
-    """Timestamps of a user request over its sequences: earliest first token, latest last token."""
-    firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
-    lasts = [s.last_token_time for s in seqs if s.last_token_time is not None]
-    return RequestMetrics(arrival_time=seqs[0].arrival_time, first_scheduled_time=seqs[0].first_scheduled_time,
-                          first_token_time=min(firsts, default=None), last_token_time=max(lasts, default=None),
-                          finished_time=time.time() if finished else None)
 
 
 def _load_tokenizer(path: str):

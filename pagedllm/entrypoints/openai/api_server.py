@@ -224,8 +224,7 @@ def _served_names(engine, served_model_name: str | list[str] | None) -> list[str
         return list(served_model_name)
     if isinstance(engine, EngineArgs):
         return [engine.served_model_name or engine.model]
-    inner = engine.engine if isinstance(engine, AsyncLLMEngine) else engine
-    return [inner.model_config.model]
+    return [engine.model_config.model]  # LLMEngine and AsyncLLMEngine both expose it
 
 
 def load_chat_template(value: str | None) -> str | None:
