@@ -281,6 +281,8 @@ class AsyncLLMEngine:
         self._call_soon(_resolve, fut, result, error)
 
     def _call_soon(self, fn: Callable, *args: Any) -> None:
+        if self._loop is None:  # never started (every request was refused before reaching it)
+            return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
