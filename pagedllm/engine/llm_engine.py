@@ -27,11 +27,14 @@ __all__ = ["LLMEngine", "PromptType"]
 
 
 class LLMEngine:
-    """Owns scheduler, executor, sampler and output processor; one ``step()`` = one forward.
+    """Owns scheduler, executor, sampler, input/output processors and beam searches; one
+    ``step()`` = one forward.
 
-    ``add_request`` validates and queues; ``step`` returns a RequestOutput for every request
-    that made progress (``finished=True`` once all its sequences are done). Invalid input
-    raises ``ValueError`` before anything is queued.
+    ``add_request`` validates (``input_processor``) and queues; ``add_processed_request`` queues
+    a request processed elsewhere (the async engine's tokenizer threads). ``step`` returns a
+    RequestOutput, in the request's output kind, for every request that made progress
+    (``finished=True`` once all its sequences are done). Beam searches (``add_beam_search``)
+    advance in the same steps. Invalid input raises ``ValueError`` before anything is queued.
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
