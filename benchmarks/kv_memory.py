@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's pagedllm, not whichever one is installed
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.engine.beam_search import BeamSearchDriver  # noqa: E402
 from pagedllm.sampling_params import BeamSearchParams  # noqa: E402
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
@@ -121,7 +120,7 @@ class Trace:
             self.utilization.append(s.num_tokens_stored / (s.num_used_blocks * s.block_size))
             self.usage.append(s.usage)
             self.used_blocks.append(s.num_used_blocks)
-        self.running.append(len(llm.llm_engine.scheduler.running))
+        self.running.append(llm.llm_engine.scheduler.make_stats().num_running)
 
 
 def add_requests(llm: LLM, wl: Workload, params_for) -> None:
@@ -243,25 +242,13 @@ def run_independent(model: str, wl: Workload, args, caching: bool, out_len: int 
     return {**blocks_row(label, llm, drive(llm).used_blocks), "prefix_caching": caching}
 
 
-class _TracedBeamDriver(BeamSearchDriver):
-    """Beam search that also records the blocks in use after every step."""
-
-    used_blocks: list[int]
-
-    def _step(self, by_seq) -> None:
-        super()._step(by_seq)
-        kv = self.engine.scheduler.kv
-        if kv.num_blocks > kv.num_free_blocks:
-            self.used_blocks.append(kv.num_blocks - kv.num_free_blocks)
-
-
 def run_beam(model: str, wl: Workload, args) -> dict:
+    """Beam searches run in the engine's ordinary steps, so ``drive`` traces them like requests."""
     llm = sharing_llm(model, args, caching=False)
-    llm.llm_engine.counters.peak_used_blocks = 0
-    driver = _TracedBeamDriver(llm.llm_engine, BeamSearchParams(args.width, args.beam_max_tokens, ignore_eos=True))
-    driver.used_blocks = []
-    driver.run([{"prompt_token_ids": p} for p in wl.prompts])
-    return blocks_row(f"beam search width={args.width}", llm, driver.used_blocks)
+    params = BeamSearchParams(args.width, args.beam_max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(wl.prompts):
+        llm.llm_engine.add_beam_search(f"beam-{i}", {"prompt_token_ids": prompt}, params)
+    return blocks_row(f"beam search width={args.width}", llm, drive(llm).used_blocks)
 
 
 def savings(shared: dict, baseline: dict) -> dict:

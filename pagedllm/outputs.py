@@ -36,6 +36,11 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # per-step latency record, so observers see every step even when the caller asked only for
+    # the final output: this is the request's first output (it carries the first token), and the
+    # gaps between consecutive steps that gave the request tokens since its previous output
+    is_first_output: bool = False
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

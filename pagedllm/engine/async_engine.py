@@ -7,9 +7,11 @@ and the event loop never waits for a forward pass. Results come back to the even
 ``call_soon_threadsafe``: op results resolve asyncio futures, step outputs go to per-request
 asyncio queues.
 
-The engine always runs requests with ``output_kind="delta"`` (so inter-token latency can be
-observed for every request); each ``RequestStream`` re-assembles cumulative or final-only
-outputs for callers that asked for those.
+Prompts are tokenized and validated *before* they reach the engine thread, on a small pool of
+tokenizer threads (each with its own tokenizer copy), so a huge prompt delays only itself and
+the engine loop only ever receives processed requests. Outputs arrive already shaped in the
+request's ``output_kind`` (the engine's output processor is the one accumulator); each carries
+its per-step latency record for the observers.
 """
 from __future__ import annotations
 
@@ -19,16 +21,22 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from pagedllm.config import ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import KVCacheStats, Metric
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# prompts tokenized at once; the work per prompt is bounded (InputProcessor), so a few threads
+# keep small requests flowing past large ones without one tokenizer copy per request
+_TOKENIZER_THREADS = 4
 
 
 class EngineDeadError(RuntimeError):
@@ -36,21 +44,19 @@ class EngineDeadError(RuntimeError):
 
 
 class OutputObserver(Protocol):
-    """Receives every output as it leaves the engine (for metrics)."""
+    """Receives every output as it leaves the engine (for metrics); ``out.metrics`` carries the
+    request's per-step latencies since its previous output."""
 
-    def observe(self, out: RequestOutput, prev_token_time: float | None) -> None: ...
+    def observe(self, out: RequestOutput) -> None: ...
 
 
 class RequestStream:
-    """The outputs of one request: an asyncio queue plus re-assembly to the caller's output_kind."""
+    """The outputs of one request, in its output_kind, as an asyncio queue."""
 
-    def __init__(self, request_id: str, output_kind: str):
+    def __init__(self, request_id: str):
         self.request_id = request_id
-        self.output_kind = output_kind
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False  # the engine has released the request: no abort needed
-        self.last_token_time: float | None = None
-        self._acc: RequestOutput | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput) and item.finished or isinstance(item, BaseException):
@@ -62,42 +68,9 @@ class RequestStream:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
-            out = self._shape(item)
-            if out is not None:
-                yield out
+            yield item
             if item.finished:
                 return
-
-    def _shape(self, delta: RequestOutput) -> RequestOutput | None:
-        if self.output_kind == "delta":
-            return delta
-        self._acc = delta if self._acc is None else _merge(self._acc, delta)
-        if self.output_kind == "final_only" and not delta.finished:
-            return None
-        return _snapshot(self._acc)
-
-
-def _merge(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    """Appends a delta output to the accumulated one (per completion index)."""
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        old = by_index.get(c.index)
-        by_index[c.index] = c if old is None else _merge_completion(old, c)
-    # a finished best_of > n request lists only its n best sequences, in rank order
-    order = [c.index for c in delta.outputs] if delta.finished else sorted(by_index)
-    # a delta stream carries prompt_logprobs once; the accumulated output keeps them
-    prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else acc.prompt_logprobs
-    return replace(delta, outputs=[by_index[i] for i in order], prompt_logprobs=prompt_logprobs)
-
-
-def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    logprobs = None if old.logprobs is None else old.logprobs + (new.logprobs or [])
-    return replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids, logprobs=logprobs)
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the caller may keep: later merges build new objects but share nothing mutable."""
-    return replace(out, outputs=[copy.copy(c) for c in out.outputs])
 
 
 class AsyncLLMEngine:
@@ -119,6 +92,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: EngineDeadError | None = None
+        self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedllm-tokenize")
+        self._processors: queue.SimpleQueue[InputProcessor] = queue.SimpleQueue()  # idle per-thread copies
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
@@ -137,6 +112,7 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._fail_everything(EngineDeadError("the server is shutting down"))
 
     @property
@@ -146,14 +122,15 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Validates and queues a request (raises ValueError on bad input); returns its stream."""
+        """Tokenizes and validates the request on a tokenizer thread (raises ValueError on bad
+        input), then queues it on the engine thread; returns its stream."""
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        stream = RequestStream(request_id, params.output_kind)
-        params = replace(params, output_kind="delta")
-        self._streams[request_id] = stream  # registered first so no output can be missed
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream  # registered first: reserves the id, no output can be missed
         try:
-            await self._call(self.engine.add_request, request_id, prompt, params, arrival_time)
+            processed = await self.process_input(request_id, prompt, params, arrival_time)
+            await self._call(self.engine.add_processed_request, processed)
         except BaseException:
             self.abort(request_id)  # queued after the add, so a late add is undone too
             raise
@@ -180,6 +157,42 @@ class AsyncLLMEngine:
 
     def _forget(self, request_id: str) -> RequestStream | None:
         return self._streams.pop(request_id, None)
+
+    # ------------------------------------------------------------------ input processing
+    async def process_input(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                            arrival_time: float | None = None) -> ProcessedRequest:
+        """The engine's input processing, run on a tokenizer thread (never the engine thread)."""
+        return await self._on_tokenizer_thread(
+            lambda proc: proc.process(request_id, prompt, params, arrival_time))
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of a prompt text with the engine's length bound (``InputProcessor.encode``),
+        on a tokenizer thread; ValueError names ``field``."""
+        return await self._on_tokenizer_thread(
+            lambda proc: proc.encode(text, add_special_tokens=add_special_tokens, field=field))
+
+    async def _on_tokenizer_thread(self, fn: Callable[[InputProcessor], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._with_processor, fn)
+
+    def _with_processor(self, fn: Callable[[InputProcessor], Any]) -> Any:
+        """Runs ``fn`` with an idle processor copy (made on first need: at most one per thread)."""
+        try:
+            proc = self._processors.get_nowait()
+        except queue.Empty:
+            proc = self.engine.input_processor.clone()
+        try:
+            return fn(proc)
+        finally:
+            self._processors.put(proc)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    def get_tokenizer(self):
+        """A copy of the engine's tokenizer for the caller's thread (a fast tokenizer must not be
+        shared with the engine thread, which detokenizes concurrently)."""
+        return copy.deepcopy(self.engine.tokenizer)
 
     # ------------------------------------------------------------------ reads
     async def get_kv_cache_stats(self) -> KVCacheStats:
@@ -254,16 +267,11 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its consumer; the abort op is already queued
-            self._observe(stream, out)
+            for obs in self.observers:
+                obs.observe(out)
             stream.put(out)
             if out.finished:
                 self._forget(out.request_id)
-
-    def _observe(self, stream: RequestStream, out: RequestOutput) -> None:
-        for obs in self.observers:
-            obs.observe(out, stream.last_token_time)
-        if out.metrics is not None and out.metrics.last_token_time is not None:
-            stream.last_token_time = out.metrics.last_token_time
 
     def _settle(self, fut: asyncio.Future | None, result: Any, error: BaseException | None) -> None:
         if fut is None:
@@ -273,6 +281,8 @@ class AsyncLLMEngine:
         self._call_soon(_resolve, fut, result, error)
 
     def _call_soon(self, fn: Callable, *args: Any) -> None:
+        if self._loop is None:  # never started (every request was refused before reaching it)
+            return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is left to tell

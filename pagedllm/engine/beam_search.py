@@ -11,15 +11,20 @@ once, releasing its blocks. Selection per step mirrors transformers' vectorised 
   ``cum_logprob / generated_len ** length_penalty``; the finished set keeps the best ``W``;
 - ``early_stopping``: True stops once W beams finished; False / "never" stop when the best
   running beam can no longer beat the worst finished one (transformers' heuristic).
+
+The search runs inside ``LLMEngine.step()``, beside any other requests: beam sequences are
+ordinary scheduled requests whose sampler rows report their top ``2W`` raw log-probs; the step
+hands those rows to :meth:`BeamSearchManager.consume` instead of appending the sampled token,
+and a search advances once every one of its beams has reported (a beam held back by the token
+budget or a preemption simply reports in a later step).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -39,6 +44,8 @@ class _BeamState:
     """The beams of one prompt."""
 
     request_id: str
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]  # empty with ignore_eos
     prompt_len: int
     max_length: int
     beams: list[Request]
@@ -49,53 +56,74 @@ class _BeamState:
     done: bool = False
 
 
-class BeamSearchDriver:
-    """Runs beam search for a batch of prompts on an (otherwise idle) LLMEngine."""
+class BeamSearchManager:
+    """The beam searches in flight in one engine, advanced by the engine's own steps.
 
-    def __init__(self, engine, params: BeamSearchParams):
-        self.engine = engine
-        self.params = params
-        self.width = params.beam_width
+    ``add`` registers a queued request as a search; every step, ``consume`` takes the sampler
+    rows of beam sequences and forks, drops or extends beams through the scheduler's public
+    ``fork`` / ``finish`` / ``release``; ``take_output`` hands back a finished search's beams.
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer, max_model_len: int):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._by_seq: dict[str, _BeamState] = {}  # live beam sequence id -> its search
+        self._searches: dict[str, _BeamState] = {}  # request id -> search (running or done)
         self._ids = itertools.count()
 
-    def run(self, prompts: list) -> list[BeamSearchOutput]:
-        states = [self._add(p) for p in prompts]
-        by_seq: dict[str, _BeamState] = {b.request_id: s for s in states for b in s.beams}
-        while not all(s.done for s in states):
-            self._step(by_seq)
-        return [self._output(s) for s in states]
+    @staticmethod
+    def sampling_params(params: BeamSearchParams, vocab_size: int) -> SamplingParams:
+        """What each beam runs with: greedy rows that report the top 2W raw log-probs."""
+        sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+        # set after validation: the public cap of 20 logprobs bounds API responses, while beam
+        # rows are internal and need 2W candidates each
+        sp.logprobs = min(2 * params.beam_width, vocab_size)
+        return sp
 
-    # ------------------------------------------------------------------ setup
-    def _add(self, prompt) -> _BeamState:
-        engine = self.engine
-        _, ids = engine._tokenize(prompt)
-        params = SamplingParams(temperature=0, max_tokens=self.params.max_tokens, ignore_eos=True)
-        engine._validate(ids, params)
-        rid = f"beam-{next(self._ids)}"
-        req = Request(rid, ids, params, engine.eos_token_ids)
-        engine.scheduler.add_request(req)
-        return _BeamState(rid, len(ids), len(ids) + self.params.max_tokens, [req], [0.0])
+    def add(self, req: Request, params: BeamSearchParams, eos_token_ids: frozenset[int]) -> None:
+        """Makes the queued request ``req`` the first beam of a new search."""
+        eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        n = req.num_prompt_tokens
+        state = _BeamState(req.request_id, params, eos, n, n + params.max_tokens, [req], [0.0])
+        self._searches[req.request_id] = state
+        self._by_seq[req.request_id] = state
 
-    # ------------------------------------------------------------------ one engine step
-    def _step(self, by_seq: dict[str, _BeamState]) -> None:
-        engine = self.engine
-        out = engine.scheduler.schedule()
-        logits = engine.executor.execute(out)
-        rows = [c.request_id for c in out.chunks if c.num_samples]
-        if rows:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
-            values, ids = logprobs.topk(min(2 * self.width, logprobs.shape[-1]), dim=-1)
-            for rid, v, i in zip(rows, values.tolist(), ids.tolist()):
-                by_seq[rid].pending[rid] = (v, i)
-        for state in {id(s): s for s in by_seq.values()}.values():
+    def consume(self, sampled: list[SampledTokens]) -> list[SampledTokens]:
+        """Takes the rows of beam sequences and advances every search whose beams have all
+        reported; returns the other rows untouched."""
+        rest, touched = [], {}
+        for s in sampled:
+            state = self._by_seq.get(s.request_id)
+            if state is None:
+                rest.append(s)
+                continue
+            top = s.top_logprobs[0]  # token -> logprob, best first
+            state.pending[s.request_id] = (list(top.values()), list(top))
+            touched[state.request_id] = state
+        for state in touched.values():
             if not state.done and len(state.pending) == len(state.beams):
-                self._advance(state, by_seq)
-        kv = engine.scheduler.kv
-        engine.counters.peak_used_blocks = max(engine.counters.peak_used_blocks, kv.num_blocks - kv.num_free_blocks)
+                self._advance(state)
+        return rest
+
+    def take_output(self, request_id: str) -> BeamSearchOutput | None:
+        """The finished search's beams (best first), once; None while it still runs."""
+        state = self._searches.get(request_id)
+        if state is None or not state.done:
+            return None
+        del self._searches[request_id]
+        return self._output(state)
+
+    def abort(self, request_id: str) -> None:
+        """Forgets a search whose sequences the scheduler has already aborted."""
+        state = self._searches.pop(request_id, None)
+        if state is not None:
+            for beam in state.beams:
+                self._by_seq.pop(beam.request_id, None)
 
     # ------------------------------------------------------------------ selection
-    def _advance(self, state: _BeamState, by_seq: dict[str, _BeamState]) -> None:
-        w = self.width
+    def _advance(self, state: _BeamState) -> None:
+        w = state.params.beam_width
         cur_len = state.beams[0].num_tokens
         cands = sorted(((state.scores[b] + v, b, t) for b, beam in enumerate(state.beams)
                         for v, t in zip(*state.pending[beam.request_id])), key=lambda c: -c[0])[: 2 * w]
@@ -105,44 +133,43 @@ class BeamSearchDriver:
         order = sorted(range(len(cands)), key=lambda i: -(cands[i][0] + (_NEG if hits[i] else 0.0)))[:w]
         chosen = [(cands[i][1], cands[i][2], cands[i][0] + (_NEG if hits[i] else 0.0)) for i in order]
         all_hit = all(hits)
-        self._apply(state, chosen, by_seq)
+        self._apply(state, chosen)
         self._check_heuristic(state, cur_len + 1)
-        early_full = len(state.finished) == w and self.params.early_stopping is True
+        early_full = len(state.finished) == w and state.params.early_stopping is True
         if not state.heuristic_unsatisfied or early_full or all_hit:
-            self._finish(state, by_seq)
+            self._finish(state)
 
     def _stops(self, token: int, cur_len: int, state: _BeamState) -> bool:
-        eos = token in self.engine.eos_token_ids and not self.params.ignore_eos
-        return eos or cur_len + 1 >= min(state.max_length, self.engine.model_config.max_model_len)
+        return token in state.eos_token_ids or cur_len + 1 >= min(state.max_length, self.max_model_len)
 
     def _update_finished(self, state: _BeamState, top: list, hits: list[bool], cur_len: int) -> None:
-        w, lp = self.width, self.params.length_penalty
-        if not state.heuristic_unsatisfied or (len(state.finished) == w and self.params.early_stopping is True):
+        w, lp = state.params.beam_width, state.params.length_penalty
+        if not state.heuristic_unsatisfied or (len(state.finished) == w and state.params.early_stopping is True):
             return
         for (score, b, t), hit in zip(top, hits):
             if hit:
                 tokens = state.beams[b].all_token_ids + [t]
-                reason = "stop" if t in self.engine.eos_token_ids and not self.params.ignore_eos else "length"
+                reason = "stop" if t in state.eos_token_ids else "length"
                 norm = score / ((cur_len + 1 - state.prompt_len) ** lp)
                 state.finished.append(_Finished(norm, tokens, score, reason))
         state.finished = sorted(state.finished, key=lambda f: -f.score)[:w]
 
-    def _apply(self, state: _BeamState, chosen: list[tuple[int, int, float]], by_seq) -> None:
+    def _apply(self, state: _BeamState, chosen: list[tuple[int, int, float]]) -> None:
         """Forks beams picked more than once, drops beams not picked, appends the new tokens."""
-        sched = self.engine.scheduler
+        sched = self.scheduler
         picks: dict[int, list[tuple[int, float]]] = {}
         for b, t, score in chosen:
             picks.setdefault(b, []).append((t, score))
         new_beams, new_scores = [], []
         for b, beam in enumerate(state.beams):
             if b not in picks:
-                self._drop(beam, by_seq)
+                self._drop(beam)
                 continue
             forks = [sched.fork(beam, f"{state.request_id}.{next(self._ids)}", 0) for _ in picks[b][1:]]
             for seq, (t, score) in zip([beam] + forks, picks[b]):
                 seq.append_token(t)
                 seq.cumulative_logprob = score
-                by_seq[seq.request_id] = state
+                self._by_seq[seq.request_id] = state
                 new_beams.append(seq)
                 new_scores.append(score)
         ranked = sorted(range(len(new_beams)), key=lambda i: -new_scores[i])
@@ -150,8 +177,8 @@ class BeamSearchDriver:
         state.scores = [new_scores[i] for i in ranked]
 
     def _check_heuristic(self, state: _BeamState, cur_len: int) -> None:
-        w, lp = self.width, self.params.length_penalty
-        if self.params.early_stopping == "never" and lp > 0.0:
+        w, lp = state.params.beam_width, state.params.length_penalty
+        if state.params.early_stopping == "never" and lp > 0.0:
             best_len = state.max_length - state.prompt_len
         else:
             best_len = cur_len - state.prompt_len
@@ -161,18 +188,18 @@ class BeamSearchDriver:
             state.heuristic_unsatisfied = state.heuristic_unsatisfied and best_possible > worst
 
     # ------------------------------------------------------------------ teardown
-    def _drop(self, beam: Request, by_seq) -> None:
-        self.engine.scheduler.finish(beam.request_id, RequestStatus.FINISHED_ABORTED)
-        by_seq.pop(beam.request_id, None)
+    def _drop(self, beam: Request) -> None:
+        self.scheduler.finish(beam.request_id, RequestStatus.FINISHED_ABORTED)
+        self._by_seq.pop(beam.request_id, None)
 
-    def _finish(self, state: _BeamState, by_seq) -> None:
+    def _finish(self, state: _BeamState) -> None:
         for beam in state.beams:
-            self._drop(beam, by_seq)
-        self.engine.scheduler.release(state.request_id)
+            self._drop(beam)
+        self.scheduler.release(state.request_id)
         state.done = True
 
     def _output(self, state: _BeamState) -> BeamSearchOutput:
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         seqs = [BeamSearchSequence(f.tokens, f.cum_logprob, f.score, state.prompt_len,
                                    tok.decode(f.tokens[state.prompt_len:]) if tok is not None else None, f.reason)
                 for f in state.finished]

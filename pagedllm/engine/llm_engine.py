@@ -9,27 +9,32 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchManager
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
-from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict | list[int]
+__all__ = ["LLMEngine", "PromptType"]
 
 
 class LLMEngine:
-    """Owns scheduler, executor, sampler and output processor; one ``step()`` = one forward.
+    """Owns scheduler, executor, sampler, input/output processors and beam searches; one
+    ``step()`` = one forward.
 
-    ``add_request`` validates and queues; ``step`` returns a RequestOutput for every request
-    that made progress (``finished=True`` once all its sequences are done). Invalid input
-    raises ``ValueError`` before anything is queued.
+    ``add_request`` validates (``input_processor``) and queues; ``add_processed_request`` queues
+    a request processed elsewhere (the async engine's tokenizer threads). ``step`` returns a
+    RequestOutput, in the request's output kind, for every request that made progress
+    (``finished=True`` once all its sequences are done). Beam searches (``add_beam_search``)
+    advance in the same steps. Invalid input raises ``ValueError`` before anything is queued.
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
@@ -41,7 +46,10 @@ class LLMEngine:
                                    self.executor.num_cpu_blocks)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
+                                              self.scheduler.check_fits)
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
         self._last_log = time.time()
@@ -54,50 +62,44 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        params = (params or SamplingParams()).clone()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued)."""
+        self._check_new_id(request_id)
+        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt))
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queues a request the input processor already tokenized and validated (possibly on
+        another thread: nothing here tokenizes, so the engine thread never waits on a prompt)."""
+        self._check_new_id(processed.request_id)
+        req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
+                      processed.arrival_time, cache_salt=processed.cache_salt)
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
+                                          processed.params)
+
+    def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                        arrival_time: float | None = None) -> None:
+        """Queues a beam search; its beams run in ordinary steps beside every other request.
+
+        ``step()`` returns no RequestOutput for it; ``take_beam_search_output`` returns its
+        beams once finished.
+        """
+        self._check_new_id(request_id)
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.beam_width > max_seqs:
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
+        sp = BeamSearchManager.sampling_params(params, self.model_config.vocab_size)
+        processed = self.input_processor.process(request_id, prompt, sp, arrival_time)
+        req = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids, arrival_time)
+        self.scheduler.add_request(req)
+        self.beam_search.add(req, params, self.eos_token_ids)
+
+    def take_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
+        """A finished beam search's beams, best first (handed out once); None while it runs."""
+        return self.beam_search.take_output(request_id)
+
+    def _check_new_id(self, request_id: str) -> None:
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        self._validate(ids, params)
-        req = Request(request_id, ids, params, self.eos_token_ids, arrival_time, cache_salt=cache_salt)
-        self.scheduler.add_request(req)
-        self.output_processor.add_request(request_id, text, ids, params)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is empty; give at least one token")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
-                         "a dict with 'prompt' or 'prompt_token_ids'")
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("prompt_token_ids=[] is empty; give at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]}: token ids must be integers in [0, {vocab})")
-        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad_ids = [t for t in tokens if t >= vocab]
-            if bad_ids:
-                raise ValueError(f"{name} contains {bad_ids[:5]}: token ids must be in [0, {vocab})")
-        max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} "
-                             "leaves no room to generate")
-        if params.max_tokens is None:
-            params.max_tokens = max_len - len(ids)
-        self.scheduler.check_fits(len(ids), params.max_tokens, params.num_sequences)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stops a request (or several) at once and frees its KV blocks."""
@@ -107,6 +109,7 @@ class LLMEngine:
                 self.counters.request_success["abort"] += 1
                 self.scheduler.release(rid)
                 self.output_processor.abort(rid)
+                self.beam_search.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -123,7 +126,7 @@ class LLMEngine:
         self.step_times.add(schedule=time.perf_counter() - t0)
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
-        touched = self.scheduler.update(sampled)
+        touched = self.scheduler.update(self.beam_search.consume(sampled))
         self._count(sched_out, sampled, touched)
         for req in touched:
             if self.output_processor.update_text(req) is not None:
@@ -212,8 +215,6 @@ class LLMEngine:
                 continue
             finished = self.scheduler.is_done(pid)
             out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
-            if out is not None:
-                out.metrics = _request_metrics(seqs, finished)
             if finished:
                 for s in seqs:
                     self.counters.request_success[s.finish_reason] += 1
@@ -225,9 +226,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def _record_peaks(self) -> None:
         """Right after scheduling, before finished requests free their blocks."""
-        kv, c = self.scheduler.kv, self.counters
-        c.peak_used_blocks = max(c.peak_used_blocks, kv.num_blocks - kv.num_free_blocks)
-        c.peak_running = max(c.peak_running, len(self.scheduler.running))
+        snap, c = self.scheduler.make_stats(), self.counters
+        c.peak_used_blocks = max(c.peak_used_blocks, snap.num_used_blocks)
+        c.peak_running = max(c.peak_running, snap.num_running)
 
     def _count(self, sched_out: SchedulerOutput, sampled: list[SampledTokens], touched: list[Request]) -> None:
         self.counters.prompt_tokens += sum(r.num_prompt_tokens for r in touched
@@ -249,36 +250,23 @@ class LLMEngine:
         if not interval or now - self._last_log < interval:
             return
         elapsed, (p, g) = now - self._last_log, self._log_window
-        s = self.get_kv_cache_stats()
+        s, q = self.get_kv_cache_stats(), self.scheduler.make_stats()
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "CPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    p / elapsed, g / elapsed, len(self.scheduler.running), len(self.scheduler.swapped),
-                    len(self.scheduler.waiting), 100 * s.usage, 100 * s.cpu_usage, 100 * s.prefix_cache_hit_rate)
+                    p / elapsed, g / elapsed, q.num_running, q.num_swapped, q.num_waiting,
+                    100 * s.usage, 100 * s.cpu_usage, 100 * s.prefix_cache_hit_rate)
         self._last_log, self._log_window = now, [0, 0]
 
     def get_kv_cache_stats(self) -> KVCacheStats:
-        kv = self.scheduler.kv
-        used = kv.num_blocks - kv.num_free_blocks
-        stored = kv.num_tokens_stored()
-        ps = kv.prefix_stats
-        return KVCacheStats(
-            block_size=kv.block_size, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-            num_used_blocks=used, num_cached_blocks=kv.pool.num_cached_free_blocks, usage=kv.usage(),
-            num_tokens_stored=stored, utilization=stored / (used * kv.block_size) if used else 0.0,
-            prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits, prefix_cache_hit_rate=ps.hit_rate,
-            num_cpu_blocks=kv.cpu_pool.num_blocks, num_cpu_free_blocks=kv.cpu_pool.num_free_blocks,
-            cpu_usage=kv.cpu_pool.usage(), num_preemptions=self.scheduler.stats.num_preemptions,
-            preemptions_by_mode=dict(self.scheduler.stats.preemptions_by_mode),
-        )
+        return self.scheduler.kv_cache_stats()
 
     def get_metrics(self) -> list[Metric]:
-        s, c = self.get_kv_cache_stats(), self.counters
-        sch = self.scheduler
+        s, c, q = self.get_kv_cache_stats(), self.counters, self.scheduler.make_stats()
         metrics = [
-            Metric("pagedllm:num_requests_running", len(sch.running)),
-            Metric("pagedllm:num_requests_waiting", len(sch.waiting)),
-            Metric("pagedllm:num_requests_swapped", len(sch.swapped)),
+            Metric("pagedllm:num_requests_running", q.num_running),
+            Metric("pagedllm:num_requests_waiting", q.num_waiting),
+            Metric("pagedllm:num_requests_swapped", q.num_swapped),
             Metric("pagedllm:kv_cache_usage_perc", s.usage),
             Metric("pagedllm:cpu_kv_cache_usage_perc", s.cpu_usage),
             Metric("pagedllm:prefix_cache_queries", s.prefix_cache_queries, kind="counter"),
@@ -294,20 +282,11 @@ class LLMEngine:
         return metrics
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stops tensor-parallel worker processes (nothing to do for one process)."""
         self.executor.shutdown()
-
-
-def _request_metrics(seqs: list[Request], finished: bool) -> RequestMetrics:
-    """Timestamps of a user request over its sequences: earliest first token, latest last token."""
-    firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
-    lasts = [s.last_token_time for s in seqs if s.last_token_time is not None]
-    return RequestMetrics(arrival_time=seqs[0].arrival_time, first_scheduled_time=seqs[0].first_scheduled_time,
-                          first_token_time=min(firsts, default=None), last_token_time=max(lasts, default=None),
-                          finished_time=time.time() if finished else None)
 
 
 def _load_tokenizer(model_config):

@@ -1,4 +1,10 @@
-"""Incremental detokenization, stop strings and RequestOutput assembly.
+"""Incremental detokenization, stop strings and RequestOutput assembly: the one output accumulator.
+
+Every output kind is shaped here and nowhere else: ``delta`` (what is new since the request's
+previous output, only for sequences that got something new), ``cumulative`` (everything so
+far) and ``final_only`` (one output, when the request finishes; nothing is built before). The
+per-step latency record (``RequestMetrics.inter_token_latencies``) is kept for every kind, so
+a final-only request still reports each step to the metrics.
 
 Text is decoded over a sliding window ``ids[prefix_offset:]`` and only the part after
 ``read_offset`` is emitted; a piece that ends in U+FFFD (an incomplete multi-byte character) is
@@ -6,10 +12,11 @@ held back until the next token completes it, so no character is ever split.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so the first word gets its spacing
 
@@ -60,7 +67,11 @@ class RequestState:
     seqs: dict[int, SequenceState] = field(default_factory=dict)
     sent_text: dict[int, int] = field(default_factory=dict)  # index -> chars already streamed
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    sent_finished: set[int] = field(default_factory=set)  # indices whose finish was streamed
     prompt_logprobs: list | None = None  # converted once, when the first output carries them
+    num_outputs: int = 0
+    last_token_time: float | None = None  # the latest step that gave the request tokens
+    itls: list[float] = field(default_factory=list)  # step gaps since the previous output
 
 
 class OutputProcessor:
@@ -112,31 +123,62 @@ class OutputProcessor:
         return None
 
     def make_output(self, parent_id: str, seqs: list[Request], finished: bool) -> RequestOutput | None:
-        """The RequestOutput for a user request from its sequences (n best when finished)."""
+        """Called every step the request got tokens: records the step's latency and returns
+        its RequestOutput in the request's output kind (None for final_only until finished)."""
         state = self.states[parent_id]
+        self._record_step(state, seqs)
         params = state.params
         if params.output_kind == "final_only" and not finished:
             return None
         if finished and params.best_of and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
-        outputs = [self._completion(state, r, finished, params.output_kind == "delta") for r in seqs]
+        delta = params.output_kind == "delta"
+        outputs = [c for c in (self._completion(state, r, finished, delta) for r in seqs) if c is not None]
         out = RequestOutput(parent_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                            prompt_logprobs=self._prompt_logprobs(state, seqs, params.output_kind == "delta"),
-                            num_cached_tokens=seqs[0].num_cached_tokens if seqs else 0)
+                            prompt_logprobs=self._prompt_logprobs(state, seqs, delta),
+                            num_cached_tokens=seqs[0].num_cached_tokens if seqs else 0,
+                            metrics=self._metrics(state, seqs, finished))
         if finished:
             del self.states[parent_id]
         return out
 
-    def _completion(self, state: RequestState, req: Request, finished: bool, delta: bool) -> CompletionOutput:
-        """Cumulative output, or (delta) only what is new since the last call; nothing is copied
-        from the start of the sequence in delta mode, so streaming stays O(new tokens) per step."""
+    @staticmethod
+    def _record_step(state: RequestState, seqs: list[Request]) -> None:
+        last = max((s.last_token_time for s in seqs if s.last_token_time is not None), default=None)
+        if last is None or (state.last_token_time is not None and last <= state.last_token_time):
+            return
+        if state.last_token_time is not None:
+            state.itls.append(last - state.last_token_time)
+        state.last_token_time = last
+
+    @staticmethod
+    def _metrics(state: RequestState, seqs: list[Request], finished: bool) -> RequestMetrics:
+        """Timestamps over the request's sequences (earliest first token, latest last token),
+        plus the step gaps recorded since the previous output, which this output hands on."""
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        itls, state.itls = state.itls, []
+        state.num_outputs += 1
+        return RequestMetrics(arrival_time=seqs[0].arrival_time, first_scheduled_time=seqs[0].first_scheduled_time,
+                              first_token_time=min(firsts, default=None), last_token_time=state.last_token_time,
+                              finished_time=time.time() if finished else None,
+                              is_first_output=state.num_outputs == 1, inter_token_latencies=itls)
+
+    def _completion(self, state: RequestState, req: Request, finished: bool, delta: bool) -> CompletionOutput | None:
+        """Cumulative output, or (delta) only what is new since the last call, None if nothing
+        is; nothing is copied from the start of the sequence in delta mode, so streaming stays
+        O(new tokens) per step."""
         seq = state.seqs.get(req.index) or SequenceState(None)
         visible = self._visible_len(seq, req, state.params)
-        logprobs = self._convert_logprobs(seq, req)
         t0 = c0 = 0
         if delta:
             t0, c0 = state.sent_tokens.get(req.index, 0), state.sent_text.get(req.index, 0)
+            newly_finished = req.is_finished and req.index not in state.sent_finished
+            if t0 == req.num_output_tokens and c0 == visible and not newly_finished:
+                return None
             state.sent_tokens[req.index], state.sent_text[req.index] = req.num_output_tokens, visible
+            if req.is_finished:
+                state.sent_finished.add(req.index)
+        logprobs = self._convert_logprobs(seq, req)
         stop_reason = seq.stopped_by_string if seq.stopped_by_string is not None else req.stop_reason
         return CompletionOutput(req.index, seq.text[c0:visible], req.all_token_ids[req.num_prompt_tokens + t0:],
                                 req.cumulative_logprob if req.logprobs is not None else None,

@@ -23,6 +23,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus, make_generator
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 
 
 @dataclass
@@ -302,6 +303,32 @@ class Scheduler:
         """Forgets a finished user request's bookkeeping."""
         for rid in self.sequences.pop(parent_id, []):
             self.requests.pop(rid, None)
+
+    # ------------------------------------------------------------------ stats
+    def make_stats(self) -> SchedulerSnapshot:
+        """Queue sizes and blocks in use, O(1): the engine takes one every step for its peaks."""
+        used = self.kv.num_blocks - self.kv.num_free_blocks
+        return SchedulerSnapshot(num_running=len(self.running), num_waiting=len(self.waiting),
+                                 num_swapped=len(self.swapped), num_used_blocks=used)
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """Block, prefix-cache, swap and preemption accounting (walks every block table)."""
+        kv = self.kv
+        used = kv.num_blocks - kv.num_free_blocks
+        stored = kv.num_tokens_stored()
+        ps = kv.prefix_stats
+        return KVCacheStats(
+            block_size=kv.block_size, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_used_blocks=used, num_cached_blocks=kv.num_cached_blocks, usage=kv.usage(),
+            num_tokens_stored=stored, utilization=stored / (used * kv.block_size) if used else 0.0,
+            prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits, prefix_cache_hit_rate=ps.hit_rate,
+            num_cpu_blocks=kv.num_cpu_blocks, num_cpu_free_blocks=kv.num_cpu_free_blocks,
+            cpu_usage=kv.cpu_usage(), num_preemptions=self.stats.num_preemptions,
+            preemptions_by_mode=dict(self.stats.preemptions_by_mode),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
     def take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []

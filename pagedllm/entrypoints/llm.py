@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -61,14 +61,16 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt")
         return list(sampling_params)
 
-    def _add_all(self, prompts, params) -> list[str]:
-        """Validates every prompt before queueing any, so a bad one leaves nothing behind."""
+    def _add_all(self, prompts, params, add: Callable | None = None) -> list[str]:
+        """Queues every prompt with ``add`` (default ``add_request``); if one is refused, the
+        ones already queued are aborted, so a bad prompt leaves nothing behind."""
         engine = self.llm_engine
+        add = add or engine.add_request
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+                add(rid, prompt, p)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)
@@ -96,12 +98,30 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search as vLLM's ``LLM.beam_search``; beams share blocks via fork and copy-on-write.
 
-        Runs on the engine alone: call it when no other requests are in flight.
+        The searches run in the engine's ordinary steps, so requests already in flight keep
+        running beside them (their outputs are not returned here).
         """
-        if self.llm_engine.has_unfinished_requests():
-            raise ValueError("beam_search needs an idle engine; finish or abort other requests first")
-        from pagedllm.engine.beam_search import BeamSearchDriver
-        return BeamSearchDriver(self.llm_engine, params).run(_as_list(prompts))
+        engine = self.llm_engine
+        prompts = _as_list(prompts)
+        ids = self._add_all(prompts, [params] * len(prompts), engine.add_beam_search)
+        results: dict[str, BeamSearchOutput] = {}
+        bar = tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"beam searches {sorted(set(ids) - set(results))} were aborted")
+                engine.step()
+                for rid in ids:
+                    out = None if rid in results else engine.take_beam_search_output(rid)
+                    if out is not None:
+                        results[rid] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()

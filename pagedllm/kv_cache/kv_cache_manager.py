@@ -64,6 +64,22 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return self.pool.num_cached_free_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks
+
+    @property
+    def num_cpu_free_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    def cpu_usage(self) -> float:
+        return self.cpu_pool.usage()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 

@@ -83,15 +83,16 @@ class PrometheusMetrics:
         hist = Histogram(f"pagedllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
         return hist.labels(model_name=self.model_name)
 
-    def observe(self, out: RequestOutput, prev_token_time: float | None) -> None:
-        """Records latencies of one output; ``prev_token_time`` is the request's previous last token."""
+    def observe(self, out: RequestOutput) -> None:
+        """Records latencies of one output: time to first token with the request's first output,
+        every step gap it carries (a final-only output carries all of them)."""
         m = out.metrics
         if m is None:
             return
-        if prev_token_time is None and m.first_token_time is not None:
+        if m.is_first_output and m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-        elif prev_token_time is not None and m.last_token_time is not None and m.last_token_time > prev_token_time:
-            self.itl.observe(m.last_token_time - prev_token_time)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
         if out.finished and m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
             if m.first_scheduled_time is not None:

@@ -34,6 +34,16 @@ class KVCacheStats:
     preemptions_by_mode: dict[str, int]
 
 
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Queue sizes and block usage at one moment (``Scheduler.make_stats()``); cheap to take."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_used_blocks: int
+
+
 @dataclass
 class EngineCounters:
     prompt_tokens: int = 0  # prompt length of every request, counted at its first token (as vLLM)

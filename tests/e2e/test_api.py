@@ -80,3 +80,25 @@ def test_kv_cache_memory_sizes_the_pool(llama_dir):
     llm = LLM(llama_dir, kv_cache_memory="1MiB", block_size=16, max_model_len=256)
     # tiny llama: 2 layers x 2 KV heads x 16 dims x 4 bytes x (K and V) = 512 bytes/token
     assert llm.get_kv_cache_stats().num_blocks == 1024 * 1024 // (512 * 16)
+
+
+def test_delta_outputs_carry_news_only_and_each_finish_once(llm):
+    """n=3 sequences that stop at different steps: a delta output lists a sequence only when it
+    has something new, its finish exactly once, and the deltas join to the cumulative result."""
+    engine = llm.llm_engine
+    params = {kind: SamplingParams(n=3, seed=7, max_tokens=30, stop_token_ids=list(range(3, 120)), output_kind=kind)
+              for kind in ("delta", "cumulative")}
+    outputs = {}
+    for kind, p in params.items():
+        engine.add_request(kind, "hello world", p)
+        outputs[kind] = []
+        while engine.has_unfinished_requests():
+            outputs[kind] += engine.step()
+    final = {c.index: c for c in outputs["cumulative"][-1].outputs}
+    assert len({c.finish_reason and len(c.token_ids) for c in final.values()}) > 1  # they stop apart
+    for index, done in final.items():
+        pieces = [c for o in outputs["delta"] for c in o.outputs if c.index == index]
+        assert [c.finish_reason is not None for c in pieces] == [False] * (len(pieces) - 1) + [True]
+        assert all(c.token_ids for c in pieces)
+        assert sum((c.token_ids for c in pieces), []) == done.token_ids
+        assert "".join(c.text for c in pieces) == done.text

@@ -65,3 +65,28 @@ def test_beams_share_blocks(llm):
     llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=W, max_tokens=MAX_NEW))
     independent = W * -(-(len(prompt) + MAX_NEW) // 8)
     assert engine.counters.peak_used_blocks < 0.6 * independent
+
+
+def test_beam_search_beside_running_requests(llm):
+    """Beam search runs in the engine's ordinary steps: requests already in flight keep going,
+    the beams equal those of a search on an idle engine, and the others' tokens are untouched."""
+    engine = llm.llm_engine
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    params = BeamSearchParams(beam_width=W, max_tokens=MAX_NEW)
+    alone = llm.beam_search(prompts, params)
+    others = [{"prompt_token_ids": p} for p in random_prompts(3, seed=9)]
+    greedy = SamplingParams(temperature=0, max_tokens=3 * MAX_NEW, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(others, greedy, use_tqdm=False)]
+    for i, prompt in enumerate(others):
+        engine.add_request(f"other-{i}", prompt, greedy)
+    finals = {o.request_id: o for _ in range(2) for o in engine.step() if o.finished}
+    beside = llm.beam_search(prompts, params)
+    assert engine.has_unfinished_requests()  # the others were running all along
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    for a, b in zip(alone, beside):
+        assert [s.output_token_ids for s in a.sequences] == [s.output_token_ids for s in b.sequences]
+        assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences], abs=1e-4)
+    assert [finals[f"other-{i}"].outputs[0].token_ids for i in range(3)] == expected
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
+    engine.scheduler.kv.check_integrity()

@@ -303,6 +303,9 @@ BAD = [
     ("/v1/completions", '{"prompt": [1, 99999]}', "prompt"),
     ("/v1/completions", '{"prompt": ""}', "prompt"),
     ("/v1/completions", '{"prompt": []}', "prompt"),
+    ("/v1/completions", '{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: the field is named
+    ("/v1/completions", '{"prompt": ["ok", "a\\udc00b"]}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
     ("/v1/completions", '{"prompt": "x", "stream": true, "best_of": 3}', "best_of"),
     ("/v1/completions", '{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
     ("/v1/chat/completions", '{"messages": "hi"}', "messages"),
@@ -336,6 +339,13 @@ def test_bad_input_is_400_and_server_keeps_serving(live_server, path, body, para
     ok = httpx.post(f"{live_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
 
+
+
+def test_lone_surrogate_says_what_is_wrong(live_server):  # noqa: F811
+    for path, body in [("/v1/completions", '{"prompt": "x\\ud800"}'),
+                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}')]:
+        r = httpx.post(f"{live_server.url}{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
 
 def test_missing_chat_template_is_400(live_server, client, monkeypatch):  # noqa: F811
     monkeypatch.setattr(live_server.app.state.serving.tokenizer, "chat_template", None)

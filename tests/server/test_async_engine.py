@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -93,3 +94,84 @@ def test_dead_engine_fails_in_flight_and_new_requests(engine_args):
         with pytest.raises(EngineDeadError):
             await texts(engine, "delta", "y")
     run(engine_args, body)
+
+
+class Recorder:
+    """An output observer that keeps everything leaving the engine."""
+
+    def __init__(self):
+        self.outputs = []
+
+    def observe(self, out):
+        self.outputs.append(out)
+
+
+def test_final_only_leaves_the_engine_once_with_every_step_latency(engine_args):
+    """A final-only (non-streaming) request yields one output from the engine, not one per
+    step re-assembled later; that output still reports all 7 gaps between its 8 token steps."""
+    async def body(engine):
+        rec = Recorder()
+        engine.observers.append(rec)
+        outs = {}
+        for kind in ("final_only", "delta"):
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind)
+            outs[kind] = [o async for o in engine.generate("héllo", params, kind)]
+        return outs, rec.outputs
+    outs, seen = run(engine_args, body)
+    final = [o for o in seen if o.request_id == "final_only"]
+    assert len(final) == len(outs["final_only"]) == 1 and final[0].finished
+    assert final[0].metrics.is_first_output and len(final[0].metrics.inter_token_latencies) == 7
+    delta = [o for o in seen if o.request_id == "delta"]
+    assert len(delta) == 8 and [o.metrics.is_first_output for o in delta] == [True] + [False] * 7
+    assert sum(len(o.metrics.inter_token_latencies) for o in delta) == 7
+    assert "".join(o.outputs[0].text for o in outs["delta"]) == outs["final_only"][0].outputs[0].text
+
+
+def test_huge_prompt_does_not_stall_a_small_request(engine_args):
+    """A 20 MB prompt is refused (after bounded work, off the engine thread) while a 2-token
+    request runs beside it: the small one is not held up."""
+    async def body(engine):
+        await texts(engine, "final_only", "warm-up")
+        huge = asyncio.create_task(anext(engine.generate("hello world " * 1_750_000, SamplingParams(), "huge")))
+        await asyncio.sleep(0)  # the huge request is submitted first
+        t0 = time.perf_counter()
+        small = [o async for o in engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), "small")]
+        elapsed = time.perf_counter() - t0
+        with pytest.raises(ValueError, match="^prompt of 21000000 characters is too long"):
+            await huge
+        return elapsed, small
+    elapsed, small = run(engine_args, body)
+    assert small[-1].finished and len(small[-1].outputs[0].token_ids) == 2
+    assert elapsed < 1.0
+
+
+def test_tokenization_runs_off_the_engine_thread(engine_args, monkeypatch):
+    """Even a prompt that is slow to tokenize delays only itself."""
+    from pagedllm.engine.input_processor import InputProcessor
+    real_encode, threads = InputProcessor.encode, []
+
+    def slow_encode(self, text, **kw):
+        threads.append(threading.current_thread().name)
+        if text.startswith("SLOW"):
+            time.sleep(2.0)
+        return real_encode(self, text, **kw)
+    monkeypatch.setattr(InputProcessor, "encode", slow_encode)
+
+    async def body(engine):
+        await texts(engine, "final_only", "warm-up")
+        slow = asyncio.create_task(texts(engine, "final_only", "slow", prompt="SLOW hello"))
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        await texts(engine, "final_only", "fast")
+        return time.perf_counter() - t0, await slow
+    elapsed, slow_text = run(engine_args, body)
+    assert elapsed < 1.0 and len(slow_text) == 1
+    assert threads and all(name.startswith("pagedllm-tokenize") for name in threads)
+
+
+def test_lone_surrogate_is_a_value_error_naming_the_prompt(engine_args):
+    async def body(engine):
+        with pytest.raises(ValueError, match="^prompt contains a lone surrogate U\\+D800 at character 2"):
+            await anext(engine.generate("ab\ud800", SamplingParams(), "s"))
+        return await engine.get_kv_cache_stats()
+    assert run(engine_args, body).num_used_blocks == 0

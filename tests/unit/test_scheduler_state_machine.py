@@ -82,6 +82,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.kv.check_integrity()
         assert len(self.sched.running) <= 6
 
+    @invariant()
+    def stats_agree(self):
+        """make_stats() / kv_cache_stats() report what the queues and the pools hold."""
+        snap, kv = self.sched.make_stats(), self.sched.kv_cache_stats()
+        assert (snap.num_running, snap.num_waiting, snap.num_swapped) == (
+            len(self.sched.running), len(self.sched.waiting), len(self.sched.swapped))
+        assert snap.num_used_blocks == kv.num_used_blocks == NUM_BLOCKS - kv.num_free_blocks
+        assert kv.num_cpu_blocks == self.num_cpu_blocks and 0 <= kv.num_cpu_free_blocks <= self.num_cpu_blocks
+        assert kv.num_cached_blocks <= kv.num_free_blocks
+
     def teardown(self):
         for _ in range(2000):
             if not self.sched.has_unfinished():
@@ -90,7 +100,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.kv.check_integrity()
         assert not self.sched.has_unfinished(), "requests left unfinished"
         assert self.sched.kv.num_free_blocks == NUM_BLOCKS
-        assert self.sched.kv.cpu_pool.num_free_blocks == self.num_cpu_blocks
+        assert self.sched.kv.num_cpu_free_blocks == self.num_cpu_blocks
         assert not self.sched.sequences
         self.table.release(self.sched.schedule().released_ids)
         assert not self.table.rows, "rows of finished requests were never released"

@@ -326,8 +326,8 @@ def _served_names(engine, served_model_name: str | list[str] | None) -> list[str
         return list(served_model_name)
     if isinstance(engine, EngineArgs):
         return list(engine.served_model_names())
-    inner = engine.engine if isinstance(engine, AsyncLLMEngine) else engine
-    return list(inner.model_config.served_model_names) or [inner.model_config.model]
+    # LLMEngine and AsyncLLMEngine both expose model_config
+    return list(engine.model_config.served_model_names) or [engine.model_config.model]
 
 
 def load_chat_template(value: str | None) -> str | None:

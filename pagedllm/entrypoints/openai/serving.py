@@ -9,7 +9,6 @@ cancellation or an error anywhere frees the KV blocks at once.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import re
 import time
@@ -249,9 +248,10 @@ def chat_logprobs(c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
 
 @dataclass
 class StreamState:
-    """What a stream has sent so far: finished choices, text offsets, token counts."""
+    """What a stream has sent so far: opened choices, text offsets (of the text the client got,
+    echoed prompt included), token counts. The engine's delta outputs carry each completion only
+    when it has something new, and its finish once."""
 
-    finished: set[int] = field(default_factory=set)
     started: set[int] = field(default_factory=set)
     text_len: dict[int, int] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
@@ -265,10 +265,8 @@ class StreamState:
         for c in out.outputs:
             idx = i * n + c.index
             self.completion_tokens += len(c.token_ids)
-            if idx in self.finished or not (c.text or c.finish_reason or (self.logprobs and c.token_ids)):
+            if not (c.text or c.finish_reason or (self.logprobs and c.token_ids)):
                 continue  # nothing to show: text held back (a partial character, a possible stop string)
-            if c.finish_reason is not None:
-                self.finished.add(idx)
             fresh.append((idx, c))
         return fresh
 
@@ -285,9 +283,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
-        self.model_config = engine.engine.model_config
-        # the engine thread uses its tokenizer concurrently; a fast tokenizer is not safe to share
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        self.model_config = engine.model_config
+        self.tokenizer = engine.get_tokenizer()  # this thread's own copy (for templates and decoding)
         self.chat_template = chat_template
 
     # ------------------------------------------------------------------ shared checks
@@ -435,11 +432,15 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
                                       logprobs=logprobs)
-        prompt = self.render_chat(req.messages, req.add_generation_prompt)
-        return await self.start(rid, [prompt], params, arrival)
+        text = self.render_chat(req.messages, req.add_generation_prompt)
+        try:  # on a tokenizer thread, bounded like any prompt; no extra BOS: the template writes its own
+            ids = await self.engine.encode(text, add_special_tokens=False, field="messages")
+        except ValueError as exc:
+            raise ServingError(str(exc), 400, "messages") from None
+        return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
-        """Chat template -> prompt text and ids (no extra BOS: the template writes its own)."""
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The chat template applied to the messages (the prompt text)."""
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ServingError("this model's tokenizer has no chat template; start the server with "
                                "--chat-template FILE_OR_STRING", 400, "messages")
@@ -447,10 +448,9 @@ class OpenAIServing:
             raise ServingError("messages must not be empty", 400, "messages")
         conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
+            return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
                                                       add_generation_prompt=add_generation_prompt, tokenize=False)
-            return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-        except Exception as exc:  # jinja errors (raise_exception in a template), tokenizer type errors
+        except Exception as exc:  # jinja errors (raise_exception in a template)
             raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
 
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest,
@@ -484,9 +484,10 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
-            ids = self.render_chat(req.messages, req.add_generation_prompt)["prompt_token_ids"]
+            text = self.render_chat(req.messages, req.add_generation_prompt)
+            ids = _encode(self.tokenizer, text, False, "messages")
         else:
-            ids = _encode(self.tokenizer, req.prompt, req.add_special_tokens)
+            ids = _encode(self.tokenizer, req.prompt, req.add_special_tokens, "prompt")
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.model_config.max_model_len)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -534,9 +535,10 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(p.text or "" for p in m.content)
 
 
-def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """/tokenize: no length bound (it reports the count against max_model_len)."""
     try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError) as exc:
-        raise ServingError(f"cannot tokenize the prompt: {exc}", 400, "prompt") from None
+        raise ServingError(f"cannot tokenize {param}: {exc}", 400, param) from None
 

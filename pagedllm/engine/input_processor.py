@@ -1,0 +1,154 @@
+"""Prompt -> validated token ids: the one place a request is tokenized and checked.
+
+``LLMEngine.add_request``, ``LLM``, the async engine (on its tokenizer threads, off the engine
+thread) and beam search all go through :class:`InputProcessor`, so every entry point refuses the
+same inputs with the same messages.
+
+Bounded work on huge prompts. A prompt must fit in ``max_model_len - 1`` tokens, so a 20 MB
+string must be refused without tokenizing 20 MB (minutes of CPU, gigabytes of token lists).
+No token of the vocabulary spells more than ``max_token_chars`` characters (its longest entry;
+byte-level entries spell one byte per character, so they over-count multi-byte characters, which
+only makes the bound looser), hence a text of ``C`` characters makes at least
+``C / max_token_chars`` tokens, as long as the tokenizer's normalizer does not delete characters.
+A longer text than ``max_model_len * max_token_chars`` characters is therefore tokenized only up
+to that many characters: if that prefix alone is already too long the prompt is refused (the
+rest can only add tokens); if not (a normalizer dropped characters) the whole text is tokenized
+and checked like any other. Either way the work is bounded by what an acceptable prompt costs,
+except for tokenizers that delete most of their input.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request ready for the scheduler: its prompt text (if any), token ids and own params."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a private copy with max_tokens filled in
+    arrival_time: float | None = None
+    cache_salt: str | None = None
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts against the model and the KV cache.
+
+    Not thread-safe (a fast tokenizer must not be used from two threads at once): a thread
+    that tokenizes concurrently with others uses its own ``clone()``.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 check_fits: Callable[[int, int, int], None]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.check_fits = check_fits  # (prompt tokens, max_tokens, sequences) -> raises ValueError
+        self._max_token_chars: int | None = None
+
+    def clone(self) -> InputProcessor:
+        """A processor with its own tokenizer copy, for another thread."""
+        other = copy.copy(self)
+        other.tokenizer = copy.deepcopy(self.tokenizer)
+        return other
+
+    # ------------------------------------------------------------------ the whole request
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                arrival_time: float | None = None, cache_salt: str | None = None) -> ProcessedRequest:
+        """Raises ValueError/TypeError naming the field for anything the engine cannot run."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = params.clone()  # max_tokens is filled in below; the caller's object stays as given
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids alone) and token ids."""
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), self._id_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
+                         "a dict with 'prompt' or 'prompt_token_ids'")
+
+    @staticmethod
+    def _id_list(ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids={ids!r:.80} must be a list of integers")
+        return list(ids)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Checks ids and params against the vocabulary, max_model_len and the KV cache;
+        fills in ``params.max_tokens`` (None = up to max_model_len)."""
+        max_len = self.max_model_len
+        if not ids:
+            raise ValueError("prompt_token_ids=[] is empty; give at least one token")
+        if len(ids) >= max_len:  # before the per-token scan: a huge id list is refused in O(1)
+            raise ValueError(f"prompt of {len(ids)} tokens is too long: max_model_len={max_len} "
+                             "leaves no room to generate")
+        self._check_ids("prompt_token_ids", ids)
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            self._check_ids(name, list(tokens))
+        if params.max_tokens is None:
+            params.max_tokens = max_len - len(ids)
+        self.check_fits(len(ids), params.max_tokens, params.num_sequences)
+
+    def _check_ids(self, name: str, ids: list) -> None:
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} contains {bad[:5]}: token ids must be integers in [0, {vocab})")
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str, *, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``; a text that cannot fit in max_model_len is refused after
+        bounded work (see the module docstring). ``field`` names the input in error messages."""
+        if self.tokenizer is None:
+            raise ValueError(f"{field} is text but the engine has no tokenizer; pass prompt_token_ids")
+        if not text:
+            raise ValueError(f"{field}='' is empty; give at least one token")
+        limit = self.max_model_len * self.max_token_chars()
+        if len(text) > limit:
+            num_prefix = len(self._encode(text[:limit], add_special_tokens, field))
+            if num_prefix >= self.max_model_len:
+                raise ValueError(f"{field} of {len(text)} characters is too long: its first {limit} characters "
+                                 f"alone are {num_prefix} tokens and max_model_len={self.max_model_len}")
+        return self._encode(text, add_special_tokens, field)
+
+    def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        _check_unicode(text, field)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{field} cannot be tokenized: {exc}") from None
+
+    def max_token_chars(self) -> int:
+        """Characters spelled by the vocabulary's longest token (computed once)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        return self._max_token_chars
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """A lone UTF-16 surrogate (e.g. from a JSON "\\ud800" escape) is not text any tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} contains a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                         f"{exc.start}: text must be valid Unicode (surrogates only come in UTF-16 pairs)") from None
