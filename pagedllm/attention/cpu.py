@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, check_soft_cap
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
@@ -231,7 +231,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        check_soft_cap(logits_soft_cap, self.name)
         _check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import envs
+from pagedllm.attention.selector import BACKENDS
 from pagedllm.config import (
     CacheConfig,
     EngineConfig,
@@ -141,7 +142,7 @@ def add_engine_args(parser) -> None:
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "sdpa", "cpu"])
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=BACKENDS)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU (default: physical cores)")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--compile-model", action="store_true",
