@@ -104,8 +104,10 @@ def compile_launch(launch: Launch, arch: int):
 
 
 def describe(launch: Launch) -> str:
-    types = sorted({t for name, t in signature(launch.args).items() if t.startswith("*")})
-    return f"{launch.kernel} {','.join(types)} {launch.constexprs} {launch.options}"
+    """The kernel, the dtypes of its data pointers, constexprs and options, on one line."""
+    data = ("query_ptr", "key_ptr", "acc_ptr", "key_cache_ptr", "out_ptr")
+    dtypes = " ".join(f"{name[:-4]}={t[1:]}" for name, t in signature(launch.args).items() if name in data)
+    return f"{launch.kernel} {dtypes} {launch.constexprs} {launch.options}"
 
 
 def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:

@@ -143,5 +143,5 @@ def _check_devices(*tensors_and_meta) -> None:
         raise ValueError(f"query, key, value, the KV cache and the metadata must be on one device, got {devices}")
     for name in ("block_tables", "query_start_loc", "seq_lens"):
         t = getattr(meta, name)
-        if t.dtype != torch.int32 or t.stride(-1) != 1:
+        if t.dtype != torch.int32 or (t.numel() and t.stride(-1) != 1):
             raise ValueError(f"metadata {name} must be int32 with unit stride, got {t.dtype} {t.stride()}")
