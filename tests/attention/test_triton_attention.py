@@ -203,13 +203,27 @@ def test_refuses_unsupported_configurations(kwargs, match):
         TritonAttentionBackend(num_kv_splits=0)
 
 
+def test_fallback_runs_what_the_kernels_do_not_cover(caplog):
+    """attention_backend="auto" on CUDA: head_dim 16 goes to the fallback, with one warning."""
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    backend = TritonAttentionBackend(fallback=TorchReferenceBackend())
+    with caplog.at_level("WARNING"):
+        out, _, _ = run(backend, batch)
+        run(backend, batch)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=ATOL, rtol=RTOL)
+    warnings = [r.getMessage() for r in caplog.records if "head_dim=16 is not supported" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].endswith("using the torch attention backend instead")
+
+
 def test_selector(monkeypatch):
     from pagedllm.attention import selector
     from pagedllm.attention.sdpa import SdpaBackend
     assert "triton" in selector.BACKENDS
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert isinstance(selector.get_attention_backend("triton", torch.device(DEVICE)), TritonAttentionBackend)
-    assert isinstance(selector.get_attention_backend("auto", cuda), TritonAttentionBackend)
+    named = selector.get_attention_backend("triton", torch.device(DEVICE))
+    assert isinstance(named, TritonAttentionBackend) and named.fallback is None  # refuses, never falls back
+    auto = selector.get_attention_backend("auto", cuda)
+    assert isinstance(auto, TritonAttentionBackend) and isinstance(auto.fallback, SdpaBackend)
     monkeypatch.setattr(triton_pkg, "import_error", lambda: "No module named 'triton'")
     with pytest.raises(ValueError, match="attention_backend='triton' needs triton and numpy: No module named"):
         selector.get_attention_backend("triton", cpu)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -25,6 +26,8 @@ from pagedllm.attention.triton.plan import (
     num_query_tiles,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: one kernel for the flat mixed batch (decodes and prefill
@@ -35,17 +38,24 @@ class TritonAttentionBackend(AttentionBackend):
     (``TRITON_INTERPRET=1`` before triton is imported; correct but slow: for tests).
     ``num_kv_splits``: None picks the split count per step with
     ``plan.choose_num_kv_splits``; an int forces it (1: never split).
+
+    A configuration the kernels do not cover (head_dim, block_size, dtypes; see
+    ``unsupported_reason``) raises ValueError, unless a ``fallback`` backend is given (what
+    ``attention_backend="auto"`` does on CUDA): then a warning names the reason, once, and the
+    fallback runs those calls.
     """
 
     name = "triton"
 
-    def __init__(self, num_kv_splits: int | None = None):
+    def __init__(self, num_kv_splits: int | None = None, fallback: AttentionBackend | None = None):
         error = import_error()
         if error is not None:
             raise ValueError(f"attention_backend='triton' needs triton and numpy: {error}")
         if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
             raise ValueError(f"num_kv_splits={num_kv_splits!r} must be None or an int >= 1")
         self.num_kv_splits = num_kv_splits
+        self.fallback = fallback
+        self._warned: set[str] = set()
 
     @staticmethod
     def check_device(device: torch.device) -> None:
@@ -56,7 +66,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        check_supported(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
+        reason = unsupported_reason(query, key_cache)
+        if reason is not None:
+            return self._fallback_for(reason).forward(query, key, value, key_cache, value_cache, meta, scale,
+                                                      sliding_window, logits_soft_cap)
+        check_call(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
         self.check_device(query.device)
         kernels = load_kernels()
         query, key, value = (_unit_stride(t) for t in (query, key, value))
@@ -68,6 +82,14 @@ class TritonAttentionBackend(AttentionBackend):
         call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0)
         self._attend(kernels, call, out)
         return out
+
+    def _fallback_for(self, reason: str) -> AttentionBackend:
+        if self.fallback is None:
+            raise ValueError(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("%s: using the %s attention backend instead", reason, self.fallback.name)
+        return self.fallback
 
     def _attend(self, kernels, call: AttentionCall, out: torch.Tensor) -> None:
         meta = call.meta
@@ -100,14 +122,22 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def check_supported(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
-                    sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """Raises ValueError for anything the kernels do not handle (they trust their arguments)."""
+def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
+    """Which part of the model / cache configuration the kernels do not cover, or None."""
+    _, _, block_size, head_dim = key_cache.shape
+    for name, value, allowed in (("head_dim", head_dim, SUPPORTED_HEAD_DIMS),
+                                 ("block_size", block_size, SUPPORTED_BLOCK_SIZES),
+                                 ("(query dtype, kv cache dtype)", (query.dtype, key_cache.dtype), SUPPORTED_DTYPES)):
+        if value not in allowed:
+            return f"{name}={value} is not supported by attention_backend='triton'; allowed: {allowed}"
+    return None
+
+
+def check_call(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
+               sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Raises ValueError for inconsistent arguments (the kernels trust them)."""
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     num_tokens, num_heads, _ = query.shape
-    _check_member("head_dim", head_dim, SUPPORTED_HEAD_DIMS)
-    _check_member("block_size", block_size, SUPPORTED_BLOCK_SIZES)
-    _check_member("(query dtype, kv cache dtype)", (query.dtype, key_cache.dtype), SUPPORTED_DTYPES)
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError("key_cache and value_cache must have the same shape and dtype")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -121,11 +151,6 @@ def check_supported(query, key, value, key_cache, value_cache, meta: AttentionMe
                          f"the cache block size {block_size} and the {num_tokens} query tokens")
     _check_options(sliding_window, logits_soft_cap)
     _check_devices(query, key, value, key_cache, value_cache, meta)
-
-
-def _check_member(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value} is not supported by attention_backend='triton'; allowed: {allowed}")
 
 
 def _check_options(sliding_window, logits_soft_cap) -> None:
