@@ -1,5 +1,5 @@
-"""Triton kernels for paged attention: K/V write, the unified attention kernel, its split-KV
-(flash-decoding) variant and the split reduction.
+"""Triton kernels for paged attention: the K/V write, the unified attention kernel (which also
+runs split-KV, i.e. flash-decoding, when its grid has several splits) and the merge of splits.
 
 The attention loop reads like ``torch_ref._attend_one``: the same names (``q_pos``, ``k_pos``,
 ``causal``, ``m``, ``row_sum``, ``acc``, ``correction``) for the same quantities. Two
