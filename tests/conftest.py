@@ -8,6 +8,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in Triton's interpreter; triton reads this once, when first
+# imported (kernels and its own library functions are built in one mode), so it is set before any
+# test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")

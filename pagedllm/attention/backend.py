@@ -30,9 +30,19 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally; with a
-        ``sliding_window`` W, the token at position p sees positions p - W + 1 .. p only."""
+        ``sliding_window`` W, the token at position p sees positions p - W + 1 .. p only; with a
+        ``logits_soft_cap`` c (Gemma 2), each scaled score s becomes ``tanh(s / c) * c`` before the
+        softmax. A backend that cannot do something it is asked raises ValueError."""
+
+
+def check_soft_cap(logits_soft_cap: float | None, backend: str) -> None:
+    """For backends without a soft-cap: refuse one instead of ignoring it."""
+    if logits_soft_cap is not None:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} is not supported by attention_backend={backend!r}; "
+                         "use 'torch', 'sdpa' or 'triton'")
 
 
 def write_kv(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, check_soft_cap
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.native import bindings
@@ -83,7 +83,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        check_soft_cap(logits_soft_cap, self.name)
         self._check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)

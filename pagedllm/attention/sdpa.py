@@ -1,6 +1,6 @@
 """Portable fast-enough backend: gather each request's K/V through its block table, then SDPA.
 
-Used on CUDA until a Triton kernel exists, and on CPU when the C kernel cannot be built. It
+Used on CUDA when triton is not installed, and on CPU when the C kernel cannot be built. It
 copies a request's context per call (the C kernel does not), but runs one fused SDPA per request.
 """
 from __future__ import annotations
@@ -16,14 +16,13 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
         bs = key_cache.shape[2]
         for r, start, end, seq_len in meta.request_spans():
             blocks = meta.block_tables[r, : (seq_len + bs - 1) // bs].long()
-            # [n_blocks, kv_heads, bs, dim] -> [kv_heads, n_blocks * bs, dim] -> first seq_len positions
             # (cast: the cache may be stored in another dtype, kv_cache_dtype)
             head_dim = key_cache.shape[3]
             # [n_blocks, kv_heads, bs, hd] -> [kv_heads, n_blocks * bs, hd] -> first seq_len tokens
@@ -31,10 +30,25 @@ class SdpaBackend(AttentionBackend):
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
             mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=num_heads != num_kv_heads)
-            out[start:end] = o[0].transpose(0, 1)
+            if logits_soft_cap:
+                o = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
+            else:
+                o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                   enable_gqa=num_heads != num_kv_heads)[0]
+            out[start:end] = o.transpose(0, 1)
         return out
+
+
+def _soft_capped_attention(q, k, v, mask, scale: float, soft_cap: float) -> torch.Tensor:
+    """SDPA has no soft-cap hook, so the capped scores are computed explicitly:
+    q [heads, q_len, dim], k/v [kv_heads, seq_len, dim] -> [heads, q_len, dim]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [heads, seq_len, dim]
+    s = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [heads, q_len, seq_len]
+    s = torch.tanh(s / soft_cap) * soft_cap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None) -> torch.Tensor | None:

@@ -8,12 +8,19 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("auto", "torch", "sdpa", "cpu")
+BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto``: the C kernel on CPU (SDPA if it cannot be built), the Triton kernels on CUDA
+    (SDPA, with a warning, if triton is missing or for a head size / block size / dtype pair
+    they do not cover). A named backend that cannot run raises."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {BACKENDS}")
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        backend = _try_triton(device, required=name == "triton")
+        if backend is not None:
+            return backend
     if name == "torch":
         from pagedllm.attention.torch_ref import TorchReferenceBackend
         return TorchReferenceBackend()
@@ -25,6 +32,20 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("attention_backend='cpu' requested but the C kernel could not be built")
     from pagedllm.attention.sdpa import SdpaBackend
     return SdpaBackend()
+
+
+def _try_triton(device: torch.device, required: bool) -> AttentionBackend | None:
+    from pagedllm.attention.triton import import_error
+    error = import_error()
+    if error is None:
+        from pagedllm.attention.sdpa import SdpaBackend
+        from pagedllm.attention.triton.backend import TritonAttentionBackend
+        TritonAttentionBackend.check_device(device)
+        return TritonAttentionBackend(fallback=None if required else SdpaBackend())
+    if required:
+        raise ValueError(f"attention_backend='triton' needs triton and numpy: {error}")
+    logger.warning("Triton unavailable (%s); using the SDPA attention backend", error)
+    return None
 
 
 def _try_cpu_kernel() -> AttentionBackend | None:

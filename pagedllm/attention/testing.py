@@ -7,7 +7,7 @@ The oracle therefore never looks at the paged cache.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,6 +31,15 @@ class PagedBatch:
     def fresh_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the pool, so several backends can each write into their own."""
         return self.key_cache.clone(), self.value_cache.clone()
+
+    def to(self, device: torch.device | str) -> PagedBatch:
+        """The batch with its inputs, pool and metadata on ``device`` (the oracle's dense
+        context stays on the CPU)."""
+        meta = self.meta
+        meta_tensors = {f: getattr(meta, f).to(device)
+                        for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")}
+        moved = {f: getattr(self, f).to(device) for f in ("query", "key", "value", "key_cache", "value_cache")}
+        return replace(self, meta=replace(meta, **meta_tensors), **moved)
 
 
 def make_paged_batch(
@@ -86,9 +95,11 @@ def make_paged_batch(
     )
 
 
-def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
-    (and, with ``sliding_window`` W, only the last W positions visible)."""
+    (and, with ``sliding_window`` W, only the last W positions visible; with ``logits_soft_cap``
+    c, explicit softmax over ``tanh(s / c) * c``)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -105,10 +116,12 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None) ->
         mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
         if sliding_window:
             mask &= k_pos > q_pos[:, None] - sliding_window
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=batch.scale,
-        )  # fmt: skip
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+        if logits_soft_cap:
+            s = torch.tanh(q @ k.transpose(1, 2) * batch.scale / logits_soft_cap) * logits_soft_cap
+            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
         outs.append(o.transpose(0, 1))
     if not outs:
         return torch.empty(0, *batch.query.shape[1:], dtype=torch.float64)

@@ -16,17 +16,17 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for r, start, end, seq_len in meta.request_spans():
-            out[start:end] = _attend_one(
-                query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len, scale, sliding_window
-            )
+            out[start:end] = _attend_one(query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len,
+                                         scale, sliding_window, logits_soft_cap)
         return out
 
 
-def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None):
+def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None,
+                soft_cap: float | None = None):
     """Online-softmax attention of one request's query chunk over its paged context."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -43,6 +43,8 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         k = key_cache[block_id, :, :n].float().repeat_interleave(group, dim=0)
         v = value_cache[block_id, :, :n].float().repeat_interleave(group, dim=0)
         s = torch.einsum("qhd,hkd->qhk", qf, k)  # [q_len, num_heads, n]
+        if soft_cap:
+            s = torch.tanh(s / soft_cap) * soft_cap
         k_pos = torch.arange(b * block_size, b * block_size + n, device=q.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [q_len, n]
         if window:

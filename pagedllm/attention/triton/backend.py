@@ -1,0 +1,172 @@
+"""TritonAttentionBackend: K/V write + paged attention with the Triton kernels."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.triton import import_error, interpreting, load_kernels
+from pagedllm.attention.triton.launch import (
+    AttentionCall,
+    SplitBuffers,
+    attention_launch,
+    reduce_launch,
+    write_kv_launch,
+)
+from pagedllm.attention.triton.plan import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    AttentionTiles,
+    attention_tiles,
+    choose_num_kv_splits,
+    num_query_tiles,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: one kernel for the flat mixed batch (decodes and prefill
+    chunks), reading K/V in place through the block tables, plus a split-KV variant for long
+    contexts at small batch.
+
+    On CUDA tensors the kernels are compiled; CPU tensors need Triton's interpreter
+    (``TRITON_INTERPRET=1`` before triton is imported; correct but slow: for tests).
+    ``num_kv_splits``: None picks the split count per step with
+    ``plan.choose_num_kv_splits``; an int forces it (1: never split).
+
+    A configuration the kernels do not cover (head_dim, block_size, dtypes; see
+    ``unsupported_reason``) raises ValueError, unless a ``fallback`` backend is given (what
+    ``attention_backend="auto"`` does on CUDA): then a warning names the reason, once, and the
+    fallback runs those calls.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_kv_splits: int | None = None, fallback: AttentionBackend | None = None):
+        error = import_error()
+        if error is not None:
+            raise ValueError(f"attention_backend='triton' needs triton and numpy: {error}")
+        if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
+            raise ValueError(f"num_kv_splits={num_kv_splits!r} must be None or an int >= 1")
+        self.num_kv_splits = num_kv_splits
+        self.fallback = fallback
+        self._warned: set[str] = set()
+
+    @staticmethod
+    def check_device(device: torch.device) -> None:
+        """Raises ValueError if the kernels cannot run on ``device`` in this process."""
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(f"attention_backend='triton' on {device.type} runs in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 in the environment before starting (or use a CUDA device)")
+
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        reason = unsupported_reason(query, key_cache)
+        if reason is not None:
+            return self._fallback_for(reason).forward(query, key, value, key_cache, value_cache, meta, scale,
+                                                      sliding_window, logits_soft_cap)
+        check_call(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
+        self.check_device(query.device)
+        kernels = load_kernels()
+        query, key, value = (_unit_stride(t) for t in (query, key, value))
+        if key.shape[0]:
+            write_kv_launch(key, value, key_cache, value_cache, meta.slot_mapping).run(kernels)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if query.shape[0] == 0:
+            return out
+        call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0)
+        self._attend(kernels, call, out)
+        return out
+
+    def _fallback_for(self, reason: str) -> AttentionBackend:
+        if self.fallback is None:
+            raise ValueError(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("%s: using the %s attention backend instead", reason, self.fallback.name)
+        return self.fallback
+
+    def _attend(self, kernels, call: AttentionCall, out: torch.Tensor) -> None:
+        meta = call.meta
+        tiles = attention_tiles(call.query.shape[2], call.group)
+        num_splits = self.num_kv_splits or choose_num_kv_splits(
+            _num_programs(call, tiles), meta.max_query_len, meta.max_seq_len, _num_sms(call.query.device))
+        # one split: the partial buffers are never touched, one element each keeps the signature
+        splits = SplitBuffers.empty(num_splits, call.query if num_splits > 1 else call.query[:1, :1, :1])
+        attention_launch(call, tiles, out, splits).run(kernels)
+        if num_splits > 1:
+            reduce_launch(out, splits).run(kernels)
+
+
+def _num_programs(call: AttentionCall, tiles: AttentionTiles) -> int:
+    tiles_q = num_query_tiles(call.query.shape[0], call.meta.num_reqs, tiles.block_q)
+    return tiles_q * call.key_cache.shape[1] * tiles.subgroups
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter gains nothing
+    from a split, so the heuristic never splits there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take strides for tokens and heads but assume a unit stride in head_dim."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
+    """Which part of the model / cache configuration the kernels do not cover, or None."""
+    _, _, block_size, head_dim = key_cache.shape
+    for name, value, allowed in (("head_dim", head_dim, SUPPORTED_HEAD_DIMS),
+                                 ("block_size", block_size, SUPPORTED_BLOCK_SIZES),
+                                 ("(query dtype, kv cache dtype)", (query.dtype, key_cache.dtype), SUPPORTED_DTYPES)):
+        if value not in allowed:
+            return f"{name}={value} is not supported by attention_backend='triton'; allowed: {allowed}"
+    return None
+
+
+def check_call(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
+               sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Raises ValueError for inconsistent arguments (the kernels trust them)."""
+    _, num_kv_heads, block_size, head_dim = key_cache.shape
+    num_tokens, num_heads, _ = query.shape
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous (it is written in place)")
+    if query.shape[2] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit the cache {tuple(key_cache.shape)}")
+    if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape:
+        raise ValueError(f"key/value must be [{num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
+    if meta.block_size != block_size or meta.num_tokens != num_tokens:
+        raise ValueError(f"metadata (block_size={meta.block_size}, {meta.num_tokens} tokens) does not match "
+                         f"the cache block size {block_size} and the {num_tokens} query tokens")
+    _check_options(sliding_window, logits_soft_cap)
+    _check_devices(query, key, value, key_cache, value_cache, meta)
+
+
+def _check_options(sliding_window, logits_soft_cap) -> None:
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 0 (0: no window)")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or > 0")
+
+
+def _check_devices(*tensors_and_meta) -> None:
+    *tensors, meta = tensors_and_meta
+    tensors += [meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping]
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"query, key, value, the KV cache and the metadata must be on one device, got {devices}")
+    for name in ("block_tables", "query_start_loc", "seq_lens"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or (t.numel() and t.stride(-1) != 1):
+            raise ValueError(f"metadata {name} must be int32 with unit stride, got {t.dtype} {t.stride()}")
