@@ -105,6 +105,8 @@ class EngineConfig:
     num_threads: int | None = None
     log_stats_interval: float = 10.0
     compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
+    layer_ops: str = "native"  # the layers' fused ops, "native" or "triton" (layers/ops.py, resolved)
+    cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:

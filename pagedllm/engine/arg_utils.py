@@ -17,6 +17,7 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
@@ -38,7 +39,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     seed: int = 0
-    enforce_eager: bool = False  # wins over compile_model (vLLM's meaning: no compilation)
+    enforce_eager: bool = False  # no compilation and no CUDA graphs (vLLM's meaning); wins over compile_model
     compile_model: bool = False
     quantization: str | None = None  # "int8": weight-only int8 projections (layers/quantization.py)
     kv_cache_dtype: str = "auto"  # "auto" (model dtype), "float16", "bfloat16", "float32"
@@ -54,6 +55,7 @@ class EngineArgs:
     served_model_name: str | None = None
     tokenizer_mode: str = "auto"
     preallocation: str = "none"  # benchmark knob: emulate contiguous pre-allocation
+    fused_ops: str = "auto"  # "auto", "native" or "triton": the layers' fused ops (layers/ops.py)
 
     def create_engine_config(self) -> EngineConfig:
         device = default_device() if self.device == "auto" else torch.device(self.device)
@@ -80,6 +82,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             log_stats_interval=0 if self.disable_log_stats else self.log_stats_interval,
             compile_model=self.compile_model and not self.enforce_eager,
+            layer_ops=resolve_fused_ops(self.fused_ops, device),
+            cuda_graphs=device.type == "cuda" and not self.enforce_eager,
         )
 
     def _model_config(self, device: torch.device) -> ModelConfig:
@@ -146,7 +150,11 @@ def add_engine_args(parser) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--compile-model", action="store_true",
                    help="torch.compile each decoder layer (start-up cost; no speed-up measured on CPU)")
-    g.add_argument("--enforce-eager", action="store_true", help="never compile (overrides --compile-model)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile (overrides --compile-model) and capture no CUDA graphs")
+    g.add_argument("--fused-ops", default=d.fused_ops, choices=list(FUSED_OPS),
+                   help="norm/rotary/activation/sampling kernels: auto (Triton on CUDA), native (C/torch), "
+                        "triton (everywhere; CPU only under TRITON_INTERPRET=1)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache storage: auto (model dtype), float16, bfloat16 or float32")
     g.add_argument("--quantization", "-q", default=None, choices=["int8"],
@@ -163,4 +171,5 @@ def engine_args_from_cli(args) -> EngineArgs:
         num_gpu_blocks_override=args.num_gpu_blocks_override, attention_backend=args.attention_backend,
         num_threads=args.num_threads, device=args.device, compile_model=args.compile_model,
         enforce_eager=args.enforce_eager, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        fused_ops=args.fused_ops,
     )

@@ -39,7 +39,7 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.layer_ops)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
         self.counters = EngineCounters()

@@ -30,7 +30,7 @@ class ModelRunner:
         mc = config.model
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
-                                 mc.max_model_len, mc.dtype, self.device)
+                                 mc.max_model_len, mc.dtype, self.device, config.layer_ops)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)
         if self.device.type == "cpu":
