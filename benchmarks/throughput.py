@@ -216,8 +216,9 @@ def ensure_model(path: Path) -> Path:
 
 
 def engine_kwargs(args) -> dict:
-    kw = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=0, dtype="float32",
-              attention_backend=args.attention_backend, num_threads=args.num_threads, device=args.device)
+    kw = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=0, dtype=args.dtype,
+              attention_backend=args.attention_backend, num_threads=args.num_threads, device=args.device,
+              enforce_eager=args.enforce_eager)
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -287,9 +288,9 @@ def engine_info(llm) -> dict:
 # --------------------------------------------------------------------------- transformers side
 
 
-def load_hf(model_dir: Path, device: str):
+def load_hf(model_dir: Path, device: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     # ignore_eos as pagedllm/vLLM mean it: EOS may be generated and does not stop. (min_new_tokens
     # would instead mask EOS, and greedy outputs would differ wherever EOS is the argmax.)
     model.generation_config.eos_token_id = None
@@ -477,7 +478,7 @@ def engine_rows(results: dict, info: dict) -> list[list[str]]:
 
 
 def print_header(meta: dict) -> None:
-    print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, float32), "
+    print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, {meta['engine_kwargs']['dtype']}), "
           f"{meta['threads']} threads, repeats={meta['repeats']} (median), quick={meta['quick']}")
 
 
@@ -572,7 +573,8 @@ def finish_sweep(results: dict, args, meta: dict) -> dict:
     sweep = dict(concurrency=args.concurrency, prompt_len=args.sweep_prompt_len,
                  output_len=args.sweep_output_len, chart=str(chart_path(args.output)), results=results)
     title = (f"pagedllm vs transformers: c requests of {sweep['prompt_len']} -> {sweep['output_len']} tokens, "
-             f"ratio on output tok/s\n{Path(meta['model']).name} ({meta['model_params_m']:.0f}M params, float32), "
+             f"ratio on output tok/s\n{Path(meta['model']).name} ({meta['model_params_m']:.0f}M params, "
+             f"{meta['engine_kwargs']['dtype']}), "
              f"{args.device}, {meta['threads']} threads, median of {meta['repeats']}")
     plot_sweep(sweep, Path(sweep["chart"]), title)
     return sweep
@@ -599,6 +601,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="torch threads for both systems (default: physical cores)")
     g.add_argument("--kv-cache-memory", default="1GiB")
     g.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations, for both systems")
+    g.add_argument("--enforce-eager", action="store_true", help="pagedllm: no CUDA graphs")
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="pagedllm only: weight-only int8 (transformers keeps the float32 weights)")
 
@@ -674,7 +679,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir())
     llm = make_llm(model_dir, args)
-    hf = None if args.skip_hf else load_hf(model_dir, args.device)
+    hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
     results = run_workloads(workloads, llm, hf, vocab, args)
     sweep_results = run_workloads(sweep, llm, hf, vocab, args)
