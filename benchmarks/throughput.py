@@ -282,7 +282,8 @@ def engine_info(llm) -> dict:
                 attention_backend=type(e.executor.runner.backend).__name__,
                 max_num_seqs=e.config.scheduler.max_num_seqs,
                 max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
-                enable_prefix_caching=e.config.cache.enable_prefix_caching, device=str(e.config.device))
+                enable_prefix_caching=e.config.cache.enable_prefix_caching, device=str(e.config.device),
+                layer_ops=e.config.layer_ops, cuda_graphs=e.executor.runner.decode_graphs is not None)
 
 
 # --------------------------------------------------------------------------- transformers side
@@ -525,7 +526,11 @@ def chart_path(json_path: Path) -> Path:
 def plot_sweep(sweep: dict, path: Path, title: str) -> None:
     """Top: output tok/s (solid) and total tok/s (dashed) vs concurrency for both systems.
     Bottom: the ratio, in its own panel so its labels never sit on the throughput lines."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a GPU box with only torch and transformers: the JSON is what counts
+        print(f"matplotlib is not installed: no chart {path}")
+        return
     matplotlib.use("Agg")  # writes files only; a benchmark box has no display
     import matplotlib.pyplot as plt
     cs = sweep["concurrency"]
