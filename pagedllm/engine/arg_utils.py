@@ -61,6 +61,10 @@ class EngineArgs:
         device = default_device() if self.device == "auto" else torch.device(self.device)
         model_config = self._model_config(device)
         max_batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        layer_ops = resolve_fused_ops(self.fused_ops, device)
+        if layer_ops == "triton" and device.type == "cpu" and self.compile_model and not self.enforce_eager:
+            raise ValueError("compile_model=True cannot be combined with fused_ops='triton' on the CPU (torch.compile "
+                             "cannot trace the Triton interpreter); use fused_ops='native' or leave compile_model off")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -82,7 +86,7 @@ class EngineArgs:
             num_threads=self.num_threads,
             log_stats_interval=0 if self.disable_log_stats else self.log_stats_interval,
             compile_model=self.compile_model and not self.enforce_eager,
-            layer_ops=resolve_fused_ops(self.fused_ops, device),
+            layer_ops=layer_ops,
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
         )
 

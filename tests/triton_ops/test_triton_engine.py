@@ -8,6 +8,7 @@ from conftest import hf_greedy, random_prompts
 from triton_devices import INTERPRETED
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.ops import resolve_fused_ops
@@ -64,6 +65,13 @@ def test_fused_ops_choice_is_validated_and_resolved():
                   lambda: RotaryEmbedding(8, 4, torch.ones(4), ops="fast"), lambda: Sampler("fast")):
         with pytest.raises(ValueError, match="ops='fast'"):
             layer()
+
+
+@needs_interpreter
+def test_compile_model_with_interpreted_triton_ops_is_refused(llama_dir):
+    with pytest.raises(ValueError, match="compile_model=True cannot be combined with fused_ops='triton'"):
+        EngineArgs(llama_dir, fused_ops="triton", compile_model=True).create_engine_config()
+    assert EngineArgs(llama_dir, fused_ops="triton", compile_model=True, enforce_eager=True).create_engine_config()
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
