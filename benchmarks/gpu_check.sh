@@ -45,7 +45,7 @@ step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OU
 step build-model 45 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device cuda
 step attention 60 "$PY" benchmarks/attention.py --device cuda --cache-dtype bfloat16 --num-heads 32 \
     --num-kv-heads 8 --head-dim 64 --contexts 4096 --cases decode-bs1-ctx4096,decode-bs64-ctx4096 --skip-ref \
-    --repeats 10 --output "$OUT/attention.json"
+    --repeats 10 --bw-mib 1024 --output "$OUT/attention.json"
 step throughput 240 "$PY" benchmarks/throughput.py --model "$MODEL_DIR" --device cuda --dtype bfloat16 \
     --kv-cache-memory 40GiB --max-num-seqs 256 --workloads single,lognormal --concurrency 256 \
     --sweep-prompt-len 512 --sweep-output-len 128 --repeats 1 --output "$OUT/throughput.json"

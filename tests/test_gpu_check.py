@@ -79,3 +79,19 @@ def test_report_marks_missing_parts_not_measured(tmp_path, capsys):
     data = gc.report(tmp_path, None)
     assert data["measured"] == {}
     assert capsys.readouterr().out.count("not measured") == len(gc.TARGETS)
+
+
+def test_attention_benchmark_takes_the_model_geometry_and_contexts(tmp_path):
+    """The flags gpu_check.sh passes to attention.py, exercised on the CPU kernel."""
+    spec = importlib.util.spec_from_file_location("pagedllm_bench_attention", ROOT / "benchmarks" / "attention.py")
+    att = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = att
+    spec.loader.exec_module(att)
+    out = tmp_path / "attention.json"
+    att.main(["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "32", "--contexts", "40",
+              "--cases", "decode-bs4-ctx40", "--quick", "--repeats", "1", "--skip-ref", "--bw-mib", "8",
+              "--warm-cache", "--output", str(out)])
+    data = json.loads(out.read_text())
+    case = data["cases"]["decode-bs4-ctx40"]
+    assert (data["meta"]["kernel"], case["kernel"], case["context"], data["meta"]["num_heads"]) == ("cpu", "cpu", 40, 4)
+    assert case["bytes"]["q_read"] == 4 * 4 * 32 * 4 and case["max_abs_diff"] < 1e-4  # vs gather + SDPA

@@ -187,9 +187,10 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     q = torch.empty_like(probs).exponential_()
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            q[i] = torch.empty(probs.shape[1]).exponential_(generator=row.generator).to(probs.device)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if seeded:  # drawn on the host from each row's own generator, copied to the device at once
+        draws = [torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator) for i in seeded]
+        q[torch.tensor(seeded, device=probs.device)] = torch.stack(draws).to(probs.device)
     return q
 
 
