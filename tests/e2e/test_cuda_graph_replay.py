@@ -1,41 +1,15 @@
-"""CUDA-graph replay of decode steps equals eager execution (needs a GPU; marked ``gpu``).
-
-No attention backend in this tree is graph-safe yet (the torch ones loop over requests on the
-host), so the test brings one: decode steps vectorised over the padded block tables, no host
-synchronisation; prefill steps take the reference path (they never run in a graph).
-"""
+"""CUDA-graph replay of decode steps equals eager execution (needs a GPU; marked ``gpu``), with
+the test's graph-safe attention backend (tests/graph_safe_backend.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
+from graph_safe_backend import GraphSafeDecodeBackend
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.backend import write_kv
-from pagedllm.attention.torch_ref import TorchReferenceBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-class GraphSafeDecodeBackend(TorchReferenceBackend):
-    name = "graph-safe-test"
-    supports_cuda_graphs = True
-
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None):
-        if meta.max_query_len > 1 or sliding_window:  # host ints: fixed at capture time
-            return super().forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window)
-        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        n, heads, head_dim = query.shape
-        kv_heads = key_cache.shape[1]
-        tables = meta.block_tables.long()  # [n, max_blocks]
-        # [n, max_blocks, kv_heads, bs, dim] -> [n, kv_heads, max_blocks * bs, dim] -> per query head
-        k = key_cache[tables].transpose(1, 2).reshape(n, kv_heads, -1, head_dim).float()
-        v = value_cache[tables].transpose(1, 2).reshape(n, kv_heads, -1, head_dim).float()
-        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("nhd,nhtd->nht", query.float() * scale, k)
-        t = torch.arange(scores.shape[-1], device=query.device)
-        scores = scores.masked_fill(t[None, None, :] >= meta.seq_lens[:, None, None], float("-inf"))
-        return torch.einsum("nht,nhtd->nhd", scores.softmax(dim=-1), v).to(query.dtype)
 
 
 def _run(model_dir, prompts, monkeypatch, **kwargs):
@@ -43,7 +17,7 @@ def _run(model_dir, prompts, monkeypatch, **kwargs):
                         lambda name, device: GraphSafeDecodeBackend())
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=128,
               max_num_seqs=12, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, ignore_eos=True, logprobs=0)  # as hf_greedy
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, outs
 

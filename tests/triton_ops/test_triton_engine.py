@@ -34,7 +34,7 @@ def test_triton_ops_greedy_matches_transformers(arch, model_dirs, hf_models):
     assert (layer.input_layernorm.ops, layer.self_attn.rotary.ops, layer.mlp.act_fn.ops) == ("triton",) * 3
     assert model.model.fused_decoder is None  # the one-call C decoder stays off on the Triton path
     prompts = random_prompts(3, seed=11, lo=3, hi=20)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)  # as hf_greedy
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_models[arch], p, MAX_NEW) for p in prompts]
 

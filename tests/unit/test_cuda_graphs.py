@@ -5,10 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy, random_prompts
+from graph_safe_backend import GraphSafeDecodeBackend
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, pad_decode_inputs, replay_size
 from pagedllm.worker.host_to_device import to_device
+from pagedllm.worker.model_runner import ModelRunner
 
 BS = 8  # block size
 
@@ -87,9 +92,40 @@ def test_prepare_fills_the_buffers_and_hands_out_the_graphs_own_metadata():
 
 
 def test_no_graphs_on_cpu_or_with_enforce_eager(llama_dir):
-    from pagedllm import LLM
     llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=32, max_model_len=64)
     assert llm.llm_engine.config.cuda_graphs is False and llm.llm_engine.executor.runner.decode_graphs is None
-    from pagedllm.engine.arg_utils import EngineArgs
     assert EngineArgs(llama_dir, device="cuda", enforce_eager=True).create_engine_config().cuda_graphs is False
     assert EngineArgs(llama_dir, device="cuda").create_engine_config().cuda_graphs is True
+
+
+class EagerStandIn(DecodeGraphs):
+    """Captures nothing: ``replay`` runs the model eagerly on the graph's own buffers and
+    metadata, so everything around the CUDA capture runs on the CPU (the pad block, the padded
+    buffers, the runner's hook); the real capture is tests/e2e/test_cuda_graph_replay.py's."""
+
+    def capture(self, model, kv_caches) -> None:
+        self.model, self.kv_caches = model, kv_caches
+
+    def replay(self, meta):
+        self.replays += 1
+        size = meta.num_reqs
+        return self.model(self.buffers["input_ids"][:size], self.buffers["positions"][:size], self.kv_caches, meta)
+
+
+def test_runner_serves_padded_decode_steps_from_the_graph_buffers(llama_dir, hf_models, monkeypatch):
+    monkeypatch.setattr("pagedllm.worker.model_runner.get_attention_backend",
+                        lambda name, device: GraphSafeDecodeBackend())
+    monkeypatch.setattr("pagedllm.worker.model_runner.DecodeGraphs", EagerStandIn)
+    monkeypatch.setattr(ModelRunner, "_cuda_graphs_apply", lambda self: True)
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=12)
+    runner = llm.llm_engine.executor.runner
+    assert runner.cache.kv.shape[2] == 65  # the padding rows' block, past the scheduler's 64
+    prompts = random_prompts(5, seed=21, lo=3, hi=40)
+    lengths = [8, 5, 3, 8, 2]  # the batch shrinks 5 -> 3 -> 2: graphs of 8, 4 and 2 rows, stale rows past n
+    # min_tokens: EOS masked like hf_greedy's min_new_tokens does
+    params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_models["llama"], p, n)
+                                                      for p, n in zip(prompts, lengths)]
+    assert runner.decode_graphs.sizes == [1, 2, 4, 8, 16] and runner.decode_graphs.replays == 7
+    llm.llm_engine.scheduler.kv.check_integrity()
