@@ -22,10 +22,19 @@ Memory bandwidth is measured in the same run on one buffer of ``--bw-mib`` (defa
 well past the 48 MiB L3), filled first (untouched pages read as the shared zero page):
 ``dst.copy_(src)`` counting read + write bytes, and ``src.sum()`` counting the bytes read.
 ``% read`` = kernel GB/s / sum() GB/s is the relevant ceiling for this read-dominated kernel.
+
+On a GPU (``--device cuda``) the kernel is the engine's attention backend for CUDA
+(``--backend``, default auto), activations are in the cache dtype, calls are timed with CUDA
+events, bandwidth is measured on a device buffer, and nothing is flushed (the K/V of a decode
+batch is far larger than the L2)::
+
+    python benchmarks/attention.py --device cuda --cache-dtype bfloat16 --num-heads 32 --num-kv-heads 8 \
+        --contexts 4096 --cases decode-bs64-ctx4096 --skip-ref
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -45,6 +54,8 @@ import common  # noqa: E402  (format_table, save_json, git_commit)
 
 from pagedllm.attention.backend import write_kv  # noqa: E402
 from pagedllm.attention.cpu import CpuAttentionBackend  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.attention.selector import get_attention_backend  # noqa: E402
 from pagedllm.attention.testing import PagedBatch, make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 
@@ -54,9 +65,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 MiB = 2**20
 
 
-def build_cases(quick: bool) -> dict[str, list[tuple[int, int]]]:
+def build_cases(quick: bool, contexts: tuple[int, ...] | None = None) -> dict[str, list[tuple[int, int]]]:
     """name -> per request (num_cached, q_len): decode at every (batch, context), one prefill."""
-    batches, contexts, prefill = ((1, 4), (64, 256), 64) if quick else ((1, 64), (256, 1024, 2048), 512)
+    batches, default_contexts, prefill = ((1, 4), (64, 256), 64) if quick else ((1, 64), (256, 1024, 2048), 512)
+    contexts = contexts or default_contexts
     cases = {f"decode-bs{b}-ctx{c}": [(c - 1, 1)] * b for b in batches for c in contexts}
     cases[f"prefill-{prefill}"] = [(0, prefill)]
     return cases
@@ -77,30 +89,43 @@ def min_bytes(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     return parts
 
 
-def filled(numel: int) -> torch.Tensor:
+def filled(numel: int, device: str = "cpu") -> torch.Tensor:
     """A float32 buffer whose pages are really backed: torch.empty pages that were never written
     map the shared zero page and read at absurd speeds."""
-    return torch.empty(numel).fill_(1.0)
+    return torch.empty(numel, device=device).fill_(1.0)
 
 
-def measure_bandwidth(mib: int, repeats: int) -> dict[str, float]:
+def measure_bandwidth(mib: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     """Median GB/s of ``dst.copy_(src)`` (read + write bytes) and ``src.sum()`` (read bytes)."""
-    src, dst = filled(mib * MiB // 4), filled(mib * MiB // 4)
-    copy_s = _median_time(lambda: dst.copy_(src), repeats)
-    read_s = _median_time(lambda: src.sum(), repeats)
+    src, dst = filled(mib * MiB // 4, device), filled(mib * MiB // 4, device)
+    copy_s = _median_time(lambda: dst.copy_(src), repeats, device=device)
+    read_s = _median_time(lambda: src.sum(), repeats, device=device)
     nbytes = src.numel() * 4
     return dict(buffer_mib=mib, copy_gbs=2 * nbytes / copy_s / 1e9, read_gbs=nbytes / read_s / 1e9,
                 copy_ms=1e3 * copy_s, read_ms=1e3 * read_s)
 
 
-def _median_time(fn, repeats: int, warmup: int = 1) -> float:
+def _median_time(fn, repeats: int, warmup: int = 1, device: str = "cpu") -> float:
     times = []
     for i in range(warmup + repeats):
+        elapsed = _timed(fn, device)
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _timed(fn, device: str = "cpu") -> float:
+    """Seconds ``fn()`` takes; on a GPU between CUDA events (kernels run asynchronously)."""
+    if device == "cpu":
         t0 = time.perf_counter()
         fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def l3_bytes() -> int:
@@ -127,7 +152,8 @@ class GatherSdpaBackend:
         group = num_heads // key_cache.shape[1]
         q_lens, seq_lens = meta.query_lens.long(), meta.seq_lens.long()
         max_q, max_s = int(q_lens.max()), int(seq_lens.max())
-        pos = torch.arange(max_s)
+        dev = query.device
+        pos = torch.arange(max_s, device=dev)
         blocks = meta.block_tables.long()[:, : (max_s + block_size - 1) // block_size]
         logical = (pos // block_size).clamp(max=blocks.shape[1] - 1).expand(len(seq_lens), -1)
         slot_blocks = blocks.gather(1, logical)  # [R, max_s] physical block of every position
@@ -135,10 +161,10 @@ class GatherSdpaBackend:
         k = key_cache[slot_blocks.clamp(min=0), :, pos % block_size].transpose(1, 2).to(query.dtype)
         v = value_cache[slot_blocks.clamp(min=0), :, pos % block_size].transpose(1, 2).to(query.dtype)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        q_idx = meta.query_start_loc[:-1].long()[:, None] + torch.arange(max_q)  # [R, max_q]
-        q_valid = torch.arange(max_q)[None, :] < q_lens[:, None]
+        q_idx = meta.query_start_loc[:-1].long()[:, None] + torch.arange(max_q, device=dev)  # [R, max_q]
+        q_valid = torch.arange(max_q, device=dev)[None, :] < q_lens[:, None]
         q = query[q_idx.clamp(max=query.shape[0] - 1)].transpose(1, 2)  # [R, H, max_q, D]
-        q_pos = seq_lens[:, None] - q_lens[:, None] + torch.arange(max_q)  # [R, max_q]
+        q_pos = seq_lens[:, None] - q_lens[:, None] + torch.arange(max_q, device=dev)  # [R, max_q]
         key_pos = pos[None, None, :]
         mask = (key_pos <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None, None])
         mask |= ~q_valid[:, :, None]  # padded query rows: any non-empty mask avoids NaNs
@@ -150,30 +176,53 @@ def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor |
     """(median seconds, last output) of full forward steps on a private copy of the pool;
     ``flush`` (if given) is read before each call to evict the caches, outside the timing."""
     kc, vc = batch.fresh_caches()
-    times = []
+    times, out = [], None
+
+    def step():
+        nonlocal out
+        out = backend.forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale)
+
     for i in range(warmup + repeats):
         if flush is not None:
             flush.sum()
-        t0 = time.perf_counter()
-        out = backend.forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale)
+        elapsed = _timed(step, batch.query.device.type)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed)
     return statistics.median(times), out
+
+
+def on_device(batch: PagedBatch, device: str, dtype: torch.dtype) -> PagedBatch:
+    """The batch on ``device``, activations in ``dtype`` (the cache keeps its dtype)."""
+    if device == "cpu":
+        return batch
+    m = batch.meta
+    meta = AttentionMetadata(query_start_loc=m.query_start_loc.to(device), seq_lens=m.seq_lens.to(device),
+                             block_tables=m.block_tables.to(device), slot_mapping=m.slot_mapping.to(device),
+                             max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, block_size=m.block_size)
+    act = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return dataclasses.replace(batch, query=act(batch.query), key=act(batch.key), value=act(batch.value),
+                               key_cache=batch.key_cache.to(device), value_cache=batch.value_cache.to(device),
+                               meta=meta)
 
 
 def bench_case(name: str, reqs, backends, args, flush) -> dict:
     """Times every backend on one case; GB/s from the minimum bytes of the step."""
-    batch = make_paged_batch(reqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, args.block_size, seed=0,
-                             cache_dtype=DTYPES[args.cache_dtype])
-    nbytes = min_bytes(reqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPES[args.cache_dtype].itemsize)
+    cache_dtype = DTYPES[args.cache_dtype]
+    batch = make_paged_batch(reqs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, seed=0,
+                             cache_dtype=cache_dtype)
+    act_dtype = torch.float32 if args.device == "cpu" else cache_dtype
+    batch = on_device(batch, args.device, act_dtype)
+    nbytes = min_bytes(reqs, args.num_heads, args.num_kv_heads, args.head_dim, cache_dtype.itemsize,
+                       act_dtype.itemsize)
     res, outs = {}, {}
     for b in backends:
         t, outs[b.name] = time_backend(b, batch, _repeats(b, name, args.repeats), flush)
         res[b.name] = dict(ms=1e3 * t, gbs=nbytes["total"] / t / 1e9)
-    diffs = [(outs["cpu"] - o).abs().max().item() for k, o in outs.items() if k != "cpu"]
-    return dict(batch=len(reqs), context=reqs[0][0] + reqs[0][1], q_len=reqs[0][1], bytes=nbytes,
+    kernel = backends[0].name  # the others are compared with it
+    diffs = [(outs[kernel].float() - o.float()).abs().max().item() for k, o in outs.items() if k != kernel]
+    return dict(batch=len(reqs), context=reqs[0][0] + reqs[0][1], q_len=reqs[0][1], bytes=nbytes, kernel=kernel,
                 backends=res, max_abs_diff=max(diffs, default=0.0),
-                speedup={k: r["ms"] / res["cpu"]["ms"] for k, r in res.items() if k != "cpu"})
+                speedup={k: r["ms"] / res[kernel]["ms"] for k, r in res.items() if k != kernel})
 
 
 def _repeats(backend, case: str, repeats: int) -> int:
@@ -196,7 +245,7 @@ def _speedup(case: dict, key: str) -> str:
 def table_rows(cases: dict, bw: dict) -> list[list[str]]:
     rows = []
     for name, c in cases.items():
-        cpu, b = c["backends"]["cpu"], c["backends"]
+        cpu, b = c["backends"][c["kernel"]], c["backends"]
         rows.append([name, f"{c['bytes']['total'] / MiB:.2f}", f"{cpu['ms']:.3f}", f"{cpu['gbs']:.1f}",
                      f"{100 * cpu['gbs'] / bw['read_gbs']:.0f}%", f"{100 * cpu['gbs'] / bw['copy_gbs']:.0f}%",
                      *(_ms(b, k) for k in ("torch", "gather+sdpa")),
@@ -205,14 +254,16 @@ def table_rows(cases: dict, bw: dict) -> list[list[str]]:
 
 
 def print_report(cases: dict, bw: dict, meta: dict) -> None:
-    print(f"\nthreads={meta['threads']} block_size={meta['block_size']} heads={NUM_HEADS} kv_heads={NUM_KV_HEADS} "
-          f"head_dim={HEAD_DIM} cache={meta['cache_dtype']}; median over {meta['repeats']} repeats "
+    print(f"\n{meta['device']} kernel={meta['kernel']} threads={meta['threads']} block_size={meta['block_size']} "
+          f"heads={meta['num_heads']} kv_heads={meta['num_kv_heads']} "
+          f"head_dim={meta['head_dim']} cache={meta['cache_dtype']}; median over {meta['repeats']} repeats "
           f"({max(3, meta['repeats'] // 4)} for torch ref and prefill); caches "
           f"{'warm' if meta['warm_cache'] else 'flushed before each call'}")
     print(f"memory bandwidth ({bw['buffer_mib']} MiB buffer): copy {bw['copy_gbs']:.1f} GB/s (read + write), "
           f"sum() read {bw['read_gbs']:.1f} GB/s")
-    print(common.format_table(["case", "min MiB", "cpu ms", "GB/s", "% read", "% copy", "torch ms", "sdpa ms",
-                           "ref/cpu", "sdpa/cpu", "max|diff|"], table_rows(cases, bw)))
+    headers = ["case", "min MiB", f"{meta['kernel']} ms", "GB/s", "% read", "% copy", "torch ms", "sdpa ms",
+               "ref/cpu", "sdpa/cpu", "max|diff|"]
+    print(common.format_table(headers, table_rows(cases, bw)))
 
 
 # --------------------------------------------------------------------------- main
@@ -229,16 +280,23 @@ def parse_args(argv=None):
     ap.add_argument("--bw-mib", type=int, default=256, help="bandwidth buffer size in MiB (>> L3)")
     ap.add_argument("--warm-cache", action="store_true", help="do not flush the caches before each call")
     ap.add_argument("--skip-ref", action="store_true", help="skip the (slow) torch reference backend")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="auto", help="on cuda: the engine's attention backend to time")
+    ap.add_argument("--num-heads", type=int, default=NUM_HEADS)
+    ap.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    ap.add_argument("--contexts", default=None, help="comma-separated decode contexts (default 256,1024,2048)")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/attention.json, or results/attention-quick.json)")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (4 if args.quick else 12)
     args.output = args.output or RESULTS_DIR / ("attention-quick.json" if args.quick else "attention.json")
+    args.contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None
     return args
 
 
 def select_cases(args) -> dict[str, list[tuple[int, int]]]:
-    cases = build_cases(args.quick)
+    cases = build_cases(args.quick, args.contexts)
     if args.cases is None:
         return cases
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
@@ -252,26 +310,34 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     cases = select_cases(args)
     torch.set_num_threads(args.threads)
-    backends = [CpuAttentionBackend(num_threads=args.threads), GatherSdpaBackend()]
+    backends = [_kernel(args), GatherSdpaBackend()]
     if not args.skip_ref:
         backends.insert(1, TorchReferenceBackend())
-    bw = measure_bandwidth(args.bw_mib, repeats=7)
-    flush = None if args.warm_cache else filled(2 * l3_bytes() // 4)
+    bw = measure_bandwidth(args.bw_mib, repeats=7, device=args.device)
+    flush = None if args.warm_cache or args.device != "cpu" else filled(2 * l3_bytes() // 4)
     results = {}
     for name, reqs in cases.items():
         results[name] = bench_case(name, reqs, backends, args, flush)
-    meta = run_meta(args)
+    meta = dict(run_meta(args), kernel=backends[0].name)
     print_report(results, bw, meta)
     common.save_json(dict(meta=meta, bandwidth=bw, cases=results), args.output)
     print(f"\nsaved {args.output}")
     return dict(bandwidth=bw, cases=results)
 
 
+def _kernel(args):
+    if args.device == "cpu":
+        return CpuAttentionBackend(num_threads=args.threads)
+    return get_attention_backend(args.backend, torch.device(args.device))
+
+
 def run_meta(args) -> dict:
     return dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), threads=args.threads,
                 block_size=args.block_size, cache_dtype=args.cache_dtype, repeats=args.repeats,
-                warm_cache=args.warm_cache, l3_bytes=l3_bytes(), num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM, quick=args.quick, torch=torch.__version__, python=platform.python_version(),
+                warm_cache=args.warm_cache or args.device != "cpu", l3_bytes=l3_bytes(), num_heads=args.num_heads,
+                num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, quick=args.quick, device=args.device,
+                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+                torch=torch.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                 git_commit=common.git_commit())
 

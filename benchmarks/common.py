@@ -49,7 +49,7 @@ def make_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [flat[end - n:end] for n, end in zip(lens, ends)]
 
 
-def _word_tokenizer(vocab_size: int):
+def word_tokenizer(vocab_size: int):
     """Word-level tokenizer ``<pad> <s> </s> t3 t4 ...``: every model id decodes to a word."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -75,7 +75,7 @@ def ensure_model(path: Path) -> Path:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL_CONFIG)).to(torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
-    _word_tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
+    word_tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
     os.replace(tmp, path)
     print(f"built {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter model in {path}")
     return path
@@ -85,7 +85,7 @@ def ensure_model(path: Path) -> Path:
 
 
 ENGINE_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "attention_backend", "num_threads",
-                  "kv_cache_memory", "device", "quantization")
+                  "kv_cache_memory", "device", "quantization", "dtype", "enforce_eager")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -94,12 +94,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     --device and --num-threads apply to the transformers baseline too; --quantization to pagedllm only.
     """
     arg_utils.add_engine_args(ap, ENGINE_OPTIONS, title="pagedllm engine (--device and --num-threads: both systems)")
-    ap.set_defaults(kv_cache_memory="1GiB", device="cpu")
+    ap.set_defaults(kv_cache_memory="1GiB", device="cpu", dtype="float32")
 
 
 def engine_kwargs(args) -> dict:
-    """LLM(...) keywords: the ENGINE_OPTIONS flags, float32, seed 0."""
-    return {**{name: getattr(args, name) for name in ENGINE_OPTIONS}, "seed": 0, "dtype": "float32"}
+    """LLM(...) keywords: the ENGINE_OPTIONS flags (dtype float32 unless asked), seed 0."""
+    return {**{name: getattr(args, name) for name in ENGINE_OPTIONS}, "seed": 0}
 
 
 def make_llm(model_dir: Path, args):
@@ -114,15 +114,16 @@ def engine_info(llm) -> dict:
                 attention_backend=type(e.executor.runner.backend).__name__,
                 max_num_seqs=e.config.scheduler.max_num_seqs,
                 max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
-                enable_prefix_caching=e.config.cache.enable_prefix_caching, device=str(e.config.device))
+                enable_prefix_caching=e.config.cache.enable_prefix_caching, device=str(e.config.device),
+                layer_ops=e.config.layer_ops, cuda_graphs=e.executor.runner.decode_graphs is not None)
 
 
 # --------------------------------------------------------------------------- transformers baseline
 
 
-def load_hf(model_dir: Path, device: str):
+def load_hf(model_dir: Path, device: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     # ignore_eos as pagedllm/vLLM mean it: EOS may be generated and does not stop. (min_new_tokens
     # would instead mask EOS, and greedy outputs would differ wherever EOS is the argmax.)
     model.generation_config.eos_token_id = None

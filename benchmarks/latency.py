@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
     model_dir = Path(args.model) if args.model else common.ensure_model(common.default_model_dir())
     llm = common.make_llm(model_dir, args)
     engine = llm.llm_engine
-    hf = None if args.skip_hf else common.load_hf(model_dir, args.device)
+    hf = None if args.skip_hf else common.load_hf(model_dir, args.device, args.dtype)
     vocab = engine.model_config.vocab_size
     warm(engine, hf, args, vocab)
     results = {}

@@ -382,7 +382,7 @@ def engine_rows(results: dict, info: dict) -> list[list[str]]:
 
 
 def print_header(meta: dict) -> None:
-    print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, float32), "
+    print(f"\nmodel {meta['model']} ({meta['model_params_m']:.1f}M params, {meta['engine_kwargs']['dtype']}), "
           f"{meta['threads']} threads, repeats={meta['repeats']} (median), quick={meta['quick']}")
 
 
@@ -429,7 +429,11 @@ def chart_path(json_path: Path) -> Path:
 def plot_sweep(sweep: dict, path: Path, title: str) -> None:
     """Top: output tok/s (solid) and total tok/s (dashed) vs concurrency for both systems.
     Bottom: the ratio, in its own panel so its labels never sit on the throughput lines."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a GPU box with only torch and transformers: the JSON is what counts
+        print(f"matplotlib is not installed: no chart {path}")
+        return
     matplotlib.use("Agg")  # writes files only; a benchmark box has no display
     import matplotlib.pyplot as plt
     cs = sweep["concurrency"]
@@ -477,7 +481,8 @@ def finish_sweep(results: dict, args, meta: dict) -> dict:
     sweep = dict(concurrency=args.concurrency, prompt_len=args.sweep_prompt_len,
                  output_len=args.sweep_output_len, chart=str(chart_path(args.output)), results=results)
     title = (f"pagedllm vs transformers: c requests of {sweep['prompt_len']} -> {sweep['output_len']} tokens, "
-             f"ratio on output tok/s\n{Path(meta['model']).name} ({meta['model_params_m']:.0f}M params, float32), "
+             f"ratio on output tok/s\n{Path(meta['model']).name} ({meta['model_params_m']:.0f}M params, "
+             f"{meta['engine_kwargs']['dtype']}), "
              f"{args.device}, {meta['threads']} threads, median of {meta['repeats']}")
     plot_sweep(sweep, Path(sweep["chart"]), title)
     return sweep
@@ -539,7 +544,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir())
     llm = make_llm(model_dir, args)
-    hf = None if args.skip_hf else load_hf(model_dir, args.device)
+    hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
     results = run_workloads(workloads, llm, hf, vocab, args)
     sweep_results = run_workloads(sweep, llm, hf, vocab, args)

@@ -113,6 +113,8 @@ class EngineConfig:
     num_threads: int | None = None
     log_stats_interval: float = 10.0
     compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
+    layer_ops: str = "native"  # the layers' fused ops, "native" or "triton" (layers/ops.py, resolved)
+    cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
 
 
 def check_block_size(block_size: int) -> int:

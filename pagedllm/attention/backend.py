@@ -18,6 +18,10 @@ class AttentionBackend(ABC):
     """Writes the batch's new K/V into the paged cache and computes paged attention."""
 
     name: str = "abstract"
+    # True when ``forward`` may be captured in a CUDA graph (worker/cuda_graphs.py): no host
+    # synchronisation, no host-side loop over the batch, request lengths read from the metadata
+    # tensors with ``max_seq_len`` / ``max_query_len`` used only as upper bounds.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(

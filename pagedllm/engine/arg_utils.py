@@ -34,6 +34,7 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import check_method as check_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
@@ -93,7 +94,7 @@ class EngineArgs:
     preemption_mode: str = option("recompute", "what a preempted request loses: its KV (recompute) or its place "
                                   "on the device (swap to --swap-space)", choices=PREEMPTION_MODES)
     seed: int = option(0, "engine random seed", parse=int)
-    enforce_eager: bool = option(False, "never compile (overrides --compile-model)")
+    enforce_eager: bool = option(False, "never compile (overrides --compile-model) and capture no CUDA graphs")
     compile_model: bool = option(False, "torch.compile each decoder layer (start-up cost; no speed-up measured "
                                  "on CPU)")
     quantization: str | None = option(None, "weight-only int8 projections, quantized at load (per-channel, "
@@ -112,6 +113,8 @@ class EngineArgs:
                                        parse=float)
     served_model_name: str | list[str] | None = option(
         None, "model name(s) clients use (default: the --model value)", nargs="+")
+    fused_ops: str = option("auto", "norm/rotary/activation/sampling kernels: auto (Triton on CUDA), native "
+                            "(C/torch), triton (everywhere; CPU only under TRITON_INTERPRET=1)", choices=FUSED_OPS)
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
@@ -125,6 +128,10 @@ class EngineArgs:
         device = default_device() if self.device == "auto" else torch.device(self.device)
         model_config = self._model_config(device)
         max_batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        layer_ops = resolve_fused_ops(self.fused_ops, device)
+        if layer_ops == "triton" and device.type == "cpu" and self.compile_model and not self.enforce_eager:
+            raise ValueError("compile_model=True cannot be combined with fused_ops='triton' on the CPU (torch.compile "
+                             "cannot trace the Triton interpreter); use fused_ops='native' or leave compile_model off")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -146,6 +153,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             log_stats_interval=self._log_stats_interval(),
             compile_model=self.compile_model and not self.enforce_eager,
+            layer_ops=layer_ops,
+            cuda_graphs=device.type == "cuda" and not self.enforce_eager,
         )
 
     def _model_config(self, device: torch.device) -> ModelConfig:

@@ -44,7 +44,7 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.layer_ops)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits)

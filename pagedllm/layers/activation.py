@@ -1,8 +1,25 @@
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.ops import check_layer_ops
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for a fused ``[..., 2 * d]`` gate_up output."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+class SiluAndMul(nn.Module):
+    """``silu_and_mul`` as a layer, so the model picks its implementation when it is built."""
+
+    def __init__(self, ops: str = "native"):
+        super().__init__()
+        self.ops = check_layer_ops(ops)  # layers/ops.py
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops == "triton" and x.dim() == 2 and x.stride(-1) == 1:
+            from pagedllm.layers.triton_ops.activation import silu_and_mul as triton_silu_and_mul
+            return triton_silu_and_mul(x)
+        return silu_and_mul(x)

@@ -14,8 +14,9 @@ Why: decoding small batches streams every weight once per step, so on a CPU it r
 bandwidth; int8 weights are a quarter of float32's bytes. The one-call C decoder and
 ``ld_linear`` widen int8 to float32 in registers (8 lanes per load) and apply the row scale to
 each finished dot product. Larger batches (prefill chunks) dequantize the layer's weight for one
-MKL GEMM, where the arithmetic dwarfs the conversion. On other devices the weight is
-dequantized per call: correct, no speed-up (GPU int8 kernels are not built).
+MKL GEMM, where the arithmetic dwarfs the conversion. On CUDA the Triton GEMM
+(``layers/triton_ops/int8_gemm.py``) does the same widening in registers for every batch size
+(when triton is installed); elsewhere the weight is dequantized per call: correct, no speed-up.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import threading
 
 import torch
 
+from pagedllm.layers.ops import triton_available
 from pagedllm.native import bindings
 
 METHODS = ("int8",)
@@ -67,6 +69,8 @@ def quantize_model(model: torch.nn.Module, method: str | None) -> int:
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias``: the C kernel for small float32 CPU batches, else the weight
     widened (in C, into a reused buffer, on the CPU) for one GEMM."""
+    if x.device.type == "cuda" and triton_available():
+        return _triton_linear(x, q, scale, bias)
     cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
     native = bindings.library() if cpu_f32 and bindings.is_available() else None
     if native is not None and x.dim() == 2 and x.shape[0] <= min(C_MAX_ROWS, native.max_decode_tokens):
@@ -89,6 +93,14 @@ def _dequantize_c(native: bindings.NativeLibrary, q: torch.Tensor, scale: torch.
     w = buf[: q.numel()].view(q.shape)  # [out, in]
     native.dequantize_int8(q, scale, w, torch.get_num_threads())
     return w
+
+
+def _triton_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from pagedllm.layers.triton_ops.int8_gemm import int8_gemm
+    rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return int8_gemm(rows, q, scale, bias).view(*x.shape[:-1], q.shape[0])  # [..., out]
 
 
 def _c_linear(native: bindings.NativeLibrary, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

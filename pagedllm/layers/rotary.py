@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.ops import check_layer_ops
 
 
 def rope_parameters(hf_config) -> dict:
@@ -38,8 +39,10 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0,
+                 ops: str = "native"):
         super().__init__()
+        self.ops = check_layer_ops(ops)  # layers/ops.py
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
@@ -47,6 +50,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        if self.ops == "triton":
+            from pagedllm.layers.triton_ops.rotary import rotary_neox_
+            rotary_neox_(q, positions, self.cos, self.sin)  # in place, like the C op
+            rotary_neox_(k, positions, self.cos, self.sin)
+            return q, k
         if q.stride(-1) == 1 and k.stride(-1) == 1 and cpu_ops.usable(q, k, self.cos):
             positions = positions.to(torch.int64).contiguous()
             cpu_ops.rotary_neox_(q, positions, self.cos, self.sin)  # in place, no gathers

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.layers.ops import check_layer_ops
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -43,6 +44,12 @@ class SamplerOutput:
 
 
 class Sampler:
+    """Samples one token per row. ``ops="triton"`` (layers/ops.py) filters top-k/top-p/min-p with
+    the Triton kernel (no sort, no host sync); otherwise with the sorting torch code below."""
+
+    def __init__(self, ops: str = "native"):
+        self.ops = check_layer_ops(ops)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()  # [num_rows, vocab]
@@ -64,7 +71,7 @@ class Sampler:
         if all(flags):
             return tokens
         greedy = torch.tensor(flags, device=logits.device)
-        sampled = _sample_random(logits, rows)
+        sampled = _sample_random(logits, rows) if self.ops == "native" else _sample_random_triton(logits, rows)
         return torch.where(greedy, tokens, sampled)
 
 
@@ -139,6 +146,30 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
 
 
+def _sample_random_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``_sample_random`` with the top-k/top-p/min-p filter in one kernel: the per-row parameters
+    travel in one host->device copy and nothing is read back before the draw."""
+    from pagedllm.layers.triton_ops.sampling import top_k_top_p_min_p_
+    params = _filter_params(rows, logits.shape[1], logits.device)  # [4, rows]: temperature, top-k, top-p, min-p
+    logits = (logits / params[0, :, None]).contiguous()
+    top_k = params[1].to(torch.int32)  # exact: token counts are far below 2^24
+    top_k_top_p_min_p_(logits, top_k, params[2].contiguous(), params[3].contiguous())
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _filter_params(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[4, rows]`` float32 on ``device``: temperature (clamped like ``_sample_random``), top_k
+    (0 = off), top_p, min_p."""
+    host = torch.tensor([[max(r.params.temperature, 1e-5) for r in rows],
+                         [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows],
+                         [r.params.top_p for r in rows], [r.params.min_p for r in rows]], dtype=torch.float32)
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=torch.float32, pin_memory=True)  # cached by torch's host allocator
+    return pinned.copy_(host).to(device, non_blocking=True)
+
+
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
@@ -156,9 +187,10 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     q = torch.empty_like(probs).exponential_()
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            q[i] = torch.empty(probs.shape[1]).exponential_(generator=row.generator).to(probs.device)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if seeded:  # drawn on the host from each row's own generator, copied to the device at once
+        draws = [torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator) for i in seeded]
+        q[torch.tensor(seeded, device=probs.device)] = torch.stack(draws).to(probs.device)
     return q
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
@@ -41,7 +41,7 @@ def layer_sliding_window(cfg, layer_idx: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, variant: ArchVariant, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 layer_idx: int = 0):
+                 layer_idx: int = 0, ops: str = "native"):
         super().__init__()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         bias = variant.qkv_bias if variant.qkv_bias is not None else getattr(cfg, "attention_bias", False)
@@ -51,8 +51,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias=getattr(cfg, "attention_bias", False) and variant.qkv_bias is None)
         if variant.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = variant.qk_norm
         self.rotary = rotary
         self.backend = backend
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, ops: str = "native"):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):  # SwiGLU is all this MLP (and the C decoder) computes
@@ -82,18 +82,19 @@ class LlamaMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul(ops)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, variant, rotary, backend, layer_idx: int = 0):
+    def __init__(self, cfg, variant, rotary, backend, layer_idx: int = 0, ops: str = "native"):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, variant, rotary, backend, layer_idx)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, variant, rotary, backend, layer_idx, ops)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         if residual is None:
@@ -107,15 +108,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, variant, backend, max_position: int):
+    def __init__(self, cfg, variant, backend, max_position: int, ops: str = "native"):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq, scaling = compute_inv_freq(cfg, head_dim)
-        rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
+        rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, ops)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, variant, rotary, backend, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            LlamaDecoderLayer(cfg, variant, rotary, backend, i, ops) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.fused_decoder = None  # models/cpu_decode.py, set by LlamaForCausalLM.enable_fused_decode
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta):
@@ -136,10 +137,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, backend: AttentionBackend, max_position: int):
+    def __init__(self, cfg, backend: AttentionBackend, max_position: int, ops: str = "native"):
+        """``ops``: "native" or "triton", the layers' fused-op implementation (layers/ops.py)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.variant, backend, max_position)
+        self.ops = ops
+        self.model = LlamaModel(cfg, self.variant, backend, max_position, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -152,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         loaded; returns why not, or None when enabled."""
         from pagedllm.models.cpu_decode import FusedCpuDecoder, unsupported_reason
         reason = unsupported_reason(self.model, backend)
+        if self.ops == "triton":
+            reason = "the model is built for the Triton ops (fused_ops='triton')"
         self.model.fused_decoder = None if reason else FusedCpuDecoder(self.model, backend)
         return reason
 

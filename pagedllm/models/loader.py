@@ -68,12 +68,13 @@ def config_dtype(name: object) -> torch.dtype | None:
 
 
 def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,
-                device: torch.device) -> nn.Module:
+                device: torch.device, ops: str = "native") -> nn.Module:
+    """``ops``: the layers' fused-op implementation, "native" or "triton" (layers/ops.py)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, backend, max_position)
+            model = model_cls(hf_config, backend, max_position, ops)
     finally:
         torch.set_default_dtype(prev)
     # rotary tables stay float32 for accuracy; they are cast at use

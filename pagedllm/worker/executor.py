@@ -73,7 +73,8 @@ class UniProcExecutor:
         self.collective("profile_run", sched.max_num_batched_tokens, sched.max_model_len)
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            used = torch.cuda.max_memory_allocated(device)
+            # CUDA graphs (captured once during the profile) keep a memory pool of their own
+            used = torch.cuda.max_memory_allocated(device) + self.collective("cuda_graph_memory")
             return int(total * cache.gpu_memory_utilization - used)
         activation = max(0, _peak_rss() - before)
         budget = cache.gpu_memory_utilization * available_ram() - activation

@@ -6,6 +6,10 @@ launch and driver latency apiece). The runner instead packs every int array of t
 into one pinned int64 buffer, copies it once (non-blocking), and splits it on the device,
 casting back to each array's dtype there. On the CPU, ``torch.from_numpy`` shares memory, so
 nothing is packed or copied.
+
+A replayed CUDA graph (``worker/cuda_graphs.py``) reads its inputs from persistent tensors: given
+as ``out``, those receive their arrays from the same single copy (the device-side cast writes
+into them instead of into new tensors).
 """
 from __future__ import annotations
 
@@ -13,23 +17,36 @@ import numpy as np
 import torch
 
 
-def to_device(arrays: dict[str, np.ndarray], device: torch.device | str,
-              pack: bool | None = None) -> dict[str, torch.Tensor]:
+def to_device(arrays: dict[str, np.ndarray], device: torch.device | str, pack: bool | None = None,
+              out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Tensors on ``device`` with each array's shape and dtype (integer arrays only).
 
     ``pack`` defaults to "not on the CPU"; tests force it to check the packed round trip.
+    ``out``: tensors (of the arrays' shapes) to fill in place for some names; returned as given.
     """
     device = torch.device(device)
+    out = out or {}
     if pack is None:
         pack = device.type != "cpu"
     if not pack:
-        return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in arrays.items()}
+        return {k: _into(out.get(k), torch.from_numpy(np.ascontiguousarray(a)).to(device)) for k, a in arrays.items()}
     sizes = [a.size for a in arrays.values()]
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
     np.concatenate([a.ravel() for a in arrays.values()], out=host.numpy(), casting="same_kind")
     flat = host.to(device, non_blocking=True)
-    out = {}
+    result = {}
     for (name, a), part in zip(arrays.items(), flat.split(sizes)):
         t = part.view(a.shape)  # [flat] -> the array's shape
-        out[name] = t if a.dtype == np.int64 else t.to(torch.from_numpy(a[:0]).dtype)
-    return out
+        if name in out:
+            result[name] = _into(out[name], t)
+        else:
+            result[name] = t if a.dtype == np.int64 else t.to(torch.from_numpy(a[:0]).dtype)
+    return result
+
+
+def _into(dst: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+    if dst is None:
+        return src
+    if dst.shape != src.shape:
+        raise ValueError(f"out tensor of shape {tuple(dst.shape)} cannot take an array of shape {tuple(src.shape)}")
+    return dst.copy_(src)  # casts to dst's dtype on the device

@@ -17,6 +17,7 @@ from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, replay_size
 from pagedllm.worker.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
@@ -25,13 +26,16 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Runs the model on a SchedulerOutput and returns logits for the rows to sample."""
 
+    decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
+    cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device
         mc = config.model
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
-                                 mc.max_model_len, mc.dtype, self.device)
+                                 mc.max_model_len, mc.dtype, self.device, config.layer_ops)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)
         if self.device.type == "cpu":
@@ -59,8 +63,11 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         mc = self.config.model
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks, self.block_size, self.cache_dtype, self.device,
-                                 num_cpu_blocks)
+        graphs = self._cuda_graphs_apply()
+        # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
+        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
+                                 self.device, num_cpu_blocks)
+        self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -87,7 +94,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         self.last_prepare_time = time.perf_counter() - t0
-        hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
+        if self.decode_graphs is not None and self.decode_graphs.holds(meta):
+            hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
 
     def prepare_inputs(self, out: SchedulerOutput):
@@ -107,6 +117,9 @@ class ModelRunner:
             sample_idx = np.concatenate([sample_idx, starts + offsets])
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
+        size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
+        if size is not None:  # a decode-only step: into the CUDA graphs' input buffers
+            return self.decode_graphs.prepare(host, size)
         dev = to_device(host, self.device)  # one host->device copy for the whole step
         meta = AttentionMetadata.from_tensors(dev, host, self.block_size)
         return dev["input_ids"], dev["positions"], meta, dev["sample_idx"]
@@ -123,5 +136,34 @@ class ModelRunner:
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]
         self.execute(SchedulerOutput(chunks=chunks))
+        if self.decode_graphs is not None:  # captured over the throwaway cache: measured, then dropped
+            self.cuda_graph_bytes, self.decode_graphs = self.decode_graphs.memory_bytes, None
+            torch.cuda.empty_cache()
         self.cache = saved
         self.block_table.reset()
+
+    # ------------------------------------------------------------------ CUDA graphs (worker/cuda_graphs.py)
+    def cuda_graph_memory(self) -> int:
+        """Device memory the decode graphs take (measured by ``profile_run``), for the KV budget."""
+        return self.cuda_graph_bytes
+
+    def _cuda_graphs_apply(self) -> bool:
+        c = self.config
+        if not c.cuda_graphs:  # not CUDA, or enforce_eager
+            return False
+        reason = None
+        if not self.backend.supports_cuda_graphs:
+            reason = f"attention backend {self.backend.name!r} is not graph-safe"
+        elif c.parallel.tensor_parallel_size > 1 or c.compile_model:
+            reason = "tensor parallelism and compile_model run eagerly"
+        if reason:
+            logger.info("CUDA graphs off: %s", reason)
+        return reason is None
+
+    def _capture_decode_graphs(self, pad_block: int) -> DecodeGraphs:
+        mc = self.config.model
+        max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
+        graphs = DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
+                              mc.max_model_len, pad_block, self.device)
+        graphs.capture(self.model, self.cache.layer_caches)
+        return graphs

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check, in one run that fits in 8 minutes on one H200 (nothing is downloaded):
+#   1. the tests marked `gpu` (Triton kernels on the device, CUDA-graph replay == eager)
+#   2. a random ~1.1B Llama (benchmarks/gpu_check.py: hidden 2048, 16 layers, 32 heads, 8 KV heads,
+#      vocab 32000) built on the GPU and saved in bfloat16 to a temporary directory
+#   3. benchmarks/attention.py: decode attention at batch 1 and 64, context 4096, that model's heads
+#   4. benchmarks/throughput.py against transformers `generate` in the same process, bfloat16:
+#      single (1 x 128 -> 128), lognormal (64 mixed requests) and 256 requests of 512 -> 128
+#   5. the targets next to the results (benchmarks/gpu_check.py report)
+# Every result is JSON under $OUT (default: a new temporary directory). Each step has its own
+# time limit, so a slow or failing step costs at most its share and the later ones still run.
+#
+#   OUT=/tmp/gpu-out bash benchmarks/gpu_check.sh
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+MODEL_DIR=$(mktemp -d)  # 2 GiB of weights: not under $OUT, which is copied back
+trap 'rm -rf "$MODEL_DIR"' EXIT
+export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
+PY=${PYTHON:-python}
+status=0
+
+step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0))s"
+    [ "$rc" -eq 0 ] || status=1
+    return 0
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+"$PY" -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, \
+transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+# the files holding gpu tests, named: collecting all of tests/ would need the server's packages too
+step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/gpu-tests.xml" \
+    tests/triton_ops tests/e2e/test_cuda_graph_replay.py
+step build-model 45 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device cuda
+step attention 60 "$PY" benchmarks/attention.py --device cuda --cache-dtype bfloat16 --num-heads 32 \
+    --num-kv-heads 8 --head-dim 64 --contexts 4096 --cases decode-bs1-ctx4096,decode-bs64-ctx4096 --skip-ref \
+    --repeats 10 --bw-mib 1024 --output "$OUT/attention.json"
+step throughput 240 "$PY" benchmarks/throughput.py --model "$MODEL_DIR" --device cuda --dtype bfloat16 \
+    --kv-cache-memory 40GiB --max-num-seqs 256 --workloads single,lognormal --concurrency 256 \
+    --sweep-prompt-len 512 --sweep-output-len 128 --repeats 1 --output "$OUT/throughput.json"
+step report 30 "$PY" benchmarks/gpu_check.py report "$OUT" --model "$MODEL_DIR"
+
+echo "results in $OUT (exit $status)"
+exit "$status"

@@ -1,0 +1,97 @@
+"""benchmarks/gpu_check.sh and its helpers, as far as they run without a GPU."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("pagedllm_bench_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = gc
+_spec.loader.exec_module(gc)
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def test_script_parses_and_names_the_gpu_test_files():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    for path in ("tests/triton_ops", "tests/e2e/test_cuda_graph_replay.py"):
+        assert (ROOT / path).exists() and path in text
+
+
+def test_the_1b_geometry():
+    c = gc.LLAMA_1B
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["vocab_size"]) == (2048, 16, 32, 8, 32000)
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]  # K and V widths
+    params = c["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * c["vocab_size"] * h + h
+    assert 0.9e9 < params < 1.3e9
+
+
+def test_built_model_loads_in_the_engine_and_counts_its_weight_bytes(tmp_path):
+    path = gc.build_model(tmp_path / "m", "cpu", **TINY)
+    assert json.loads((path / "config.json").read_text())["hidden_size"] == 64
+    h, i, kv = 64, 128, 32
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    assert gc.weight_read_bytes(path) == 2 * (2 * layer + 512 * h + h)  # bf16; all but the embedding
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(str(path), num_gpu_blocks_override=16, max_model_len=64, block_size=8)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _write_results(out: Path, kernel_gbs: float, c256_ratios, lognormal_ratio: float, step_ms: float) -> None:
+    att = dict(meta=dict(kernel="triton"), bandwidth=dict(read_gbs=4000.0),
+               cases={"decode-bs64-ctx4096": dict(kernel="triton", backends=dict(triton=dict(gbs=kernel_gbs)))})
+    hf = lambda *ratios: {f"bs{i}": dict(ratio=r) for i, r in enumerate(ratios)}  # noqa: E731
+    thr = dict(engine=dict(cuda_graphs=True, attention_backend="TritonBackend"),
+               results=dict(lognormal=dict(transformers=hf(lognormal_ratio)),
+                            single=dict(pagedllm=dict(engine=dict(step_ms=dict(step=step_ms))))),
+               sweep=dict(results=dict(c256=dict(transformers=hf(*c256_ratios)))))
+    (out / "attention.json").write_text(json.dumps(att))
+    (out / "throughput.json").write_text(json.dumps(thr))
+
+
+def test_report_puts_each_target_next_to_the_measurement(tmp_path, capsys):
+    model = gc.build_model(tmp_path / "m", "cpu", **TINY)
+    read_ms = gc.weight_read_bytes(model) / 4000e9 * 1e3
+    _write_results(tmp_path, kernel_gbs=3000.0, c256_ratios=(6.0, 3.5), lognormal_ratio=12.0, step_ms=1.2 * read_ms)
+    data = gc.report(tmp_path, model)
+    m = data["measured"]
+    assert m["attention_hbm_share"] == pytest.approx(0.75)
+    assert m["ratio_256x512"] == 3.5  # against the fastest transformers batch size
+    assert m["ratio_lognormal"] == 12.0 and m["batch1_step_over_weight_read"] == pytest.approx(1.2)
+    verdicts = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert verdicts == dict(attention_hbm_share="PASS", ratio_256x512="FAIL", ratio_lognormal="PASS",
+                            batch1_step_over_weight_read="PASS")
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["measured"] == m
+
+
+def test_report_marks_missing_parts_not_measured(tmp_path, capsys):
+    data = gc.report(tmp_path, None)
+    assert data["measured"] == {}
+    assert capsys.readouterr().out.count("not measured") == len(gc.TARGETS)
+
+
+def test_attention_benchmark_takes_the_model_geometry_and_contexts(tmp_path):
+    """The flags gpu_check.sh passes to attention.py, exercised on the CPU kernel."""
+    spec = importlib.util.spec_from_file_location("pagedllm_bench_attention", ROOT / "benchmarks" / "attention.py")
+    att = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = att
+    spec.loader.exec_module(att)
+    out = tmp_path / "attention.json"
+    att.main(["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "32", "--contexts", "40",
+              "--cases", "decode-bs4-ctx40", "--quick", "--repeats", "1", "--skip-ref", "--bw-mib", "8",
+              "--warm-cache", "--output", str(out)])
+    data = json.loads(out.read_text())
+    case = data["cases"]["decode-bs4-ctx40"]
+    assert (data["meta"]["kernel"], case["kernel"], case["context"], data["meta"]["num_heads"]) == ("cpu", "cpu", 40, 4)
+    assert case["bytes"]["q_read"] == 4 * 4 * 32 * 4 and case["max_abs_diff"] < 1e-4  # vs gather + SDPA

@@ -1,0 +1,59 @@
+"""Compiles every Triton kernel ahead of time for the given CUDA architectures (no GPU needed:
+triton's wheel ships ptxas). Run without TRITON_INTERPRET: interpreted kernels cannot be compiled.
+
+    python tests/triton_ops/aot_compile.py 80 90
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+
+from pagedllm.layers.triton_ops import activation, int8_gemm, norm, rotary, sampling
+
+
+def _specs(dt: str):
+    """(kernel, signature, constexprs, num_warps) per kernel, for activation dtype ``dt``."""
+    return [
+        (norm._add_rms_norm_kernel,
+         dict(x_ptr=f"*{dt}", residual_ptr=f"*{dt}", weight_ptr=f"*{dt}", out_ptr=f"*{dt}", x_stride="i32",
+              residual_stride="i32", out_stride="i32", dim="i32", eps="fp32"),
+         dict(HAS_RESIDUAL=True, BLOCK=2048), 8),
+        (rotary._rotary_neox_kernel,
+         dict(x_ptr=f"*{dt}", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", token_stride="i32",
+              head_stride="i32", num_heads="i32", half="i32", cache_stride="i32"),
+         dict(BLOCK_H=32, BLOCK_D=64), 4),
+        (activation._silu_and_mul_kernel,
+         dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", x_stride="i32", out_stride="i32", d="i32"),
+         dict(BLOCK=1024), 4),
+        (sampling._top_k_top_p_min_p_kernel,
+         dict(logits_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", stride="i32", vocab="i32"),
+         dict(BLOCK=1024, KEY_STEPS=sampling._KEY_STEPS), 8),
+        *[(int8_gemm._int8_gemm_kernel,
+           dict(x_ptr=f"*{dt}", q_ptr="*i8", scale_ptr="*fp32", bias_ptr=f"*{dt}", y_ptr=f"*{dt}", M="i32",
+                N="i32", K="i32", x_stride="i32", q_stride="i32", y_stride="i32"),
+           dict(HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk), 4)
+          for bm, bn, bk in (int8_gemm._tiles(1), int8_gemm._tiles(4096))],  # decode and prefill tiles
+    ]
+
+
+def compile_all(arch: int) -> list[str]:
+    """bfloat16 (the GPU dtype) for every kernel and GEMM tile shape, and on sm_90 also the
+    float32 GEMM (IEEE dot); float16 compiles like bfloat16, left out to keep the test short."""
+    done = []
+    for dt, specs in (("bf16", _specs("bf16")), ("fp32", _specs("fp32")[-1:] if arch >= 90 else [])):
+        for kernel, signature, constexprs, num_warps in specs:
+            signature = {**signature, **{name: "constexpr" for name in constexprs}}
+            src = ASTSource(kernel, signature=signature, constexprs=constexprs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+            assert compiled.asm["cubin"], f"{kernel.__name__} produced no cubin"
+            done.append(f"sm_{arch} {dt} {kernel.__name__}")
+    return done
+
+
+if __name__ == "__main__":
+    for arch in sys.argv[1:]:
+        print("\n".join(compile_all(int(arch))))

@@ -1,0 +1,130 @@
+"""Every Triton kernel against its torch reference (pagedllm/layers/triton_ops/*).
+
+On CPU tensors under the interpreter: float32 and float16 arithmetic, bfloat16 only where the
+kernel merely loads, converts and stores it (the interpreter's bfloat16 arithmetic is wrong,
+triton-lang/triton#11584; every kernel here computes in float32); all of it on the device too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_devices import DEVICES
+
+from pagedllm.layers.quantization import quantize_int8
+from pagedllm.layers.triton_ops import activation, int8_gemm, norm, rotary, sampling
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# one rounding of the result in the dtype (plus float32 reduction-order noise)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(device, dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=g).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype).to(device)
+    residual = torch.randn(5, 48, generator=g).to(dtype).to(device) if with_residual else None
+    ref_residual = residual.clone() if with_residual else None
+    out = norm.add_rms_norm(x, residual, weight, 1e-6)
+    ref = norm.add_rms_norm_ref(x, ref_residual, weight, 1e-6)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    if with_residual:  # the residual is updated in place with x added (one rounding, same as torch;
+        # the interpreter's float32 -> bfloat16 conversion does not round to nearest)
+        exact = dict(atol=0, rtol=0) if dtype != torch.bfloat16 or device == "cuda" else TOL[dtype]
+        torch.testing.assert_close(residual, ref_residual, **exact)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_views(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, tokens = 3, 1, 16, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided views, like the model's
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    freqs = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)  # [max_position, head_dim // 2] float32
+    positions = torch.tensor([0, 7, 31, 7]).to(device)
+    ref_q, ref_k = rotary.rotary_neox_ref(q, positions, cos, sin), rotary.rotary_neox_ref(k, positions, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    rotary.rotary_neox_(q, positions, cos, sin)
+    rotary.rotary_neox_(k, positions, cos, sin)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(device, dtype):
+    x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_gemm(device, dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    q, scale = quantize_int8(torch.randn(72, 200, generator=g))  # K=200: a partial last K tile
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    bias = torch.randn(72, generator=g).to(dtype) if with_bias else None
+    x, q, scale = x.to(device), q.to(device), scale.to(device)
+    bias = bias.to(device) if with_bias else None
+    out = int8_gemm.int8_gemm(x, q, scale, bias)
+    ref = int8_gemm.int8_gemm_ref(x, q, scale, bias)
+    assert out.dtype == dtype and out.shape == (rows, 72)
+    torch.testing.assert_close(out, ref, **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOL[dtype]))
+
+
+def _filter_inputs(device, rows=6, vocab=300):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g) * 3  # distinct values: no ties at a threshold
+    logits[2, :100] = float("-inf")  # e.g. masked by allowed_token_ids
+    top_k = torch.tensor([0, 5, 50, 1, 300, 17], dtype=torch.int32)[:rows]
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 0.3])[:rows]
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0, 0.05])[:rows]
+    return logits.to(device), top_k.to(device), top_p.to(device), min_p.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_top_p_min_p_matches_sorting_reference(device):
+    logits, top_k, top_p, min_p = _filter_inputs(device)
+    ref = sampling.top_k_top_p_min_p_ref(logits, top_k, top_p, min_p)
+    sampling.top_k_top_p_min_p_(logits, top_k, top_p, min_p)
+    assert torch.equal(torch.isinf(logits), torch.isinf(ref))
+    torch.testing.assert_close(logits, ref, atol=0, rtol=0)
+    kept = (~torch.isinf(logits)).sum(dim=1).tolist()
+    assert kept[0] == 300 and kept[1] == 5 and kept[3] == 1  # off, top-k alone, top-k=1
+    assert 0 < kept[4] < 300 and kept[5] <= 17
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_boundary_token_stays(device):
+    """Probabilities 0.5, 0.25, 0.125, ...: with top_p=0.6 the second token is kept (only 0.5
+    lies above it), the third is not (0.75 > 0.6)."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]])).to(device)
+    sampling.top_k_top_p_min_p_(logits, torch.zeros(1, dtype=torch.int32, device=device),
+                                torch.tensor([0.6], device=device), torch.zeros(1, device=device))
+    assert (~torch.isinf(logits)).tolist() == [[True, True, False, False, False]]
+
+
+def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(tmp_path):
+    """Real compiles (ptxas to cubin) without a GPU, in a process without the interpreter."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.getcwd(), TRITON_DEFAULT_FP_FUSION="1")
+    script = os.path.join(os.path.dirname(__file__), "aot_compile.py")
+    proc = subprocess.run([sys.executable, script, "80", "90"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = proc.stdout.split("\n")
+    for kernel in ("_add_rms_norm_kernel", "_rotary_neox_kernel", "_silu_and_mul_kernel",
+                   "_top_k_top_p_min_p_kernel", "_int8_gemm_kernel"):
+        for arch in ("sm_80", "sm_90"):
+            assert any(line.startswith(arch) and line.endswith(kernel) for line in compiled), (arch, kernel)
