@@ -20,12 +20,13 @@ from pagedllm.config import (
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, cli_option
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.layers import quantization
+from pagedllm.layers.ops import FUSED_OPS
 
 CHOICES = {
     "tokenizer_mode": TOKENIZER_MODES, "dtype": DTYPES, "block_size": ALLOWED_BLOCK_SIZES,
     "preemption_mode": PREEMPTION_MODES, "quantization": quantization.METHODS,
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
-    "preallocation": PREALLOCATION_MODES,
+    "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS,
 }
 # a value other than the default for every field (a new field must be added here)
 NON_DEFAULT = {
@@ -36,7 +37,7 @@ NON_DEFAULT = {
     "compile_model": True, "quantization": "int8", "kv_cache_dtype": "float16", "tensor_parallel_size": 2,
     "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
-    "preallocation": "request",
+    "preallocation": "request", "fused_ops": "triton",
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}

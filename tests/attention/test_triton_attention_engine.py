@@ -1,5 +1,6 @@
-"""The engine with attention_backend="triton" (Triton's interpreter on CPU) against transformers:
-greedy tokens through chunked prefill, decode steps and a prefix-cache hit."""
+"""The engine with attention_backend="triton" (Triton's interpreter on CPU), alone and with the
+Triton fused ops, against transformers: greedy tokens through chunked prefill, decode steps and
+a prefix-cache hit."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,9 @@ FIRST = [SHARED, [5, 6, 7]]
 LATER = [SHARED[:16] + [9, 10, 11, 12]]  # reuses SHARED's 2 full blocks from the cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("arch", "fused_ops"), [("llama", "native"), ("qwen2", "native"), ("llama", "triton")])
+def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, fused_ops, tmp_path, monkeypatch):
+    """fused_ops="triton" is the whole GPU path: Triton attention, norm, rotary, SiLU and sampler."""
     import transformers as tf
 
     from pagedllm.attention.triton.backend import TritonAttentionBackend
@@ -31,7 +33,7 @@ def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, 
     # head_dim 64 (the kernels' smallest), a GQA group of 2
     model_dir = make_model_dir(tmp_path, arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    llm = LLM(model_dir, attention_backend="triton", block_size=8, num_gpu_blocks_override=32,
+    llm = LLM(model_dir, attention_backend="triton", fused_ops=fused_ops, block_size=8, num_gpu_blocks_override=32,
               max_num_batched_tokens=16, max_model_len=64)  # 16-token chunks: SHARED is prefilled in two
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in FIRST], params,
