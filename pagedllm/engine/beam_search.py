@@ -80,7 +80,7 @@ class BeamSearchDriver:
     def _step(self, by_seq: dict[str, _BeamState]) -> None:
         engine = self.engine
         out = engine.scheduler.schedule()
-        logits = engine.executor.execute(out)
+        logits = engine.executor.execute(out).logits
         rows = [c.request_id for c in out.chunks if c.num_samples]
         if rows:
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]

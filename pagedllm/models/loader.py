@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.registry import MODEL_REGISTRY
 
@@ -58,12 +59,13 @@ def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
 
 
 def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,
-                device: torch.device) -> nn.Module:
+                device: torch.device, tp: TensorParallelGroup) -> nn.Module:
+    """The model's modules for this rank (its shard of every parallel layer), weights not loaded."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, backend, max_position)
+            model = model_cls(hf_config, backend, max_position, tp)
     finally:
         torch.set_default_dtype(prev)
     # rotary tables stay float32 for accuracy; they are cast at use

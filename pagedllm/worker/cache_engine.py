@@ -23,11 +23,6 @@ class CacheEngine:
         self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
         self.layer_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape[0])]
 
-    @staticmethod
-    def block_bytes(model_config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * model_config.num_layers * num_kv_heads * block_size * model_config.head_dim * elem
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""
         if not pairs:
