@@ -246,8 +246,9 @@ def _lifespan(engine: AsyncLLMEngine):
         engine.start()
         try:
             yield
-        finally:
+        finally:  # SIGINT/SIGTERM end here too: stop the engine thread, then the engine's workers
             await engine.shutdown()
+            engine.engine.shutdown()
     return lifespan
 
 
