@@ -61,6 +61,9 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 def _worker_main(config: EngineConfig, rank: int, port: int, timeout: float, conn: mpc.Connection) -> None:
     """A worker rank: join the group, build the shard, then run rank 0's calls until told to stop."""
     group = None
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (the
+    # server shuts down and stops us; an idle REPL keeps its engine), not each worker on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         conn.send((_STARTED,))
         config = rank_config(config, rank)
