@@ -133,7 +133,7 @@ class WorkerProcesses:
             left = deadline - time.monotonic()
             if left <= 0:
                 ranks = sorted(i + 1 for i in pending)
-                raise RuntimeError(f"tensor-parallel worker rank(s) {ranks} did not get {what} within "
+                raise RuntimeError(f"tensor-parallel worker rank(s) {ranks} did not report {what!r} within "
                                    f"{self.timeout:g} s (PAGEDLLM_TP_TIMEOUT)")
             ready = mpc.wait([*pending.values(), *(self.procs[i].sentinel for i in pending)], timeout=left)
             for i in list(pending):
