@@ -310,6 +310,8 @@ class MultiprocExecutor(Executor):
 
     def _start_rank0(self, store, timeout: float) -> ModelRunner:
         config = rank_config(self.config, 0)
+        if config.device.type == "cuda":
+            torch.cuda.set_device(config.device)  # NCCL binds each rank to its current device
         self._workers.await_all(_STARTED)
         try:
             self._workers.group = init_group(config.device, 0, config.parallel.tensor_parallel_size, store, timeout)
