@@ -84,7 +84,10 @@ VARIABLES: dict[str, EnvVar] = {
         "first port tried for a tensor-parallel group's store (the next free one is taken; default: any free port)"),
     "PAGEDLLM_TP_TIMEOUT": EnvVar(
         _float("PAGEDLLM_TP_TIMEOUT", 120.0),
-        "seconds a tensor-parallel rank may take to start up or to join a collective before the engine fails"),
+        "seconds a tensor-parallel collective waits for the other ranks before the engine fails"),
+    "PAGEDLLM_TP_STARTUP_TIMEOUT": EnvVar(
+        _float("PAGEDLLM_TP_STARTUP_TIMEOUT", 600.0),
+        "seconds tensor-parallel workers may take to start and load weights (a worker that exits fails at once)"),
 }
 
 

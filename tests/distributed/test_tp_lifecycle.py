@@ -21,7 +21,7 @@ MAX_NEW = 6  # tp_scenarios.MAX_NEW
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PAGEDLLM_TP_TIMEOUT="60", **extra)
+    env = dict(os.environ, PYTHONPATH=str(REPO), PAGEDLLM_TP_TIMEOUT="60", PAGEDLLM_TP_STARTUP_TIMEOUT="120")
     env.pop("PAGEDLLM_PORT", None)
     env.update(extra)
     return env
@@ -91,6 +91,16 @@ def test_killed_worker_makes_generate_raise_within_seconds(llama_dir, prompts):
     assert "SIGKILL" in result["error"] and "worker rank 1" in result["error"]
     assert result["seconds"] < 10
     assert "dead" in result["again"]  # later calls fail at once, naming the cause
+    assert result["left"] == [] and result["children"] == []
+
+
+def test_hung_worker_times_out_the_collective(llama_dir, prompts):
+    """SIGSTOP: the worker is alive but silent; rank 0's collective gives up after
+    PAGEDLLM_TP_TIMEOUT and the stopped worker is killed."""
+    result = scenario("hang_worker", llama_dir, prompts, PAGEDLLM_TP_TIMEOUT="2")
+    assert result["error"] is not None and "dead" in result["error"]
+    assert "Timed out" in result["error"] or "timeout" in result["error"].lower()
+    assert result["seconds"] < 2 + 10
     assert result["left"] == [] and result["children"] == []
 
 

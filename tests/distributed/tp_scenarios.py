@@ -79,8 +79,9 @@ def side_by_side(model: str, prompts: list[list[int]]) -> dict:
     return dict(outputs=[out[0] + out[2], out[1] + out[3]], ports=ports, children=engine_children())
 
 
-def kill_worker(model: str, prompts: list[list[int]]) -> dict:
-    """SIGKILL the worker while generate() runs: generate must raise soon, leaving no process."""
+def kill_worker(model: str, prompts: list[list[int]], sig: int = signal.SIGKILL) -> dict:
+    """Signal the worker while generate() runs (SIGKILL: it dies; SIGSTOP: it hangs, and only the
+    collective timeout can tell): generate must raise soon, leaving no process."""
     llm = LLM(model, tensor_parallel_size=2, **ENGINE)
     pid = llm.llm_engine.executor.worker_pids()[0]
     killed_at = []
@@ -89,7 +90,7 @@ def kill_worker(model: str, prompts: list[list[int]]) -> dict:
         while llm.llm_engine.counters.generation_tokens < 2 * len(prompts):  # some decode steps done
             time.sleep(0.005)
         killed_at.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
 
     threading.Thread(target=killer, daemon=True).start()
     try:
@@ -104,6 +105,10 @@ def kill_worker(model: str, prompts: list[list[int]]) -> dict:
     except RuntimeError as exc:
         again = str(exc)
     return dict(error=error, seconds=seconds, again=again, left=running([pid]), children=engine_children())
+
+
+def hang_worker(model: str, prompts: list[list[int]]) -> dict:
+    return kill_worker(model, prompts, signal.SIGSTOP)
 
 
 def shutdown_ports(model: str, prompts: list[list[int]]) -> dict:
@@ -124,7 +129,7 @@ def shutdown_ports(model: str, prompts: list[list[int]]) -> dict:
                 after_shutdown=after, children_at_end=engine_children())
 
 
-SCENARIOS = {f.__name__: f for f in (sequence, side_by_side, kill_worker, shutdown_ports)}
+SCENARIOS = {f.__name__: f for f in (sequence, side_by_side, kill_worker, hang_worker, shutdown_ports)}
 
 if __name__ == "__main__":
     name, model_dir, prompts_json = sys.argv[1:4]

@@ -9,7 +9,7 @@ traceback and exits, which closes its sockets and turns rank 0's next collective
 Failure handling, so that nothing waits forever:
 
 - start-up: rank 0 waits for each worker's "started" and "ready" messages together with the
-  process sentinels, under ``PAGEDLLM_TP_TIMEOUT``; a worker that exits first is reported with
+  process sentinels, under ``PAGEDLLM_TP_STARTUP_TIMEOUT``; a worker that exits first is reported with
   its traceback or exit status (and, when the main script has no ``__main__`` guard, that cause).
 - running: collectives time out after ``PAGEDLLM_TP_TIMEOUT``; a failed call collects the
   worker's cause, stops every rank and raises RuntimeError; a watchdog thread notices a worker
@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,19 @@ _CAUSE_GRACE_S = 3.0  # how long a failed call waits for a dying worker to repor
 _STOP_GRACE_S = 10.0  # how long shutdown waits for workers to leave before killing them
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: workers to start (import, rendezvous, load weights; a worker that exits fails
+    start-up at once anyway), and any collective to wait for the other ranks."""
+
+    startup: float
+    collective: float
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        return cls(envs.PAGEDLLM_TP_STARTUP_TIMEOUT, envs.PAGEDLLM_TP_TIMEOUT)
+
+
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config one rank runs with: on CUDA, rank r owns device r."""
     if config.device.type == "cuda":
@@ -58,7 +71,7 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 # ---------------------------------------------------------------------- the worker process
-def _worker_main(config: EngineConfig, rank: int, port: int, timeout: float, conn: mpc.Connection) -> None:
+def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts, conn: mpc.Connection) -> None:
     """A worker rank: join the group, build the shard, then run rank 0's calls until told to stop."""
     group = None
     # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (the
@@ -70,8 +83,8 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeout: float, con
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
         seed_and_threads(config)
-        store = connect_store(port, config.parallel.tensor_parallel_size, timeout)
-        group = init_group(config.device, rank, config.parallel.tensor_parallel_size, store, timeout)
+        store = connect_store(port, config.parallel.tensor_parallel_size, timeouts.startup)
+        group = init_group(config.device, rank, config.parallel.tensor_parallel_size, store, timeouts.collective)
         runner = ModelRunner(config, group)
         conn.send((_READY,))
         while (call := conn.recv()) is not _STOP:
@@ -102,13 +115,13 @@ class WorkerProcesses:
     why a worker is gone.
     """
 
-    def __init__(self, config: EngineConfig, port: int, timeout: float):
+    def __init__(self, config: EngineConfig, port: int, timeouts: Timeouts):
         ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
-        self.timeout = timeout
+        self.timeout = timeouts.startup
         self.procs, self.conns = [], []
         for rank in range(1, config.parallel.tensor_parallel_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, port, timeout, child),
+            proc = ctx.Process(target=_worker_main, args=(config, rank, port, timeouts, child),
                                name=f"pagedllm-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()  # only the worker holds its end: its exit reads as end-of-file here
@@ -134,7 +147,7 @@ class WorkerProcesses:
             if left <= 0:
                 ranks = sorted(i + 1 for i in pending)
                 raise RuntimeError(f"tensor-parallel worker rank(s) {ranks} did not report {what!r} within "
-                                   f"{self.timeout:g} s (PAGEDLLM_TP_TIMEOUT)")
+                                   f"{self.timeout:g} s (PAGEDLLM_TP_STARTUP_TIMEOUT)")
             ready = mpc.wait([*pending.values(), *(self.procs[i].sentinel for i in pending)], timeout=left)
             for i in list(pending):
                 if (pending[i] in ready or self.procs[i].sentinel in ready) and self._take(i, what):
@@ -203,7 +216,7 @@ class WorkerProcesses:
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            _kill(proc)
+            _kill(proc, graceful)
         for conn in self.conns:
             conn.close()
         if self.group is not None:
@@ -217,8 +230,10 @@ def _send_quietly(conn: mpc.Connection, msg: Any) -> None:
         pass
 
 
-def _kill(proc: mp.Process) -> None:
-    if proc.is_alive():
+def _kill(proc: mp.Process, graceful: bool) -> None:
+    """SIGTERM, then SIGKILL; straight to SIGKILL when not ``graceful`` (a stopped or hung
+    worker may never act on SIGTERM)."""
+    if graceful and proc.is_alive():
         proc.terminate()
         proc.join(2.0)
     if proc.is_alive():
@@ -293,13 +308,13 @@ class MultiprocExecutor(Executor):
     first port tried)."""
 
     def _start(self) -> ModelRunner:
-        timeout, world = envs.PAGEDLLM_TP_TIMEOUT, self.config.parallel.tensor_parallel_size
-        store = create_store(world, envs.PAGEDLLM_PORT, timeout)
+        timeouts, world = Timeouts.from_env(), self.config.parallel.tensor_parallel_size
+        store = create_store(world, envs.PAGEDLLM_PORT, timeouts.startup)
         self.port = store.port
-        self._workers = WorkerProcesses(self.config, self.port, timeout)
+        self._workers = WorkerProcesses(self.config, self.port, timeouts)
         self._finalizer = weakref.finalize(self, self._workers.close)
         try:
-            runner = self._start_rank0(store, timeout)
+            runner = self._start_rank0(store, timeouts.collective)
         except BaseException:
             self._stop(graceful=False)
             raise
@@ -338,7 +353,9 @@ class MultiprocExecutor(Executor):
             self._workers.send(call)
             return call.run(self.runner)
         except BaseException as exc:
-            reason = self._workers.cause(_CAUSE_GRACE_S) or f"rank 0 raised {type(exc).__name__}: {exc}"
+            reason = self._workers.cause(_CAUSE_GRACE_S) or (
+                f"every worker is still running but the call failed on rank 0 (a collective gives up after "
+                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s): {type(exc).__name__}: {exc}")
             self._fail(reason)
             if isinstance(exc, Exception):
                 raise RuntimeError(f"tensor-parallel step failed, the engine is dead: {reason}") from exc
