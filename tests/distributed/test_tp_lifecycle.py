@@ -104,6 +104,13 @@ def test_hung_worker_times_out_the_collective(llama_dir, prompts):
     assert result["left"] == [] and result["children"] == []
 
 
+def test_worker_exception_comes_back_with_its_traceback(llama_dir, prompts):
+    result = scenario("worker_raises", llama_dir, prompts)
+    assert "worker rank 1 raised" in result["error"] and "Traceback" in result["error"]
+    assert "init_cache" in result["error"]  # the worker's own frames
+    assert result["left"] == [] and result["children"] == []
+
+
 def test_shutdown_leaves_no_process_and_frees_the_port(llama_dir, prompts, expected):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -111,6 +111,20 @@ def hang_worker(model: str, prompts: list[list[int]]) -> dict:
     return kill_worker(model, prompts, signal.SIGSTOP)
 
 
+def worker_raises(model: str, prompts: list[list[int]]) -> dict:
+    """A call that raises on the worker (here on every rank): the worker's traceback comes back."""
+    from pagedllm.worker.executor import RankCall
+    from pagedllm.worker.model_runner import ModelRunner
+    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+    pid = llm.llm_engine.executor.worker_pids()[0]
+    try:
+        llm.llm_engine.executor.run_on_all_ranks(RankCall(ModelRunner.init_cache, (-1, 0)))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return dict(error=error, left=running([pid]), children=engine_children())
+
+
 def shutdown_ports(model: str, prompts: list[list[int]]) -> dict:
     """shutdown() leaves no process, and the next engine binds the same port (PAGEDLLM_PORT)."""
     llm = LLM(model, tensor_parallel_size=2, **ENGINE)
@@ -129,7 +143,7 @@ def shutdown_ports(model: str, prompts: list[list[int]]) -> dict:
                 after_shutdown=after, children_at_end=engine_children())
 
 
-SCENARIOS = {f.__name__: f for f in (sequence, side_by_side, kill_worker, hang_worker, shutdown_ports)}
+SCENARIOS = {f.__name__: f for f in (sequence, side_by_side, kill_worker, hang_worker, worker_raises, shutdown_ports)}
 
 if __name__ == "__main__":
     name, model_dir, prompts_json = sys.argv[1:4]

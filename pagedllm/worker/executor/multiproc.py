@@ -182,8 +182,9 @@ class WorkerProcesses:
         if self._closed or self._wake_r in ready:
             return
         rank = next(sentinels[s] for s in ready if s in sentinels)
-        logger.error("tensor-parallel worker died: %s",
-                     self.cause(0.5) or describe_exit(rank, self.procs[rank - 1], started=True))
+        if self.cause(0.5) is None:  # cannot happen once the sentinel fired; stay safe anyway
+            self.dead = describe_exit(rank, self.procs[rank - 1], started=True)
+        logger.error("tensor-parallel worker died: %s", self.dead)
 
     def cause(self, grace: float) -> str | None:
         """Why a worker failed: its reported traceback or its exit (remembered in ``dead``); waits
