@@ -36,6 +36,18 @@ def _float(name: str, default: float) -> Callable[[], float]:
     return read
 
 
+def _int(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+    return read
+
+
 def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or default
 
@@ -67,6 +79,15 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_FUSED_DECODE": EnvVar(
         _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
     "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),
+    "PAGEDLLM_PORT": EnvVar(
+        _int("PAGEDLLM_PORT", 0),
+        "first port tried for a tensor-parallel group's store (the next free one is taken; default: any free port)"),
+    "PAGEDLLM_TP_TIMEOUT": EnvVar(
+        _float("PAGEDLLM_TP_TIMEOUT", 120.0),
+        "seconds a tensor-parallel collective waits for the other ranks before the engine fails"),
+    "PAGEDLLM_TP_STARTUP_TIMEOUT": EnvVar(
+        _float("PAGEDLLM_TP_STARTUP_TIMEOUT", 600.0),
+        "seconds tensor-parallel workers may take to start and load weights (a worker that exits fails at once)"),
 }
 
 

@@ -1,37 +1,110 @@
-"""Tensor-parallel group state (one process per rank on torch.distributed)."""
+"""One engine's tensor-parallel group: its rank, its size and the collectives its layers run.
+
+Nothing here is process-global. ``dist.init_process_group`` would make one default group per
+process, shared by every engine in it (a second engine then runs its all-reduces on the first
+one's group and waits forever); instead each engine builds its own ``TCPStore`` on its own port
+and a gloo (CPU) or NCCL (GPU) backend object over it, and the model's parallel layers keep a
+reference to that engine's ``TensorParallelGroup``. Several engines can then live in one process,
+one after another or side by side.
+
+Every collective has a timeout (the backend's): a rank that stops answering turns into an error
+on the others instead of a wait that never ends. A rank that dies closes its sockets, which the
+others see at once.
+"""
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
-_TP_RANK = 0
-_TP_SIZE = 1
+logger = logging.getLogger(__name__)
+
+_PORT_ATTEMPTS = 100  # ports tried upwards from a requested first port
 
 
-def set_tensor_parallel(rank: int, size: int) -> None:
-    global _TP_RANK, _TP_SIZE
-    _TP_RANK, _TP_SIZE = rank, size
+class TensorParallelGroup:
+    """The ranks of one engine; ``size == 1`` is a group of one that never communicates.
 
+    ``destroy()`` releases the backend and (on rank 0) the store's port; a collective on a
+    destroyed group raises RuntimeError.
+    """
 
-def get_tp_rank() -> int:
-    return _TP_RANK
+    def __init__(self, rank: int = 0, size: int = 1, backend=None, store: dist.Store | None = None):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} must be in [0, size={size})")
+        if size > 1 and backend is None:
+            raise ValueError(f"a group of size={size} needs a backend")
+        self.rank, self.size = rank, size
+        self._backend, self._store = backend, store
 
+    @property
+    def is_destroyed(self) -> bool:
+        return self.size > 1 and self._backend is None
 
-def get_tp_size() -> int:
-    return _TP_SIZE
-
-
-def all_reduce(x):
-    """Sums ``x`` across tensor-parallel ranks in place (no-op on one rank)."""
-    if _TP_SIZE > 1:
-        dist.all_reduce(x)
-    return x
-
-
-def all_gather_last_dim(x):
-    """Concatenates each rank's shard of the last dimension."""
-    if _TP_SIZE == 1:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` across the ranks in place (no-op on one rank)."""
+        if self.size > 1:
+            self._live().allreduce([x]).wait()
         return x
-    import torch
-    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenates each rank's shard of the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._live().allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._live().barrier().wait()
+
+    def destroy(self) -> None:
+        """Closes the backend's connections and the store; idempotent."""
+        backend, self._backend, self._store = self._backend, None, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            try:
+                backend.shutdown()
+            except RuntimeError as exc:  # a peer already gone: nothing left to close politely
+                logger.debug("tensor-parallel backend shutdown: %s", exc)
+
+    def _live(self):
+        if self._backend is None:
+            raise RuntimeError(f"tensor-parallel group (rank {self.rank} of {self.size}) has been destroyed")
+        return self._backend
+
+
+def create_store(world_size: int, first_port: int, timeout: float) -> dist.TCPStore:
+    """Rank 0's store on 127.0.0.1: the first free port from ``first_port`` upwards (0: any)."""
+    ports = [0] if first_port == 0 else range(first_port, min(first_port + _PORT_ATTEMPTS, 65536))
+    error: Exception | None = None
+    for port in ports:
+        try:
+            return dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                                 timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # DistNetworkError: the port is taken
+            error = exc
+    raise RuntimeError(f"no free port for the tensor-parallel store in [{first_port}, "
+                       f"{first_port + _PORT_ATTEMPTS}): {error}") from error
+
+
+def connect_store(port: int, world_size: int, timeout: float) -> dist.TCPStore:
+    """A worker rank's client of rank 0's store."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def init_group(device: torch.device, rank: int, size: int, store: dist.Store, timeout: float) -> TensorParallelGroup:
+    """Joins the rendezvous (blocks until every rank has, at most ``timeout`` seconds) and
+    returns this rank's group: NCCL on CUDA, gloo otherwise."""
+    if size == 1:
+        return TensorParallelGroup()
+    td = timedelta(seconds=timeout)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = td
+        backend = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        backend = dist.ProcessGroupGloo(store, rank, size, td)
+    return TensorParallelGroup(rank, size, backend, store)

@@ -114,10 +114,13 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._fail_everything(EngineDeadError("the server is shutting down"))
+        if self._thread is None or not self._thread.is_alive():  # a step still running owns the engine
+            self.engine.shutdown()  # tensor-parallel workers end with the server
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        alive = self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        return alive and self.engine.health_error() is None  # a dead TP worker shows before the next step
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -141,9 +141,9 @@ class LLMEngine:
         if sched_out.is_empty:
             return []
         t0 = time.perf_counter()
-        logits = self.executor.execute(sched_out)
+        result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
-        prepare = self.executor.runner.last_prepare_time  # rank 0's share of execute()
+        logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         num_sample_rows = sched_out.num_sample_rows
         self._record_prompt_logprobs(sched_out, logits[num_sample_rows:])
@@ -284,8 +284,13 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def health_error(self) -> str | None:
+        """Why this engine can no longer step (e.g. a tensor-parallel worker died), or None."""
+        return self.executor.health_error()
+
     def shutdown(self) -> None:
-        """Stops tensor-parallel worker processes (nothing to do for one process)."""
+        """Stops the executor's ranks (worker processes, process group) and frees the KV pool and
+        the weights; idempotent. Later steps raise RuntimeError."""
         self.executor.shutdown()
 
 

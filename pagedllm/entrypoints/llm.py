@@ -20,12 +20,28 @@ class LLM:
     kv_cache_memory, swap_space, max_model_len, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, preemption_mode, seed, enforce_eager, tensor_parallel_size, ...``);
     an unknown keyword raises ``TypeError`` naming it.
+
+    ``shutdown()`` (or leaving ``with LLM(...) as llm:``) stops the tensor-parallel workers,
+    destroys the engine's process group and frees the KV pool and the weights; dropping the last
+    reference or interpreter exit does the same. Several engines may live in one process, one
+    after another or side by side: each owns its own group.
     """
 
     def __init__(self, model: str = "pagedllm-demo", **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Releases the engine's processes, process group and memory; generating afterwards raises
+        RuntimeError. Idempotent."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

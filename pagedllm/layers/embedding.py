@@ -5,14 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers import cpu_ops
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TensorParallelGroup):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.vocab_size = vocab_size
         self.shard = -(-vocab_size // self.tp_size)
         self.start = self.tp_rank * self.shard
@@ -30,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (local < 0) | (local >= self.shard)
         out = F.embedding(local.masked_fill(mask, 0), self.weight)
         out.masked_fill_(mask.unsqueeze(-1), 0)
-        return all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -38,4 +39,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = cpu_ops.linear(hidden, self.weight, None, self.packed_weight)  # [n, vocab_shard]
-        return all_gather_last_dim(logits)[..., : self.vocab_size]
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -2,13 +2,15 @@
 
 Each layer's parameters carry a ``weight_loader(param, loaded, shard_id=None)`` that copies the
 rank's slice of a checkpoint tensor into place, so the loader never needs to know the layout.
+Parallel layers take their engine's ``TensorParallelGroup`` (``tp``): its rank picks the shard,
+and the row-parallel all-reduce runs on it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers import cpu_ops, quantization
 
 
@@ -44,8 +46,8 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output dimension split across ranks; no communication in forward."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, tp: TensorParallelGroup):
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         super().__init__(in_features, _divide(out_features, self.tp_size, "out_features"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -56,9 +58,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused into one matmul (e.g. gate_up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, *, tp: TensorParallelGroup):
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, tp=tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         shard = self.output_sizes[shard_id] // self.tp_size
@@ -69,14 +71,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; heads split across ranks (KV heads replicated if fewer)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp = get_tp_size()
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
+                 tp: TensorParallelGroup):
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)
-        total = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
-        super().__init__(hidden, total, bias)
+        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        total = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim
+        super().__init__(hidden, total, bias, tp=tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -88,8 +90,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input dimension split across ranks; partial outputs are summed with an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, tp: TensorParallelGroup):
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         super().__init__(_divide(in_features, self.tp_size, "in_features"), out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -100,7 +103,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x))
+        return self.tp.all_reduce(super().forward(x))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -42,12 +42,11 @@ def _ptr_array(values: list) -> ctypes.Array:
 
 def unsupported_reason(model, backend) -> str | None:
     """Why ``model`` (a LlamaModel) cannot take the fused path, or None if it can."""
-    from pagedllm.distributed.parallel_state import get_tp_size
     if not envs.PAGEDLLM_FUSED_DECODE:
         return "disabled by PAGEDLLM_FUSED_DECODE=0"
     if getattr(backend, "name", None) != "cpu":
         return f"attention backend {getattr(backend, 'name', backend)!r} is not the compiled CPU kernel"
-    if get_tp_size() != 1:
+    if model.tp.size != 1:
         return "tensor parallelism"
     for name, p in model.named_parameters():
         int8_weight = p.dtype == torch.int8 and name.endswith("proj.weight")  # weight-only quantized

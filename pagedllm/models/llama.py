@@ -2,6 +2,7 @@
 
 Parameter names follow the Hugging Face checkpoints so weights load by name; the fused
 projections are declared in ``packed_modules``: checkpoint name -> (fused parameter, shard).
+``tp`` is the engine's tensor-parallel group, handed down to every parallel layer.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -41,15 +43,15 @@ def layer_sliding_window(cfg, layer_idx: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, variant: ArchVariant, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 layer_idx: int = 0, ops: str = "native"):
+                 tp: TensorParallelGroup, layer_idx: int = 0, ops: str = "native"):
         super().__init__()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         bias = variant.qkv_bias if variant.qkv_bias is not None else getattr(cfg, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=bias)
+                                          cfg.num_key_value_heads, bias=bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
-                                        bias=getattr(cfg, "attention_bias", False) and variant.qkv_bias is None)
+                                        bias=getattr(cfg, "attention_bias", False) and variant.qkv_bias is None, tp=tp)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -74,14 +76,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, ops: str = "native"):
+    def __init__(self, cfg, tp: TensorParallelGroup, ops: str = "native"):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):  # SwiGLU is all this MLP (and the C decoder) computes
             raise ValueError(f"hidden_act={act!r} is not supported: this Llama-family MLP is SwiGLU (silu)")
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul(ops)
 
     def forward(self, x):
@@ -89,10 +91,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, variant, rotary, backend, layer_idx: int = 0, ops: str = "native"):
+    def __init__(self, cfg, variant, rotary, backend, tp: TensorParallelGroup, layer_idx: int = 0,
+                 ops: str = "native"):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, variant, rotary, backend, layer_idx, ops)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, variant, rotary, backend, tp, layer_idx, ops)
+        self.mlp = LlamaMLP(cfg, tp, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -108,14 +111,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, variant, backend, max_position: int, ops: str = "native"):
+    def __init__(self, cfg, variant, backend, max_position: int, tp: TensorParallelGroup, ops: str = "native"):
         super().__init__()
+        self.tp = tp
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq, scaling = compute_inv_freq(cfg, head_dim)
         rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, ops)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, variant, rotary, backend, i, ops) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, variant, rotary, backend, tp, i, ops) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.fused_decoder = None  # models/cpu_decode.py, set by LlamaForCausalLM.enable_fused_decode
 
@@ -137,13 +141,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, backend: AttentionBackend, max_position: int, ops: str = "native"):
+    def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
+                 ops: str = "native"):
         """``ops``: "native" or "triton", the layers' fused-op implementation (layers/ops.py)."""
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.model = LlamaModel(cfg, self.variant, backend, max_position, ops)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, self.variant, backend, max_position, tp, ops)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

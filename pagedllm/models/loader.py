@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.registry import MODEL_REGISTRY
 
@@ -68,13 +69,14 @@ def config_dtype(name: object) -> torch.dtype | None:
 
 
 def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,
-                device: torch.device, ops: str = "native") -> nn.Module:
-    """``ops``: the layers' fused-op implementation, "native" or "triton" (layers/ops.py)."""
+                device: torch.device, tp: TensorParallelGroup, ops: str = "native") -> nn.Module:
+    """The model's modules for this rank (its shard of every parallel layer), weights not loaded;
+    ``ops``: the layers' fused-op implementation, "native" or "triton" (layers/ops.py)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, backend, max_position, ops)
+            model = model_cls(hf_config, backend, max_position, tp, ops)
     finally:
         torch.set_default_dtype(prev)
     # rotary tables stay float32 for accuracy; they are cast at use

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.kv_cache.planning import kv_bytes
 
 
 class CacheEngine:
@@ -23,10 +22,6 @@ class CacheEngine:
         pin = device.type == "cuda"
         self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
         self.layer_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape[0])]
-
-    @staticmethod
-    def block_bytes(model_config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-        return kv_bytes(model_config.num_layers, num_kv_heads, model_config.head_dim, dtype, block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""

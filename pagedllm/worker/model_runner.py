@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -10,11 +11,14 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
+from pagedllm.platform import available_ram
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, replay_size
@@ -23,23 +27,34 @@ from pagedllm.worker.host_to_device import to_device
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ExecuteResult:
+    """What one forward returns to the engine."""
+
+    logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows, vocab]
+    prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
+
+
 class ModelRunner:
-    """Runs the model on a SchedulerOutput and returns logits for the rows to sample."""
+    """One rank's model shard and KV pool: runs a SchedulerOutput and returns logits to sample.
+
+    Built with its engine's tensor-parallel group; ``init_cache`` allocates the pool once the
+    executor has sized it, ``release`` drops the pool and the weights at shutdown.
+    """
 
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup):
         self.config = config
         self.device = config.device
         mc = config.model
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
-                                 mc.max_model_len, mc.dtype, self.device, config.layer_ops)
+                                 mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)
         if self.device.type == "cpu":
-            from pagedllm.worker.executor import available_ram
             cpu_ops.pack_model(self.model, available_ram())
             reason = self.model.enable_fused_decode(self.backend)
             if reason:
@@ -51,7 +66,6 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
-        self.last_prepare_time = 0.0
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -74,31 +88,37 @@ class ModelRunner:
         return self.config.cache.cache_dtype or self.config.model.dtype
 
     def block_bytes(self) -> int:
-        return CacheEngine.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
+        """Bytes of one KV block on this rank (its share of the KV heads)."""
+        return sizing.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
+
+    def release(self) -> None:
+        """Frees the KV pool and the weights; the runner cannot execute afterwards."""
+        self.cache = None
+        self.model = None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput) -> ExecuteResult:
         """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows + P, vocab]``.
 
         A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens);
         after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk.
         """
-        self.last_prepare_time = 0.0
         self.block_table.release(out.released_ids)
         # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
-            return torch.empty(0, self.model.config.vocab_size)
+            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0)
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
-        self.last_prepare_time = time.perf_counter() - t0
+        prepare_time = time.perf_counter() - t0
         if self.decode_graphs is not None and self.decode_graphs.holds(meta):
             hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
+        logits = self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
+        return ExecuteResult(logits, prepare_time)
 
     def prepare_inputs(self, out: SchedulerOutput):
         chunks = out.chunks

@@ -348,7 +348,7 @@ def _lifespan(engine: AsyncLLMEngine):
         engine.start()
         try:
             yield
-        finally:
+        finally:  # SIGINT/SIGTERM end here too: stops the engine thread, then the engine's workers
             await engine.shutdown()
     return lifespan
 

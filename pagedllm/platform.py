@@ -1,0 +1,34 @@
+"""Facts about the machine this process runs on: memory and cores (Linux /proc, with fallbacks)."""
+from __future__ import annotations
+
+import os
+import resource
+
+_FALLBACK_RAM = 8 * 1024**3  # no /proc/meminfo (not Linux): assume a small machine
+
+
+def available_ram() -> int:
+    """Bytes of RAM the kernel could hand out now without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _FALLBACK_RAM
+
+
+def physical_cores() -> int:
+    """Distinct physical cores (hyper-threads counted once); the logical CPU count if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
+    except OSError:
+        cores = set()
+    return max(1, len(cores)) if cores else os.cpu_count() or 1
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

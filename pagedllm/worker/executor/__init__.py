@@ -1,0 +1,15 @@
+"""Executors: run the model for a SchedulerOutput, in this process or across tensor-parallel ranks."""
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.worker.executor.base import Executor, RankCall
+from pagedllm.worker.executor.multiproc import MultiprocExecutor
+from pagedllm.worker.executor.uniproc import UniProcExecutor
+
+__all__ = ["Executor", "MultiprocExecutor", "RankCall", "UniProcExecutor", "make_executor"]
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    return MultiprocExecutor(config)

@@ -1,0 +1,147 @@
+"""What every executor does: hold rank 0's ModelRunner, call runner methods on every rank,
+size and allocate the KV cache at start-up, and shut down (idempotently, also from a finalizer)."""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm import envs
+from pagedllm.config import EngineConfig
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.kv_cache import sizing
+from pagedllm.platform import available_ram, peak_rss, physical_cores
+from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One ModelRunner method (the function object, e.g. ``ModelRunner.execute``) with its
+    arguments, run on every rank. Pickles by the method's qualified name."""
+
+    method: Callable[..., Any]
+    args: tuple = ()
+
+    def __post_init__(self):
+        if getattr(ModelRunner, getattr(self.method, "__name__", ""), None) is not self.method:
+            raise TypeError(f"method={self.method!r} must be a ModelRunner method, e.g. ModelRunner.execute")
+
+    def run(self, runner: ModelRunner) -> Any:
+        return self.method(runner, *self.args)
+
+
+class Executor(ABC):
+    """Runs the model on every tensor-parallel rank; rank 0's runner lives in this process.
+
+    Built ready to execute, with the KV cache sized and allocated on every rank
+    (``num_blocks`` / ``num_cpu_blocks``). ``shutdown()`` stops the ranks and frees the pool
+    and the weights; after it (or after a rank failed) every call raises RuntimeError.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._closed_reason: str | None = None
+        self.runner = self._start()
+        try:
+            size = self._size_cache()
+            self.num_blocks, self.num_cpu_blocks = size.num_blocks, size.num_cpu_blocks
+            self.run_on_all_ranks(RankCall(ModelRunner.init_cache, (self.num_blocks, self.num_cpu_blocks)))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @abstractmethod
+    def _start(self) -> ModelRunner:
+        """Starts the ranks; returns rank 0's runner."""
+
+    @abstractmethod
+    def _run(self, call: RankCall) -> Any:
+        """Runs ``call`` on every rank; returns rank 0's result."""
+
+    @abstractmethod
+    def _stop(self, graceful: bool) -> None:
+        """Stops the other ranks (asking first when ``graceful``) and releases the group; idempotent."""
+
+    # ------------------------------------------------------------------ calls
+    def run_on_all_ranks(self, call: RankCall) -> Any:
+        """Runs a ModelRunner method on every rank, in the same order everywhere; rank 0's result."""
+        self.check_health()
+        return self._run(call)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ExecuteResult:
+        """One forward for the step; the logits to sample and rank 0's input-preparation time."""
+        return self.run_on_all_ranks(RankCall(ModelRunner.execute, (scheduler_output,)))
+
+    def health_error(self) -> str | None:
+        """Why the executor cannot run any more, or None; a read only, safe from any thread."""
+        return self._closed_reason
+
+    def check_health(self) -> None:
+        """Raises RuntimeError if the executor was shut down or a rank failed."""
+        if self._closed_reason is not None:
+            raise RuntimeError(self._closed_reason)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Stops every rank and frees rank 0's KV pool and weights; safe to call twice."""
+        if self._closed_reason is None:
+            self._closed_reason = "the engine has been shut down"
+        self._release(graceful=True)
+
+    def _fail(self, reason: str) -> None:
+        """A rank failed: the ranks are out of step for good, so everything stops at once."""
+        if self._closed_reason is None:
+            self._closed_reason = f"the engine is dead: {reason}"
+        self._release(graceful=False)
+
+    def _release(self, graceful: bool) -> None:
+        self._stop(graceful)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.release()
+
+    # ------------------------------------------------------------------ sizing
+    def _size_cache(self) -> sizing.KVCacheSize:
+        cache, sched = self.config.cache, self.config.scheduler
+        nbytes = self.runner.block_bytes()
+        budget = None
+        if not cache.num_gpu_blocks_override:
+            budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._profiled_budget()
+        size = sizing.plan_cache(cache, sched, nbytes, budget)
+        logger.info(sizing.describe(size.num_blocks, nbytes, cache.block_size, sched.max_model_len))
+        return size
+
+    def _profiled_budget(self) -> int:
+        """Runs one forward at the step's token budget and gives the KV pool what is left."""
+        cache, sched, device = self.config.cache, self.config.scheduler, self.config.device
+        before = peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.run_on_all_ranks(RankCall(ModelRunner.profile_run, (sched.max_num_batched_tokens, sched.max_model_len)))
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            # CUDA graphs (captured once during the profile run) keep a memory pool of their own
+            used = torch.cuda.max_memory_allocated(device) + self.run_on_all_ranks(
+                RankCall(ModelRunner.cuda_graph_memory))
+            return sizing.cuda_budget(cache.gpu_memory_utilization, total, used)
+        activation = max(0, peak_rss() - before)
+        cap = int(envs.PAGEDLLM_CPU_KVCACHE_SPACE * 1024**3)
+        return sizing.cpu_budget(cache.gpu_memory_utilization, available_ram(), activation, cap)
+
+
+def num_threads_per_rank(config: EngineConfig) -> int:
+    """Physical cores shared evenly between the tensor-parallel ranks."""
+    return max(1, physical_cores() // config.parallel.tensor_parallel_size)
+
+
+def seed_and_threads(config: EngineConfig) -> None:
+    """Per-process set-up every rank does before building its runner."""
+    if config.device.type == "cpu":
+        torch.set_num_threads(config.num_threads or num_threads_per_rank(config))
+    torch.manual_seed(config.model.seed)

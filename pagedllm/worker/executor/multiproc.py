@@ -1,0 +1,373 @@
+"""Tensor parallelism: rank 0 in the engine's process, one spawned worker process per other rank.
+
+Rank 0 drives. Every runner call (profile, cache set-up, execute) is a ``RankCall`` sent to each
+worker over its own pipe, then run locally, so all ranks enter the same collectives (the
+all-reduces of the row-parallel layers, the all-gather of the vocabulary-parallel LM head) in the
+same order; only rank 0 samples. Workers answer nothing per call: a worker that fails sends its
+traceback and exits, which closes its sockets and turns rank 0's next collective into an error.
+
+Failure handling, so that nothing waits forever:
+
+- start-up: rank 0 waits for each worker's "started" and "ready" messages together with the
+  process sentinels, under ``PAGEDLLM_TP_STARTUP_TIMEOUT``; a worker that exits first is reported with
+  its traceback or exit status (and, when the main script has no ``__main__`` guard, that cause).
+- running: collectives time out after ``PAGEDLLM_TP_TIMEOUT``; a failed call collects the
+  worker's cause, stops every rank and raises RuntimeError; a watchdog thread notices a worker
+  that dies between steps, so the next call fails at once.
+- lifecycle: ``shutdown()``, garbage collection of the executor and interpreter exit (a
+  ``weakref.finalize``) stop the workers and destroy the group; workers exit on their own when
+  rank 0's process goes away (their pipe reaches end-of-file).
+"""
+from __future__ import annotations
+
+import ast
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm import envs
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup, connect_store, create_store, init_group
+from pagedllm.worker.executor.base import Executor, RankCall, seed_and_threads
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_STOP = None  # the message that ends a worker's loop
+_STARTED, _READY, _ERROR = "started", "ready", "error"
+_CAUSE_GRACE_S = 3.0  # how long a failed call waits for a dying worker to report why
+_STOP_GRACE_S = 10.0  # how long shutdown waits for workers to leave before killing them
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: workers to start (import, rendezvous, load weights; a worker that exits fails
+    start-up at once anyway), and any collective to wait for the other ranks."""
+
+    startup: float
+    collective: float
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        return cls(envs.PAGEDLLM_TP_STARTUP_TIMEOUT, envs.PAGEDLLM_TP_TIMEOUT)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config one rank runs with: on CUDA, rank r owns device r."""
+    if config.device.type == "cuda":
+        return replace(config, device=torch.device("cuda", rank))
+    return config
+
+
+# ---------------------------------------------------------------------- the worker process
+def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts, conn: mpc.Connection) -> None:
+    """A worker rank: join the group, build the shard, then run rank 0's calls until told to stop."""
+    group = None
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (the
+    # server shuts down and stops us; an idle REPL keeps its engine), not each worker on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        conn.send((_STARTED,))
+        config = rank_config(config, rank)
+        if config.device.type == "cuda":
+            torch.cuda.set_device(config.device)
+        seed_and_threads(config)
+        store = connect_store(port, config.parallel.tensor_parallel_size, timeouts.startup)
+        group = init_group(config.device, rank, config.parallel.tensor_parallel_size, store, timeouts.collective)
+        runner = ModelRunner(config, group)
+        conn.send((_READY,))
+        while (call := conn.recv()) is not _STOP:
+            call.run(runner)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # rank 0's process is gone: nobody to report to, just leave
+    except BaseException:
+        _report(conn, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if group is not None:
+            group.destroy()
+
+
+def _report(conn: mpc.Connection, text: str) -> None:
+    try:
+        conn.send((_ERROR, text))
+    except OSError:  # rank 0 already gone
+        pass
+
+
+# ---------------------------------------------------------------------- rank 0's view of the workers
+class WorkerProcesses:
+    """The worker processes of one engine, their pipes, rank 0's group and a watchdog thread.
+
+    It holds no reference to the executor, so the executor can be garbage-collected and its
+    finalizer can still ``close()`` this. ``dead`` is set (by the watchdog or a failed call) to
+    why a worker is gone.
+    """
+
+    def __init__(self, config: EngineConfig, port: int, timeouts: Timeouts):
+        ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
+        self.timeout = timeouts.startup
+        self.procs, self.conns = [], []
+        for rank in range(1, config.parallel.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, rank, port, timeouts, child),
+                               name=f"pagedllm-tp-rank{rank}", daemon=True)
+            proc.start()
+            child.close()  # only the worker holds its end: its exit reads as end-of-file here
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.group: TensorParallelGroup | None = None
+        self.dead: str | None = None
+        self._cause_lock = threading.Lock()
+        self._closed = False
+        self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ------------------------------------------------------------------ start-up
+    def await_all(self, what: str) -> None:
+        """Waits until every worker has sent ``what``; raises RuntimeError naming the first
+        worker that exits or fails first, or that is not there after ``timeout`` seconds."""
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(i + 1 for i in pending)
+                raise RuntimeError(f"tensor-parallel worker rank(s) {ranks} did not report {what!r} within "
+                                   f"{self.timeout:g} s (PAGEDLLM_TP_STARTUP_TIMEOUT)")
+            ready = mpc.wait([*pending.values(), *(self.procs[i].sentinel for i in pending)], timeout=left)
+            for i in list(pending):
+                if (pending[i] in ready or self.procs[i].sentinel in ready) and self._take(i, what):
+                    del pending[i]
+
+    def _take(self, i: int, what: str) -> bool:
+        """Reads worker i's next message if any; True when it is ``what``; raises on a failure."""
+        conn, proc = self.conns[i], self.procs[i]
+        try:
+            if conn.poll():
+                kind, *rest = conn.recv()
+                if kind == _ERROR:
+                    raise RuntimeError(f"tensor-parallel worker rank {i + 1} failed during start-up:\n{rest[0]}")
+                return kind == what
+            if proc.is_alive():
+                return False
+        except (EOFError, OSError):  # its end of the pipe closed: the worker is exiting
+            pass
+        raise RuntimeError("tensor-parallel " + describe_exit(i + 1, proc, started=what != _STARTED))
+
+    # ------------------------------------------------------------------ running
+    def send(self, call: RankCall) -> None:
+        for conn in self.conns:
+            conn.send(call)
+
+    def start_watchdog(self) -> None:
+        threading.Thread(target=self._watch, name="pagedllm-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, 1)}
+        ready = mpc.wait([*sentinels, self._wake_r])
+        if self._closed or self._wake_r in ready:
+            return
+        rank = next(sentinels[s] for s in ready if s in sentinels)
+        if self.cause(0.5) is None:  # cannot happen once the sentinel fired; stay safe anyway
+            self.dead = describe_exit(rank, self.procs[rank - 1], started=True)
+        logger.error("tensor-parallel worker died: %s", self.dead)
+
+    def cause(self, grace: float) -> str | None:
+        """Why a worker failed: its reported traceback or its exit (remembered in ``dead``); waits
+        up to ``grace`` seconds for one to show; None if every worker is still running quietly."""
+        with self._cause_lock:  # the watchdog and a failed call may both ask; one reads the pipes
+            if self.dead is None and mpc.wait([*self.conns, *(p.sentinel for p in self.procs)], timeout=grace):
+                self.dead = self._first_failure()
+            return self.dead
+
+    def _first_failure(self) -> str | None:
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
+            reported, closed = _read_report(conn)
+            if reported:
+                return f"worker rank {rank} raised:\n{reported}"
+            if closed or not proc.is_alive():  # its pipe closes a moment before it can be reaped
+                return describe_exit(rank, proc, started=True)
+        return None
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, graceful: bool = True) -> None:
+        """Stops the workers (asks, then kills after a grace period) and destroys rank 0's group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_w.send(None)  # releases the watchdog
+        if graceful:
+            for conn in self.conns:
+                _send_quietly(conn, _STOP)
+        deadline = time.monotonic() + (_STOP_GRACE_S if graceful else 0.0)
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            _kill(proc, graceful)
+        for conn in self.conns:
+            conn.close()
+        if self.group is not None:
+            self.group.destroy()
+
+
+def _send_quietly(conn: mpc.Connection, msg: Any) -> None:
+    try:
+        conn.send(msg)
+    except OSError:  # the worker is already gone
+        pass
+
+
+def _kill(proc: mp.Process, graceful: bool) -> None:
+    """SIGTERM, then SIGKILL; straight to SIGKILL when not ``graceful`` (a stopped or hung
+    worker may never act on SIGTERM)."""
+    if graceful and proc.is_alive():
+        proc.terminate()
+        proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2.0)
+
+
+def _read_report(conn: mpc.Connection) -> tuple[str | None, bool]:
+    """(the traceback a worker sent, if any; whether its end of the pipe is closed)."""
+    try:
+        while conn.poll():
+            kind, *rest = conn.recv()
+            if kind == _ERROR:
+                return rest[0], False
+    except (EOFError, OSError):
+        return None, True
+    return None, False
+
+
+def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
+    """``worker rank 1 was killed by SIGKILL``; for a worker that never started, the likely cause."""
+    proc.join(2.0)
+    code = proc.exitcode
+    if code is None:
+        how = "closed its pipe but is still running"
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    text = f"worker rank {rank} (pid {proc.pid}) {how}"
+    if not started:
+        text += " before it started. " + _spawn_hint()
+    return text
+
+
+def _spawn_hint() -> str:
+    script = unguarded_main_script()
+    if script is not None:
+        return (f"The script {script} builds the engine at import time without an "
+                '`if __name__ == "__main__":` guard. Each worker is a fresh Python process (spawn) that '
+                "re-imports that script and so tries to start an engine of its own; put the code that "
+                'builds the engine under `if __name__ == "__main__":`.')
+    return ("Its traceback is above (stderr). If the main script builds the engine at import time, it needs "
+            'an `if __name__ == "__main__":` guard: each worker re-imports it (spawn).')
+
+
+def unguarded_main_script() -> str | None:
+    """The main script's path if it is a .py file with no top-level ``if __name__ == "__main__":``."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py") or not Path(path).is_file():
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return None
+    return None if any(_is_main_guard(node) for node in tree.body) else path
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    names = {s.id for s in sides if isinstance(s, ast.Name)}
+    consts = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return names == {"__name__"} and consts == {"__main__"}
+
+
+# ---------------------------------------------------------------------- the executor
+class MultiprocExecutor(Executor):
+    """Rank 0 in this process plus ``tensor_parallel_size - 1`` spawned worker processes, on a
+    tensor-parallel group of their own (a TCPStore on its own port; ``PAGEDLLM_PORT`` sets the
+    first port tried)."""
+
+    def _start(self) -> ModelRunner:
+        timeouts, world = Timeouts.from_env(), self.config.parallel.tensor_parallel_size
+        store = create_store(world, envs.PAGEDLLM_PORT, timeouts.startup)
+        self.port = store.port
+        self._workers = WorkerProcesses(self.config, self.port, timeouts)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        try:
+            runner = self._start_rank0(store, timeouts.collective)
+        except BaseException:
+            self._stop(graceful=False)
+            raise
+        self._workers.start_watchdog()
+        logger.info("tensor parallel: %d ranks on port %d (%s)", world, self.port,
+                    "nccl" if self.config.device.type == "cuda" else "gloo")
+        return runner
+
+    def _start_rank0(self, store, timeout: float) -> ModelRunner:
+        config = rank_config(self.config, 0)
+        if config.device.type == "cuda":
+            torch.cuda.set_device(config.device)  # NCCL binds each rank to its current device
+        self._workers.await_all(_STARTED)
+        try:
+            self._workers.group = init_group(config.device, 0, config.parallel.tensor_parallel_size, store, timeout)
+        except RuntimeError as exc:  # the rendezvous timed out: say which worker is missing, if one died
+            cause = self._workers.cause(0.0) or str(exc)
+            raise RuntimeError(f"tensor-parallel rendezvous failed: {cause}") from exc
+        seed_and_threads(config)
+        runner = ModelRunner(config, self._workers.group)
+        self._workers.await_all(_READY)
+        return runner
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (for monitoring)."""
+        return self._workers.pids()
+
+    def health_error(self) -> str | None:
+        """Also a worker the watchdog saw die between steps, before any call has failed on it."""
+        return super().health_error() or self._workers.dead
+
+    def check_health(self) -> None:
+        dead = self._workers.dead
+        if dead is not None and self._closed_reason is None:
+            self._fail(dead)
+        super().check_health()
+
+    def _run(self, call: RankCall) -> Any:
+        try:
+            self._workers.send(call)
+            return call.run(self.runner)
+        except BaseException as exc:
+            reason = self._workers.cause(_CAUSE_GRACE_S) or (
+                f"every worker is still running but the call failed on rank 0 (a collective gives up after "
+                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s): {type(exc).__name__}: {exc}")
+            self._fail(reason)
+            if isinstance(exc, Exception):
+                raise RuntimeError(f"tensor-parallel step failed, the engine is dead: {reason}") from exc
+            raise
+
+    def _stop(self, graceful: bool) -> None:
+        if graceful:
+            self._finalizer()
+        elif self._finalizer.detach() is not None:
+            self._workers.close(graceful=False)

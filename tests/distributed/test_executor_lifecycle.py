@@ -1,0 +1,33 @@
+"""The single-rank executor's lifecycle and the typed call record every executor runs."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker.executor import RankCall
+from pagedllm.worker.model_runner import ModelRunner
+
+
+def test_context_manager_shuts_down_and_frees_the_pool(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(llama_dir, num_gpu_blocks_override=32, max_model_len=128) as llm:
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+        runner = llm.llm_engine.executor.runner
+        pool = weakref.ref(runner.cache.kv)
+    gc.collect()
+    assert pool() is None  # the KV tensor is gone although `llm` is still referenced
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.shutdown()  # a second shutdown is harmless
+
+
+def test_rank_calls_name_runner_methods_not_strings():
+    call = RankCall(ModelRunner.init_cache, (4, 0))
+    assert call.method is ModelRunner.init_cache
+    with pytest.raises(TypeError, match="ModelRunner method"):
+        RankCall("execute")
+    with pytest.raises(TypeError, match="ModelRunner method"):
+        RankCall(print)

@@ -1,0 +1,153 @@
+"""No import cycles between pagedllm modules.
+
+The graph has an edge ``a -> b`` when module ``a`` imports ``b`` at module level (imports inside
+functions run later and do not count, nor do ``if TYPE_CHECKING:`` blocks, which never run).
+``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``. Importing
+``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``; those implicit edges are left out, as
+every tool that reports cyclic imports does, or every module would sit in a cycle through
+``pagedllm/__init__.py``.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pagedllm
+
+PACKAGE_DIR = Path(pagedllm.__file__).parent
+
+
+def module_names(package_dir: Path, package: str) -> dict[str, Path]:
+    """``{dotted module name: file}`` for every .py file under ``package_dir``."""
+    names = {}
+    for path in package_dir.rglob("*.py"):
+        parts = list(path.relative_to(package_dir).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join([package, *parts])] = path
+    return names
+
+
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, also those inside functions (they run on first call)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements that run when the module is imported (also inside module-level if/try)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and not _is_type_checking(node.test):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    base = node.module or ""
+    if node.level:  # relative: strip one package level per dot beyond the first
+        anchor = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = anchor[: len(anchor) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    out = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+    if len(out) < len(node.names) and base in known:
+        out.add(base)
+    return out
+
+
+def import_graph(package_dir: Path, package: str, function_level: bool = False) -> dict[str, set[str]]:
+    """``{module: modules it imports at module level}`` (with ``function_level``: anywhere),
+    restricted to the package."""
+    files = module_names(package_dir, package)
+    known = set(files)
+    find = _all_imports if function_level else _top_level_imports
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        graph[name] = set().union(*(_targets(n, name, is_package, known) for n in find(tree))) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_pagedllm_has_no_import_cycle():
+    cycle = find_cycle(import_graph(PACKAGE_DIR, "pagedllm"))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+WORKER_AREA = ("pagedllm.worker", "pagedllm.distributed", "pagedllm.platform", "pagedllm.kv_cache.sizing")
+
+
+def test_worker_area_has_no_cycle_even_through_function_level_imports():
+    """A cycle hidden behind an import inside a function is still a cycle (the executor once
+    imported the model runner, which imported the executor back for ``available_ram``)."""
+    graph = import_graph(PACKAGE_DIR, "pagedllm", function_level=True)
+    area = {m: {t for t in targets if t.startswith(WORKER_AREA)} for m, targets in graph.items()
+            if m.startswith(WORKER_AREA)}
+    cycle = find_cycle(area)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_a_constructed_cycle_is_found(tmp_path):
+    pkg = _write(tmp_path / "pkg", {
+        "__init__.py": "",
+        "a.py": "from pkg.b import thing\n",
+        "sub/__init__.py": "",
+        "b.py": "from .sub import c\nthing = 1\n",
+        "sub/c.py": "from .. import a\n",  # relative, two levels up
+    })
+    graph = import_graph(pkg, "pkg")
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+def test_function_level_and_type_checking_imports_do_not_count(tmp_path):
+    pkg = _write(tmp_path / "pkg", {
+        "__init__.py": "",
+        "a.py": "import pkg.b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                "def f():\n    import pkg.a\n",
+    })
+    graph = import_graph(pkg, "pkg")
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": set()}
+    assert find_cycle(graph) is None
+    assert find_cycle(import_graph(pkg, "pkg", function_level=True)) == ["pkg.a", "pkg.b", "pkg.a"]
