@@ -256,7 +256,7 @@ def _read_report(conn: mpc.Connection) -> tuple[str | None, bool]:
 
 def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
     """``worker rank 1 was killed by SIGKILL``; for a worker that never started, the likely cause."""
-    proc.join(2.0)
+    proc.join(5.0)  # its pipe closes first; on a loaded machine the exit status follows within seconds
     code = proc.exitcode
     if code is None:
         how = "closed its pipe but is still running"
