@@ -86,6 +86,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
     "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
     "ld_forward": (_I32, [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, _I32]),
+    "qg_linear": (_I32, [
+        _VP, _I64, _VP, _VP, _VP, _VP,  # x, T, codes, scale, scaled zero, bias
+        _I64, _I64, _I64, _I32, _VP, _I32,  # in, out, group, bits, y, threads
+    ]),
+    "qg_dequant": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I32, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -248,6 +253,26 @@ class NativeLibrary:
         rc = self._lib.ld_dequant_i8(_ptr(q), _ptr(scale), _ptr(out), q.shape[0], q.shape[1], num_threads)
         if rc != 0:
             self._raise(rc, "ld_dequant_i8", f": weight {tuple(q.shape)}")
+
+    def grouped_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
+                       bias: torch.Tensor | None, group: int, bits: int, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` with W group-quantized (``csrc/quant_linear.c``):
+        q uint8 codes, scale / szero float32 ``[out, in / group]``; all contiguous, T at most
+        ``max_decode_tokens``."""
+        rows, in_features = x.shape
+        rc = self._lib.qg_linear(_ptr(x), rows, _ptr(q), _ptr(scale), _ptr(szero), _ptr(bias), in_features,
+                                 q.shape[0], group, bits, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "qg_linear", f": x {tuple(x.shape)}, codes {tuple(q.shape)}, group {group}, bits {bits}")
+
+    def dequantize_grouped(self, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor, out: torch.Tensor,
+                           group: int, bits: int, num_threads: int) -> None:
+        """``out [rows, in]`` float32 = the group-quantized matrix, all contiguous."""
+        rows, in_features = out.shape
+        rc = self._lib.qg_dequant(_ptr(q), _ptr(scale), _ptr(szero), _ptr(out), rows, in_features, group, bits,
+                                  num_threads)
+        if rc != 0:
+            self._raise(rc, "qg_dequant", f": out {tuple(out.shape)}, group {group}, bits {bits}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

@@ -1,6 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
- * The library is the three kernel files (paged_attention.c, cpu_ops.c, llama_decode.c) plus
+ * The library is the four kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
+ * quant_linear.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -112,6 +113,16 @@ PN_EXPORT int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int
 PN_EXPORT int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias,
                         int64_t in, int64_t out, float *y, int threads);
 PN_EXPORT int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* group-wise 4/8-bit weight-only matmuls (quant_linear.c; layout in that file's comment)     */
+/* ------------------------------------------------------------------------------------------ */
+
+PN_EXPORT int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
+                        const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y,
+                        int threads);
+PN_EXPORT int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows,
+                         int64_t in, int64_t group, int bits, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */

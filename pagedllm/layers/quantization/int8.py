@@ -19,22 +19,14 @@ dequantized per call: correct, no speed-up (GPU int8 kernels are not built).
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from pagedllm.layers.quantization.base import scratch_buffer
 from pagedllm.native import bindings
 
-METHODS = ("int8",)
 # up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
 # (capped at run time by the library's own limit, NativeLibrary.max_decode_tokens)
 C_MAX_ROWS = 48
-
-
-def check_method(method: str | None) -> str | None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"quantization={method!r} is not supported; use None or one of {METHODS}")
-    return method
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,22 +38,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def quantize_model(model: torch.nn.Module, method: str | None) -> int:
-    """Replaces every projection's weight (modules with ``packed_weight``, i.e. the linear layers,
-    not embeddings or the LM head) by its quantized form; returns how many."""
-    if check_method(method) is None:
-        return 0
-    from pagedllm.layers.embedding import VocabParallelEmbedding
-    count = 0
-    for module in model.modules():
-        if not hasattr(module, "packed_weight") or isinstance(module, VocabParallelEmbedding):
-            continue
-        q, scale = quantize_int8(module.weight)
-        module.weight = torch.nn.Parameter(q, requires_grad=False)
-        module.register_buffer("weight_scale", scale.to(module.weight.device), persistent=False)
-        module.packed_weight = None
-        count += 1
-    return count
+def quantize_layer(module: torch.nn.Module) -> None:
+    """Replaces a linear layer's float weight by int8 codes plus ``weight_scale`` (per row)."""
+    q, scale = quantize_int8(module.weight)
+    module.weight = torch.nn.Parameter(q, requires_grad=False)
+    module.register_buffer("weight_scale", scale.to(module.weight.device), persistent=False)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,16 +58,9 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return torch.nn.functional.linear(x, w, bias)
 
 
-_scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused: no page faults per call
-
-
 def _dequantize_c(native: bindings.NativeLibrary, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
-    key = threading.get_ident()
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < q.numel():
-        buf = _scratch[key] = torch.empty(q.numel(), dtype=torch.float32)
-    w = buf[: q.numel()].view(q.shape)  # [out, in]
+    w = scratch_buffer(q.numel()).view(q.shape)  # [out, in]
     native.dequantize_int8(q, scale, w, torch.get_num_threads())
     return w
 
