@@ -171,6 +171,8 @@ def test_checkpoint_greedy_matches_transformers_on_dequantized_weights(case_id, 
     llm = LLM(path, block_size=block_size, num_gpu_blocks_override=300, **chunked)
     qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.uint8 and qkv.quant_bits == case[1]
+    # decode steps take the one-call C decoder, except with act order (a per-call input gather)
+    assert (llm.llm_engine.executor.runner.model.model.fused_decoder is None) == case[4]
     check_against_reference(llm, reference)
     assert llm.get_kv_cache_stats().num_used_blocks == 0
 
