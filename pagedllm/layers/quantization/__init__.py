@@ -28,7 +28,7 @@ from pagedllm.layers.quantization.int4 import Int4Method
 from pagedllm.layers.quantization.int8 import C_MAX_ROWS, int8_linear, quantize_int8
 
 __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "grouped_linear",
-           "int8_linear", "process_weights", "quantize_int8", "quantize_model", "resolve_method"]
+           "int8_linear", "process_weights", "projection_layout", "quantize_int8", "quantize_model", "resolve_method"]
 
 LOAD_TIME_METHODS = ("int8", "int4")
 CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod}
@@ -49,7 +49,11 @@ def check_method(method: str | None) -> str | None:
 
 
 def _quant_config(hf_config) -> dict | None:
-    cfg = getattr(hf_config, "quantization_config", None)
+    """``quantization_config`` of a transformers config object or a parsed config.json dict."""
+    if isinstance(hf_config, dict):
+        cfg = hf_config.get("quantization_config")
+    else:
+        cfg = getattr(hf_config, "quantization_config", None)
     if cfg is not None and not isinstance(cfg, dict):
         cfg = cfg.to_dict()
     return cfg or None
@@ -87,6 +91,21 @@ def checkpoint_method(hf_config) -> QuantMethod | None:
     """The checkpoint's format with its settings validated, or None for float checkpoints."""
     name = checkpoint_method_name(hf_config)
     return None if name is None else CHECKPOINT_METHODS[name].from_config(_quant_config(hf_config))
+
+
+def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | None:
+    """``(bits, group size, float bytes per group)`` of the projections with ``method`` (resolved:
+    :func:`resolve_method`); group -1: one group per output row. None: float weights. For memory
+    estimates (``pagedllm plan``): int8 keeps a scale per row, the group-wise layout a scale and
+    a scaled zero per group."""
+    if method is None:
+        return None
+    if method == "int8":
+        return 8, -1, 4
+    if method == "int4":
+        return 4, Int4Method.group_size, 8
+    fmt = checkpoint_method(hf_config)
+    return fmt.bits, fmt.group_size, 8
 
 
 def _linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

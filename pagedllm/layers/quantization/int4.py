@@ -33,6 +33,7 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP_SIZE) -> tuple[torch.
 
 class Int4Method(QuantMethod):
     name = "int4"
+    group_size = GROUP_SIZE
 
     def process_weights(self, layer: torch.nn.Module) -> None:
         codes, scale = quantize_int4(layer.weight)
