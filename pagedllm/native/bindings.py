@@ -1,7 +1,7 @@
 """The CPU kernel library (``csrc/``), loaded once per process and bound with ctypes.
 
 Attention (``attention/cpu.py``), the fused model-body ops (``layers/cpu_ops.py``), int8
-matmuls (``layers/quantization.py``) and the one-call decoder (``models/cpu_decode.py``) all go
+and 4/8-bit matmuls (``layers/quantization/``) and the one-call decoder (``models/cpu_decode.py``) all go
 through this module: :func:`is_available` says whether the library built, :func:`library`
 returns it (or raises :class:`NativeLibraryError`), and :class:`NativeLibrary` has one typed
 method per C function, taking tensors and raising ``ValueError`` / ``MemoryError`` on a C error
