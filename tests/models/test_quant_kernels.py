@@ -186,3 +186,16 @@ def test_gptq_unpacking_follows_the_spec(bits, v2):
     layer = _load_layer(GPTQMethod(bits, group, False, v2), tensors, out_features, in_features)
     want = _reference64(codes, scale.half().float(), zero, group).float()
     torch.testing.assert_close(_dequantized(layer), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act_order, in_features, match", [
+    (True, 128, "desc_act/act-order checkpoints with tensor_parallel_size=2"),
+    (False, 96, "group_size=32 does not divide the 48 inputs of a row-parallel layer's rank slice"),
+])
+def test_row_parallel_slices_must_hold_whole_groups(act_order, in_features, match, monkeypatch):
+    from pagedllm.layers import linear
+    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
+    layer = linear.RowParallelLinear(in_features, 16)  # this rank: half the inputs
+    group = 32
+    with pytest.raises(ValueError, match=match):
+        GPTQMethod(4, group, act_order, v2=False).create_weights(layer)
