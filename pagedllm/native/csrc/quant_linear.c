@@ -13,7 +13,7 @@
  * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask), the
  * group's scale and zero applied with one FMA, and multiplied into fp32 accumulators. Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
- * tokens per pass, as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
+ * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
  * weight into a float32 buffer (qg_dequant) for one MKL GEMM.
  */
 #include <stdint.h>
@@ -64,13 +64,14 @@ static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const f
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256 sv[4], zv[4];
-        for (int k = 0; k < 4; k++) sv[k] = _mm256_set1_ps(r->s[k][g]), zv[k] = _mm256_set1_ps(r->z[k][g]);
         for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
             __m256 xv[3];
             for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
             for (int k = 0; k < 4; k++) {
-                const __m256 w = _mm256_fmsub_ps(load_codes8(r->q[k], i, BITS), sv[k], zv[k]);
+                /* scale and zero broadcast from L1 each time: keeping 8 of them in registers
+                 * would spill the accumulators (16 ymm registers) */
+                const __m256 w = _mm256_fmsub_ps(load_codes8(r->q[k], i, BITS), _mm256_broadcast_ss(r->s[k] + g),
+                                                 _mm256_broadcast_ss(r->z[k] + g));
                 for (int t = 0; t < NT; t++) acc[t][k] = _mm256_fmadd_ps(w, xv[t], acc[t][k]);
             }
         }
@@ -94,9 +95,8 @@ static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const f
 static void qdot_rows(const Rows4 *r, int bits, const float *x, int64_t T, int64_t n, int64_t group,
                       float (*dots)[4]) {
     int64_t t = 0;
-    if (bits == 4) {
-        for (; t + 3 <= T; t += 3) qtile4(r, x + t * n, n, group, 3, 4, dots + t);
-        if (T - t == 2) qtile4(r, x + t * n, n, group, 2, 4, dots + t);
+    if (bits == 4) { /* two tokens a pass: the nibble unpacking needs registers of its own */
+        for (; t + 2 <= T; t += 2) qtile4(r, x + t * n, n, group, 2, 4, dots + t);
         if (T - t == 1) qtile4(r, x + t * n, n, group, 1, 4, dots + t);
     } else {
         for (; t + 3 <= T; t += 3) qtile4(r, x + t * n, n, group, 3, 8, dots + t);
