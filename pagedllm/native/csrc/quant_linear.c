@@ -10,13 +10,15 @@
  *
  * Why: decoding small batches streams every weight once per step, at memory bandwidth on a
  * CPU; 4-bit codes are an eighth of float32's bytes. The codes are widened to float32 in
- * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask), the
- * group's scale and zero applied with one FMA, and multiplied into fp32 accumulators. Threads
+ * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask) and
+ * multiplied into fp32 accumulators; the group's scale and zero are applied once per group
+ * (qtile4). Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
  * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
  * weight into a float32 buffer (qg_dequant) for one MKL GEMM.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pagedllm_native.h"
@@ -54,55 +56,73 @@ typedef struct {
     const float *s[4], *z[4];
 } Rows4;
 
-/* dots[t][k] = W_k . x_t for 4 rows and NT <= 3 tokens, each weight chunk dequantized once in
- * registers for all NT tokens. NT and BITS are literals at every call site. */
-static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const float *x, int64_t n, int64_t group,
-                                                         const int NT, const int BITS, float dots[3][4]) {
+/* dots[t][k] = W_k . x_t for 4 rows and NT <= 3 tokens, each weight chunk widened once in
+ * registers for all NT tokens. The group's scale and zero are applied per group, not per
+ * weight:  W_k . x_t = sum_g s[k][g] * (codes . x_t over g) - sum_g sz[k][g] * xsum[t][g]
+ * with xsum[t][g] the sum of x_t over group g (computed once per call by the caller), so the
+ * inner loop is unpack, convert and one FMA per token. NT and BITS are literals at every call
+ * site. */
+static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const float *x, const float *xsum,
+                                                         int64_t n, int64_t group, const int NT, const int BITS,
+                                                         float dots[3][4]) {
     const int64_t groups = n / group;
-#if PN_AVX2
-    __m256 acc[3][4];
     for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) dots[t][k] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
+        float part[3][4];
+#if PN_AVX2
+        __m256 acc[3][4];
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
         for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
             __m256 xv[3];
             for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
             for (int k = 0; k < 4; k++) {
-                /* scale and zero broadcast from L1 each time: keeping 8 of them in registers
-                 * would spill the accumulators (16 ymm registers) */
-                const __m256 w = _mm256_fmsub_ps(load_codes8(r->q[k], i, BITS), _mm256_broadcast_ss(r->s[k] + g),
-                                                 _mm256_broadcast_ss(r->z[k] + g));
-                for (int t = 0; t < NT; t++) acc[t][k] = _mm256_fmadd_ps(w, xv[t], acc[t][k]);
+                const __m256 codes = load_codes8(r->q[k], i, BITS);
+                for (int t = 0; t < NT; t++) acc[t][k] = _mm256_fmadd_ps(codes, xv[t], acc[t][k]);
             }
         }
-    }
-    for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) dots[t][k] = hsum8(acc[t][k]);
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) part[t][k] = hsum8(acc[t][k]);
 #else
-    for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) dots[t][k] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t g = i / group;
-        for (int k = 0; k < 4; k++) {
-            const float w = load_code1(r->q[k], i, BITS) * r->s[k][g] - r->z[k][g];
-            for (int t = 0; t < NT; t++) dots[t][k] += w * x[t * n + i];
-        }
-    }
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) part[t][k] = 0.0f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++)
+            for (int k = 0; k < 4; k++)
+                for (int t = 0; t < NT; t++) part[t][k] += load_code1(r->q[k], i, BITS) * x[t * n + i];
 #endif
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++)
+                dots[t][k] += r->s[k][g] * part[t][k] - r->z[k][g] * xsum[t * groups + g];
+    }
 }
 
 /* dots[t][k] for all T tokens, three at a time. */
-static void qdot_rows(const Rows4 *r, int bits, const float *x, int64_t T, int64_t n, int64_t group,
-                      float (*dots)[4]) {
+static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsum, int64_t T, int64_t n,
+                      int64_t group, float (*dots)[4]) {
+    const int64_t groups = n / group;
     int64_t t = 0;
+#define QTILE(NT, BITS) qtile4(r, x + t * n, xsum + t * groups, n, group, NT, BITS, dots + t)
     if (bits == 4) { /* two tokens a pass: the nibble unpacking needs registers of its own */
-        for (; t + 2 <= T; t += 2) qtile4(r, x + t * n, n, group, 2, 4, dots + t);
-        if (T - t == 1) qtile4(r, x + t * n, n, group, 1, 4, dots + t);
+        for (; t + 2 <= T; t += 2) QTILE(2, 4);
+        if (T - t == 1) QTILE(1, 4);
     } else {
-        for (; t + 3 <= T; t += 3) qtile4(r, x + t * n, n, group, 3, 8, dots + t);
-        if (T - t == 2) qtile4(r, x + t * n, n, group, 2, 8, dots + t);
-        if (T - t == 1) qtile4(r, x + t * n, n, group, 1, 8, dots + t);
+        for (; t + 3 <= T; t += 3) QTILE(3, 8);
+        if (T - t == 2) QTILE(2, 8);
+        if (T - t == 1) QTILE(1, 8);
     }
+#undef QTILE
+}
+
+/* xsum[t, g] = sum of x[t] over input group g. */
+static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, float *xsum) {
+    const int64_t groups = in / group;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) s += x[t * in + i];
+            xsum[t * groups + g] = s;
+        }
 }
 
 static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
@@ -115,6 +135,9 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
+    float *xsum = malloc(sizeof(float) * T * groups);
+    if (!xsum) return PN_ERR_NOMEM;
+    group_sums(x, T, in, group, xsum);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         const int64_t o = u * 4;
@@ -125,10 +148,11 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
             r.q[k] = q + row * row_bytes, r.s[k] = scale + row * groups, r.z[k] = szero + row * groups;
         }
         float dots[LD_MAX_TOKENS][4];
-        qdot_rows(&r, bits, x, T, in, group, dots);
+        qdot_rows(&r, bits, x, xsum, T, in, group, dots);
         for (int64_t t = 0; t < T; t++)
             for (int k = 0; k < nr; k++) y[t * out + o + k] = dots[t][k] + (bias ? bias[o + k] : 0.0f);
     }
+    free(xsum);
     return PN_OK;
 }
 
