@@ -104,6 +104,8 @@ CASES = {
                                  gptq_config(4, 32, True, True, "gptq")),
     "gptq-v2-w8-channel-asym": ("qwen2", 8, -1, False, False, gptq_tensors, True,
                                 gptq_config(8, -1, False, False, "gptq_v2")),
+    "gptq-v2-w4-g32-asym": ("qwen2", 4, 32, False, False, gptq_tensors, True,
+                            gptq_config(4, 32, False, False, "gptq_v2")),
     "awq-w4-g32": ("qwen2", 4, 32, False, False, awq_tensors, None,
                    {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}),
     "ct-packed-w4a16-g64-asym": ("llama", 4, 64, False, False, ct_packed_tensors, False,
@@ -177,10 +179,10 @@ def test_checkpoint_greedy_matches_transformers_on_dequantized_weights(case_id, 
     assert llm.get_kv_cache_stats().num_used_blocks == 0
 
 
-@pytest.mark.parametrize("case_id", ["gptq-v2-w8-channel-asym", "awq-w4-g32"])
+@pytest.mark.parametrize("case_id", ["gptq-v2-w8-channel-asym", "gptq-v2-w4-g32-asym"])
 def test_tensor_parallel_shards_codes_scales_and_zeros(case_id, model_dirs, hf_models, tmp_path):
     """TP=2: column-parallel layers split output rows (q/k/v, gate/up offsets); row-parallel
-    layers split input columns and whole groups (one group: replicated)."""
+    layers split input columns, g_idx and whole groups (one group: replicated)."""
     case = CASES[case_id]
     path, reference = write_checkpoint(model_dirs[case[0]], tmp_path / case_id, case, hf_models[case[0]])
     llm = LLM(path, num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1)

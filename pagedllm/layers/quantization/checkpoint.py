@@ -120,8 +120,18 @@ class CheckpointMethod(QuantMethod):
             # an absent zero point keeps its default; an absent g_idx means no act order
             logical[t.kind] = param.data if param.loaded or t.kind != "g_idx" else None
             delattr(layer, t.name)
-        grouped.install(layer, logical["codes"], logical["scale"], logical["zero"], logical.get("g_idx"),
-                        self.bits)
+        g_idx = logical.get("g_idx")
+        if g_idx is not None:
+            g_idx = g_idx - self._first_group(layer, logical["scale"].shape[1])
+        grouped.install(layer, logical["codes"], logical["scale"], logical["zero"], g_idx, self.bits)
+
+    def _first_group(self, layer: torch.nn.Module, local_groups: int) -> int:
+        """g_idx numbers the groups of the whole layer; a row-parallel rank holds groups
+        ``[rank * local_groups, (rank + 1) * local_groups)`` (all of them when there is one)."""
+        from pagedllm.layers.linear import RowParallelLinear
+        if not isinstance(layer, RowParallelLinear) or self.group_size == -1:
+            return 0
+        return layer.tp_rank * local_groups
 
 
 def _shard_into(layer: torch.nn.Module, param: torch.nn.Parameter, full: torch.Tensor, shard_id,
