@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.awq import AWQMethod
 from pagedllm.layers.quantization.base import QuantMethod
 from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMethod
 from pagedllm.layers.quantization.gptq import GPTQMethod
 from pagedllm.layers.quantization.grouped import grouped_linear
 from pagedllm.layers.quantization.int4 import Int4Method
-from pagedllm.layers.quantization.int8 import C_MAX_ROWS, int8_linear, quantize_int8
+from pagedllm.layers.quantization.int8 import C_MAX_ROWS, Int8Method, int8_linear, quantize_int8
 
 __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "grouped_linear",
            "int8_linear", "process_weights", "projection_layout", "quantize_int8", "quantize_model", "resolve_method"]
@@ -33,13 +32,6 @@ __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create
 LOAD_TIME_METHODS = ("int8", "int4")
 CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod}
 METHODS = (*LOAD_TIME_METHODS, *CHECKPOINT_METHODS)
-
-
-class Int8Method(QuantMethod):
-    name = "int8"
-
-    def process_weights(self, layer: torch.nn.Module) -> None:
-        int8.quantize_layer(layer)
 
 
 def check_method(method: str | None) -> str | None:

@@ -21,7 +21,6 @@ class QuantMethod:
     """One weight-only format: what a linear layer holds and how it gets there."""
 
     name: str = ""
-    from_checkpoint: bool = False  # the checkpoint holds quantized tensors (else: quantized at load)
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         """Registers the checkpoint's tensors as parameters of ``layer`` (before loading)."""

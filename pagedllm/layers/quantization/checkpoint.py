@@ -41,8 +41,6 @@ class CheckpointTensor:
 class CheckpointMethod(QuantMethod):
     """A group-wise format read from the checkpoint (subclasses: unpacking and names)."""
 
-    from_checkpoint = True
-
     def __init__(self, bits: int, group_size: int, act_order: bool = False):
         self.bits, self.group_size, self.act_order = bits, group_size, act_order
 

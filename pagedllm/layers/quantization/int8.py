@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.quantization.base import scratch_buffer
+from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
 from pagedllm.native import bindings
 
 # up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
@@ -38,11 +38,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def quantize_layer(module: torch.nn.Module) -> None:
-    """Replaces a linear layer's float weight by int8 codes plus ``weight_scale`` (per row)."""
-    q, scale = quantize_int8(module.weight)
-    module.weight = torch.nn.Parameter(q, requires_grad=False)
-    module.register_buffer("weight_scale", scale.to(module.weight.device), persistent=False)
+class Int8Method(QuantMethod):
+    name = "int8"
+
+    def process_weights(self, layer: torch.nn.Module) -> None:
+        """Replaces the float weight by int8 codes plus ``weight_scale`` (per row)."""
+        q, scale = quantize_int8(layer.weight)
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.register_buffer("weight_scale", scale.to(layer.weight.device), persistent=False)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
