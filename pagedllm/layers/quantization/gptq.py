@@ -11,7 +11,11 @@ Per linear layer (``bits`` 4 or 8, ``32 / bits`` codes per int32, lowest bits fi
 
 with ``G = in / group_size`` (one group for ``group_size: -1``). Checkpoint format ``gptq``
 (v1) stores every zero point minus one (AutoGPTQ's historical off-by-one; a symmetric 4-bit
-checkpoint stores 7 for 8); ``gptq_v2`` stores it as is.
+checkpoint stores 7 for 8); ``gptq_v2`` stores it as is. No GPTQ tool installs here (gptqmodel
+builds CUDA extensions), so this layout was checked by reading GPTQModel's
+``PackableQuantLinear.dequantize_weight`` (nn_modules/qlinear/__init__.py: shifts
+``range(0, 32, bits)`` along the packed axis, ``scales[g_idx] * (weight - zeros[g_idx])``, v1
+zeros + 1 when converting to v2) and is tested against a packer written from it.
 """
 from __future__ import annotations
 
