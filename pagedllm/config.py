@@ -38,7 +38,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     seed: int = 0
-    quantization: str | None = None  # weight-only, layers/quantization.py ("int8")
+    quantization: str | None = None  # weight-only, layers/quantization/ (int8, int4 or the checkpoint's format)
     tokenizer_mode: str = "auto"  # one of TOKENIZER_MODES
     trust_remote_code: bool = False  # passed to transformers for the config and the tokenizer
     served_model_names: tuple[str, ...] = ()  # what HTTP clients call the model (the first one in metrics)

@@ -105,6 +105,18 @@ def test_int8_weights_and_half_kv_hand_computed():
         plan_kv(GQA, gpu_memory=GiB, quantization="fp4")
 
 
+def test_int4_and_quantized_checkpoint_weights_hand_computed():
+    proj = 4 * (512 * 8 * 128 * 2 + 512 * 2 * 128 * 2 + 3 * 512 * 1024)
+    rest = 12_562_944 - proj
+    int4 = plan_kv(GQA, gpu_memory=GiB, dtype="float32", quantization="int4")
+    assert int4.weights_bytes == rest * 4 + proj // 2 + 8 * proj // 128  # float32 scale + zero per 128
+    gptq = {**GQA, "quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": 64}}
+    p = plan_kv(gptq, gpu_memory=GiB, dtype="float32")  # read from the config, no flag needed
+    assert p.quantization == "gptq" and p.weights_bytes == rest * 4 + proj + 8 * proj // 64
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        plan_kv(gptq, gpu_memory=GiB, quantization="int4")
+
+
 def test_overrides_and_defaults():
     cfg = {**GQA, "num_key_value_heads": None, "head_dim": None}  # MHA, head_dim = hidden/heads
     p = plan_kv(cfg, gpu_memory=GiB, dtype="float32", weights_bytes=0)

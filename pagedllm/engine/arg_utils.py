@@ -36,7 +36,7 @@ from pagedllm.config import (
 )
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
-from pagedllm.layers.quantization import check_method as check_quantization
+from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.utils import parse_size
@@ -97,8 +97,10 @@ class EngineArgs:
     enforce_eager: bool = option(False, "never compile (overrides --compile-model) and capture no CUDA graphs")
     compile_model: bool = option(False, "torch.compile each decoder layer (start-up cost; no speed-up measured "
                                  "on CPU)")
-    quantization: str | None = option(None, "weight-only int8 projections, quantized at load (per-channel, "
-                                      "symmetric)", choices=QUANTIZATION_METHODS, aliases=("-q",))
+    quantization: str | None = option(None, "weight-only projections: int8 (per-channel) or int4 (group 128) "
+                                      "quantized at load, or the checkpoint's format (gptq, awq, "
+                                      "compressed-tensors; detected from config.json)",
+                                      choices=QUANTIZATION_METHODS, aliases=("-q",))
     kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype",
                                  choices=tuple(KV_CACHE_DTYPES))
     tensor_parallel_size: int = option(1, "number of tensor-parallel ranks", parse=int, aliases=("-tp",))
@@ -183,7 +185,7 @@ class EngineArgs:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             seed=self.seed,
-            quantization=check_quantization(self.quantization),
+            quantization=resolve_quantization(self.quantization, hf),
             tokenizer_mode=self.tokenizer_mode,
             trust_remote_code=self.trust_remote_code,
             served_model_names=self.served_model_names(),

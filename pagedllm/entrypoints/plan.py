@@ -33,7 +33,8 @@ from pagedllm.config import (
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
-from pagedllm.layers.quantization import check_method as check_quantization
+from pagedllm.layers.quantization import projection_layout
+from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
 from pagedllm.utils import format_size, parse_size
 
@@ -262,12 +263,16 @@ def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, es
     return tuple(notes)
 
 
-def _weights_bytes(shape: ModelShape, num_params: int, dtype: torch.dtype, quantization: str | None) -> int:
-    """Estimated weight bytes; int8 projections take 1 byte plus one float32 scale per output row."""
-    if quantization != "int8":
+def _weights_bytes(shape: ModelShape, num_params: int, dtype: torch.dtype,
+                   layout: tuple[int, int, int] | None) -> int:
+    """Estimated weight bytes; quantized projections (``layout`` = (bits, group, float bytes per
+    group), layers/quantization) take bits / 8 bytes each plus their scales (and zeros)."""
+    if layout is None:
         return num_params * dtype.itemsize
-    proj = projection_params(shape)  # + one float32 scale per output row (~4 / hidden_size bytes each)
-    return (num_params - proj) * dtype.itemsize + proj + 4 * proj // shape.hidden_size
+    proj = projection_params(shape)
+    bits, group, per_group = layout
+    groups = proj // (shape.hidden_size if group == -1 else group)  # group -1: per output row, ~hidden_size long
+    return (num_params - proj) * dtype.itemsize + proj * bits // 8 + per_group * groups
 
 
 def _resolve_dtypes(shape: ModelShape, dtype: str, kv_cache_dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
@@ -311,7 +316,9 @@ def plan_kv(
     weights_dtype, kv_dtype = _resolve_dtypes(shape, dtype, kv_cache_dtype, device)
     num_params = count_params(shape)
     estimated = weights_bytes is None
-    weights = _weights_bytes(shape, num_params, weights_dtype, check_quantization(quantization)) \
+    quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
+    layout = projection_layout(quantization, config)
+    weights = _weights_bytes(shape, num_params, weights_dtype, layout) \
         if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
@@ -459,7 +466,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="KV cache storage dtype; auto = the weights' dtype (default: auto)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                        help="weight-only int8 projections: shrinks the weights estimate")
+                        help="weight-only quantized projections (int8, int4; a checkpoint's own format is "
+                             "read from its quantization_config): shrinks the weights estimate")
     parser.add_argument("--mean-len", type=_positive_int, default=None, metavar="N",
                         help="average sequence length (prompt + output) for the paged estimate "
                              "(default: half of --max-model-len)")

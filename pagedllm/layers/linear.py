@@ -33,8 +33,10 @@ class LinearBase(nn.Module):
         self.packed_weight = None  # set by cpu_ops.pack_model once the weights are loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.int8:  # weight-only quantized (layers/quantization.py)
+        if self.weight.dtype == torch.int8:  # weight-only quantized (layers/quantization/int8.py)
             return quantization.int8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.weight.dtype == torch.uint8:  # group-wise 4/8-bit codes (layers/quantization/grouped.py)
+            return quantization.grouped_linear(self, x)
         return cpu_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 

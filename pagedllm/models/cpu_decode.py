@@ -7,7 +7,8 @@ on the 34M benchmark model; ``benchmarks/RESULTS.md``). Larger batches (prefill 
 decode batches) are compute bound and keep the torch path, where oneDNN/MKL GEMMs win.
 
 Used only when it computes exactly what the torch path computes: float32 weights (or int8
-projection weights with per-row scales, ``quantization="int8"``) and KV cache
+projection weights with per-row scales, ``quantization="int8"``, or group-wise 4/8-bit codes of
+one bit width without act-order permutation: own int4, GPTQ, AWQ, compressed-tensors) and KV cache
 on the CPU, one tensor-parallel rank, the compiled CPU attention backend selected, and
 ``PAGEDLLM_FUSED_DECODE`` not ``0`` (the A/B switch for benchmarks).
 """
@@ -49,9 +50,24 @@ def unsupported_reason(model, backend) -> str | None:
     if model.tp.size != 1:
         return "tensor parallelism"
     for name, p in model.named_parameters():
-        int8_weight = p.dtype == torch.int8 and name.endswith("proj.weight")  # weight-only quantized
-        if p.device.type != "cpu" or not (p.dtype == torch.float32 or int8_weight) or not p.is_contiguous():
-            return f"parameter {name} is not a contiguous float32 (or int8 projection) CPU tensor"
+        quantized = p.dtype in (torch.int8, torch.uint8) and name.endswith("proj.weight")  # weight-only
+        if p.device.type != "cpu" or not (p.dtype == torch.float32 or quantized) or not p.is_contiguous():
+            return f"parameter {name} is not a contiguous float32 (or quantized projection) CPU tensor"
+    return _projection_mix_reason(model)
+
+
+def _projections(model) -> list:
+    return [linear for layer in model.layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _projection_mix_reason(model) -> str | None:
+    """The C decoder takes one weight kind for all projections, and no act-order gather."""
+    kinds = {(p.weight.dtype, getattr(p, "quant_bits", 0)) for p in _projections(model)}
+    if len(kinds) > 1:
+        return f"projections mix weight kinds {sorted(str(k) for k in kinds)}"
+    if any(getattr(p, "act_perm", None) is not None for p in _projections(model)):
+        return "act-order (desc_act) projections gather their inputs per call"
     return None
 
 
@@ -81,16 +97,21 @@ class FusedCpuDecoder:
                 return getattr(attn, field).weight if attn.qk_norm else None
             proj, kind = field.rsplit("_", 1)
             linear = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[proj]
-            return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None)}[kind]
+            return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None),
+                    "z": getattr(linear, "weight_szero", None)}[kind]
         return [_ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:
-        attn = model.layers[0].self_attn
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         rotary = attn.rotary
         m = LdModel(
             num_layers=len(model.layers), hidden=model.embed_tokens.weight.shape[1],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate=model.layers[0].mlp.down_proj.weight.shape[1],
+            intermediate=mlp.gate_up_proj.weight.shape[0] // 2,  # rows: not packed (codes pack along inputs)
+            quant_bits=getattr(attn.qkv_proj, "quant_bits", 0),
+            qkv_group=getattr(attn.qkv_proj, "quant_group", 0), o_group=getattr(attn.o_proj, "quant_group", 0),
+            gate_up_group=getattr(mlp.gate_up_proj, "quant_group", 0),
+            down_group=getattr(mlp.down_proj, "quant_group", 0),
             vocab_size=model.embed_tokens.weight.shape[0], max_position=rotary.cos.shape[0],
             eps=model.norm.eps, scale=attn.scale, embed=_ptr(model.embed_tokens.weight),
             final_norm=_ptr(model.norm.weight), cos=_ptr(rotary.cos), sin=_ptr(rotary.sin),

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.layers import quantization
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.registry import MODEL_REGISTRY
 
@@ -98,7 +99,18 @@ def iterate_safetensors(model_dir: str):
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copies every checkpoint tensor into the parameter of the same name (fused ones by shard)."""
+    """Copies every checkpoint tensor into the parameter of the same name (fused ones by shard).
+    A pre-quantized checkpoint (``quantization_config``) first gives the projections its
+    tensors' parameters and converts them to the runtime layout at the end."""
+    method = quantization.checkpoint_method(model.config)
+    if method is not None:
+        quantization.create_weights(model, method)
+    _load_tensors(model, model_dir)
+    if method is not None:
+        quantization.process_weights(model, method)
+
+
+def _load_tensors(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded = set()
@@ -113,7 +125,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         with torch.no_grad():
-            loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(param, tensor.to(param.dtype))
+            # packed quantized tensors go to their loader as stored (it unpacks them)
+            value = tensor if getattr(param, "raw_checkpoint_tensor", False) else tensor.to(param.dtype)
+            loader(param, value, shard) if shard is not None else loader(param, value)
         loaded.add(target)
     _check_all_loaded(model, params, loaded)
 
@@ -127,7 +141,8 @@ def _map_name(name: str, packed: dict) -> tuple[str, object]:
 
 def _check_all_loaded(model, params: dict, loaded: set) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing = [n for n, p in params.items() if n not in loaded and not (tied and n == "lm_head.weight")
+               and not getattr(p, "optional_in_checkpoint", False)]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 

@@ -1,7 +1,7 @@
 """The CPU kernel library (``csrc/``), loaded once per process and bound with ctypes.
 
 Attention (``attention/cpu.py``), the fused model-body ops (``layers/cpu_ops.py``), int8
-matmuls (``layers/quantization.py``) and the one-call decoder (``models/cpu_decode.py``) all go
+and 4/8-bit matmuls (``layers/quantization/``) and the one-call decoder (``models/cpu_decode.py``) all go
 through this module: :func:`is_available` says whether the library built, :func:`library`
 returns it (or raises :class:`NativeLibraryError`), and :class:`NativeLibrary` has one typed
 method per C function, taking tensors and raising ``ValueError`` / ``MemoryError`` on a C error
@@ -38,7 +38,7 @@ _P64 = ctypes.POINTER(ctypes.c_int64)
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # LdModel's per-layer parameter arrays (one pointer per layer), in the C field order
-LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsb" for p in _PROJECTIONS),
+LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsbz" for p in _PROJECTIONS),
                       "q_norm", "k_norm")  # fmt: skip
 CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 
@@ -46,8 +46,9 @@ CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 class LdModel(ctypes.Structure):
     _fields_ = [
         *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                              "head_dim", "intermediate", "block_size", "cache_dtype")],
+                              "head_dim", "intermediate", "block_size", "cache_dtype", "quant_bits", "pad_")],
         *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
+        *[(f"{p}_group", _I64) for p in _PROJECTIONS],
         ("eps", _F32), ("scale", _F32),
         *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
         *[(n, ctypes.POINTER(_VP)) for n in (*LAYER_ARRAY_FIELDS, *CACHE_ARRAY_FIELDS)],
@@ -86,6 +87,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
     "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
     "ld_forward": (_I32, [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, _I32]),
+    "qg_linear": (_I32, [
+        _VP, _I64, _VP, _VP, _VP, _VP,  # x, T, codes, scale, scaled zero, bias
+        _I64, _I64, _I64, _I32, _VP, _I32,  # in, out, group, bits, y, threads
+    ]),
+    "qg_dequant": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I32, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -248,6 +254,26 @@ class NativeLibrary:
         rc = self._lib.ld_dequant_i8(_ptr(q), _ptr(scale), _ptr(out), q.shape[0], q.shape[1], num_threads)
         if rc != 0:
             self._raise(rc, "ld_dequant_i8", f": weight {tuple(q.shape)}")
+
+    def grouped_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
+                       bias: torch.Tensor | None, group: int, bits: int, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` with W group-quantized (``csrc/quant_linear.c``):
+        q uint8 codes, scale / szero float32 ``[out, in / group]``; all contiguous, T at most
+        ``max_decode_tokens``."""
+        rows, in_features = x.shape
+        rc = self._lib.qg_linear(_ptr(x), rows, _ptr(q), _ptr(scale), _ptr(szero), _ptr(bias), in_features,
+                                 q.shape[0], group, bits, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "qg_linear", f": x {tuple(x.shape)}, codes {tuple(q.shape)}, group {group}, bits {bits}")
+
+    def dequantize_grouped(self, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor, out: torch.Tensor,
+                           group: int, bits: int, num_threads: int) -> None:
+        """``out [rows, in]`` float32 = the group-quantized matrix, all contiguous."""
+        rows, in_features = out.shape
+        rc = self._lib.qg_dequant(_ptr(q), _ptr(scale), _ptr(szero), _ptr(out), rows, in_features, group, bits,
+                                  num_threads)
+        if rc != 0:
+            self._raise(rc, "qg_dequant", f": out {tuple(out.shape)}, group {group}, bits {bits}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

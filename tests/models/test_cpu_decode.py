@@ -27,6 +27,13 @@ def odd_llama_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("odd"), "llama", **ODD)
 
 
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory):
+    """Inputs in whole groups of 128 for quantization="int4" (3 groups in down_proj)."""
+    return make_model_dir(tmp_path_factory.mktemp("wide"), "llama", hidden_size=128, num_attention_heads=4,
+                          num_key_value_heads=1, intermediate_size=384)
+
+
 def _model(model_dir, **kwargs):
     llm = LLM(model_dir, num_gpu_blocks_override=40, block_size=BLOCK, max_model_len=256, **kwargs)
     runner = llm.llm_engine.executor.runner
@@ -57,10 +64,11 @@ def _clone(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8"])
-def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir):
-    quant = "int8" if arch.endswith("-int8") else None
-    model, caches = _model(odd_llama_dir if arch.startswith("odd") else model_dirs[arch], quantization=quant)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8", "wide-int4"])
+def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir, wide_llama_dir):
+    quant = arch.split("-")[1] if "-" in arch else None
+    dirs = {"odd": odd_llama_dir, "wide": wide_llama_dir}
+    model, caches = _model(dirs.get(arch.split("-")[0]) or model_dirs[arch], quantization=quant)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
     # histories written by the torch path: A has 20 tokens (3 blocks), B has 9 (2 blocks)

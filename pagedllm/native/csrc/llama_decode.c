@@ -95,10 +95,13 @@ static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T,
     }
 }
 
-/* A weight matrix [out, in]: float32 (scale NULL) or int8 with one float32 scale per row. */
+/* A weight matrix [out, in]: float32 (scale NULL), int8 with one float32 scale per row, or
+ * group-wise 4/8-bit codes (bits != 0; scale and szero per row and group, quant_linear.c). */
 typedef struct {
     const void *data;
-    const float *scale;
+    const float *scale, *szero;
+    int bits;
+    int64_t group;
 } Weight;
 
 static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
@@ -110,6 +113,10 @@ static inline float row_scale(Weight W, int64_t row) { return W.scale ? W.scale[
 /* y[t, o] = x[t] . W[o] (+ b[o]) for t < T; x, y contiguous [T, in] / [T, out]. */
 static void matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
                    float *y, int threads) {
+    if (W.bits) { /* group sizes were checked when the weights were installed (grouped.py) */
+        qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
+        return;
+    }
     const int64_t units = (out + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -129,7 +136,14 @@ static void matmul(const float *x, int64_t T, Weight W, const float *b, int64_t 
  * gate and up rows of one j are computed by the same thread, so the [T, 2I] product never
  * exists in memory. */
 static void gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
-                         int64_t inter, float *act, int threads) {
+                         int64_t inter, float *act, float *gate_up, int threads) {
+    if (W.bits) { /* group-wise codes: the [T, 2I] product goes through gate_up (a scratch buffer) */
+        matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < inter; j++)
+                act[t * inter + j] = silu(gate_up[t * 2 * inter + j]) * gate_up[t * 2 * inter + inter + j];
+        return;
+    }
     const int64_t units = (inter + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -178,13 +192,19 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    matmul(x, T, (Weight){w, scale}, bias, in, out, y, threads);
+    matmul(x, T, (Weight){w, scale, NULL, 0, 0}, bias, in, out, y, threads);
     return PN_OK;
 }
 
 typedef struct {
-    float *residual, *normed, *qkv, *attn, *act;
+    float *residual, *normed, *qkv, *attn, *act, *gate_up;
 } Buffers;
+
+/* Layer l's weight of one projection (arrays of the LdModel fields {proj}_w/_s/_z). */
+static inline Weight proj_weight(const LdModel *m, const void *const *w, const float *const *s,
+                                 const float *const *z, int64_t group, int l) {
+    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, group};
+}
 
 static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
     const int64_t qkv = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
@@ -193,7 +213,8 @@ static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
     B->qkv = malloc(sizeof(float) * T * qkv);
     B->attn = malloc(sizeof(float) * T * m->num_heads * m->head_dim);
     B->act = malloc(sizeof(float) * T * m->intermediate);
-    return B->residual && B->normed && B->qkv && B->attn && B->act;
+    B->gate_up = m->quant_bits ? malloc(sizeof(float) * T * 2 * m->intermediate) : NULL;
+    return B->residual && B->normed && B->qkv && B->attn && B->act && (B->gate_up || !m->quant_bits);
 }
 
 static void free_buffers(Buffers *B) {
@@ -202,6 +223,7 @@ static void free_buffers(Buffers *B) {
     free(B->qkv);
     free(B->attn);
     free(B->act);
+    free(B->gate_up);
 }
 
 /* Attention block of layer l: normed -> qkv -> (q/k norm, rotary, KV write, attention) -> attn. */
@@ -209,7 +231,8 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    matmul(B->normed, T, (Weight){m->qkv_w[l], m->qkv_s[l]}, m->qkv_b[l], m->hidden, qkv_size, B->qkv, threads);
+    matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l), m->qkv_b[l], m->hidden,
+           qkv_size, B->qkv, threads);
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
     for (int64_t t = 0; t < T; t++) {
         if (m->q_norm[l]) pl_add_rms_norm(q + t * qkv_size, NULL, m->q_norm[l], q + t * qkv_size, m->num_heads, D, D, m->eps, 1);
@@ -234,6 +257,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
 int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     const int64_t T = b->num_tokens, H = m->hidden;
     if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
+    if (m->quant_bits != 0 && m->quant_bits != 4 && m->quant_bits != 8) return PN_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
         if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return PN_ERR_META;
     Buffers B;
@@ -249,10 +273,13 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
         if (rc != 0) break;
-        matmul(B.attn, T, (Weight){m->o_w[l], m->o_s[l]}, m->o_b[l], q_size, H, B.normed, threads);
+        matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l), m->o_b[l], q_size, H, B.normed,
+               threads);
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        gate_up_silu(B.normed, T, (Weight){m->gate_up_w[l], m->gate_up_s[l]}, m->gate_up_b[l], H, m->intermediate, B.act, threads);
-        matmul(B.act, T, (Weight){m->down_w[l], m->down_s[l]}, m->down_b[l], m->intermediate, H, B.normed, threads);
+        gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l),
+                     m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
+        matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l), m->down_b[l],
+               m->intermediate, H, B.normed, threads);
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;
         pl_add_rms_norm(B.normed, B.residual, next_norm, l + 1 < m->num_layers ? B.normed : out, T, H, H, m->eps, 1);
     }

@@ -38,7 +38,9 @@ typedef struct {
 static const Field FIELDS[] = {
     FIELD(LdModel, num_layers), FIELD(LdModel, hidden), FIELD(LdModel, num_heads),
     FIELD(LdModel, num_kv_heads), FIELD(LdModel, head_dim), FIELD(LdModel, intermediate),
-    FIELD(LdModel, block_size), FIELD(LdModel, cache_dtype), FIELD(LdModel, num_blocks),
+    FIELD(LdModel, block_size), FIELD(LdModel, cache_dtype), FIELD(LdModel, quant_bits),
+    FIELD(LdModel, pad_), FIELD(LdModel, num_blocks), FIELD(LdModel, qkv_group), FIELD(LdModel, o_group),
+    FIELD(LdModel, gate_up_group), FIELD(LdModel, down_group),
     FIELD(LdModel, vocab_size), FIELD(LdModel, max_position), FIELD(LdModel, eps),
     FIELD(LdModel, scale), FIELD(LdModel, embed), FIELD(LdModel, final_norm),
     FIELD(LdModel, cos), FIELD(LdModel, sin), FIELD(LdModel, input_norm),
@@ -46,7 +48,8 @@ static const Field FIELDS[] = {
     FIELD(LdModel, gate_up_w), FIELD(LdModel, down_w), FIELD(LdModel, qkv_s),
     FIELD(LdModel, o_s), FIELD(LdModel, gate_up_s), FIELD(LdModel, down_s),
     FIELD(LdModel, qkv_b), FIELD(LdModel, o_b), FIELD(LdModel, gate_up_b),
-    FIELD(LdModel, down_b), FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
+    FIELD(LdModel, down_b), FIELD(LdModel, qkv_z), FIELD(LdModel, o_z), FIELD(LdModel, gate_up_z),
+    FIELD(LdModel, down_z), FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
     FIELD(LdModel, key_cache), FIELD(LdModel, value_cache), FIELD(LdModel, window),
 
     FIELD(LdBatch, query_start_loc), FIELD(LdBatch, seq_lens), FIELD(LdBatch, block_tables),

@@ -1,6 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
- * The library is the three kernel files (paged_attention.c, cpu_ops.c, llama_decode.c) plus
+ * The library is the four kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
+ * quant_linear.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -17,7 +18,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 6
+#define PN_ABI_VERSION 7
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -50,19 +51,23 @@ enum {
 /* ------------------------------------------------------------------------------------------ */
 
 /* The model of the one-call decoder. Per-layer pointers: one array entry per layer; bias /
- * q_norm / k_norm entries may be NULL. */
+ * q_norm / k_norm entries may be NULL. Projection weights are all float32 (scales NULL), all
+ * int8 with per-row scales (quant_bits 0), or all group-wise 4/8-bit codes (quant_bits 4 or 8;
+ * scales and scaled zeros [out, in / group], the layout of quant_linear.c). */
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t block_size, cache_dtype;
+    int32_t block_size, cache_dtype, quant_bits, pad_;
     int64_t num_blocks, vocab_size, max_position;
+    int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits != 0 */
     float eps, scale;
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
     const float *cos, *sin;  /* [max_position, head_dim / 2] */
     const float *const *input_norm, *const *post_norm;
-    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32 or int8 */
-    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* int8 scales or NULL */
+    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32, int8 or uint8 codes */
+    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* scales or NULL */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
+    const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
     const float *const *q_norm, *const *k_norm;
     void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
     const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
@@ -112,6 +117,16 @@ PN_EXPORT int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int
 PN_EXPORT int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias,
                         int64_t in, int64_t out, float *y, int threads);
 PN_EXPORT int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* group-wise 4/8-bit weight-only matmuls (quant_linear.c; layout in that file's comment)     */
+/* ------------------------------------------------------------------------------------------ */
+
+PN_EXPORT int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
+                        const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y,
+                        int threads);
+PN_EXPORT int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows,
+                         int64_t in, int64_t group, int bits, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */

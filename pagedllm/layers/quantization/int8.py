@@ -20,23 +20,15 @@ MKL GEMM, where the arithmetic dwarfs the conversion. On CUDA the Triton GEMM
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from pagedllm.layers.ops import triton_available
+from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
 from pagedllm.native import bindings
 
-METHODS = ("int8",)
 # up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
 # (capped at run time by the library's own limit, NativeLibrary.max_decode_tokens)
 C_MAX_ROWS = 48
-
-
-def check_method(method: str | None) -> str | None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"quantization={method!r} is not supported; use None or one of {METHODS}")
-    return method
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,22 +40,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def quantize_model(model: torch.nn.Module, method: str | None) -> int:
-    """Replaces every projection's weight (modules with ``packed_weight``, i.e. the linear layers,
-    not embeddings or the LM head) by its quantized form; returns how many."""
-    if check_method(method) is None:
-        return 0
-    from pagedllm.layers.embedding import VocabParallelEmbedding
-    count = 0
-    for module in model.modules():
-        if not hasattr(module, "packed_weight") or isinstance(module, VocabParallelEmbedding):
-            continue
-        q, scale = quantize_int8(module.weight)
-        module.weight = torch.nn.Parameter(q, requires_grad=False)
-        module.register_buffer("weight_scale", scale.to(module.weight.device), persistent=False)
-        module.packed_weight = None
-        count += 1
-    return count
+class Int8Method(QuantMethod):
+    name = "int8"
+
+    def process_weights(self, layer: torch.nn.Module) -> None:
+        """Replaces the float weight by int8 codes plus ``weight_scale`` (per row)."""
+        q, scale = quantize_int8(layer.weight)
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.register_buffer("weight_scale", scale.to(layer.weight.device), persistent=False)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,16 +65,9 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return torch.nn.functional.linear(x, w, bias)
 
 
-_scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused: no page faults per call
-
-
 def _dequantize_c(native: bindings.NativeLibrary, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
-    key = threading.get_ident()
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < q.numel():
-        buf = _scratch[key] = torch.empty(q.numel(), dtype=torch.float32)
-    w = buf[: q.numel()].view(q.shape)  # [out, in]
+    w = scratch_buffer(q.numel()).view(q.shape)  # [out, in]
     native.dequantize_int8(q, scale, w, torch.get_num_threads())
     return w
 

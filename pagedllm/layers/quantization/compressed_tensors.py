@@ -1,0 +1,86 @@
+"""compressed-tensors checkpoints (``quant_method: compressed-tensors``, as llm-compressor
+writes them): weight-only integer schemes (W4A16, W8A16), ``pack-quantized`` or
+``naive-quantized``, ``group`` or ``channel`` strategy, symmetric or not.
+
+Per linear layer (compressed_tensors/compressors/pack_quantized/helpers.py, ``pack_to_int32``):
+
+    weight_packed      int32 [out, in / (32 / bits)]  signed codes + 2^(bits-1), packed along
+                                                      the input dimension, lowest bits first
+    weight_scale       float [out, G]                 G = in / group_size (channel: 1)
+    weight_zero_point  [out / (32 / bits), G] int32   asymmetric only: signed zero points,
+                                                      packed the same way along dimension 0
+    weight_g_idx       int32 [in]                     act-order "group" only
+    weight_shape       int64 [2]                      the unpacked [out, in]
+
+    W[o, i] = (code[o, i] - zero[o, g]) * scale[o, g]
+
+``naive-quantized`` stores the signed codes unpacked as int8 ``weight`` (and int8 zero points).
+Signed codes and zero points are moved to unsigned by adding 2^(bits-1) to both, which leaves
+W unchanged. FP8 (``float-quantized``), activation quantization and sparsity are refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.layers.quantization.base import unpack_int32
+from pagedllm.layers.quantization.checkpoint import CheckpointMethod, CheckpointTensor
+from pagedllm.layers.quantization.config import require, require_choice
+
+FORMATS = ("pack-quantized", "naive-quantized")
+STRATEGIES = ("group", "channel")
+# modules outside pagedllm's quantized projections that a checkpoint may leave unquantized
+IGNORABLE = ("lm_head",)
+
+
+class CompressedTensorsMethod(CheckpointMethod):
+    name = "compressed-tensors"
+
+    def __init__(self, bits: int, group_size: int, act_order: bool, packed: bool):
+        super().__init__(bits, group_size, act_order)
+        self.packed = packed
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> CompressedTensorsMethod:
+        groups = cfg.get("config_groups") or {}
+        require(len(groups) == 1, "config_groups", list(groups), "exactly one scheme")
+        scheme = next(iter(groups.values()))
+        fmt = scheme.get("format") or cfg.get("format")
+        require(fmt in FORMATS, "format", fmt, f"one of {FORMATS}")
+        require(scheme.get("input_activations") is None, "input_activations", scheme.get("input_activations"),
+                "null (weight-only schemes: W4A16, W8A16)")
+        require(not cfg.get("kv_cache_scheme"), "kv_cache_scheme", cfg.get("kv_cache_scheme"), "null")
+        require(not cfg.get("sparsity_config"), "sparsity_config", cfg.get("sparsity_config"), "empty")
+        ignored = [m for m in cfg.get("ignore") or [] if m not in IGNORABLE]
+        require(not ignored, "ignore", ignored, f"only {IGNORABLE} (every projection quantized)")
+        require("Linear" in scheme.get("targets", []), "targets", scheme.get("targets"), "['Linear']")
+        return cls._from_weights(scheme.get("weights") or {}, packed=fmt == "pack-quantized")
+
+    @classmethod
+    def _from_weights(cls, w: dict, packed: bool) -> CompressedTensorsMethod:
+        require(w.get("type") == "int", "weights.type", w.get("type"), "'int'")
+        bits = require_choice(w, "num_bits", (4, 8))
+        strategy = w.get("strategy")
+        require(strategy in STRATEGIES, "weights.strategy", strategy, f"one of {STRATEGIES}")
+        require(not w.get("dynamic", False), "weights.dynamic", w.get("dynamic"), "false")
+        group = w.get("group_size") if strategy == "group" else -1
+        require(isinstance(group, int) and (group > 0 or strategy == "channel"), "weights.group_size", group,
+                "a positive multiple of 8")
+        return cls(bits, group, act_order=w.get("actorder") == "group", packed=packed)
+
+    def checkpoint_tensors(self) -> tuple[CheckpointTensor, ...]:
+        return (CheckpointTensor("weight_packed" if self.packed else "weight", "codes"),
+                CheckpointTensor("weight_scale", "scale"),
+                CheckpointTensor("weight_zero_point", "zero", optional=True),
+                CheckpointTensor("weight_g_idx", "g_idx", optional=True),
+                *([CheckpointTensor("weight_shape", "shape")] if self.packed else []))
+
+    def convert(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        offset = 2 ** (self.bits - 1)
+        if kind == "codes":
+            return unpack_int32(tensor, self.bits, dim=1) if self.packed else tensor.to(torch.int32) + offset
+        if kind == "zero":
+            zero = unpack_int32(tensor, self.bits, dim=0) if self.packed else tensor.to(torch.int32) + offset
+            return zero.float()  # [out, G]
+        if kind == "scale":
+            return tensor.float()
+        return tensor.to(torch.int64 if kind == "shape" else torch.int32)

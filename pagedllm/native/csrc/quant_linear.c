@@ -1,0 +1,182 @@
+/* Group-wise weight-only 4-bit and 8-bit matmuls (layers/quantization/grouped.py).
+ *
+ * Weight layout (one format for our own int4 and every checkpoint format, converted at load):
+ *   q      uint8, row-major [out, in / 2] for 4 bits (column 2j in the low nibble of byte j,
+ *          column 2j+1 in the high nibble) or [out, in] for 8 bits; unsigned codes;
+ *   scale  float32 [out, in / group]: the group's step;
+ *   szero  float32 [out, in / group]: zero point * scale of the group;
+ * so W[o, i] = q[o, i] * scale[o, g] - szero[o, g] with g = i / group. group is a multiple of
+ * 8 and divides in (checked by the Python side at load and here per call).
+ *
+ * Why: decoding small batches streams every weight once per step, at memory bandwidth on a
+ * CPU; 4-bit codes are an eighth of float32's bytes. The codes are widened to float32 in
+ * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask) and
+ * multiplied into fp32 accumulators; the group's scale and zero are applied once per group
+ * (qtile4). Threads
+ * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
+ * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
+ * weight into a float32 buffer (qg_dequant) for one MKL GEMM.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pagedllm_native.h"
+
+#if PN_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* Codes of columns i..i+7 of one row as float32 lanes (i a multiple of 8). BITS is a literal. */
+static inline __attribute__((always_inline)) __m256 load_codes8(const uint8_t *row, int64_t i, const int BITS) {
+    if (BITS == 4) {
+        uint32_t v;
+        memcpy(&v, row + i / 2, sizeof v); /* lane k = nibble k = bits 4k..4k+3 (little endian) */
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), shifts),
+                                               _mm256_set1_epi32(15));
+        return _mm256_cvtepi32_ps(codes);
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+}
+#endif
+
+static inline __attribute__((always_inline)) float load_code1(const uint8_t *row, int64_t i, const int BITS) {
+    return BITS == 4 ? (float)((row[i >> 1] >> ((i & 1) * 4)) & 15) : (float)row[i];
+}
+
+/* The rows of a quantized matrix that one work unit reads: codes, scales and scaled zeros. */
+typedef struct {
+    const uint8_t *q[4];
+    const float *s[4], *z[4];
+} Rows4;
+
+/* dots[t][k] = W_k . x_t for 4 rows and NT <= 3 tokens, each weight chunk widened once in
+ * registers for all NT tokens. The group's scale and zero are applied per group, not per
+ * weight:  W_k . x_t = sum_g s[k][g] * (codes . x_t over g) - sum_g sz[k][g] * xsum[t][g]
+ * with xsum[t][g] the sum of x_t over group g (computed once per call by the caller), so the
+ * inner loop is unpack, convert and one FMA per token. NT and BITS are literals at every call
+ * site. */
+static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const float *x, const float *xsum,
+                                                         int64_t n, int64_t group, const int NT, const int BITS,
+                                                         float dots[3][4]) {
+    const int64_t groups = n / group;
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++) dots[t][k] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        float part[3][4];
+#if PN_AVX2
+        __m256 acc[3][4];
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+            __m256 xv[3];
+            for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
+            for (int k = 0; k < 4; k++) {
+                const __m256 codes = load_codes8(r->q[k], i, BITS);
+                for (int t = 0; t < NT; t++) acc[t][k] = _mm256_fmadd_ps(codes, xv[t], acc[t][k]);
+            }
+        }
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) part[t][k] = hsum8(acc[t][k]);
+#else
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) part[t][k] = 0.0f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++)
+            for (int k = 0; k < 4; k++)
+                for (int t = 0; t < NT; t++) part[t][k] += load_code1(r->q[k], i, BITS) * x[t * n + i];
+#endif
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++)
+                dots[t][k] += r->s[k][g] * part[t][k] - r->z[k][g] * xsum[t * groups + g];
+    }
+}
+
+/* dots[t][k] for all T tokens, three at a time. */
+static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsum, int64_t T, int64_t n,
+                      int64_t group, float (*dots)[4]) {
+    const int64_t groups = n / group;
+    int64_t t = 0;
+#define QTILE(NT, BITS) qtile4(r, x + t * n, xsum + t * groups, n, group, NT, BITS, dots + t)
+    if (bits == 4) { /* two tokens a pass: the nibble unpacking needs registers of its own */
+        for (; t + 2 <= T; t += 2) QTILE(2, 4);
+        if (T - t == 1) QTILE(1, 4);
+    } else {
+        for (; t + 3 <= T; t += 3) QTILE(3, 8);
+        if (T - t == 2) QTILE(2, 8);
+        if (T - t == 1) QTILE(1, 8);
+    }
+#undef QTILE
+}
+
+/* xsum[t, g] = sum of x[t] over input group g. */
+static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, float *xsum) {
+    const int64_t groups = in / group;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) s += x[t * in + i];
+            xsum[t * groups + g] = s;
+        }
+}
+
+static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
+    return in <= 0 || out <= 0 || threads <= 0 || (bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 ||
+           in % group != 0;
+}
+
+/* y [T, out] = x [T, in] . W^T (+ bias) with W the group-quantized matrix described above. */
+int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
+              const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
+    if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
+    const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
+    float *xsum = malloc(sizeof(float) * T * groups);
+    if (!xsum) return PN_ERR_NOMEM;
+    group_sums(x, T, in, group, xsum);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t o = u * 4;
+        const int nr = out - o < 4 ? (int)(out - o) : 4;
+        Rows4 r;
+        for (int k = 0; k < 4; k++) {
+            const int64_t row = o + (k < nr ? k : 0); /* missing rows repeat a valid one */
+            r.q[k] = q + row * row_bytes, r.s[k] = scale + row * groups, r.z[k] = szero + row * groups;
+        }
+        float dots[LD_MAX_TOKENS][4];
+        qdot_rows(&r, bits, x, xsum, T, in, group, dots);
+        for (int64_t t = 0; t < T; t++)
+            for (int k = 0; k < nr; k++) y[t * out + o + k] = dots[t][k] + (bias ? bias[o + k] : 0.0f);
+    }
+    free(xsum);
+    return PN_OK;
+}
+
+/* out [rows, in] float32 = the dequantized matrix, for batches where one MKL GEMM on it wins. */
+int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows, int64_t in,
+               int64_t group, int bits, int threads) {
+    if (bad_args(in, rows, group, bits, threads)) return PN_ERR_ARG;
+    const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *src = q + r * row_bytes;
+        float *dst = out + r * in;
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = scale[r * groups + g], z = szero[r * groups + g];
+            int64_t i = g * group;
+#if PN_AVX2
+            const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+            for (; i < (g + 1) * group; i += 8)
+                _mm256_storeu_ps(dst + i, _mm256_fmsub_ps(bits == 4 ? load_codes8(src, i, 4) : load_codes8(src, i, 8),
+                                                          sv, zv));
+#endif
+            for (; i < (g + 1) * group; i++)
+                dst[i] = (bits == 4 ? load_code1(src, i, 4) : load_code1(src, i, 8)) * s - z;
+        }
+    }
+    return PN_OK;
+}

@@ -1,0 +1,201 @@
+"""The group-wise 4/8-bit runtime (layers/quantization/grouped.py, native/csrc/quant_linear.c)
+against dequantize-then-matmul in float64, and each checkpoint format's unpacking against the
+real tools' own dequantization (fixtures written by scripts/make_quant_fixtures.py with
+compressed-tensors 0.20.1 and AutoAWQ 0.2.9)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pagedllm.layers import cpu_ops
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.quantization import grouped
+from pagedllm.layers.quantization.awq import AWQMethod
+from pagedllm.layers.quantization.base import pack_int32, unpack_int32
+from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMethod
+from pagedllm.layers.quantization.gptq import GPTQMethod
+from pagedllm.layers.quantization.int4 import quantize_int4
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quant_layers.safetensors"
+needs_c = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
+
+
+def _random_layout(out_features: int, in_features: int, group: int, bits: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = in_features // group
+    codes = torch.randint(0, 2**bits, (out_features, in_features), generator=g)
+    scale = torch.rand(out_features, groups, generator=g) * 0.1 + 0.01
+    zero = torch.randint(0, 2**bits, (out_features, groups), generator=g).float()
+    return codes, scale, zero
+
+
+def _reference64(codes, scale, zero, group, g_idx=None):
+    """W[o, i] = (codes[o, i] - zero[o, g(i)]) * scale[o, g(i)] in float64, straight from the definition."""
+    g_of = torch.arange(codes.shape[1]) // group if g_idx is None else g_idx.long()
+    return (codes.double() - zero.double()[:, g_of]) * scale.double()[:, g_of]
+
+
+def _layer(codes, scale, zero, bits, g_idx=None, bias=None):
+    layer = ReplicatedLinear(codes.shape[1], codes.shape[0], bias=bias is not None)
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    grouped.install(layer, codes, scale, zero, g_idx, bits)
+    return layer
+
+
+@needs_c
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 48, 49, 130])  # every token tail; > 48: dequantize + GEMM
+def test_grouped_linear_matches_float64_reference(bits, group, rows):
+    out_features, in_features = 70, 2 * 128  # 70 rows: a 2-row tail in the 4-row work units
+    codes, scale, zero = _random_layout(out_features, in_features, group, bits, seed=rows + group + bits)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    got = _layer(codes, scale, zero, bits, bias=bias)(x)
+    want = x.double() @ _reference64(codes, scale, zero, group).t() + bias.double()
+    torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_permutation_matches_g_idx_reference(rows, bits):
+    """desc_act: groups are numbered along a permutation of the input columns."""
+    group, in_features = 32, 128
+    codes, scale, zero = _random_layout(24, in_features, group, bits, seed=7)
+    perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(1))
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(in_features) // group).int()  # GPTQ: groups in act order
+    layer = _layer(codes, scale, zero, bits, g_idx=g_idx)
+    assert layer.act_perm is not None
+    x = torch.randn(rows, in_features)
+    torch.testing.assert_close(layer(x).double(), x.double() @ _reference64(codes, scale, zero, group, g_idx).t(),
+                               atol=2e-4, rtol=2e-4)
+
+
+def test_uneven_g_idx_is_refused():
+    codes, scale, zero = _random_layout(8, 64, 32, 4, seed=0)
+    g_idx = torch.zeros(64, dtype=torch.int32)  # 64 columns in group 0, none in group 1
+    with pytest.raises(ValueError, match="g_idx"):
+        _layer(codes, scale, zero, 4, g_idx=g_idx)
+
+
+@pytest.mark.parametrize("group", [4, 12, 40, 0])  # not a multiple of 8, or not dividing 96
+def test_group_sizes_the_kernel_cannot_take_are_refused(group):
+    with pytest.raises(ValueError, match=f"group_size={group} is not supported"):
+        grouped.check_group(group, 96, "group_size")
+    grouped.check_group(48, 96, "group_size")
+
+
+def test_torch_fallback_matches_float64_reference():
+    codes, scale, zero = _random_layout(16, 64, 32, 4, seed=3)
+    layer = _layer(codes, scale, zero, 4)
+    x = torch.randn(2, 64, dtype=torch.float64)  # not float32: the torch path
+    # scale and scale * zero are kept in float32: float32-level differences
+    torch.testing.assert_close(layer(x), x @ _reference64(codes, scale, zero, 32).t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pack_int32_round_trips(bits, dim):
+    codes = torch.randint(0, 2**bits, (16, 24))
+    assert torch.equal(unpack_int32(pack_int32(codes, bits, dim), bits, dim), codes.int())
+    awq = [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(unpack_int32(pack_int32(codes, 4, dim, awq), 4, dim, awq), (codes % 16).int()) or bits == 8
+
+
+def test_int4_quantizer_round_trip():
+    w = torch.randn(6, 256) * torch.linspace(0.1, 2, 6)[:, None]
+    w[2, 128:] = 0
+    codes, scale = quantize_int4(w)
+    assert codes.dtype == torch.uint8 and scale.shape == (6, 2)
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 15
+    deq = (codes.float() - 8) * scale.repeat_interleave(128, dim=1)
+    assert torch.all((deq - w).abs() <= scale.repeat_interleave(128, dim=1) / 2 + 1e-6)
+    assert torch.equal(codes[2, 128:], torch.full((128,), 8, dtype=torch.uint8))
+
+
+# --- checkpoint formats against the tools' own dequantization -------------------------------------
+
+def _fixture(prefix: str) -> dict[str, torch.Tensor]:
+    with safe_open(str(FIXTURES), framework="pt") as f:
+        return {k.split(".", 1)[1]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix + ".")}
+
+
+def _load_layer(method, tensors: dict[str, torch.Tensor], out_features: int, in_features: int):
+    layer = ReplicatedLinear(in_features, out_features, bias=False)
+    method.create_weights(layer)
+    for name, t in tensors.items():
+        if name != "dequantized":
+            param = getattr(layer, name)
+            param.weight_loader(param, t)
+    method.process_weights(layer)
+    return layer
+
+
+def _dequantized(layer) -> torch.Tensor:
+    w = grouped.dequantize(layer.weight, layer.weight_scale, layer.weight_szero, layer.quant_group,
+                           layer.quant_bits)
+    return w if layer.act_perm is None else w[:, torch.argsort(layer.act_perm)]
+
+
+CT_CASES = {  # fixture prefix: (bits, strategy, group, symmetric, packed)
+    "ct_w4_group32_asym_packed": (4, "group", 32, False, True),
+    "ct_w4_group64_sym_packed": (4, "group", 64, True, True),
+    "ct_w8_channel_sym_packed": (8, "channel", None, True, True),
+    "ct_w8_channel_asym_packed": (8, "channel", None, False, True),
+    "ct_w4_group32_asym_naive": (4, "group", 32, False, False),
+}
+
+
+@pytest.mark.parametrize("prefix", list(CT_CASES))
+def test_compressed_tensors_unpacking_matches_the_library(prefix):
+    bits, strategy, group, sym, packed = CT_CASES[prefix]
+    t = _fixture(prefix)
+    method = CompressedTensorsMethod._from_weights(
+        {"type": "int", "num_bits": bits, "strategy": strategy, "group_size": group, "symmetric": sym}, packed)
+    out_features, in_features = t["dequantized"].shape
+    layer = _load_layer(method, t, out_features, in_features)
+    torch.testing.assert_close(_dequantized(layer), t["dequantized"], atol=1e-6, rtol=1e-5)
+
+
+def test_awq_unpacking_matches_autoawq():
+    t = _fixture("awq_group32")
+    out_features, in_features = t["dequantized"].shape
+    layer = _load_layer(AWQMethod(4, 32), t, out_features, in_features)
+    # AutoAWQ dequantizes in float16 (its scales' dtype): equal up to float16 rounding (2^-11
+    # relative); a misplaced nibble would be off by a whole step (~3% of a weight here)
+    torch.testing.assert_close(_dequantized(layer), t["dequantized"], atol=1e-7, rtol=2**-10)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_unpacking_follows_the_spec(bits, v2):
+    """No GPTQ tool installs here (gptqmodel's build needs CUDA): packed by hand as AutoGPTQ's
+    QuantLinear.pack does (codes along the input dimension, zeros minus one in v1)."""
+    out_features, in_features, group = 32, 64, 32
+    codes, scale, zero = _random_layout(out_features, in_features, group, bits, seed=bits)
+    zero = zero.clamp(min=1)  # v1 cannot store a zero point of 0 (it stores zero - 1)
+    stored_zero = zero - (0 if v2 else 1)
+    tensors = {"qweight": pack_int32(codes.t(), bits, dim=0), "qzeros": pack_int32(stored_zero.t().long(), bits, 1),
+               "scales": scale.t().half(), "g_idx": (torch.arange(in_features) // group).int()}
+    layer = _load_layer(GPTQMethod(bits, group, False, v2), tensors, out_features, in_features)
+    want = _reference64(codes, scale.half().float(), zero, group).float()
+    torch.testing.assert_close(_dequantized(layer), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act_order, in_features, match", [
+    (True, 128, "desc_act/act-order checkpoints with tensor_parallel_size=2"),
+    (False, 96, "group_size=32 does not divide the 48 inputs of a row-parallel layer's rank slice"),
+])
+def test_row_parallel_slices_must_hold_whole_groups(act_order, in_features, match, monkeypatch):
+    from pagedllm.layers import linear
+    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
+    layer = linear.RowParallelLinear(in_features, 16)  # this rank: half the inputs
+    group = 32
+    with pytest.raises(ValueError, match=match):
+        GPTQMethod(4, group, act_order, v2=False).create_weights(layer)
