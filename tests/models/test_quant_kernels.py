@@ -192,10 +192,11 @@ def test_gptq_unpacking_follows_the_spec(bits, v2):
     (True, 128, "desc_act/act-order checkpoints with tensor_parallel_size=2"),
     (False, 96, "group_size=32 does not divide the 48 inputs of a row-parallel layer's rank slice"),
 ])
-def test_row_parallel_slices_must_hold_whole_groups(act_order, in_features, match, monkeypatch):
+def test_row_parallel_slices_must_hold_whole_groups(act_order, in_features, match):
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
     from pagedllm.layers import linear
-    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
-    layer = linear.RowParallelLinear(in_features, 16)  # this rank: half the inputs
+    rank0_of_two = TensorParallelGroup(0, 2, backend=object())  # sizing only: no collective runs
+    layer = linear.RowParallelLinear(in_features, 16, tp=rank0_of_two)  # this rank: half the inputs
     group = 32
     with pytest.raises(ValueError, match=match):
         GPTQMethod(4, group, act_order, v2=False).create_weights(layer)
