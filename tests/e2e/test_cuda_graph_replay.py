@@ -52,7 +52,7 @@ def test_triton_attention_graphs_equal_eager(dtype, tmp_path):
 
     def run(**kwargs):
         llm = LLM(model_dir, device="cuda", dtype=dtype, block_size=16, num_gpu_blocks_override=128,
-                  max_model_len=1024, max_num_seqs=12, **kwargs)  # fmt: skip
+                  max_model_len=512, max_num_seqs=12, **kwargs)  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return llm.llm_engine.executor.runner, [o.outputs[0] for o in outs]
 

@@ -60,7 +60,7 @@ def write_kv_kernel(
 def _find_request(query_start_loc_ptr, tile, num_reqs, block_q):
     """The last request r whose first query tile ``qsl[r] // block_q + r`` is <= ``tile``."""
     lo: tl.int32 = 0
-    hi = num_reqs
+    hi: tl.int32 = num_reqs  # a tensor even when the JIT makes num_reqs == 1 a constexpr (loop-carried)
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // block_q + mid
