@@ -170,9 +170,10 @@ def test_cuda_graph_blocker_names_a_fallback_that_cannot_be_captured():
 
 
 def test_engine_decode_steps_from_graph_buffers_match_transformers(tmp_path, monkeypatch):
-    """The runner's own decision (``_cuda_graphs_apply``) with the Triton backend, the capture
-    replaced by an eager run over the graph buffers and metadata (padding rows, max_seq_len =
-    max_model_len, split count for an H200): greedy tokens equal transformers'."""
+    """The whole GPU path (Triton attention and fused ops) with the runner's own decision
+    (``_cuda_graphs_apply``), the capture replaced by an eager run over the graph buffers and
+    metadata (padding rows, max_seq_len = max_model_len, split count for an H200): greedy
+    tokens equal transformers'."""
     import transformers as tf
     monkeypatch.setattr("pagedllm.worker.model_runner.DecodeGraphs", EagerStandIn)
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: H200_SMS)
@@ -180,8 +181,8 @@ def test_engine_decode_steps_from_graph_buffers_match_transformers(tmp_path, mon
     monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: replace(config(self), cuda_graphs=True))
     model_dir = make_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    llm = LLM(model_dir, attention_backend="triton", block_size=8, num_gpu_blocks_override=64, max_model_len=512,
-              max_num_seqs=4)  # fmt: skip
+    llm = LLM(model_dir, attention_backend="triton", fused_ops="triton", block_size=8, num_gpu_blocks_override=64,
+              max_model_len=512, max_num_seqs=4)  # fmt: skip
     prompts, lengths = random_prompts(3, seed=4, lo=3, hi=20), [4, 2, 3]  # the batch shrinks 3 -> 2 -> 1
     params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
