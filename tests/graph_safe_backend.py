@@ -1,7 +1,9 @@
-"""An attention backend that CUDA graphs can capture, for the graph tests only.
+"""Test stand-ins for CUDA graphs: an attention backend they can capture, and a
+``DecodeGraphs`` that replays eagerly (so the runner's graph path runs on the CPU).
 
-No backend in the tree is graph-safe yet (the torch ones loop over requests on the host). This
-one computes decode steps vectorised over the padded block tables, with lengths read from the
+The torch backends loop over requests on the host, so they cannot be captured; the Triton
+backend can, but its kernels need a GPU or the (slow) interpreter. ``GraphSafeDecodeBackend``
+computes decode steps vectorised over the padded block tables, with lengths read from the
 metadata tensors and no host synchronisation; steps with prefill chunks (never captured) take
 the reference path.
 """
@@ -11,6 +13,7 @@ import torch
 
 from pagedllm.attention.backend import write_kv
 from pagedllm.attention.torch_ref import TorchReferenceBackend
+from pagedllm.worker.cuda_graphs import DecodeGraphs
 
 
 class GraphSafeDecodeBackend(TorchReferenceBackend):
@@ -35,3 +38,17 @@ class GraphSafeDecodeBackend(TorchReferenceBackend):
         scores = torch.einsum("nhd,nhtd->nht", query.float() * scale, k)
         scores = scores.masked_fill(past_end[..., 0], float("-inf"))
         return torch.einsum("nht,nhtd->nhd", scores.softmax(dim=-1), v).to(query.dtype)
+
+
+class EagerStandIn(DecodeGraphs):
+    """Captures nothing: ``replay`` runs the model eagerly on the graph's own buffers and
+    metadata, so everything around the CUDA capture runs on the CPU (the pad block, the padded
+    buffers, the runner's hook); the real capture is tests/e2e/test_cuda_graph_replay.py's."""
+
+    def capture(self, model, kv_caches) -> None:
+        self.model, self.kv_caches = model, kv_caches
+
+    def replay(self, meta):
+        self.replays += 1
+        size = meta.num_reqs
+        return self.model(self.buffers["input_ids"][:size], self.buffers["positions"][:size], self.kv_caches, meta)

@@ -23,6 +23,13 @@ class AttentionBackend(ABC):
     # tensors with ``max_seq_len`` / ``max_query_len`` used only as upper bounds.
     supports_cuda_graphs: bool = False
 
+    def cuda_graph_blocker(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int,
+                           block_size: int) -> str | None:
+        """Why decode steps of a model with these attention shapes cannot be captured in CUDA
+        graphs with this backend, or None (a backend that hands some configurations to another
+        backend overrides it)."""
+        return None if self.supports_cuda_graphs else f"attention backend {self.name!r} is not graph-safe"
+
     @abstractmethod
     def forward(
         self,

@@ -105,7 +105,7 @@ class EngineArgs:
                                  choices=tuple(KV_CACHE_DTYPES))
     tensor_parallel_size: int = option(1, "number of tensor-parallel ranks", parse=int, aliases=("-tp",))
     num_gpu_blocks_override: int | None = option(None, "force the number of KV blocks", parse=int)
-    attention_backend: str = option("auto", "attention kernels; auto = the C kernel on CPU, SDPA elsewhere",
+    attention_backend: str = option("auto", "attention kernels; auto = the C kernel on CPU, Triton on CUDA",
                                     choices=ATTENTION_BACKENDS)
     num_threads: int | None = option(None, "torch threads on CPU (default: physical cores)", parse=int)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")

@@ -171,10 +171,8 @@ class ModelRunner:
         c = self.config
         if not c.cuda_graphs:  # not CUDA, or enforce_eager
             return False
-        reason = None
-        if not self.backend.supports_cuda_graphs:
-            reason = f"attention backend {self.backend.name!r} is not graph-safe"
-        elif c.parallel.tensor_parallel_size > 1 or c.compile_model:
+        reason = self.backend.cuda_graph_blocker(c.model.dtype, self.cache_dtype, c.model.head_dim, self.block_size)
+        if reason is None and (c.parallel.tensor_parallel_size > 1 or c.compile_model):
             reason = "tensor parallelism and compile_model run eagerly"
         if reason:
             logger.info("CUDA graphs off: %s", reason)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
-from graph_safe_backend import GraphSafeDecodeBackend
+from graph_safe_backend import EagerStandIn, GraphSafeDecodeBackend
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.metadata import AttentionMetadata
@@ -96,20 +96,6 @@ def test_no_graphs_on_cpu_or_with_enforce_eager(llama_dir):
     assert llm.llm_engine.config.cuda_graphs is False and llm.llm_engine.executor.runner.decode_graphs is None
     assert EngineArgs(llama_dir, device="cuda", enforce_eager=True).create_engine_config().cuda_graphs is False
     assert EngineArgs(llama_dir, device="cuda").create_engine_config().cuda_graphs is True
-
-
-class EagerStandIn(DecodeGraphs):
-    """Captures nothing: ``replay`` runs the model eagerly on the graph's own buffers and
-    metadata, so everything around the CUDA capture runs on the CPU (the pad block, the padded
-    buffers, the runner's hook); the real capture is tests/e2e/test_cuda_graph_replay.py's."""
-
-    def capture(self, model, kv_caches) -> None:
-        self.model, self.kv_caches = model, kv_caches
-
-    def replay(self, meta):
-        self.replays += 1
-        size = meta.num_reqs
-        return self.model(self.buffers["input_ids"][:size], self.buffers["positions"][:size], self.kv_caches, meta)
 
 
 def test_runner_serves_padded_decode_steps_from_the_graph_buffers(llama_dir, hf_models, monkeypatch):

@@ -41,18 +41,28 @@ _TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 
 def signature(args: dict[str, object]) -> dict[str, str]:
-    """Triton signature types of runtime arguments, as the JIT types them at launch."""
+    """Triton signature types of runtime arguments, as the JIT types them at launch (an int equal
+    to 1 becomes a constexpr there: ``specialized_constants`` gives its value)."""
     def type_of(value) -> str:
         if isinstance(value, torch.Tensor):
             return "*" + _TYPE_NAMES[value.dtype]
         if isinstance(value, bool):
             return "i1"
         if isinstance(value, int):
+            if value == 1:
+                return "constexpr"
             return "i32" if -(2**31) <= value < 2**31 else "i64"
         if isinstance(value, float):
             return "fp32"
         raise TypeError(f"no Triton type for {type(value).__name__}")
     return {name: type_of(value) for name, value in args.items()}
+
+
+def specialized_constants(args: dict[str, object]) -> dict[str, int]:
+    """The runtime ints the JIT compiles in as constants (those equal to 1: a batch of one
+    request, one split, a GQA group of one), so a kernel that breaks when one becomes a
+    constexpr (e.g. reassigned in a loop) fails here, not on the GPU."""
+    return {name: 1 for name, value in args.items() if type(value) is int and value == 1}
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -76,6 +86,7 @@ def shipped_launches() -> Iterator[Launch]:
         yield write_kv_launch(key, key, cache, cache, _meta(4, dtype=torch.int64))
         for head_dim in {next_pow2(d): d for d in SUPPORTED_HEAD_DIMS}.values():  # one per padded width
             yield from _attention_launches(q_dtype, cache_dtype, head_dim)
+        yield _batch1_decode_launch(q_dtype, cache_dtype)
     for q_dtype in dict.fromkeys(q for q, _ in SUPPORTED_DTYPES):  # the merge reads float32 partials
         out = _meta(4, 8, 64, dtype=q_dtype)
         yield reduce_launch(out, SplitBuffers.empty(3, out))
@@ -91,6 +102,16 @@ def _attention_launches(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim
                            SplitBuffers.empty(3, query))
 
 
+def _batch1_decode_launch(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Launch:
+    """One request, one query head per KV head, no split: num_reqs, group, heads_per_prog and
+    num_splits all equal 1, which the JIT turns into constants."""
+    query = _meta(1, 2, 128, dtype=q_dtype)
+    cache = _meta(16, 2, SUPPORTED_BLOCK_SIZES[0], 128, dtype=cache_dtype)
+    call = AttentionCall(query, cache, cache, _metadata(1, 1, 1), 0.1, 0, 0.0)
+    return attention_launch(call, attention_tiles(128, call.group), torch.empty_like(query),
+                            SplitBuffers.empty(1, query[:1, :1, :1]))
+
+
 def compile_launch(launch: Launch, arch: int):
     """Compiles one launch for ``sm_<arch>``; returns triton's CompiledKernel."""
     import triton
@@ -99,7 +120,7 @@ def compile_launch(launch: Launch, arch: int):
     from pagedllm.attention.triton import load_kernels
     sig = signature(launch.args) | {name: "constexpr" for name in launch.constexprs}
     src = triton.compiler.ASTSource(fn=getattr(load_kernels(), launch.kernel), signature=sig,
-                                    constexprs=launch.constexprs)
+                                    constexprs=specialized_constants(launch.args) | launch.constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch.options)
 
 
@@ -107,7 +128,7 @@ def describe(launch: Launch) -> str:
     """The kernel, the dtypes of its data pointers, constexprs and options, on one line."""
     data = ("query_ptr", "key_ptr", "acc_ptr", "key_cache_ptr", "out_ptr")
     dtypes = " ".join(f"{name[:-4]}={t[1:]}" for name, t in signature(launch.args).items() if name in data)
-    return f"{launch.kernel} {dtypes} {launch.constexprs} {launch.options}"
+    return f"{launch.kernel} {dtypes} {specialized_constants(launch.args) | launch.constexprs} {launch.options}"
 
 
 def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:

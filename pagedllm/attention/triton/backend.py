@@ -46,6 +46,11 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    # graph-safe (the contract on AttentionBackend): the kernels read every length from the
+    # metadata tensors, mask K and V loads past them, and the host-side launch parameters (grid,
+    # split count, split buffers) depend only on the batch's shape and the host maxima, which
+    # the capture fixes per batch size (num_tokens = num_reqs = size, max_seq_len = max_model_len)
+    supports_cuda_graphs = True
 
     def __init__(self, num_kv_splits: int | None = None, fallback: AttentionBackend | None = None):
         error = import_error()
@@ -63,6 +68,16 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type != "cuda" and not interpreting():
             raise ValueError(f"attention_backend='triton' on {device.type} runs in Triton's interpreter: set "
                              "TRITON_INTERPRET=1 in the environment before starting (or use a CUDA device)")
+
+    def cuda_graph_blocker(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int,
+                           block_size: int) -> str | None:
+        """A configuration the kernels do not cover runs on the fallback, which must then be
+        graph-safe too (SDPA, the one ``auto`` picks, is not)."""
+        reason = unsupported_config(head_dim, block_size, dtype, kv_cache_dtype)
+        if reason is None or self.fallback is None:  # no fallback: forward refuses the configuration
+            return None
+        blocker = self.fallback.cuda_graph_blocker(dtype, kv_cache_dtype, head_dim, block_size)
+        return None if blocker is None else f"{reason}, so the {self.fallback.name} backend runs it: {blocker}"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
@@ -125,9 +140,14 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
     """Which part of the model / cache configuration the kernels do not cover, or None."""
     _, _, block_size, head_dim = key_cache.shape
+    return unsupported_config(head_dim, block_size, query.dtype, key_cache.dtype)
+
+
+def unsupported_config(head_dim: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str | None:
+    """``unsupported_reason`` from the configuration alone (before any call)."""
     for name, value, allowed in (("head_dim", head_dim, SUPPORTED_HEAD_DIMS),
                                  ("block_size", block_size, SUPPORTED_BLOCK_SIZES),
-                                 ("(query dtype, kv cache dtype)", (query.dtype, key_cache.dtype), SUPPORTED_DTYPES)):
+                                 ("(query dtype, kv cache dtype)", (dtype, kv_cache_dtype), SUPPORTED_DTYPES)):
         if value not in allowed:
             return f"{name}={value} is not supported by attention_backend='triton'; allowed: {allowed}"
     return None

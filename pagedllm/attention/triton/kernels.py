@@ -60,7 +60,7 @@ def write_kv_kernel(
 def _find_request(query_start_loc_ptr, tile, num_reqs, block_q):
     """The last request r whose first query tile ``qsl[r] // block_q + r`` is <= ``tile``."""
     lo: tl.int32 = 0
-    hi = num_reqs
+    hi: tl.int32 = num_reqs  # a tensor even when the JIT makes num_reqs == 1 a constexpr (loop-carried)
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // block_q + mid
@@ -89,13 +89,17 @@ def _dot(a, b):
 
 @triton.jit
 def _attend_keys(
-    q, q_pos, row_ok, k_begin, k_end,
+    q, q_pos, row_ok, k_lo, k_begin, k_end,
     key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, head_dim, block_size,
     c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the rows ``q`` ([BLOCK_M, HEAD_DIM_PAD]) over context positions
-    ``k_begin .. k_end`` (``k_begin`` a multiple of TILE_N); returns (acc, m, row_sum)."""
+    ``k_begin .. k_end`` (``k_begin`` a multiple of TILE_N); returns (acc, m, row_sum).
+
+    Only keys in ``[k_lo, k_end)`` (what some row may see) are loaded; the others read as 0.
+    Masking the scores alone is not enough: a slot no row sees may hold uninitialised memory
+    (past a sequence's end, before a window), and a NaN in V gives ``0 * NaN = NaN`` in the dot."""
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < head_dim
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -103,7 +107,7 @@ def _attend_keys(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for tile_start in range(k_begin, k_end, TILE_N):
         k_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
-        k_ok = k_pos < k_end
+        k_ok = (k_pos >= k_lo) & (k_pos < k_end)
         block_id = tl.load(block_table_ptr + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         # [TILE_N] row offsets: int64, because block_id * c_stride_b overflows int32 on big pools
         rows = block_id * c_stride_b + kv_head * c_stride_h + (k_pos % block_size) * c_stride_s
@@ -150,17 +154,17 @@ def _tile_rows(query_start_loc_ptr, num_reqs, block_q, heads_per_prog, group,
 
 
 @triton.jit
-def _key_range(seq_len, q_len, q_first, block_q, window, TILE_N: tl.constexpr):
-    """Context positions the tile's rows can see: [k_begin, k_end), k_begin a multiple of TILE_N.
+def _key_range(seq_len, q_len, q_first, block_q, window):
+    """Context positions the tile's rows can see: [k_lo, k_end).
 
     ::  context: [ cached ........ | new: q_first .. q_last ]
-        k_end   = position of q_last + 1  (causal)
-        k_begin = position of q_first - window + 1  (0 without a window), rounded down
+        k_end = position of q_last + 1  (causal)
+        k_lo  = position of q_first - window + 1  (0 without a window)
     """
     ctx_start = seq_len - q_len  # position of the request's query 0
     k_end = ctx_start + tl.minimum(q_first + block_q, q_len)
-    k_begin = tl.where(window > 0, tl.maximum(ctx_start + q_first - window + 1, 0), 0)
-    return k_begin // TILE_N * TILE_N, k_end
+    k_lo = tl.where(window > 0, tl.maximum(ctx_start + q_first - window + 1, 0), 0)
+    return k_lo, k_end
 
 
 @triton.jit
@@ -193,15 +197,17 @@ def paged_attention_kernel(
     q = tl.load(query_ptr + (token * q_stride_t + head * q_stride_h)[:, None] + d[None, :], mask=mask, other=0.0)
     if q.dtype != key_cache_ptr.dtype.element_ty:  # mixed dtypes (e.g. float16 cache): float32 math
         q = q.to(tl.float32)
-    k_begin, k_end = _key_range(seq_len, q_len, q_first, block_q, window, TILE_N)
-    # split s takes its share of the key tiles (none, if there are fewer tiles than splits)
+    k_lo, k_end = _key_range(seq_len, q_len, q_first, block_q, window)
+    k_begin = k_lo // TILE_N * TILE_N  # the key tiles are aligned; k_lo masks the first one
+    # split s takes its share of the key tiles (none, if there are fewer tiles than splits); the
+    # split count is fixed at launch (under a CUDA graph: at capture), the lengths are read here
     split = tl.program_id(2)
     tiles_per_split = tl.cdiv(tl.cdiv(k_end - k_begin, TILE_N), num_splits)
     k_begin = k_begin + split * tiles_per_split * TILE_N
     k_end = tl.minimum(k_begin + tiles_per_split * TILE_N, k_end)
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * bt_stride
     acc, m, row_sum = _attend_keys(
-        q, q_pos, row_ok, k_begin, k_end, key_cache_ptr, value_cache_ptr, block_table_ptr,
+        q, q_pos, row_ok, k_lo, k_begin, k_end, key_cache_ptr, value_cache_ptr, block_table_ptr,
         kv_head, head_dim, block_size, c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window,
         BLOCK_M, TILE_N, HEAD_DIM_PAD)  # fmt: skip
     if num_splits > 1:
@@ -243,5 +249,5 @@ def reduce_splits_kernel(
         split_acc = tl.load(acc_ptr + split * a_stride_s + token * a_stride_t + head * a_stride_h + d, mask=d_ok)
         acc = acc * correction + split_acc * weight
         m = m_new
-    out = acc / row_sum
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)  # every split empty: 0, not NaN
     tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
