@@ -201,5 +201,5 @@ class ChoiceParser:
         calls = [{"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for cid, c in self.calls]
         return {"content": None if calls and not content.strip() else content,
-                "reasoning_content": reasoning if self.reasoning and self.include_reasoning else None,
+                "reasoning_content": (reasoning or None) if self.include_reasoning else None,
                 "tool_calls": calls or None}
