@@ -33,7 +33,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 def tools_server(server_model_dir):
     """Hermes tool-call parser (auto tool choice on) and the qwen3 reasoning parser."""
     options = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    srv = start_server(server_model_dir, chat_template=TOOL_TEMPLATE, chat_options=options)
+    srv = start_server(server_model_dir, chat_template=TOOL_TEMPLATE, chat_options=options, max_model_len=512)
     yield srv
     srv.stop()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 from chat_server import TOOL_TEMPLATE, WEATHER_TOOL, script_engine
 from conftest import make_model_dir
@@ -234,8 +235,13 @@ def check_tools(ctx, path, field, value):
 
 def check_tool_choice(ctx, path, field, value):
     check_tools(ctx, path, field, value)  # "none": tools shown, calls not parsed
-    r = ctx.post(path, {**_base(path), "tools": [WEATHER_TOOL], "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # until structured outputs land
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):  # constrained
+        body = {**_base(path), "tools": [tool], "tool_choice": choice, "max_tokens": 100}
+        calls = ctx.ok(path, body)["choices"][0]["message"]["tool_calls"]
+        assert calls and {c["function"]["name"] for c in calls} == {"get_weather"}
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), city)
     scripted_tool_calls(ctx, path, field, value)
 
 
@@ -323,6 +329,7 @@ LOOPING = dict(temperature=0, max_tokens=24)
 SAMPLING = [
     ("n", 2, like_offline(dict(n=2))), ("temperature", 0, like_offline(dict(temperature=0))),
     ("top_p", 0.05, like_offline(dict(top_p=0.05))), ("top_k", 1, like_offline(dict(top_k=1))),
+    ("top_k", 0, like_offline(dict(top_k=0), changes=False)),  # vLLM: 0 = off (part A)
     ("min_p", 0.9, like_offline(dict(min_p=0.9))),
     ("presence_penalty", 2.0, like_offline(dict(presence_penalty=2.0), LOOPING)),
     ("frequency_penalty", 2.0, like_offline(dict(frequency_penalty=2.0), LOOPING)),
@@ -341,7 +348,7 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 2.0), ("prompt_logprobs
 PART_A_ROWS = [("structured_outputs", {"json": {"type": "object"}}), ("guided_json", {"type": "object"}),
                ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= \"a\""),
                ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
-               ("bad_words", ["the"]), ("truncate_prompt_tokens", 4), ("top_k", 0)]
+               ("bad_words", ["the"]), ("truncate_prompt_tokens", 4)]
 SHARED = [("model", "tiny", check_model), ("stream", True, check_stream),
           ("stream_options", None, check_stream_options), ("user", "user-1", accepted_no_output_change),
           ("logprobs", None, check_logprobs),

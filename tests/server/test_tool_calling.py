@@ -97,6 +97,45 @@ def test_reasoning_include_reasoning_and_enable_thinking(tools_server, client, m
     assert prompts[-1]["prompt"].endswith("assistant:<think></think>")
 
 
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                     "days": {"type": "integer"}}, "required": ["city", "days"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}}, "required": ["tz"]}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, TIME_TOOL)}
+
+
+def test_required_tool_call_round_trip_on_a_real_model(client):
+    """A random model, constrained: every call parses and validates, at any seed."""
+    kw = dict(model="tiny", tools=[CITY_TOOL, TIME_TOOL], temperature=1.0, max_tokens=150)
+    for seed in range(3):
+        first = client.chat.completions.create(messages=[USER], tool_choice="required", seed=seed, **kw)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        history = [USER, choice.message.model_dump(exclude_none=True)]
+        history += [{"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in choice.message.tool_calls]
+        final = client.chat.completions.create(messages=history, tool_choice="none", seed=seed,
+                                               **{**kw, "max_tokens": 6})
+        assert final.choices[0].message.content and final.choices[0].finish_reason == "length"
+        assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_named_and_single_forced_calls_stream_like_the_whole_reply(client):
+    kw = dict(model="tiny", messages=[USER], tools=[CITY_TOOL, TIME_TOOL], temperature=1.0, max_tokens=150, seed=3)
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        whole = client.chat.completions.create(tool_choice=choice, parallel_tool_calls=False, **kw).choices[0]
+        (call,) = whole.message.tool_calls
+        assert choice == "required" or call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        chunks = list(client.chat.completions.create(tool_choice=choice, parallel_tool_calls=False, stream=True, **kw))
+        head, *fragments = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+        assert head.function.name == call.function.name and head.function.arguments == ""
+        assert "".join(f.function.arguments for f in fragments) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 BAD_TOOLS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
      "tools", "not a valid JSON schema"),
@@ -107,6 +146,10 @@ BAD_TOOLS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]}, "tools", "bogus"),
     ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "duplicate"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(unclosed"}}}}}], "tool_choice": "required"}, "tools", "regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/nope"}}}}}], "tool_choice": "required"}, "tools", "cannot constrain"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not in tools"),

@@ -11,6 +11,7 @@ from typing import Any
 
 from .reasoning_parsers import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser
+from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
 
 class ChatRequestError(ValueError):
@@ -41,11 +42,12 @@ class ChatOptions:
 
 
 # ---------------------------------------------------------------------- tools and tool_choice
-def resolve_tool_choice(tools: list | None, tool_choice: Any, options: ChatOptions) -> str:
-    """``"none"`` (tool calls are not parsed) or ``"auto"``; refuses what cannot be honoured.
+def resolve_tool_choice(tools: list | None, tool_choice: Any, options: ChatOptions) -> Any:
+    """``"none"`` (tool calls are not parsed), ``"auto"``, ``"required"`` or the named function;
+    refuses what cannot be honoured.
 
-    OpenAI's default is ``auto`` when tools are given. ``auto`` needs a tool-call parser;
-    ``required`` and a named function need output constrained to a call (structured outputs).
+    OpenAI's default is ``auto`` when tools are given; ``auto`` needs a tool-call parser.
+    ``required`` and a named function constrain the output to a call (``forced_call_schema``).
     """
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
@@ -59,10 +61,11 @@ def resolve_tool_choice(tools: list | None, tool_choice: Any, options: ChatOptio
         raise ChatRequestError("tool_choice='auto' (the default when tools are given) needs the server to run "
                                "with --enable-auto-tool-choice --tool-call-parser NAME; send tool_choice='none' "
                                "to only show the tools to the model", "tool_choice")
-    if choice not in ("none", "auto"):
-        raise ChatRequestError(f"tool_choice={_show(choice)} is not supported by this server: forcing a call "
-                               "needs structured outputs, which it does not have yet", "tool_choice")
     return choice
+
+
+def is_forced(tool_choice: Any) -> bool:
+    return tool_choice not in ("none", "auto")
 
 
 def _check_named(choice: Any, tools: list) -> None:
@@ -75,8 +78,9 @@ def _show(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else json.dumps(choice.model_dump())
 
 
-def check_tools(tools: list | None) -> None:
-    """Unique names, valid JSON schemas, and no ``strict`` (it cannot be enforced under ``auto``)."""
+def check_tools(tools: list | None, tool_choice: Any) -> None:
+    """Unique names, valid JSON schemas, and no ``strict`` under ``auto``, where arguments are parsed
+    from free text (a forced call is constrained to the schema; ``none`` makes no calls)."""
     import jsonschema
     seen: set[str] = set()
     for i, tool in enumerate(tools or []):
@@ -84,9 +88,10 @@ def check_tools(tools: list | None) -> None:
         if fn.name in seen:
             raise ChatRequestError(f"tools[{i}].function.name={fn.name!r} is a duplicate", "tools")
         seen.add(fn.name)
-        if fn.strict:
-            raise ChatRequestError(f"tools[{i}].function.strict=true is not supported by this server: arguments "
-                                   "are parsed from free text, not constrained to the schema", "tools")
+        if fn.strict and tool_choice == "auto":
+            raise ChatRequestError(f"tools[{i}].function.strict=true needs tool_choice 'required' or a named "
+                                   "function: under 'auto' arguments are parsed from free text, not constrained "
+                                   "to the schema", "tools")
         try:
             jsonschema.validators.validator_for(fn.parameters or {}).check_schema(fn.parameters or {})
         except jsonschema.SchemaError as exc:
@@ -128,6 +133,16 @@ def _template_call(call, i: int) -> dict:
 
 
 # ---------------------------------------------------------------------- generated text -> message
+def _tool_parser(options: ChatOptions, tool_choice: Any) -> ToolParser | None:
+    if tool_choice == "none":
+        return None
+    if tool_choice == "auto":
+        return get_tool_parser(options.tool_call_parser)
+    if tool_choice == "required":
+        return RequiredCallsParser()
+    return NamedCallParser(tool_choice.function.name)
+
+
 @dataclass
 class MessagePiece:
     """One streamed delta of a choice (the serving layer wraps it in a chunk)."""
@@ -156,10 +171,11 @@ class ChoiceParser:
     calls: list[tuple[str, ParsedCall]] = field(default_factory=list)
 
     @classmethod
-    def for_request(cls, options: ChatOptions, tool_choice: str, parallel: bool, include_reasoning: bool):
-        reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
-        tools = get_tool_parser(options.tool_call_parser) if tool_choice == "auto" else None
-        return cls(reasoning, tools, parallel, include_reasoning)
+    def for_request(cls, options: ChatOptions, tool_choice: Any, parallel: bool, include_reasoning: bool):
+        """A forced call is constrained JSON from the first token: no reasoning to split off."""
+        thinks = options.reasoning_parser and not is_forced(tool_choice)
+        reasoning = get_reasoning_parser(options.reasoning_parser) if thinks else None
+        return cls(reasoning, _tool_parser(options, tool_choice), parallel, include_reasoning)
 
     def feed(self, delta: str, final: bool) -> list[MessagePiece]:
         """The pieces that ``delta`` (appended to the text so far) makes sendable."""

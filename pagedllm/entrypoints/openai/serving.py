@@ -15,13 +15,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .chat_features import (
     ChatOptions,
@@ -30,6 +31,7 @@ from .chat_features import (
     MessagePiece,
     check_tools,
     conversation_of,
+    is_forced,
     resolve_tool_choice,
     tools_for_template,
 )
@@ -60,6 +62,7 @@ from .protocol import (
     UsageInfo,
 )
 from .request_fields import UnsupportedField, check_request_fields
+from .tool_parsers.forced import forced_call_schema
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                 500: "server_error", 503: "service_unavailable"}
@@ -459,8 +462,8 @@ class OpenAIServing:
         rid = response_id("chatcmpl", req)
         try:
             tool_choice = resolve_tool_choice(req.tools, req.tool_choice, self.chat_options)
-            check_tools(req.tools)
-            group = await self.start_chat(rid, req, arrival)
+            check_tools(req.tools, tool_choice)
+            group = await self.start_chat(rid, req, arrival, tool_choice)
         except ChatRequestError as exc:
             raise ServingError(str(exc), 400, exc.param) from None
         except ServingError as exc:
@@ -473,7 +476,8 @@ class OpenAIServing:
                                          "text/event-stream")
         return self.chat_response(rid, model, req, (await collect(group))[0], parsers)
 
-    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float) -> RequestGroup:
+    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float,
+                         tool_choice: Any = "none") -> RequestGroup:
         fmt = (req.response_format or {}).get("type", "text")
         _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
         if req.top_logprobs is not None and not req.logprobs:
@@ -483,7 +487,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
-                                      logprobs=logprobs, best_of=req.best_of)
+                                      logprobs=logprobs, best_of=req.best_of, **forced_call_fields(req, tool_choice))
         text = self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
@@ -606,6 +610,18 @@ class OpenAIServing:
                 yield json.dumps(self.generate_json(out)) + "\n"
         finally:
             group.close()
+
+
+def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
+    """``tool_choice`` "required" or a named function: the output is constrained to the call(s),
+    compact JSON (free whitespace would only let a model pad the call)."""
+    if not is_forced(tool_choice):
+        return {}
+    schema = forced_call_schema(req.tools, tool_choice, req.parallel_tool_calls)
+    try:
+        return {"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)}
+    except ValueError as exc:  # a tool schema the grammar compiler cannot take
+        raise ServingError(f"tools: cannot constrain the output to the call: {exc}", 400, "tools") from None
 
 
 def chat_stream_choices(idx: int, c: CompletionOutput, parser: ChoiceParser,
