@@ -414,5 +414,9 @@ def test_nested_objects_refuse_unknown_keys(ctx):
     msg = [{"role": "user", "content": "hi", "bogus": 1}]
     r = ctx.post("chat/completions", {**BASE, "messages": msg})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    sdk_echo = [{"role": "user", "content": "hi", "refusal": None, "audio": None, "function_call": None}]
+    assert ctx.post("chat/completions", {**BASE, "messages": sdk_echo}).status_code == 200  # nulls: no-ops
+    r = ctx.post("chat/completions", {**BASE, "messages": [{**sdk_echo[0], "refusal": "no"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = ctx.post("chat/completions", {**BASE, "messages": USER, "tools": [{**WEATHER_TOOL, "x": 1}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

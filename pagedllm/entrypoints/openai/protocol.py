@@ -127,6 +127,11 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a role "tool" message: the call it answers
     reasoning_content: str | None = None
+    # OpenAI SDK response fields a client may send back in its history: only null is accepted
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: None = None
 
 
 class FunctionDefinition(StrictModel):
