@@ -88,6 +88,18 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    # structured outputs (serving.structured_outputs_of): OpenAI's response_format, vLLM's
+    # structured_outputs (StructuredOutputsParams' fields) and its legacy guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or "auto") is accepted
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar has no whitespace pattern
 
 
 class CompletionRequest(SamplingFields):
@@ -117,7 +129,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 
@@ -158,6 +169,9 @@ class GenerateRequest(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # SamplingParams refuses False
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
 
 
 # ---------------------------------------------------------------------- responses

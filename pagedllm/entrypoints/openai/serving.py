@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .protocol import (
     ChatChoiceLogprobs,
@@ -90,6 +90,61 @@ def bad_request(exc: BaseException) -> ServingError:
 def _unsupported(condition: object, param: str, what: str) -> None:
     if condition:
         raise ServingError(f"{what} is not supported by this server", 400, param)
+
+
+# ---------------------------------------------------------------------- structured outputs
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field gives it (``structured_outputs``, a
+    ``guided_*`` field or ``response_format``); two at once, or an invalid one, is a 400 naming the field."""
+    _check_guided_options(req)
+    sources = [(name, kwargs) for name, kwargs in _constraint_sources(req) if kwargs is not None]
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ServingError(f"{' and '.join(names)} both constrain the output; give only one", 400, names[1])
+    name, kwargs = sources[0]
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ServingError(f"{name}: {exc}", 400, name) from None
+
+
+def _constraint_sources(req: SamplingFields) -> list[tuple[str, dict | None]]:
+    sources = [("structured_outputs", None if req.structured_outputs is None else dict(req.structured_outputs))]
+    sources += [(name, None if getattr(req, name) is None else {kind: getattr(req, name)})
+                for name, kind in _GUIDED_FIELDS.items()]
+    return sources + [("response_format", _response_format(req.response_format))]
+
+
+def _response_format(fmt: dict | None) -> dict | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (its ``schema``;
+    ``strict`` or not, the schema is always enforced)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ServingError(f"response_format type {kind!r} is invalid: use text, json_object or json_schema",
+                           400, "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+    if schema is None:
+        raise ServingError("response_format json_schema needs json_schema.schema", 400, "response_format")
+    return {"json": schema}
+
+
+def _check_guided_options(req: SamplingFields) -> None:
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise ServingError(f"guided_decoding_backend={req.guided_decoding_backend!r} is invalid: this server "
+                           "has xgrammar only", 400, "guided_decoding_backend")
+    _unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
+                 "guided_whitespace_pattern (use structured_outputs.disable_any_whitespace)")
 
 
 # ---------------------------------------------------------------------- engine requests
@@ -313,11 +368,23 @@ class OpenAIServing:
         kwargs = {k: v for k, v in optional.items() if v is not None}
         kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind, **fields)
+                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind,
+                      structured_outputs=structured_outputs_of(req), bad_words=req.bad_words,
+                      truncate_prompt_tokens=req.truncate_prompt_tokens, **fields)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**self.with_generation_defaults(kwargs))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
+
+    def with_generation_defaults(self, kwargs: dict) -> dict:
+        """The model's generation_config.json defaults for the fields the request leaves unset;
+        its max_new_tokens caps max_tokens (vLLM's rule)."""
+        defaults = dict(self.model_config.generation_defaults)
+        cap = defaults.pop("max_tokens", None)
+        merged = {**defaults, **{k: v for k, v in kwargs.items() if v is not None or k not in defaults}}
+        if cap is not None:
+            merged["max_tokens"] = cap if merged.get("max_tokens") is None else min(cap, merged["max_tokens"])
+        return merged
 
     async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
                     arrival: float) -> RequestGroup:
@@ -424,8 +491,6 @@ class OpenAIServing:
 
     async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float) -> RequestGroup:
         _unsupported(req.tools, "tools", "tools (function calling)")
-        fmt = (req.response_format or {}).get("type", "text")
-        _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
         if req.top_logprobs is not None and not req.logprobs:
             raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
