@@ -151,3 +151,48 @@ def test_grammars_are_cached_by_key(llm):
     same = '{"type": "object", "properties": {"q": {"const": 1}}}'  # the same schema as JSON text
     llm.generate(PROMPTS[:3], constrained(1, json=same), use_tqdm=False)
     assert manager.stats.num_compiled == compiled
+
+
+def test_a_compiling_grammar_does_not_stall_other_requests(llama_dir, monkeypatch):
+    """The constrained request waits in the scheduler while its grammar compiles; a free request
+    queued after it runs meanwhile."""
+    import threading
+
+    from pagedllm.structured_output.manager import StructuredOutputManager
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, params):
+        release.wait(30)
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    engine = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128).llm_engine
+    engine.add_request("constrained", PROMPTS[0], constrained(0, regex=REGEX))
+    engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
+    finished = {}
+    while "free" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "constrained" not in finished and engine.scheduler.make_stats().num_waiting == 1
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    check("regex", finished["constrained"].outputs[0].text)
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request(llama_dir, monkeypatch):
+    """Construction-time checks make this rare; if compilation still fails, the request ends
+    (finish_reason "abort") instead of waiting forever, and the others complete."""
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+    def failing_compile(self, params):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", failing_compile)
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128)
+    params = [SamplingParams(n=2, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+              SamplingParams(max_tokens=3, ignore_eos=True)]
+    failed, free = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [c.finish_reason for c in failed.outputs] == ["abort"] and failed.finished
+    assert len(free.outputs[0].token_ids) == 3
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
