@@ -86,14 +86,15 @@ class StructuredOutputsParams:
 
 
 def _schema_text(schema) -> str:
-    """A JSON schema as canonical JSON text (sorted keys), so equal schemas share a cache key."""
+    """A JSON schema as compact JSON text: a dict and its JSON text share a cache key. Key order is
+    kept (it is the order properties are generated in)."""
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
         except ValueError as exc:
             raise ValueError(f"json={schema!r:.80} is invalid: not JSON ({exc})") from None
     _check(isinstance(schema, (dict, bool)), "json", schema, "must be a JSON schema (an object)")
-    return _json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return _json.dumps(schema, ensure_ascii=False)
 
 
 @dataclass

@@ -123,7 +123,7 @@ class InputProcessor:
             plain = self._encode(word.lstrip(), False, "bad_words")
             spaced = self._encode(" " + word.lstrip(), False, "bad_words")
             result.append(plain)
-            if spaced[0] != plain[0] and len(spaced) == len(plain):
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
                 result.append(spaced)
         self._check_ids("bad_words", [t for ids in result for t in ids])
         return result

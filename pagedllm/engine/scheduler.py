@@ -337,9 +337,12 @@ class Scheduler:
             self.finish(rid, RequestStatus.FINISHED_ABORTED)
 
     def is_done(self, parent_id: str) -> bool:
-        """Every sequence of the user request exists (all forks made) and has finished."""
+        """Every sequence of the user request exists (all forks made) and has finished, or it
+        ended before it could fork (its grammar failed to compile)."""
         seqs = [self.requests[s] for s in self.sequences.get(parent_id, [])]
-        return bool(seqs) and len(seqs) == seqs[0].params.num_sequences and all(s.is_finished for s in seqs)
+        if not seqs or not all(s.is_finished for s in seqs):
+            return False
+        return len(seqs) == seqs[0].params.num_sequences or seqs[0].num_forks_pending > 0
 
     def release(self, parent_id: str) -> None:
         """Forgets a finished user request's bookkeeping."""

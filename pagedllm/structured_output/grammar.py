@@ -24,8 +24,9 @@ def to_grammar(params: StructuredOutputsParams):
     kind = params.kind
     if kind == "json":
         return xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value like the builtin grammar
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                            any_whitespace=not params.disable_any_whitespace)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":

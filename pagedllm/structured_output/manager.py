@@ -55,6 +55,11 @@ class GrammarState:
         return self._compiled.done()
 
     @property
+    def compiled(self) -> Future:
+        """The compilation's future (shared by every sequence with the same spec)."""
+        return self._compiled
+
+    @property
     def error(self) -> str | None:
         """Why compilation failed, once ready; None when it succeeded."""
         exc = self._compiled.exception() if self._compiled.done() else None
@@ -139,7 +144,7 @@ class StructuredOutputManager:
 
     def wait_for_any(self, states: list[GrammarState], timeout: float) -> None:
         """Blocks until one of ``states`` is compiled or ``timeout`` passes (an idle engine's wait)."""
-        pending = [s._compiled for s in states]
+        pending = [s.compiled for s in states]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 

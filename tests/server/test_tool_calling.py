@@ -154,6 +154,8 @@ BAD_TOOLS = [
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not in tools"),
     ({"tool_choice": "auto"}, "tool_choice", "non-empty tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "cannot be combined"),
     ({"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "get_weather", "arguments": "{not json"}}]}]}, "messages", "not valid JSON"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set"),

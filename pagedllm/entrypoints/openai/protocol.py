@@ -92,6 +92,18 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    # structured outputs (serving.structured_outputs_of): OpenAI's response_format, vLLM's
+    # structured_outputs (StructuredOutputsParams' fields) and its legacy guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or "auto") is accepted
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar has no whitespace pattern
 
 
 class CompletionRequest(SamplingFields):
@@ -164,7 +176,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # vLLM's chat extras
     best_of: Int64 | None = None
@@ -214,6 +225,9 @@ class GenerateRequest(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # SamplingParams refuses False
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
 
 
 # ---------------------------------------------------------------------- responses

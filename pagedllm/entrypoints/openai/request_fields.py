@@ -27,17 +27,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "mm_processor_kwargs": None,  # text-only models
     "media_io_kwargs": None,
     "reasoning_effort": None,
-    # structured outputs and the sampling fields of issue 12 part A
-    "response_format": None,
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "bad_words": None,
-    "truncate_prompt_tokens": None,
 }
 
 

@@ -124,6 +124,61 @@ def response_id(prefix: str, req) -> str:
     return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
 
 
+# ---------------------------------------------------------------------- structured outputs
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field gives it (``structured_outputs``, a
+    ``guided_*`` field or ``response_format``); two at once, or an invalid one, is a 400 naming the field."""
+    _check_guided_options(req)
+    sources = [(name, kwargs) for name, kwargs in _constraint_sources(req) if kwargs is not None]
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ServingError(f"{' and '.join(names)} both constrain the output; give only one", 400, names[1])
+    name, kwargs = sources[0]
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ServingError(f"{name}: {exc}", 400, name) from None
+
+
+def _constraint_sources(req: SamplingFields) -> list[tuple[str, dict | None]]:
+    sources = [("structured_outputs", None if req.structured_outputs is None else dict(req.structured_outputs))]
+    sources += [(name, None if getattr(req, name) is None else {kind: getattr(req, name)})
+                for name, kind in _GUIDED_FIELDS.items()]
+    return sources + [("response_format", _response_format(req.response_format))]
+
+
+def _response_format(fmt: dict | None) -> dict | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (its ``schema``;
+    ``strict`` or not, the schema is always enforced)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ServingError(f"response_format type {kind!r} is invalid: use text, json_object or json_schema",
+                           400, "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+    if schema is None:
+        raise ServingError("response_format json_schema needs json_schema.schema", 400, "response_format")
+    return {"json": schema}
+
+
+def _check_guided_options(req: SamplingFields) -> None:
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise ServingError(f"guided_decoding_backend={req.guided_decoding_backend!r} is invalid: this server "
+                           "has xgrammar only", 400, "guided_decoding_backend")
+    _unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
+                 "guided_whitespace_pattern (use structured_outputs.disable_any_whitespace)")
+
+
 # ---------------------------------------------------------------------- engine requests
 class RequestGroup:
     """The engine requests behind one HTTP request (several prompts -> several requests)."""
@@ -347,11 +402,24 @@ class OpenAIServing:
         kwargs = {k: v for k, v in optional.items() if v is not None}
         kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind, **fields)
+                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind,
+                      structured_outputs=structured_outputs_of(req), bad_words=req.bad_words,
+                      truncate_prompt_tokens=req.truncate_prompt_tokens)
+        kwargs.update(fields)  # the handler's own (a forced tool call's constraint replaces the None above)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**self.with_generation_defaults(kwargs))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
+
+    def with_generation_defaults(self, kwargs: dict) -> dict:
+        """The model's generation_config.json defaults for the fields the request leaves unset;
+        its max_new_tokens caps max_tokens (vLLM's rule)."""
+        defaults = dict(self.model_config.generation_defaults)
+        cap = defaults.pop("max_tokens", None)
+        merged = {**defaults, **{k: v for k, v in kwargs.items() if v is not None or k not in defaults}}
+        if cap is not None:
+            merged["max_tokens"] = cap if merged.get("max_tokens") is None else min(cap, merged["max_tokens"])
+        return merged
 
     async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
                     arrival: float) -> RequestGroup:
@@ -478,8 +546,6 @@ class OpenAIServing:
 
     async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float,
                          tool_choice: Any = "none") -> RequestGroup:
-        fmt = (req.response_format or {}).get("type", "text")
-        _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
         if req.top_logprobs is not None and not req.logprobs:
             raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
         if req.stream and req.best_of is not None and req.best_of != req.n:
@@ -617,6 +683,10 @@ def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
     compact JSON (free whitespace would only let a model pad the call)."""
     if not is_forced(tool_choice):
         return {}
+    if structured_outputs_of(req) is not None:
+        raise ServingError(f"tool_choice={tool_choice if isinstance(tool_choice, str) else 'a named function'!r} "
+                           "constrains the output to the call: it cannot be combined with response_format, "
+                           "structured_outputs or guided_*", 400, "tool_choice")
     schema = forced_call_schema(req.tools, tool_choice, req.parallel_tool_calls)
     try:
         return {"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)}
