@@ -1,7 +1,8 @@
 """pagedllm: an LLM inference and serving engine built around PagedAttention."""
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

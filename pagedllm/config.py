@@ -42,10 +42,16 @@ class ModelConfig:
     tokenizer_mode: str = "auto"  # one of TOKENIZER_MODES
     trust_remote_code: bool = False  # passed to transformers for the config and the tokenizer
     served_model_names: tuple[str, ...] = ()  # what HTTP clients call the model (the first one in metrics)
+    max_logprobs: int = 20  # most logprobs a request may ask for (-1: the whole vocabulary)
+    # sampling defaults from the model's generation_config.json ((SamplingParams field, value) pairs),
+    # for requests that leave those fields unset; empty with generation_config="vllm"
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} must be one of {TOKENIZER_MODES}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (no limit)")
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
         """K and V for one token across all layers."""

@@ -1,7 +1,8 @@
 """Sampling parameters, compatible with vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json as _json
+from dataclasses import dataclass, field
 
 # OpenAI's seed is an integer; like vLLM we take the int64 range, where every value gets its own
 # random stream (see engine.request.make_generator)
@@ -20,6 +21,80 @@ def _token_id(key, name: str) -> int:
     if isinstance(key, str) and key.isdigit():
         return int(key)
     raise ValueError(f"{name} key {key!r} is invalid: must be a non-negative token id")
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Output constrained to a JSON schema, a regex, a list of choices, an EBNF grammar or any JSON
+    object (vLLM's ``StructuredOutputsParams``); exactly one kind is set. Checked at construction:
+    an invalid schema, regex or grammar is a ValueError naming the field."""
+
+    json: str | dict | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar/GBNF syntax), root rule ``root``
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens
+    disable_fallback: bool = False  # there is one backend (xgrammar) and never a fallback
+    # vLLM fields with no xgrammar equivalent here: only None is accepted
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        set_kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(set_kinds) == 1, "structured_outputs", set_kinds or None,
+               f"exactly one of {', '.join(_CONSTRAINT_KINDS)} must be set")
+        _check(self.whitespace_pattern is None, "structured_outputs.whitespace_pattern", self.whitespace_pattern,
+               "is not supported (use disable_any_whitespace)")
+        _check(self.structural_tag is None, "structured_outputs.structural_tag", self.structural_tag,
+               "is not supported")
+        _check(isinstance(self.disable_any_whitespace, bool), "structured_outputs.disable_any_whitespace",
+               self.disable_any_whitespace, "must be a bool")
+        self._normalise()
+        from pagedllm.structured_output.grammar import check_grammar  # xgrammar is imported on first use
+        check_grammar(self)
+
+    def _normalise(self) -> None:
+        if self.json is not None:
+            self.json = _schema_text(self.json)
+        if self.regex is not None:
+            _check(isinstance(self.regex, str) and self.regex, "regex", self.regex, "must be a non-empty string")
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar.strip(), "grammar", self.grammar,
+                   "must be a non-empty EBNF string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   "choice", self.choice, "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None:
+            _check(self.json_object is True, "json_object", self.json_object, "must be True when given")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of json, regex, choice, grammar, json_object."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What a compiled grammar is cached by: equal keys compile to the same grammar."""
+        spec = getattr(self, self.kind)
+        return self.kind, tuple(spec) if isinstance(spec, list) else spec, self.disable_any_whitespace
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema as compact JSON text: a dict and its JSON text share a cache key. Key order is
+    kept (it is the order properties are generated in)."""
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"json={schema!r:.80} is invalid: not JSON ({exc})") from None
+    _check(isinstance(schema, (dict, bool)), "json", schema, "must be a JSON schema (an object)")
+    return _json.dumps(schema, ensure_ascii=False)
 
 
 @dataclass
@@ -51,8 +126,15 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is converted
+    # words never generated: a one-token word is masked always, a longer one when the output ends
+    # with all its tokens but the last (vLLM's semantics; tokenized by the input processor)
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len - 1)
     # vLLM passes these to custom samplers and plugins; pagedllm has none, so only None/{} is accepted
     extra_args: dict | None = None
+    # bad_words as token id sequences, filled in by the input processor (it has the tokenizer)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,9 +146,15 @@ class SamplingParams:
             self.logit_bias = {_token_id(k, "logit_bias"): v for k, v in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.top_k == 0:  # vLLM treats 0 as "disabled" in newer releases; normalise to -1
-            raise ValueError("top_k=0 is invalid: must be -1 (disabled) or >= 1")
+        if self.top_k == 0 or self.top_k is None:  # vLLM: 0 (and None) mean "off", like -1
+            self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words", self.bad_words, "must be a list of non-blank strings")
         self._validate()
+        self._validate_structured()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
@@ -75,7 +163,8 @@ class SamplingParams:
                    f"must be an integer >= n ({self.n})")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
+               "must be -1 or 0 (disabled) or >= 1")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
@@ -88,12 +177,16 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None:
-            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-                   "must be an integer in [0, 20]")
-        if self.prompt_logprobs is not None:
-            _check(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-                   self.prompt_logprobs, "must be an integer in [0, 20]")
+        # the upper bound is the engine's max_logprobs, checked by the input processor
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and not isinstance(value, bool) and value >= -1, name, value,
+                       "must be an integer >= 0, or -1 (the whole vocabulary)")
+        if self.truncate_prompt_tokens is not None:
+            _check(isinstance(self.truncate_prompt_tokens, int) and not isinstance(self.truncate_prompt_tokens, bool)
+                   and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+                   "truncate_prompt_tokens", self.truncate_prompt_tokens, "must be an integer >= 1, or -1")
         if self.seed is not None:
             _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and SEED_MIN <= self.seed <= SEED_MAX,
                    "seed", self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64)")
@@ -110,6 +203,14 @@ class SamplingParams:
         _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
                "must be 'cumulative', 'delta' or 'final_only'")
         self._validate_unsupported()
+
+    def _validate_structured(self) -> None:
+        if self.structured_outputs is None:
+            return
+        _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+               self.structured_outputs, "must be a StructuredOutputsParams (or a dict of its fields)")
+        # the grammar decides where the output ends: masking EOS before then could leave no token
+        _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "must be 0 with structured_outputs")
 
     def _validate_unsupported(self) -> None:
         """vLLM fields pagedllm cannot honour: only their no-op values are accepted."""

@@ -113,6 +113,12 @@ class EngineArgs:
     disable_log_stats: bool = option(True, "no periodic throughput / KV-usage log lines")
     log_stats_interval: float = option(10.0, "seconds between stats log lines (with --no-disable-log-stats)",
                                        parse=float)
+    max_logprobs: int = option(20, "most logprobs / prompt_logprobs a request may ask for (-1: the whole "
+                               "vocabulary, which also allows logprobs=-1)", parse=int)
+    generation_config: str = option(
+        "auto", "sampling defaults for requests that leave them unset: auto = the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = pagedllm's own, or a folder "
+        "holding a generation_config.json")
     served_model_name: str | list[str] | None = option(
         None, "model name(s) clients use (default: the --model value)", nargs="+")
     fused_ops: str = option("auto", "norm/rotary/activation/sampling kernels: auto (Triton on CUDA), native "
@@ -189,6 +195,8 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             trust_remote_code=self.trust_remote_code,
             served_model_names=self.served_model_names(),
+            max_logprobs=self.max_logprobs,
+            generation_defaults=generation_defaults(path, self.generation_config),
         )
 
     def served_model_names(self) -> tuple[str, ...]:
@@ -203,6 +211,28 @@ class EngineArgs:
         if not self.log_stats_interval > 0:
             raise ValueError(f"log_stats_interval={self.log_stats_interval!r} must be > 0 seconds")
         return self.log_stats_interval
+
+
+# generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str, source: str) -> tuple[tuple[str, Any], ...]:
+    """The sampling defaults ``generation_config`` asks for: those the model's (or a folder's)
+    generation_config.json sets to non-default values ("auto"), or none ("vllm")."""
+    if source == "vllm":
+        return ()
+    from transformers import GenerationConfig
+    folder = model_path if source == "auto" else source
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except OSError:
+        if source == "auto":
+            return ()  # the model has no generation_config.json: nothing to apply
+        raise ValueError(f"generation_config={source!r} must be 'auto', 'vllm' or a folder holding a "
+                         "generation_config.json") from None
+    return tuple((ours, diff[hf]) for hf, ours in _GENERATION_FIELDS.items() if diff.get(hf) is not None)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, names: Sequence[str] | None = None,

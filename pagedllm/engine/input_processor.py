@@ -47,10 +47,11 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 check_fits: Callable[[int, int, int], None]):
+                 check_fits: Callable[[int, int, int], None], max_logprobs: int = 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs  # vLLM: -1 = no cap
         self.check_fits = check_fits  # (prompt tokens, max_tokens, sequences) -> raises ValueError
         self._max_token_chars: int | None = None
 
@@ -70,7 +71,12 @@ class InputProcessor:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.clone()  # max_tokens is filled in below; the caller's object stays as given
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            text, ids = self.truncate(text, ids, params.truncate_prompt_tokens)
         self.validate(ids, params)
+        self.resolve_logprobs(params)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -85,6 +91,42 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
                          "a dict with 'prompt' or 'prompt_token_ids'")
+
+    def truncate(self, text: str | None, ids: list[int], keep: int) -> tuple[str | None, list[int]]:
+        """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as
+        max_model_len leaves room for); the text is then the kept tokens' decoding."""
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if len(ids) <= keep:
+            return text, ids
+        ids = ids[-keep:]
+        return (self.tokenizer.decode(ids) if self.tokenizer is not None else None), ids
+
+    def resolve_logprobs(self, params: SamplingParams) -> None:
+        """``logprobs`` / ``prompt_logprobs`` of -1 mean the whole vocabulary; both are bounded
+        by the engine's ``max_logprobs`` (vLLM's check)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value == -1:
+                value = self.vocab_size
+                setattr(params, name, value)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} is invalid: must be <= max_logprobs={self.max_logprobs} "
+                                 "(an engine option; -1 there allows the whole vocabulary)")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids, with and without a leading space (vLLM's rule: the spaced
+        form counts when it is a different token sequence of the same length)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        result = []
+        for word in words:
+            plain = self._encode(word.lstrip(), False, "bad_words")
+            spaced = self._encode(" " + word.lstrip(), False, "bad_words")
+            result.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                result.append(spaced)
+        self._check_ids("bad_words", [t for ids in result for t in ids])
+        return result
 
     @staticmethod
     def _id_list(ids) -> list[int]:

@@ -19,6 +19,7 @@ from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,12 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks)
-        self.sampler = Sampler(config.layer_ops)
+        self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(config.layer_ops, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
-                                              self.scheduler.check_fits)
-        self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
+                                              self.scheduler.check_fits, config.model.max_logprobs)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
@@ -72,6 +74,8 @@ class LLMEngine:
         self._check_new_id(processed.request_id)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt)
+        if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
+            req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)
@@ -88,7 +92,9 @@ class LLMEngine:
         if params.beam_width > max_seqs:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
         sp = BeamSearchManager.sampling_params(params, self.model_config.vocab_size)
+        candidates, sp.logprobs = sp.logprobs, None  # internal rows: not bounded by max_logprobs
         processed = self.input_processor.process(request_id, prompt, sp, arrival_time)
+        processed.params.logprobs = candidates
         req = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
@@ -100,6 +106,11 @@ class LLMEngine:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request_id={request_id!r} is already in use")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's; plain
+        SamplingParams() with ``generation_config="vllm"`` or when the model sets none)."""
+        return SamplingParams(**dict(self.model_config.generation_defaults))
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stops a request (or several) at once and frees its KV blocks."""
@@ -124,9 +135,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         self._record_peaks()
         self.step_times.add(schedule=time.perf_counter() - t0)
+        if sched_out.is_empty:
+            self._wait_for_grammars()
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
-        touched = self.scheduler.update(self.beam_search.consume(sampled))
+        touched = self.scheduler.update(self.beam_search.consume(sampled)) + self.scheduler.take_failed()
         self._count(sched_out, sampled, touched)
         for req in touched:
             if self.output_processor.update_text(req) is not None:
@@ -136,6 +149,11 @@ class LLMEngine:
         self.counters.num_steps += 1
         self._maybe_log()
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if requests wait for their grammars, wait (briefly) for one to
+        compile instead of spinning through empty steps."""
+        self.structured_output.wait_for_any(self.scheduler.waiting_grammars(), timeout=0.05)
 
     def _execute(self, sched_out: SchedulerOutput) -> list[SampledTokens]:
         if sched_out.is_empty:
@@ -196,7 +214,8 @@ class LLMEngine:
             gens = [req.generator] + req.fork_generators[: chunk.num_samples - 1]
             banned = self._banned(req)
             for gen in gens:
-                rows.append(SamplingRow(req.params, req.all_token_ids, req.num_prompt_tokens, gen, banned))
+                rows.append(SamplingRow(req.params, req.all_token_ids, req.num_prompt_tokens, gen, banned,
+                                        req.grammar))
             owners.append((req.request_id, chunk.num_samples))
         return rows, owners
 
@@ -289,9 +308,10 @@ class LLMEngine:
         return self.executor.health_error()
 
     def shutdown(self) -> None:
-        """Stops the executor's ranks (worker processes, process group) and frees the KV pool and
-        the weights; idempotent. Later steps raise RuntimeError."""
+        """Stops the executor's ranks (worker processes, process group), frees the KV pool and the
+        weights, and stops the grammar compiler's threads; idempotent. Later steps raise RuntimeError."""
         self.executor.shutdown()
+        self.structured_output.shutdown()
 
 
 def _load_tokenizer(model_config):

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -95,6 +96,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
+        self.grammar: GrammarState | None = None  # structured_outputs: this sequence's matcher
 
     @property
     def num_tokens(self) -> int:
@@ -118,3 +120,9 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    def is_waiting_for_grammar(self) -> bool:
+        """Its structured-output grammar is still compiling: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.is_ready()

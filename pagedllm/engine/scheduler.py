@@ -15,6 +15,7 @@ reused in the same step before the cache engine has copied it out.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pagedllm.engine.request import Request, RequestStatus, make_generator
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Scheduler:
         self.sequences: dict[str, list[str]] = {}  # parent request id -> its sequence ids
         self.stats = SchedulerStats()
         self.finished_ids: list[str] = []  # sequences finished since the last step (for the runner)
+        self.failed: list[Request] = []  # ended because their grammar failed to compile (take_failed)
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, num_seqs: int) -> None:
@@ -142,10 +146,23 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests in FCFS order; one whose grammar is still compiling keeps its
+        place while the requests behind it go ahead."""
+        skipped: deque[Request] = deque()
+        try:
+            self._admit_waiting(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: deque[Request]) -> None:
         # seats: running sequences plus the siblings they will fork once their prompt is done
         seats = sum(1 + r.num_forks_pending for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.is_waiting_for_grammar() or self._grammar_failed(req):
+                if not req.is_finished:
+                    skipped.append(self.waiting.popleft())
+                continue
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
             # a request that wants prompt logprobs needs logits at every prompt position
@@ -165,6 +182,25 @@ class Scheduler:
             self._add_chunk(out, req, num_new)
             budget -= num_new
             seats += 1 + req.num_forks_pending
+
+    def _grammar_failed(self, req: Request) -> bool:
+        """A grammar that did not compile ends its request (aborted; ``take_failed`` reports it)."""
+        if req.grammar is None or req.grammar.error is None:
+            return False
+        logger.error("request %s: structured output grammar failed to compile: %s", req.parent_id,
+                     req.grammar.error)
+        self.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
+        self.failed.append(req)
+        return True
+
+    def take_failed(self) -> list[Request]:
+        """Requests ended since the last call because their grammar failed to compile."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def waiting_grammars(self) -> list:
+        """The GrammarStates that waiting requests are waiting for."""
+        return [r.grammar for r in self.waiting if r.is_waiting_for_grammar()]
 
     def _preallocation(self, req: Request) -> int:
         mode = self.config.preallocation
@@ -258,6 +294,7 @@ class Scheduler:
         child.cumulative_logprob = parent.cumulative_logprob
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = parent.first_scheduled_time
+        child.grammar = parent.grammar.fork() if parent.grammar is not None else None
         self.kv.fork(parent, child)
         self.requests[child_id] = child
         self.sequences[parent.parent_id].append(child_id)
@@ -266,6 +303,11 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
+        if req.grammar is not None:
+            if req.grammar.rejected_token is not None:  # a bug: never sampled outside the mask
+                return RequestStatus.FINISHED_ABORTED
+            if req.grammar.is_terminated():  # the grammar is complete (it accepted EOS)
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.min_tokens:
             if token in req.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
@@ -295,9 +337,12 @@ class Scheduler:
             self.finish(rid, RequestStatus.FINISHED_ABORTED)
 
     def is_done(self, parent_id: str) -> bool:
-        """Every sequence of the user request exists (all forks made) and has finished."""
+        """Every sequence of the user request exists (all forks made) and has finished, or it
+        ended before it could fork (its grammar failed to compile)."""
         seqs = [self.requests[s] for s in self.sequences.get(parent_id, [])]
-        return bool(seqs) and len(seqs) == seqs[0].params.num_sequences and all(s.is_finished for s in seqs)
+        if not seqs or not all(s.is_finished for s in seqs):
+            return False
+        return len(seqs) == seqs[0].params.num_sequences or seqs[0].num_forks_pending > 0
 
     def release(self, parent_id: str) -> None:
         """Forgets a finished user request's bookkeeping."""

@@ -75,7 +75,8 @@ def run(args) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.cli import sampling_params_from_cli
     engine = LLMEngine.from_engine_args(engine_args_from_cli(args))
-    session = ChatSession(engine, sampling_params_from_cli(args), args.system)
+    params = sampling_params_from_cli(args, dict(engine.model_config.generation_defaults))
+    session = ChatSession(engine, params, args.system)
     session.reset()
     mode = "chat template" if session.templated else "plain continuation (no chat template)"
     interactive = sys.stdin.isatty()

@@ -17,14 +17,15 @@ GENERATE_EXAMPLES = """examples:
 
 def add_sampling_args(parser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=64)
+    # unset flags take the model's generation_config.json value (see --generation-config), else CLI_DEFAULTS
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-p", type=float, default=None, help="(default 0.95)")
+    g.add_argument("--top-k", type=int, default=None, help="0 or -1 = off (default)")
+    g.add_argument("--min-p", type=float, default=None, help="(default 0)")
+    g.add_argument("--max-tokens", type=int, default=None, help="(default 64)")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(default 1.0)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -32,20 +33,26 @@ def add_sampling_args(parser) -> None:
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 
 
-def sampling_params_from_cli(args):
+# what an unset sampling flag means when the model's generation_config.json does not say either
+CLI_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=-1, min_p=0.0, max_tokens=64, repetition_penalty=1.0)
+
+
+def sampling_params_from_cli(args, generation_defaults: dict | None = None):
+    """Flags given on the command line, else the model's ``generation_defaults``, else CLI_DEFAULTS."""
     from pagedllm.sampling_params import SamplingParams
+    flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                 max_tokens=args.max_tokens, repetition_penalty=args.repetition_penalty)
+    chosen = {**CLI_DEFAULTS, **(generation_defaults or {}), **{k: v for k, v in flags.items() if v is not None}}
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, n=args.n,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        **chosen, min_tokens=args.min_tokens, n=args.n, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
         seed=args.sampling_seed)
 
 
 def run_generate(args) -> int:
     from pagedllm import LLM
-    params = sampling_params_from_cli(args)
     llm = LLM(**vars(engine_args_from_cli(args)))
+    params = sampling_params_from_cli(args, dict(llm.llm_engine.model_config.generation_defaults))
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

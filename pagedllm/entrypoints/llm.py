@@ -68,9 +68,14 @@ class LLM:
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given no sampling_params: the model's generation_config.json
+        defaults (unless the engine was built with ``generation_config="vllm"``)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

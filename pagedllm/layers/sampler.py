@@ -1,7 +1,7 @@
 """Vectorized sampler: one pass over ``[num_rows, vocab]`` logits with per-row parameters.
 
-Order: raw log-probs (reported, as vLLM's default) -> allowed_token_ids and logit_bias ->
-min_tokens masking -> penalties ->
+Order: raw log-probs (reported, as vLLM's default) -> the structured-output grammar's bitmask
+(constrained rows only) -> allowed_token_ids and logit_bias -> bad_words -> min_tokens masking -> penalties ->
 greedy rows take argmax; random rows apply temperature, top-k, top-p, min-p and draw with the
 exponential-race trick ``argmax(p / q), q ~ Exp(1)``, where seeded rows draw ``q`` from their
 own generator so their tokens do not depend on the rest of the batch.
@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.layers.ops import check_layer_ops
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarState, StructuredOutputManager
 
 
 @dataclass
@@ -25,6 +26,7 @@ class SamplingRow:
     num_prompt_tokens: int
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()  # eos/stop ids masked until min_tokens is reached
+    grammar: GrammarState | None = None  # structured_outputs: only tokens it allows may be sampled
 
     # the slices are taken only by the penalties, the one place that needs the history
     @property
@@ -45,10 +47,12 @@ class SamplerOutput:
 
 class Sampler:
     """Samples one token per row. ``ops="triton"`` (layers/ops.py) filters top-k/top-p/min-p with
-    the Triton kernel (no sort, no host sync); otherwise with the sorting torch code below."""
+    the Triton kernel (no sort, no host sync); otherwise with the sorting torch code below.
+    ``structured_output`` applies the grammar bitmasks."""
 
-    def __init__(self, ops: str = "native"):
+    def __init__(self, ops: str = "native", structured_output: StructuredOutputManager | None = None):
         self.ops = check_layer_ops(ops)
+        self.structured_output = structured_output
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -56,7 +60,9 @@ class Sampler:
         # log-probs are only computed when some row reports them or ranks by them (best_of)
         need_lp = any(r.params.logprobs is not None or (r.params.best_of or 0) > r.params.n for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+        self._apply_grammars(logits, rows)
         logits = _apply_allowed_and_bias(logits, rows)
+        logits = _mask_bad_words(logits, rows)
         logits = _mask_banned(logits, rows)
         logits = _apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
@@ -64,6 +70,13 @@ class Sampler:
             return SamplerOutput(tokens.tolist(), [0.0] * len(rows), None)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(raw_logprobs, rows))
+
+    def _apply_grammars(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        grammars = [r.grammar for r in rows]
+        if any(g is not None for g in grammars):
+            if self.structured_output is None:
+                raise ValueError("rows carry grammars but this Sampler has no StructuredOutputManager")
+            self.structured_output.apply_bitmask(logits, grammars)
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
@@ -95,6 +108,17 @@ def _apply_allowed_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         col_idx = torch.tensor([t for _, b in biased for t in b], device=logits.device)
         values = torch.tensor([v for _, b in biased for v in b.values()], dtype=logits.dtype, device=logits.device)
         logits.index_put_((row_idx, col_idx), values, accumulate=True)
+    return logits
+
+
+def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's bad_words: a word's last token is masked when the output already ends with the
+    word's other tokens (a one-token word: always)."""
+    for i, row in enumerate(rows):
+        for word in row.params.bad_words_token_ids or ():
+            prefix = word[:-1]
+            if not prefix or row.output_token_ids[-len(prefix):] == prefix:
+                logits[i, word[-1]] = float("-inf")
     return logits
 
 

@@ -13,9 +13,9 @@ def llm(llama_dir):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-2), "top_k"), (dict(top_k=1.5), "top_k"), (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n"), (dict(min_p=2), "min_p"), (dict(best_of=1, n=2), "best_of"),
-    (dict(logprobs=-1), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logprobs=-2), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(presence_penalty=5), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(logit_bias={5: 150}), r"logit_bias\[5\]"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
@@ -24,6 +24,9 @@ def llm(llama_dir):
     (dict(seed=True), "seed"), (dict(seed=1.5), "seed"),
     (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     (dict(extra_args={"custom": 1}), "extra_args"),
+    (dict(bad_words=[""]), "bad_words"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs"),
+    (dict(structured_outputs={"json": {"type": "object"}}, min_tokens=1), "min_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):

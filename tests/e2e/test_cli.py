@@ -49,3 +49,21 @@ def test_bad_values_exit_nonzero_with_parameter_name(llama_dir):
 def test_help_has_examples(sub):
     r = _cli(sub, "--help", timeout=60)
     assert r.returncode == 0 and "examples" in r.stdout.lower()
+
+
+def test_sampling_flags_fall_back_to_generation_config_then_cli_defaults(llama_dir, tmp_path):
+    import argparse
+    import shutil
+
+    from pagedllm.entrypoints.cli import CLI_DEFAULTS, add_sampling_args, sampling_params_from_cli
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    args = parser.parse_args(["--top-p", "0.5"])
+    p = sampling_params_from_cli(args, {"temperature": 0.0, "top_p": 0.9, "max_tokens": 3})
+    assert (p.temperature, p.top_p, p.max_tokens, p.top_k) == (0.0, 0.5, 3, -1)  # flag > model > CLI
+    plain = sampling_params_from_cli(args)
+    assert (plain.temperature, plain.max_tokens) == (CLI_DEFAULTS["temperature"], CLI_DEFAULTS["max_tokens"])
+    model = shutil.copytree(llama_dir, tmp_path / "model")
+    (model / "generation_config.json").write_text('{"max_new_tokens": 3}')
+    r = _cli("generate", "--model", str(model), "--ignore-eos", "--num-gpu-blocks-override", "64", "hello")
+    assert r.returncode == 0 and "3 generated tokens" in r.stdout, r.stdout + r.stderr

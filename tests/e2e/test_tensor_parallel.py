@@ -1,9 +1,11 @@
 """Tensor parallelism on CPU (gloo): two ranks give the same greedy output as one."""
 from __future__ import annotations
 
+import re
+
 from conftest import random_prompts
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
 
 def test_tp2_matches_tp1(llama_dir):
@@ -15,6 +17,11 @@ def test_tp2_matches_tp1(llama_dir):
         sharded = tp.generate(prompts, params, use_tqdm=False)
         # each rank holds half the KV heads: 2 KV heads -> 1 per rank
         assert tp.llm_engine.executor.runner.num_kv_heads == 1
+        # structured outputs: the grammar masks rank 0's sampler rows (workers only run the model)
+        regex = StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}")
+        for out in tp.generate(prompts[:3], SamplingParams(seed=1, max_tokens=20, structured_outputs=regex),
+                               use_tqdm=False):
+            assert re.fullmatch("[a-c]{3}-[0-9]{2}", out.outputs[0].text), out.outputs[0].text
     finally:
         tp.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]

@@ -278,7 +278,7 @@ BAD = [
     ("/v1/completions", '{"prompt": 5}', "prompt"),
     ("/v1/completions", '{"prompt": "x", "temperature": -1}', "temperature"),
     ("/v1/completions", '{"prompt": "x", "top_p": 1.5}', "top_p"),
-    ("/v1/completions", '{"prompt": "x", "top_k": 0}', "top_k"),
+    ("/v1/completions", '{"prompt": "x", "top_k": -2}', "top_k"),
     ("/v1/completions", '{"prompt": "x", "n": 0}', "n"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', "max_tokens"),
     ("/v1/completions", '{"prompt": "x", "logprobs": 50}', "logprobs"),

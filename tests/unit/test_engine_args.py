@@ -37,7 +37,7 @@ NON_DEFAULT = {
     "compile_model": True, "quantization": "int8", "kv_cache_dtype": "float16", "tensor_parallel_size": 2,
     "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
-    "preallocation": "request", "fused_ops": "triton",
+    "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}
@@ -106,9 +106,19 @@ def config_values(model_dirs):
     return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"]}
 
 
+@pytest.fixture(scope="module")
+def sampling_defaults_dir(tmp_path_factory):
+    """A generation_config.json with sampling defaults (the tiny models' set none)."""
+    path = tmp_path_factory.mktemp("generation_config")
+    (path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 7, "max_new_tokens": 9}')
+    return str(path)
+
+
 @pytest.mark.parametrize("name", list(NON_DEFAULT))
-def test_every_field_changes_the_engine_config(llama_dir, config_values, name):
+def test_every_field_changes_the_engine_config(llama_dir, config_values, sampling_defaults_dir, name):
     base = {"model": llama_dir, **NEEDS.get(name, {})}
+    if name == "generation_config":  # "vllm" drops defaults only where there are some
+        base["generation_config"] = sampling_defaults_dir
     before = EngineArgs(**base).create_engine_config()
     after = EngineArgs(**{**base, name: config_values[name]}).create_engine_config()
     assert after != before, name
@@ -126,3 +136,14 @@ def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
 def test_served_model_names(llama_dir):
     assert EngineArgs(model=llama_dir).create_engine_config().model.served_model_names == (llama_dir,)
     assert EngineArgs(model=llama_dir, served_model_name="x").served_model_names() == ("x",)
+
+
+def test_generation_config_defaults(llama_dir, sampling_defaults_dir):
+    """generation_config.json's sampling values become the default SamplingParams; "vllm" ignores them."""
+    from pagedllm.engine.arg_utils import generation_defaults
+    assert dict(generation_defaults(sampling_defaults_dir, "auto")) == {"temperature": 0.6, "top_k": 7,
+                                                                        "max_tokens": 9}
+    assert generation_defaults(sampling_defaults_dir, "vllm") == ()
+    assert generation_defaults(llama_dir, "auto") == ()  # only eos/bos/pad there
+    with pytest.raises(ValueError, match="generation_config"):
+        EngineArgs(model=llama_dir, generation_config=str(llama_dir) + "/missing").create_engine_config()

@@ -32,6 +32,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 
+from .chat_features import ChatOptions
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,9 @@ from .protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from .reasoning_parsers import REASONING_PARSERS
 from .serving import OpenAIServing, ServingError, error_body
+from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +295,10 @@ def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
 # ---------------------------------------------------------------------- the app
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The ASGI app; ``chat_template`` is a template string or a path to a template file."""
+              limits: ServerLimits | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
+    """The ASGI app; ``chat_template`` is a template string or a path to a template file;
+    ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--reasoning-parser``)."""
     limits = limits or ServerLimits()
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
@@ -301,7 +306,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     async_engine.observers.append(prometheus)
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
     app.state.engine, app.state.metrics = async_engine, prometheus
-    app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template))
+    app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options)
     app.include_router(router)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
@@ -366,8 +371,27 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     _add_limit_args(parser)
+    _add_chat_args(parser)
     add_engine_args(parser)
     return parser
+
+
+def _add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """The ChatOptions flags (vLLM's names)."""
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls from the output when a chat request sends tools (tool_choice 'auto'); "
+                        "needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>, Hermes/Qwen), "
+                        "llama3_json (Llama 3.1/3.2 JSON)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="put a reasoning model's <think>...</think> into reasoning_content: deepseek_r1, qwen3")
+
+
+def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
+    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -393,9 +417,10 @@ def run_server(args: argparse.Namespace) -> int:
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     limits = _limits_from_cli(args)
+    chat_options = _chat_options_from_cli(args)  # checked before the model loads
     engine_args = engine_args_from_cli(args)
     app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits)
+                    limits=limits, chat_options=chat_options)
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -1,8 +1,10 @@
 """Pydantic models of the OpenAI-compatible API (and vLLM's extra sampling fields).
 
 Requests are validated strictly (no "5" for 5, no NaN/Infinity) so a wrong type is a 400, not
-a surprise deep in the sampler; unknown fields are accepted and ignored, as OpenAI-compatible
-servers do. Range checks live in ``SamplingParams`` so the API and the Python API agree.
+a surprise deep in the sampler. A top-level field the models do not declare is kept in
+``model_extra`` and refused by the server (``request_fields.py``): a dropped field would let a
+client believe its output was constrained when it was not. Nested objects forbid unknown keys.
+Range checks live in ``SamplingParams`` so the API and the Python API agree.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class OpenAIBaseModel(BaseModel):
 
 
 class RequestModel(BaseModel):
-    """Request bodies: strict types, finite numbers, unknown fields ignored."""
+    """Request bodies: strict types, finite numbers; unknown fields are collected in ``model_extra``
+    so the server can name them in its 400 (``request_fields.check_request_fields``)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -58,7 +61,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---------------------------------------------------------------------- requests
-class StreamOptions(RequestModel):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
@@ -75,7 +78,8 @@ class SamplingFields(RequestModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user label (OpenAI's abuse monitoring); it changes no output
+    request_id: str | None = None  # vLLM: the response id becomes "<cmpl|chatcmpl>-<request_id>"
     logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: Int64 | None = None
@@ -88,6 +92,18 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    # structured outputs (serving.structured_outputs_of): OpenAI's response_format, vLLM's
+    # structured_outputs (StructuredOutputsParams' fields) and its legacy guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or "auto") is accepted
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar has no whitespace pattern
 
 
 class CompletionRequest(SamplingFields):
@@ -97,17 +113,58 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: Int64 | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
-class ContentPart(RequestModel):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(RequestModel):
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
+    reasoning_content: str | None = None
+    # OpenAI SDK response fields a client may send back in its history: only null is accepted
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked by the server)
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,9 +173,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    # vLLM's chat extras
+    best_of: Int64 | None = None
+    echo: bool = False  # prepend the last message's content when it has the reply's role
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes its own BOS
+    include_reasoning: bool = True
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -158,6 +225,9 @@ class GenerateRequest(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # SamplingParams refuses False
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
 
 
 # ---------------------------------------------------------------------- responses
@@ -208,6 +278,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -230,6 +302,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # only the keys OpenAI sends in that delta
 
 
 class ChatStreamChoice(OpenAIBaseModel):

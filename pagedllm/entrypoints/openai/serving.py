@@ -15,14 +15,26 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+from .chat_features import (
+    ChatOptions,
+    ChatRequestError,
+    ChoiceParser,
+    MessagePiece,
+    check_tools,
+    conversation_of,
+    is_forced,
+    resolve_tool_choice,
+    tools_for_template,
+)
 from .protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -49,6 +61,8 @@ from .protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from .request_fields import UnsupportedField, check_request_fields
+from .tool_parsers.forced import forced_call_schema
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                 500: "server_error", 503: "service_unavailable"}
@@ -56,6 +70,11 @@ _PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.
                 | set(GenerateRequest.model_fields))
 _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+# apply_chat_template's own arguments: chat_template_kwargs may not override them
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 # ---------------------------------------------------------------------- errors
@@ -90,6 +109,74 @@ def bad_request(exc: BaseException) -> ServingError:
 def _unsupported(condition: object, param: str, what: str) -> None:
     if condition:
         raise ServingError(f"{what} is not supported by this server", 400, param)
+
+
+def check_fields(req) -> None:
+    """Every field the request sends is honoured or refused (request_fields.py)."""
+    try:
+        check_request_fields(req)
+    except UnsupportedField as exc:
+        raise ServingError(str(exc), 400, exc.param) from None
+
+
+def response_id(prefix: str, req) -> str:
+    """vLLM's ids: ``<prefix>-<request_id>`` when the client names the request, else a fresh uuid."""
+    return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------- structured outputs
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field gives it (``structured_outputs``, a
+    ``guided_*`` field or ``response_format``); two at once, or an invalid one, is a 400 naming the field."""
+    _check_guided_options(req)
+    sources = [(name, kwargs) for name, kwargs in _constraint_sources(req) if kwargs is not None]
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ServingError(f"{' and '.join(names)} both constrain the output; give only one", 400, names[1])
+    name, kwargs = sources[0]
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ServingError(f"{name}: {exc}", 400, name) from None
+
+
+def _constraint_sources(req: SamplingFields) -> list[tuple[str, dict | None]]:
+    sources = [("structured_outputs", None if req.structured_outputs is None else dict(req.structured_outputs))]
+    sources += [(name, None if getattr(req, name) is None else {kind: getattr(req, name)})
+                for name, kind in _GUIDED_FIELDS.items()]
+    return sources + [("response_format", _response_format(req.response_format))]
+
+
+def _response_format(fmt: dict | None) -> dict | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (its ``schema``;
+    ``strict`` or not, the schema is always enforced)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ServingError(f"response_format type {kind!r} is invalid: use text, json_object or json_schema",
+                           400, "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+    if schema is None:
+        raise ServingError("response_format json_schema needs json_schema.schema", 400, "response_format")
+    return {"json": schema}
+
+
+def _check_guided_options(req: SamplingFields) -> None:
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise ServingError(f"guided_decoding_backend={req.guided_decoding_backend!r} is invalid: this server "
+                           "has xgrammar only", 400, "guided_decoding_backend")
+    _unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
+                 "guided_whitespace_pattern (use structured_outputs.disable_any_whitespace)")
 
 
 # ---------------------------------------------------------------------- engine requests
@@ -280,12 +367,14 @@ class StreamState:
 class OpenAIServing:
     """Completion, chat, tokenizer and legacy handlers over one AsyncLLMEngine."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None,
+                 chat_options: ChatOptions | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_config = engine.model_config
         self.tokenizer = engine.get_tokenizer()  # this thread's own copy (for templates and decoding)
         self.chat_template = chat_template
+        self.chat_options = chat_options or ChatOptions()
 
     # ------------------------------------------------------------------ shared checks
     def check_model(self, name: str | None) -> str:
@@ -313,11 +402,24 @@ class OpenAIServing:
         kwargs = {k: v for k, v in optional.items() if v is not None}
         kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind, **fields)
+                      skip_special_tokens=req.skip_special_tokens, output_kind=output_kind,
+                      structured_outputs=structured_outputs_of(req), bad_words=req.bad_words,
+                      truncate_prompt_tokens=req.truncate_prompt_tokens)
+        kwargs.update(fields)  # the handler's own (a forced tool call's constraint replaces the None above)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**self.with_generation_defaults(kwargs))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
+
+    def with_generation_defaults(self, kwargs: dict) -> dict:
+        """The model's generation_config.json defaults for the fields the request leaves unset;
+        its max_new_tokens caps max_tokens (vLLM's rule)."""
+        defaults = dict(self.model_config.generation_defaults)
+        cap = defaults.pop("max_tokens", None)
+        merged = {**defaults, **{k: v for k, v in kwargs.items() if v is not None or k not in defaults}}
+        if cap is not None:
+            merged["max_tokens"] = cap if merged.get("max_tokens") is None else min(cap, merged["max_tokens"])
+        return merged
 
     async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
                     arrival: float) -> RequestGroup:
@@ -335,6 +437,7 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, arrival: float):
         """``POST /v1/completions``: a JSON response, or server-sent events when streaming."""
         model = self.check_model(req.model)
+        check_fields(req)
         _unsupported(req.suffix, "suffix", "suffix")
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
@@ -342,8 +445,11 @@ class OpenAIServing:
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
                                       best_of=req.best_of, logprobs=req.logprobs,
                                       prompt_logprobs=req.logprobs if scored_prompt else None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.start(rid, self.completion_prompts(req.prompt), params, arrival)
+        rid = response_id("cmpl", req)
+        prompts = self.completion_prompts(req.prompt)
+        if not req.add_special_tokens:
+            prompts = [await self.encoded_without_special(p) for p in prompts]
+        group = await self.start(rid, prompts, params, arrival)
         if req.stream:
             body = sse_body(self.completion_events(group, rid, model, req), group)
             return await start_streaming(body, "text/event-stream")
@@ -357,6 +463,15 @@ class OpenAIServing:
         if all(isinstance(p, int) for p in prompt):
             prompt = [prompt]
         return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    async def encoded_without_special(self, prompt: PromptType) -> PromptType:
+        """add_special_tokens=false: a text prompt is tokenized without the BOS (token ids pass as given)."""
+        if not isinstance(prompt, str):
+            return prompt
+        try:
+            return {"prompt": prompt, "prompt_token_ids": await self.engine.encode(prompt, add_special_tokens=False)}
+        except ValueError as exc:
+            raise ServingError(str(exc), 400, "prompt") from None
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
@@ -411,58 +526,92 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
         """``POST /v1/chat/completions``: renders the chat template, then generates."""
         model = self.check_model(req.model)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        check_fields(req)
+        rid = response_id("chatcmpl", req)
         try:
-            group = await self.start_chat(rid, req, arrival)
+            tool_choice = resolve_tool_choice(req.tools, req.tool_choice, self.chat_options)
+            check_tools(req.tools, tool_choice)
+            group = await self.start_chat(rid, req, arrival, tool_choice)
+        except ChatRequestError as exc:
+            raise ServingError(str(exc), 400, exc.param) from None
         except ServingError as exc:
             exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # engine messages name the prompt/logprobs
             raise
+        parsers = [ChoiceParser.for_request(self.chat_options, tool_choice, req.parallel_tool_calls,
+                                            req.include_reasoning) for _ in range(req.n or 1)]
         if req.stream:
-            return await start_streaming(sse_body(self.chat_events(group, rid, model, req), group),
+            return await start_streaming(sse_body(self.chat_events(group, rid, model, req, parsers), group),
                                          "text/event-stream")
-        return self.chat_response(rid, model, req, (await collect(group))[0])
+        return self.chat_response(rid, model, req, (await collect(group))[0], parsers)
 
-    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float) -> RequestGroup:
-        _unsupported(req.tools, "tools", "tools (function calling)")
-        fmt = (req.response_format or {}).get("type", "text")
-        _unsupported(fmt != "text", "response_format", f"response_format type {fmt!r}")
+    async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float,
+                         tool_choice: Any = "none") -> RequestGroup:
         if req.top_logprobs is not None and not req.logprobs:
             raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
-                                      logprobs=logprobs)
-        text = self.render_chat(req.messages, req.add_generation_prompt)
-        try:  # on a tokenizer thread, bounded like any prompt; no extra BOS: the template writes its own
-            ids = await self.engine.encode(text, add_special_tokens=False, field="messages")
+                                      logprobs=logprobs, best_of=req.best_of, **forced_call_fields(req, tool_choice))
+        text = self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
+        try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
+            ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The chat template applied to the messages (the prompt text)."""
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+    def template_options(self, req: ChatCompletionRequest) -> dict:
+        """The request's template inputs: its own template, tools, documents, continue_final_message
+        and ``chat_template_kwargs`` (e.g. ``enable_thinking``), which reach the template as variables."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ServingError("continue_final_message=true needs add_generation_prompt=false (the reply "
+                               "continues the last message instead of starting a new one)", 400,
+                               "continue_final_message")
+        extra = dict(req.chat_template_kwargs or {})
+        clash = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())
+        if clash:
+            raise ServingError(f"chat_template_kwargs may not set {clash}: they are request fields or "
+                               "apply_chat_template's own arguments", 400, "chat_template_kwargs")
+        return dict(extra, template=req.chat_template, tools=tools_for_template(req.tools),
+                    documents=req.documents, continue_final_message=req.continue_final_message)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None = None,
+                    **kwargs) -> str:
+        """The chat template (the request's, else the server's, else the tokenizer's) applied to the
+        messages: the prompt text. ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
+        template = template if template is not None else self.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ServingError("this model's tokenizer has no chat template; start the server with "
                                "--chat-template FILE_OR_STRING", 400, "messages")
         if not messages:
             raise ServingError("messages must not be empty", 400, "messages")
-        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+            conversation = conversation_of(messages, _message_text)
+        except ChatRequestError as exc:
+            raise ServingError(str(exc), 400, exc.param) from None
+        try:
+            return self.tokenizer.apply_chat_template(conversation, chat_template=template,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                      **kwargs)
         except Exception as exc:  # jinja errors (raise_exception in a template)
             raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
 
-    def chat_response(self, rid: str, model: str, req: ChatCompletionRequest,
-                      out: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatCompletionChoice(
-            index=j, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason, logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None)
-            for j, c in enumerate(out.outputs)]
+    def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
+                      parsers: list[ChoiceParser]) -> ChatCompletionResponse:
+        choices = []
+        for j, c in enumerate(out.outputs):
+            message = parsers[j].message(c.text)
+            if req.echo:
+                message["content"] = _echo_prefix(req) + (message["content"] or "")
+            lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
+            choices.append(ChatCompletionChoice(index=j, message=ChatResponseMessage(**message), logprobs=lp,
+                                                finish_reason=parsers[j].finish_reason(c.finish_reason),
+                                                stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([out]))
 
-    async def chat_events(self, group: RequestGroup, rid: str, model: str,
-                          req: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def chat_events(self, group: RequestGroup, rid: str, model: str, req: ChatCompletionRequest,
+                          parsers: list[ChoiceParser]) -> AsyncIterator[str]:
         state, created = StreamState(logprobs=bool(req.logprobs)), int(time.time())
         chunk = lambda choice: sse(ChatCompletionChunk(  # noqa: E731
             id=rid, model=model, created=created, choices=[choice]).model_dump())
@@ -470,10 +619,10 @@ class OpenAIServing:
             for idx, c in state.news(0, out, req.n or 1):
                 if idx not in state.started:  # OpenAI streams open each choice with the role
                     state.started.add(idx)
-                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content="")))
-                lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
-                yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(content=c.text), logprobs=lp,
-                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    opening = _echo_prefix(req) if req.echo else ""
+                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=opening)))
+                for choice in chat_stream_choices(idx, c, parsers[c.index], req):
+                    yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": state.usage().model_dump()})
@@ -481,6 +630,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ tokenizer and models
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
+        check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
@@ -492,6 +642,7 @@ class OpenAIServing:
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
+        check_fields(req)
         self.check_token_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
@@ -525,6 +676,45 @@ class OpenAIServing:
                 yield json.dumps(self.generate_json(out)) + "\n"
         finally:
             group.close()
+
+
+def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
+    """``tool_choice`` "required" or a named function: the output is constrained to the call(s),
+    compact JSON (free whitespace would only let a model pad the call)."""
+    if not is_forced(tool_choice):
+        return {}
+    if structured_outputs_of(req) is not None:
+        raise ServingError(f"tool_choice={tool_choice if isinstance(tool_choice, str) else 'a named function'!r} "
+                           "constrains the output to the call: it cannot be combined with response_format, "
+                           "structured_outputs or guided_*", 400, "tool_choice")
+    schema = forced_call_schema(req.tools, tool_choice, req.parallel_tool_calls)
+    try:
+        return {"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)}
+    except ValueError as exc:  # a tool schema the grammar compiler cannot take
+        raise ServingError(f"tools: cannot constrain the output to the call: {exc}", 400, "tools") from None
+
+
+def chat_stream_choices(idx: int, c: CompletionOutput, parser: ChoiceParser,
+                        req: ChatCompletionRequest) -> list[ChatStreamChoice]:
+    """One engine delta of a choice as stream choices: one per parsed piece (a tool call's name and
+    its arguments go in separate chunks, as OpenAI sends them); the finish and the logprobs ride
+    on the last. Nothing to send (text held back by a parser) and no finish: no chunk."""
+    pieces = parser.feed(c.text, final=c.finish_reason is not None)
+    lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
+    if not pieces and c.finish_reason is None and not (lp and lp.content):
+        return []
+    pieces = pieces or [MessagePiece(content="")]
+    choices = [ChatStreamChoice(index=idx, delta=DeltaMessage(**vars(p))) for p in pieces]
+    choices[-1].logprobs = lp
+    choices[-1].finish_reason = parser.finish_reason(c.finish_reason)
+    choices[-1].stop_reason = c.stop_reason
+    return choices
+
+
+def _echo_prefix(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content, when it is the assistant's (being continued)."""
+    last = req.messages[-1] if req.messages else None
+    return _message_text(last) if last is not None and last.role == "assistant" else ""
 
 
 def _message_text(m: ChatMessage) -> str:

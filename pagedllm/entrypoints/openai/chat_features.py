@@ -1,0 +1,221 @@
+"""Chat-only features: tool definitions and tool_choice, the conversation handed to the chat
+template, and the per-choice parser that turns generated text into ``reasoning_content``,
+``content`` and ``tool_calls`` (streamed as OpenAI streams them).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .reasoning_parsers import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser
+from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
+
+
+class ChatRequestError(ValueError):
+    """Bad chat input; ``param`` is the request field to name in the 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's chat flags: ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser``."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is invalid: must be one of "
+                             f"{sorted(TOOL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is invalid: must be one of "
+                             f"{sorted(REASONING_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (--tool-call-parser NAME)")
+
+
+# ---------------------------------------------------------------------- tools and tool_choice
+def resolve_tool_choice(tools: list | None, tool_choice: Any, options: ChatOptions) -> Any:
+    """``"none"`` (tool calls are not parsed), ``"auto"``, ``"required"`` or the named function;
+    refuses what cannot be honoured.
+
+    OpenAI's default is ``auto`` when tools are given; ``auto`` needs a tool-call parser.
+    ``required`` and a named function constrain the output to a call (``forced_call_schema``).
+    """
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise ChatRequestError(f"tool_choice={choice!r} is invalid: must be 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if choice != "none" and not tools:
+        raise ChatRequestError(f"tool_choice={_show(choice)} needs a non-empty tools list", "tool_choice")
+    if not isinstance(choice, str):
+        _check_named(choice, tools)
+    if choice == "auto" and not options.enable_auto_tool_choice:
+        raise ChatRequestError("tool_choice='auto' (the default when tools are given) needs the server to run "
+                               "with --enable-auto-tool-choice --tool-call-parser NAME; send tool_choice='none' "
+                               "to only show the tools to the model", "tool_choice")
+    return choice
+
+
+def is_forced(tool_choice: Any) -> bool:
+    return tool_choice not in ("none", "auto")
+
+
+def _check_named(choice: Any, tools: list) -> None:
+    name = choice.function.name
+    if name not in {t.function.name for t in tools}:
+        raise ChatRequestError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+
+
+def _show(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else json.dumps(choice.model_dump())
+
+
+def check_tools(tools: list | None, tool_choice: Any) -> None:
+    """Unique names, valid JSON schemas, and no ``strict`` under ``auto``, where arguments are parsed
+    from free text (a forced call is constrained to the schema; ``none`` makes no calls)."""
+    import jsonschema
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        fn = tool.function
+        if fn.name in seen:
+            raise ChatRequestError(f"tools[{i}].function.name={fn.name!r} is a duplicate", "tools")
+        seen.add(fn.name)
+        if fn.strict and tool_choice == "auto":
+            raise ChatRequestError(f"tools[{i}].function.strict=true needs tool_choice 'required' or a named "
+                                   "function: under 'auto' arguments are parsed from free text, not constrained "
+                                   "to the schema", "tools")
+        try:
+            jsonschema.validators.validator_for(fn.parameters or {}).check_schema(fn.parameters or {})
+        except jsonschema.SchemaError as exc:
+            raise ChatRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                                   f"{exc.message}", "tools") from None
+
+
+def tools_for_template(tools: list | None) -> list[dict] | None:
+    """The tool definitions as the chat template expects them (OpenAI's JSON)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+# ---------------------------------------------------------------------- the conversation
+def conversation_of(messages: list, text_of) -> list[dict]:
+    """Messages as chat templates read them; tool-call arguments become dicts (templates ``tojson``
+    them), so an assistant's earlier calls and the ``role: tool`` replies reach the model."""
+    conversation = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": text_of(m)}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
+        conversation.append(msg)
+    return conversation
+
+
+def _template_call(call, i: int) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise ChatRequestError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid "
+                               f"JSON: {call.function.arguments!r}", "messages") from None
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+# ---------------------------------------------------------------------- generated text -> message
+def _tool_parser(options: ChatOptions, tool_choice: Any) -> ToolParser | None:
+    if tool_choice == "none":
+        return None
+    if tool_choice == "auto":
+        return get_tool_parser(options.tool_call_parser)
+    if tool_choice == "required":
+        return RequiredCallsParser()
+    return NamedCallParser(tool_choice.function.name)
+
+
+@dataclass
+class MessagePiece:
+    """One streamed delta of a choice (the serving layer wraps it in a chunk)."""
+
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+@dataclass
+class ChoiceParser:
+    """Accumulates one choice's generated text and says what is new since the last call.
+
+    Reasoning is split off first, then the content is searched for tool calls. Each complete
+    call goes out as OpenAI streams it: a delta with ``index``, ``id``, ``type`` and the function
+    ``name`` (arguments ``""``), then a delta with the argument text.
+    """
+
+    reasoning: ReasoningParser | None = None
+    tools: ToolParser | None = None
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True
+    text: str = ""
+    sent_reasoning: int = 0
+    sent_content: int = 0
+    calls: list[tuple[str, ParsedCall]] = field(default_factory=list)
+
+    @classmethod
+    def for_request(cls, options: ChatOptions, tool_choice: Any, parallel: bool, include_reasoning: bool):
+        """A forced call is constrained JSON from the first token: no reasoning to split off."""
+        thinks = options.reasoning_parser and not is_forced(tool_choice)
+        reasoning = get_reasoning_parser(options.reasoning_parser) if thinks else None
+        return cls(reasoning, _tool_parser(options, tool_choice), parallel, include_reasoning)
+
+    def feed(self, delta: str, final: bool) -> list[MessagePiece]:
+        """The pieces that ``delta`` (appended to the text so far) makes sendable."""
+        self.text += delta
+        reasoning, content = self.reasoning.split(self.text, final) if self.reasoning else ("", self.text)
+        calls: tuple[ParsedCall, ...] = ()
+        if self.tools is not None:
+            parsed = self.tools.parse(content, final)
+            content, calls = parsed.content, parsed.calls
+        pieces = []
+        if len(reasoning) > self.sent_reasoning and self.include_reasoning:
+            pieces.append(MessagePiece(reasoning_content=reasoning[self.sent_reasoning:]))
+        self.sent_reasoning = len(reasoning)
+        if len(content) > self.sent_content:
+            pieces.append(MessagePiece(content=content[self.sent_content:]))
+            self.sent_content = len(content)
+        return pieces + self._new_calls(calls)
+
+    def _new_calls(self, calls: tuple[ParsedCall, ...]) -> list[MessagePiece]:
+        limit = None if self.parallel_tool_calls else 1
+        pieces = []
+        for call in calls[len(self.calls):limit]:
+            index, call_id = len(self.calls), f"call_{uuid.uuid4().hex[:24]}"
+            self.calls.append((call_id, call))
+            pieces.append(MessagePiece(tool_calls=[{"index": index, "id": call_id, "type": "function",
+                                                    "function": {"name": call.name, "arguments": ""}}]))
+            pieces.append(MessagePiece(tool_calls=[{"index": index, "function": {"arguments": call.arguments}}]))
+        return pieces
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI reports ``tool_calls`` when a choice that called tools stopped by itself."""
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def message(self, text: str) -> dict:
+        """The whole reply at once (non-streaming): the same parse as the stream's, joined."""
+        pieces = self.feed(text, final=True)
+        reasoning = "".join(p.reasoning_content for p in pieces if p.reasoning_content)
+        content = "".join(p.content for p in pieces if p.content)
+        calls = [{"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for cid, c in self.calls]
+        return {"content": None if calls and not content.strip() else content,
+                "reasoning_content": (reasoning or None) if self.include_reasoning else None,
+                "tool_calls": calls or None}

@@ -1,0 +1,56 @@
+"""Request fields the server does not honour are refused, never dropped.
+
+vLLM accepts an unknown field with a warning; a client that sends ``guided_json`` to a server that
+drops it believes its output is constrained when it is not. So every top-level field a request
+model does not declare is a 400 naming it: a vLLM field this server does not implement (accepted
+only at its no-op value, which clients often send explicitly), or a field vLLM does not know.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+# vLLM's completion / chat request fields that pagedllm does not implement -> their no-op value
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,  # beam search only
+    "prompt_logprobs": None,
+    "prompt_embeds": None,
+    "priority": 0,  # the scheduler is first-come first-served
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "mm_processor_kwargs": None,  # text-only models
+    "media_io_kwargs": None,
+    "reasoning_effort": None,
+}
+
+
+class UnsupportedField(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_request_fields(req: BaseModel) -> None:
+    """Raises UnsupportedField for the first undeclared field that is not at its no-op value."""
+    for name, value in (req.model_extra or {}).items():
+        if name not in UNSUPPORTED_VLLM_FIELDS:
+            raise UnsupportedField(f"unknown field {name!r}: this server refuses fields it does not implement "
+                                   "rather than ignore them", name)
+        neutral = UNSUPPORTED_VLLM_FIELDS[name]
+        if not _is_no_op(value, neutral):
+            raise UnsupportedField(f"{name}={value!r} is not supported by this server (only "
+                                   f"{'null' if neutral is None else repr(neutral)} is accepted)", name)
+
+
+def _is_no_op(value: Any, neutral: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return value == neutral

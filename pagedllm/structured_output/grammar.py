@@ -1,0 +1,55 @@
+"""From ``StructuredOutputsParams`` to xgrammar: the check at construction and the compilation.
+
+Both go through the same per-kind conversion, so a spec that passes the check compiles. The
+check builds the tokenizer-independent ``xgrammar.Grammar`` (a parse, well under a millisecond for
+small specs) and turns xgrammar's ``RuntimeError`` into a ``ValueError`` naming the field.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"``: JSON string escapes are EBNF string escapes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def to_grammar(params: StructuredOutputsParams):
+    """The xgrammar ``Grammar`` of the constraint (raises xgrammar's RuntimeError when invalid)."""
+    import xgrammar as xgr
+    kind = params.kind
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+    if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value like the builtin grammar
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                            any_whitespace=not params.disable_any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """ValueError naming the field when xgrammar cannot parse the schema, regex or grammar."""
+    try:
+        to_grammar(params)
+    except RuntimeError as exc:
+        raise ValueError(f"{params.kind}={_short(getattr(params, params.kind))} is invalid: "
+                         f"{_reason(exc)}") from None
+
+
+def _short(spec) -> str:
+    text = repr(spec)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _reason(exc: RuntimeError) -> str:
+    """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    last = lines[0] if lines else "rejected by xgrammar"
+    return last.split(": ", 1)[1] if ".cc:" in last and ": " in last else last

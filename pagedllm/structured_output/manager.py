@@ -1,0 +1,177 @@
+"""Grammar compilation off the engine thread, per-sequence matchers, and the step's bitmask.
+
+    add request ──> StructuredOutputManager.grammar_for(params) ──> GrammarState (a future)
+                        │ cache hit: the same future      │ miss: compile on the pool
+    schedule: a request waits (others run) until GrammarState.is_ready()
+    sample:   fill the bitmask of the constrained rows (one batched xgrammar call) and apply it
+    update:   Request.append_token -> GrammarState.accept(token); a terminated matcher ends the sequence
+
+xgrammar is imported on first use, so engines that never see a constraint do not pay for it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammar import to_grammar
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_THREADS = 2  # compilation is C++ and releases the GIL; two keep a slow schema from blocking others
+_CACHE_SIZE = 256  # compiled grammars kept (least recently requested dropped first)
+
+
+@dataclass
+class StructuredOutputStats:
+    """Compile and bitmask time, for benchmarks: seconds and counts since the engine started."""
+
+    num_compiled: int = 0
+    compile_seconds: float = 0.0
+    num_bitmask_steps: int = 0
+    bitmask_seconds: float = 0.0
+
+
+class GrammarState:
+    """One sequence's constraint: the compiled grammar (a future until ready) and its matcher.
+
+    The matcher lives with the sequence, so preemption (recompute or swap) keeps it: the tokens
+    it has accepted are exactly the sequence's output tokens, which preemption keeps too.
+    """
+
+    def __init__(self, compiled: Future, matcher=None):
+        self._compiled = compiled
+        self._matcher = matcher
+        self.rejected_token: int | None = None  # a sampled token the grammar refused (a bug if ever set)
+
+    def is_ready(self) -> bool:
+        """The grammar is compiled (or failed: see ``error``)."""
+        return self._compiled.done()
+
+    @property
+    def compiled(self) -> Future:
+        """The compilation's future (shared by every sequence with the same spec)."""
+        return self._compiled
+
+    @property
+    def error(self) -> str | None:
+        """Why compilation failed, once ready; None when it succeeded."""
+        exc = self._compiled.exception() if self._compiled.done() else None
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+    def matcher(self):
+        """The xgrammar matcher, created on first use (the grammar must be ready)."""
+        if self._matcher is None:
+            import xgrammar as xgr
+            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+        return self._matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advances the matcher over a sampled token; a refused token is recorded, not raised."""
+        if self.rejected_token is None and not self.matcher().accept_token(token_id):
+            self.rejected_token = token_id
+            logger.error("structured output: the grammar refused sampled token %d", token_id)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has accepted its stop token: the sequence ends."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def fork(self) -> GrammarState:
+        """A copy for a forked sequence: same grammar, matcher state copied."""
+        return GrammarState(self._compiled, self.matcher().fork())
+
+
+class StructuredOutputManager:
+    """Compiles grammars on a thread pool (cached by key) and applies bitmasks to the sampler's logits.
+
+    One per engine. The xgrammar tokenizer info is built once, by the first compilation job; it
+    only reads the tokenizer's vocabulary, which the engine thread never changes. ``grammar_for``
+    and ``apply_bitmask`` run on the engine thread.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused across steps
+        self._batch_matcher = None
+        self.stats = StructuredOutputStats()
+
+    # ------------------------------------------------------------------ compilation
+    def grammar_for(self, params: StructuredOutputsParams) -> GrammarState:
+        """A new sequence's GrammarState; compilation starts now on the pool unless cached."""
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        key = params.key
+        future = self._cache.get(key)
+        if future is None:
+            future = self._cache[key] = self._executor().submit(self._compile, params)
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return GrammarState(future)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar")
+        return self._pool
+
+    def _compile(self, params: StructuredOutputsParams):
+        t0 = time.perf_counter()
+        compiled = self._get_compiler().compile_grammar(to_grammar(params))
+        self.stats.num_compiled += 1
+        self.stats.compile_seconds += time.perf_counter() - t0
+        return compiled
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+            return self._compiler
+
+    def wait_for_any(self, states: list[GrammarState], timeout: float) -> None:
+        """Blocks until one of ``states`` is compiled or ``timeout`` passes (an idle engine's wait)."""
+        pending = [s.compiled for s in states]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------ sampling
+    def apply_bitmask(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
+        """Masks, in place, every token the grammar forbids in the constrained rows of ``logits``
+        ``[rows, vocab]``; unconstrained rows are not touched."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return
+        import xgrammar as xgr
+        t0 = time.perf_counter()
+        bitmask = self._bitmask_rows(len(grammars))
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher() for i in rows], bitmask, rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=rows)
+        self.stats.num_bitmask_steps += 1
+        self.stats.bitmask_seconds += time.perf_counter() - t0
+
+    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            import xgrammar as xgr
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
+        return self._bitmask[:num_rows]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
