@@ -1,0 +1,30 @@
+"""Tests for benchmarks/structured.py's helpers (the benchmark itself runs the 34M model: not in CI)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured.py"
+_spec = importlib.util.spec_from_file_location("pagedllm_bench_structured", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench
+_spec.loader.exec_module(bench)
+
+
+def test_open_ended_schema_cannot_finish_before_max_tokens():
+    schema = bench.open_ended(bench.SCHEMA, 8)
+    jsonschema.validate({"id": 1, "tags": ["a"] * 8}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"id": 1, "tags": ["a"] * 7}, schema)  # 7 tags: fewer than max_tokens
+    assert "minItems" not in bench.SCHEMA["properties"]["tags"]  # the base schema is left as it was
+
+
+def test_params_constrain_only_the_schema_run():
+    free, constrained = bench.params(2, 5, None), bench.params(2, 5, bench.SCHEMA)
+    assert all(p.structured_outputs is None and p.ignore_eos for p in free)
+    assert all(p.structured_outputs.kind == "json" and p.max_tokens == 5 for p in constrained)
+    assert [p.seed for p in constrained] == [0, 1]
