@@ -99,14 +99,23 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        def finished(outputs: list[RequestOutput]):
+            return [(out.request_id, out) for out in outputs if out.finished]
+        return self._drive(ids, "Processed prompts", use_tqdm, finished)
+
+    def _drive(self, ids: list[str], desc: str, use_tqdm: bool, take_finished) -> list:
+        """Steps the engine until every id in ``ids`` has its result (``take_finished`` picks them
+        from a step's outputs); on any error, Ctrl-C included, aborts the ids still running."""
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        results: dict[str, object] = {}
+        bar = tqdm(total=len(ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+            while len(results) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(set(ids) - set(results))} were aborted")
+                for rid, out in take_finished(engine.step()):
+                    if rid in ids and rid not in results:
+                        results[rid] = out
                         bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in results])
@@ -125,24 +134,10 @@ class LLM:
         engine = self.llm_engine
         prompts = _as_list(prompts)
         ids = self._add_all(prompts, [params] * len(prompts), engine.add_beam_search)
-        results: dict[str, BeamSearchOutput] = {}
-        bar = tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while len(results) < len(ids):
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"beam searches {sorted(set(ids) - set(results))} were aborted")
-                engine.step()
-                for rid in ids:
-                    out = None if rid in results else engine.take_beam_search_output(rid)
-                    if out is not None:
-                        results[rid] = out
-                        bar.update(1)
-        except BaseException:
-            engine.abort_request([i for i in ids if i not in results])
-            raise
-        finally:
-            bar.close()
-        return [results[i] for i in ids]
+
+        def finished(_outputs):  # beam results are taken from the engine, not the step's outputs
+            return [(rid, out) for rid in ids if (out := engine.take_beam_search_output(rid)) is not None]
+        return self._drive(ids, "Beam search", use_tqdm, finished)
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
