@@ -29,7 +29,7 @@ from pagedllm.layers.rotary_variants import make_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: key, value [num_blocks, kv_heads, block, dim]
 NORM_LAYOUTS = ("pre", "post", "sandwich")
-QK_NORMS = (None, "head", "full")
+QK_NORMS = (None, "head")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class DecoderSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    # None; "head": one RMSNorm per head (Qwen3, Gemma 3); "full": over the whole q / k projection (OLMo 2)
+    # None or "head": one RMSNorm per head (Qwen3, Gemma 3); OLMo 2 norms the whole projection (olmo2.py)
     qk_norm: str | None = None
     # "pre": norm before attention and MLP (Llama); "post": norm their outputs (OLMo 2);
     # "sandwich": both, four norms per layer (Gemma)
@@ -196,10 +196,11 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Base of every family: embedding, decoder layers, final norm, LM head.
 
-    Subclasses set ``packed_modules`` and implement ``decoder_spec``; they override
+    Subclasses implement ``decoder_spec``; they set ``attention_cls`` / ``packed_modules`` and override
     ``make_mlp`` / ``make_rotaries`` / ``checkpoint_weights`` where their checkpoint differs.
     """
 
+    attention_cls: type[Attention] = Attention
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -211,8 +212,8 @@ class DecoderForCausalLM(nn.Module):
         self.check_config(cfg)
         spec = self.spec = self.decoder_spec(cfg)
         rotaries = self.make_rotaries(cfg, max_position)
-        layers = [DecoderLayer(cfg, spec, Attention(cfg, spec, rotaries[i], backend, i), self.make_mlp(cfg, spec, i))
-                  for i in range(cfg.num_hidden_layers)]
+        layers = [DecoderLayer(cfg, spec, self.attention_cls(cfg, spec, rotaries[i], backend, i),
+                               self.make_mlp(cfg, spec, i)) for i in range(cfg.num_hidden_layers)]
         self.model = DecoderModel(cfg, spec, layers)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if getattr(cfg, "tie_word_embeddings", False):

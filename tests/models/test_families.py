@@ -1,0 +1,93 @@
+"""Every family past Llama against transformers on the same tiny random weights.
+
+One body for all: 16 prompts of mixed lengths submitted together, at block size 8 with
+chunked prefill forced small (16-token steps) after a warm-up that makes the prefix cache hit,
+and at block size 16 with the default budget; greedy tokens equal, logprobs within tolerance.
+The configs (conftest.FAMILY_CONFIGS) exercise what each family changes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, make_model_dir, random_prompts
+
+from pagedllm import LLM, SamplingParams
+
+FAMILIES = ["olmo2", "granite", "phi3"]
+MAX_NEW = 8
+SHARED = random_prompts(1, seed=50, lo=24, hi=25)[0]  # 3 full blocks of 8, reused by half the prompts
+PROMPTS = random_prompts(15, seed=51, lo=2, hi=60) + [list(range(3, 90))]
+PROMPTS = [SHARED + p if i % 2 else p for i, p in enumerate(PROMPTS)]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(model dir, transformers model, greedy references) for one family."""
+    import transformers as tf
+    path = make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
+def _generate(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    llm.llm_engine.scheduler.kv.check_integrity()
+    return outs
+
+
+def _assert_logprobs_match(hf, prompts, outs):
+    for prompt, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + gen])).logits[0].float()  # [len, vocab]
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
+        assert torch.allclose(got, ref, atol=2e-4), (got - ref).abs().max()
+
+
+def test_chunked_prefill_with_prefix_hits_matches_transformers(family):
+    path, hf, refs = family
+    llm = LLM(path, block_size=8, max_num_batched_tokens=16, num_gpu_blocks_override=400)
+    _generate(llm, [SHARED + [7]])  # caches the shared prefix's blocks
+    outs = _generate(llm, PROMPTS)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert [i for i, (g, r) in enumerate(zip(got, refs)) if g != r] == []
+    assert llm.get_kv_cache_stats().prefix_cache_hits >= 8 * len(SHARED)
+    _assert_logprobs_match(hf, PROMPTS[:6], outs[:6])
+
+
+def test_block_size_16_matches_transformers(family):
+    path, _, refs = family
+    outs = _generate(LLM(path, block_size=16, num_gpu_blocks_override=400), PROMPTS)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert [i for i, (g, r) in enumerate(zip(got, refs)) if g != r] == []
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.0], "long_factor": [1.5, 3.0, 5.0, 9.0],
+            "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("max_model_len, lo, hi", [(256, 70, 120), (64, 10, 50)], ids=["long", "short"])
+def test_phi3_longrope_partial_rotary_matches_transformers(tmp_path, max_model_len, lo, hi):
+    """Past original_max_position_embeddings (64) transformers rotates with the long factors,
+    within it with the short ones; the engine picks by max_model_len (rotary_variants.py)."""
+    import transformers as tf
+    path = make_model_dir(tmp_path, "phi3", rope_scaling=LONGROPE, partial_rotary_factor=0.5,
+                          original_max_position_embeddings=64)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(4, seed=3, lo=lo, hi=hi)
+    llm = LLM(path, block_size=8, max_num_batched_tokens=32, max_model_len=max_model_len, num_gpu_blocks_override=300)
+    outs = _generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def test_unknown_rope_type_is_refused():
+    """transformers validates rope types per config class; one it knows and we do not is refused."""
+    from types import SimpleNamespace
+
+    from pagedllm.layers.rotary_variants import make_rotary
+    cfg = SimpleNamespace(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}, hidden_size=64,
+                          num_attention_heads=4)
+    with pytest.raises(ValueError, match="rope_scaling type 'proportional' is not supported"):
+        make_rotary(cfg, 16, 128)
