@@ -1,7 +1,7 @@
 """Every family past Llama against transformers on the same tiny random weights.
 
 One body for all: 16 prompts of mixed lengths submitted together, at block size 8 with
-chunked prefill forced small (16-token steps) after a warm-up that makes the prefix cache hit,
+chunked prefill forced small (32-token steps) after a warm-up that makes the prefix cache hit,
 and at block size 16 with the default budget; greedy tokens equal, logprobs within tolerance.
 The configs (conftest.FAMILY_CONFIGS) exercise what each family changes.
 """
@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model_dir, random_prompts
+from conftest import make_model_dir, random_prompts
 
 from pagedllm import LLM, SamplingParams
 
-FAMILIES = ["olmo2", "granite", "phi3"]
+FAMILIES = ["olmo2", "granite", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MAX_NEW = 8
 SHARED = random_prompts(1, seed=50, lo=24, hi=25)[0]  # 3 full blocks of 8, reused by half the prompts
 PROMPTS = random_prompts(15, seed=51, lo=2, hi=60) + [list(range(3, 90))]
 PROMPTS = [SHARED + p if i % 2 else p for i, p in enumerate(PROMPTS)]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate with EOS switched off (conftest's helper forces
+    min_new_tokens, which masks EOS, while the engine with ignore_eos may pick it)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(prompt) + max_new_tokens
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -48,7 +58,7 @@ def _assert_logprobs_match(hf, prompts, outs):
 
 def test_chunked_prefill_with_prefix_hits_matches_transformers(family):
     path, hf, refs = family
-    llm = LLM(path, block_size=8, max_num_batched_tokens=16, num_gpu_blocks_override=400)
+    llm = LLM(path, block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=400)
     _generate(llm, [SHARED + [7]])  # caches the shared prefix's blocks
     outs = _generate(llm, PROMPTS)
     got = [o.outputs[0].token_ids for o in outs]
