@@ -101,3 +101,20 @@ def test_unknown_rope_type_is_refused():
                           num_attention_heads=4)
     with pytest.raises(ValueError, match="rope_scaling type 'proportional' is not supported"):
         make_rotary(cfg, 16, 128)
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "qwen2_moe"])
+def test_tensor_parallel_2_matches_transformers(tmp_path, arch):
+    """Two ranks: OLMo 2's q/k norms span both ranks' heads; every expert (and the shared one)
+    is split over its intermediate dimension."""
+    import transformers as tf
+    path = make_model_dir(tmp_path, arch)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = PROMPTS[:6]
+    llm = LLM(path, tensor_parallel_size=2, num_threads=1, block_size=8, num_gpu_blocks_override=200)
+    try:
+        outs = _generate(llm, prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    _assert_logprobs_match(hf, prompts, outs)
