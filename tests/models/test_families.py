@@ -13,7 +13,7 @@ from conftest import make_model_dir, random_prompts
 
 from pagedllm import LLM, SamplingParams
 
-FAMILIES = ["olmo2", "granite", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["olmo2", "granite", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3"]
 MAX_NEW = 8
 SHARED = random_prompts(1, seed=50, lo=24, hi=25)[0]  # 3 full blocks of 8, reused by half the prompts
 PROMPTS = random_prompts(15, seed=51, lo=2, hi=60) + [list(range(3, 90))]
@@ -118,3 +118,22 @@ def test_tensor_parallel_2_matches_transformers(tmp_path, arch):
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     _assert_logprobs_match(hf, prompts, outs)
+
+
+def test_gemma3_local_layers_slide_and_logits_are_capped(tmp_path):
+    """Gemma 3's config (conftest) slides layer 0 over 16 positions (prompts run to 89 tokens)
+    and caps final logits at 0.5, so the parity tests above cover both binding."""
+    path = make_model_dir(tmp_path, "gemma3")
+    llm = LLM(path, block_size=8, num_gpu_blocks_override=64)
+    model = llm.llm_engine.executor.runner.model
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [16, None]
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=1, logprobs=5), use_tqdm=False)
+    top = max(lp.logprob for lp in out[0].outputs[0].logprobs[0].values())
+    assert top < -5.0  # log(1 / vocab) ~ -6.2: a cap of 0.5 leaves the distribution almost flat
+
+
+@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
+def test_gemma3_unsupported_fields_are_refused(tmp_path, field, value):
+    path = make_model_dir(tmp_path, "gemma3", **{field: value})
+    with pytest.raises(ValueError, match=field):
+        LLM(path, num_gpu_blocks_override=64)
