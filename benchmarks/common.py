@@ -49,7 +49,7 @@ def make_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [flat[end - n:end] for n, end in zip(lens, ends)]
 
 
-def _word_tokenizer(vocab_size: int):
+def word_tokenizer(vocab_size: int):
     """Word-level tokenizer ``<pad> <s> </s> t3 t4 ...``: every model id decodes to a word."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -75,7 +75,7 @@ def ensure_model(path: Path) -> Path:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL_CONFIG)).to(torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
-    _word_tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
+    word_tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
     os.replace(tmp, path)
     print(f"built {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter model in {path}")
     return path
