@@ -56,6 +56,10 @@ FAMILY_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"],
                                         rope_local_base_freq=100.0, final_logit_softcapping=0.5)),
+    # both soft caps bind (tests/models/test_families.py checks): attention scores reach ~0.3, logits ~1.7
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    attn_logit_softcapping=0.1, final_logit_softcapping=2.0)),
 }
 
 

@@ -53,6 +53,7 @@ class DecoderSpec:
     embed_scale: float = 1.0
     residual_scale: float = 1.0  # attention and MLP outputs scaled before the residual add (Granite)
     attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scaled scores -> cap * tanh(scores / cap), in the backend (Gemma 2)
     logit_scale: float = 1.0  # logits multiplied by this (Granite: 1 / logits_scaling)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
@@ -98,6 +99,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
+        self.logits_soft_cap = spec.attn_logit_softcap
 
     def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
@@ -109,7 +111,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                   logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]
 
     def split_qkv(self, qkv: torch.Tensor, q_size: int, kv_size: int):
@@ -235,6 +238,12 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def check_config(cls, cfg) -> None:
         """Refuses config fields that change the math and that this family does not implement."""
+
+    @classmethod
+    def attention_soft_cap(cls, cfg) -> float | None:
+        """The attention-logit soft cap the backend must apply (None: none), read before the
+        model is built so the engine picks a backend that implements it."""
+        return cls.decoder_spec(cfg).attn_logit_softcap
 
     def make_mlp(self, cfg, spec: DecoderSpec, layer_idx: int) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, spec.hidden_act, self.tp, spec.act_field,

@@ -13,9 +13,10 @@ from pagedllm.models.decoder import DecoderForCausalLM, DecoderSpec, head_dim_of
 class Gemma3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def check_config(cls, cfg) -> None:
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping!r} is not supported: the "
-                             "attention backends do not soft-cap logits; it must be null")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:  # Gemma 2's field, left in Gemma 3's config
+            raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping!r} is not supported for Gemma 3: "
+                             "transformers' Gemma 3 attention never applies it, so a checkpoint setting it has no "
+                             "reference meaning; it must be null")
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True is not supported: attention here is causal")
 

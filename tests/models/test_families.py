@@ -13,7 +13,7 @@ from conftest import make_model_dir, random_prompts
 
 from pagedllm import LLM, SamplingParams
 
-FAMILIES = ["olmo2", "granite", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3"]
+FAMILIES = ["olmo2", "granite", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "gemma2"]
 MAX_NEW = 8
 SHARED = random_prompts(1, seed=50, lo=24, hi=25)[0]  # 3 full blocks of 8, reused by half the prompts
 PROMPTS = random_prompts(15, seed=51, lo=2, hi=60) + [list(range(3, 90))]
@@ -132,8 +132,41 @@ def test_gemma3_local_layers_slide_and_logits_are_capped(tmp_path):
     assert top < -5.0  # log(1 / vocab) ~ -6.2: a cap of 0.5 leaves the distribution almost flat
 
 
-@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
-def test_gemma3_unsupported_fields_are_refused(tmp_path, field, value):
-    path = make_model_dir(tmp_path, "gemma3", **{field: value})
+@pytest.mark.parametrize("arch, field, value", [("gemma3", "attn_logit_softcapping", 50.0),
+                                               ("gemma3", "use_bidirectional_attention", True),
+                                               ("gemma2", "use_bidirectional_attention", True),
+                                               ("gemma2", "attn_logit_softcapping", -1.0)])
+def test_gemma_unsupported_fields_are_refused(tmp_path, arch, field, value):
+    path = make_model_dir(tmp_path, arch, **{field: value})
     with pytest.raises(ValueError, match=field):
         LLM(path, num_gpu_blocks_override=64)
+
+
+def test_gemma2_caps_bind_and_windows_slide(tmp_path):
+    """The parity tests above cover Gemma 2's soft caps only if they change the result: without
+    the attention cap transformers' logits move by far more than the parity tolerance, and the
+    final cap sits below the largest raw logit. Layer 0 slides over 16 positions (prompts run to 89)."""
+    import transformers as tf
+    path = make_model_dir(tmp_path, "gemma2")
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[-1]])
+    with torch.no_grad():
+        capped, raw = hf(ids).logits, hf.lm_head(hf.model(ids).last_hidden_state)
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = hf(ids).logits
+    assert (capped - uncapped).abs().max() > 0.05
+    assert raw.abs().max() > 1.2 * capped.abs().max()
+    llm = LLM(path, block_size=8, num_gpu_blocks_override=64)
+    assert [layer.self_attn.sliding_window for layer in llm.llm_engine.executor.runner.model.model.layers] == [16, None]
+
+
+def test_soft_capped_model_gets_a_backend_that_caps(tmp_path, caplog):
+    """On CPU, auto takes SDPA (the C kernel has no soft cap) and says so; naming the C kernel is refused."""
+    path = make_model_dir(tmp_path, "gemma2")
+    with caplog.at_level("INFO", logger="pagedllm.attention.selector"):
+        llm = LLM(path, block_size=8, num_gpu_blocks_override=64)
+    assert llm.llm_engine.executor.runner.backend.name == "sdpa"
+    assert "soft-caps attention logits" in caplog.text
+    with pytest.raises(ValueError, match="logits_soft_cap=0.1 is not supported by attention_backend='cpu'"):
+        LLM(path, attention_backend="cpu", block_size=8, num_gpu_blocks_override=64)
