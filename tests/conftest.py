@@ -36,7 +36,31 @@ def _config(arch: str, **overrides):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(head_dim=16, **common)
+    if arch in FAMILY_CONFIGS:
+        cls_name, extra = FAMILY_CONFIGS[arch]
+        return getattr(tf, cls_name)(**{**extra, **common})
     raise ValueError(arch)
+
+
+# the families past Llama (tests/models/test_families.py): config class and what each exercises
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILY_CONFIGS = {
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.0625, logits_scaling=4.0)),
+    "phi3": ("Phi3Config", {}),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, shared_expert_intermediate_size=48, **MOE)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,
+                                         **MOE)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        rope_local_base_freq=100.0, final_logit_softcapping=0.5)),
+    # both soft caps bind (tests/models/test_families.py checks): attention scores reach ~0.3, logits ~1.7
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    attn_logit_softcapping=0.1, final_logit_softcapping=2.0)),
+}
 
 
 def _tokenizer():

@@ -20,9 +20,11 @@ class GraphSafeDecodeBackend(TorchReferenceBackend):
     name = "graph-safe-test"
     supports_cuda_graphs = True
 
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None):
-        if meta.max_query_len > 1 or sliding_window:  # host ints: fixed at capture time
-            return super().forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window)
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None,
+                logits_soft_cap=None):
+        if meta.max_query_len > 1 or sliding_window or logits_soft_cap:  # host values: fixed at capture time
+            return super().forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+                                   logits_soft_cap)
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         n, heads, head_dim = query.shape
         kv_heads = key_cache.shape[1]

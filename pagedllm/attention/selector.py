@@ -5,10 +5,23 @@ import logging
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, check_soft_cap
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
+
+
+def backend_for_soft_cap(name: str, device: torch.device, soft_cap: float | None) -> str:
+    """The backend name to build for a model whose attention soft-caps its logits at ``soft_cap``
+    (Gemma 2; None: no cap). The C kernel has no soft cap, so ``auto`` on CPU becomes ``sdpa``
+    (logged) and ``cpu`` is refused; every other choice implements it and stays."""
+    if soft_cap is None or device.type != "cpu" or name not in ("auto", "cpu"):
+        return name
+    if name == "cpu":
+        check_soft_cap(soft_cap, name)  # raises: the C kernel would have to ignore it
+    logger.info("the model soft-caps attention logits (%s), which the C kernel does not: using the SDPA "
+                "attention backend", soft_cap)
+    return "sdpa"
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

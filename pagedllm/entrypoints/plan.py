@@ -90,6 +90,11 @@ class ModelShape:
     gated_mlp: bool
     num_experts: int = 0  # 0 = dense MLP
     shared_expert_intermediate_size: int = 0
+    experts_per_token: int = 0  # top-k: the experts (and so the parameters) one token uses
+    num_moe_layers: int = 0  # layers with experts; the others have a dense MLP of dense_intermediate_size
+    dense_intermediate_size: int = 0
+    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none)
+    num_sliding_layers: int = 0
     max_position_embeddings: int | None = None
     config_dtype: str | None = None
 
@@ -135,6 +140,28 @@ def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
     return num, inter, int(shared)
 
 
+def _moe_layers(cfg: dict, num_layers: int) -> int:
+    """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step`` ones."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
+    """(window, number of layers that slide): ``layer_types``, Gemma's ``sliding_window_pattern``
+    (every n-th layer global), or every layer (Mistral); none when ``use_sliding_window`` is false."""
+    window = int(cfg.get("sliding_window") or 0)
+    if not window or cfg.get("use_sliding_window") is False:
+        return 0, 0
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list):
+        return window, sum(t == "sliding_attention" for t in layer_types)
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern:
+        return window, sum(1 for i in range(num_layers) if (i + 1) % int(pattern))
+    return window, num_layers
+
+
 def model_shape(config: dict) -> ModelShape:
     """Extract a :class:`ModelShape` from a parsed ``config.json`` (Llama/GPT-2/Falcon-style names)."""
     cfg = _text_config(config)
@@ -145,10 +172,13 @@ def model_shape(config: dict) -> ModelShape:
     heads = int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"))
     head_dim = int(_get(cfg, "head_dim", "kv_channels", default=0)) or hidden // heads
     inter = int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden))
+    dense_inter = inter
     num_experts, inter, shared = _experts(cfg, inter)
+    num_layers = int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    window, sliding = _sliding_layers(cfg, num_layers)
     return ModelShape(
         model_type=model_type,
-        num_layers=int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")),
+        num_layers=num_layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=_kv_heads(cfg, heads),
@@ -159,27 +189,35 @@ def model_shape(config: dict) -> ModelShape:
         gated_mlp=model_type not in _NON_GATED_MLP,
         num_experts=num_experts,
         shared_expert_intermediate_size=shared,
+        experts_per_token=int(_get(cfg, "num_experts_per_tok", "moe_topk", default=0)) if num_experts else 0,
+        num_moe_layers=_moe_layers(cfg, num_layers) if num_experts else 0,
+        dense_intermediate_size=dense_inter,
+        sliding_window=window,
+        num_sliding_layers=sliding,
         max_position_embeddings=_get(cfg, "max_position_embeddings", "n_positions", "max_sequence_length",
                                      "seq_length", "max_seq_len", default=None),
         config_dtype=_get(cfg, "torch_dtype", "dtype", default=None),
     )
 
 
-def projection_params(shape: ModelShape) -> int:
-    """Parameters of the attention and MLP projection matrices, all layers (what int8 quantizes)."""
+def projection_params(shape: ModelShape, active: bool = False) -> int:
+    """Parameters of the attention and MLP projection matrices, all layers (what int8 quantizes);
+    ``active``: only those one token uses (its top-k experts), the FLOPs-relevant count."""
     h, d = shape.hidden_size, shape.head_dim
     attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o + k, v
     mlp_mats = 3 if shape.gated_mlp else 2
-    if shape.num_experts:
-        mlp = shape.num_experts * mlp_mats * h * shape.intermediate_size + h * shape.num_experts  # + router
-        mlp += mlp_mats * h * shape.shared_expert_intermediate_size
-    else:
-        mlp = mlp_mats * h * shape.intermediate_size
-    return shape.num_layers * (attention + mlp)
+    if not shape.num_experts:
+        return shape.num_layers * (attention + mlp_mats * h * shape.intermediate_size)
+    experts = shape.experts_per_token if active else shape.num_experts
+    moe = experts * mlp_mats * h * shape.intermediate_size + h * shape.num_experts  # + router
+    moe += mlp_mats * h * shape.shared_expert_intermediate_size
+    dense = mlp_mats * h * shape.dense_intermediate_size
+    return shape.num_layers * attention + shape.num_moe_layers * moe + (shape.num_layers - shape.num_moe_layers) * dense
 
 
-def count_params(shape: ModelShape) -> int:
-    """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head.
+def count_params(shape: ModelShape, active: bool = False) -> int:
+    """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head;
+    ``active``: with only the top-k experts of each MoE layer (what one token computes with).
 
     Biases (well under 0.1% of any real model) are ignored.
     """
@@ -189,7 +227,7 @@ def count_params(shape: ModelShape) -> int:
         embeddings += int(shape.max_position_embeddings) * h
     lm_head = 0 if shape.tie_word_embeddings else shape.vocab_size * h
     norms = shape.num_layers * 2 * h + h  # two per block + the final one
-    return projection_params(shape) + embeddings + norms + lm_head
+    return projection_params(shape, active) + embeddings + norms + lm_head
 
 
 # --------------------------------------------------------------------------- plan
@@ -207,7 +245,7 @@ class KVPlan:
     mean_len: int
     gpu_memory: int
     gpu_memory_utilization: float
-    num_params: int
+    num_params: int  # all of them: what the weights take in memory
     weights_bytes: int
     weights_estimated: bool
     kv_bytes_per_token: int
@@ -223,6 +261,7 @@ class KVPlan:
     kv_cache_dtype: str = ""  # the KV storage dtype (the weights' dtype unless set)
     quantization: str | None = None
     device: str = "cuda"  # the device planned for (PLAN_DEVICES)
+    active_params: int = 0  # per token (MoE: top-k experts), what FLOPs scale with; = num_params if dense
 
     @property
     def paging_gain(self) -> float:
@@ -254,8 +293,11 @@ def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, es
     if shape.max_position_embeddings and max_model_len > int(shape.max_position_embeddings):
         notes.append(f"max_model_len {max_model_len} exceeds the config's context length "
                      f"{shape.max_position_embeddings}")
-    if estimated and shape.num_experts:
-        notes.append("MoE weight estimate assumes every layer is sparse; check it against the checkpoint")
+    if shape.num_sliding_layers:
+        notes.append(f"{shape.num_sliding_layers} of {shape.num_layers} layers attend to a "
+                     f"{shape.sliding_window}-token sliding window; the engine still allocates every layer's KV "
+                     "for the whole sequence, "
+                     "and so does this plan")
     if budget <= 0:
         notes.append("the weights alone exceed the usable GPU memory: no room for KV cache")
     elif max_seqs == 0:
@@ -339,6 +381,7 @@ def plan_kv(
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
+        active_params=count_params(shape, active=True),
     )
 
 
@@ -503,6 +546,8 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
                       + (f", projections {plan.quantization}" if plan.quantization else "")),
         _row("KV cache dtype", plan.kv_cache_dtype or plan.dtype),
         _row("parameters", f"{plan.num_params / 1e9:.2f} B"),
+        *([_row("active parameters per token (MoE)", f"{plan.active_params / 1e9:.2f} B")]
+          if plan.active_params != plan.num_params else []),
         _row(f"weights ({weights_src})", format_size(plan.weights_bytes)),
         _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
                                          f" = {format_size(plan.usable_memory)}"),

@@ -20,24 +20,6 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, using transformers' own rope initialisers.
-
-    ``dynamic`` NTK scaling gives the base frequencies, which equal transformers' as long as a
-    sequence stays within ``original_max_position_embeddings``.
-    """
-    params = rope_parameters(hf_config)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        base = float(params["rope_theta"])
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    if rope_type not in ("linear", "dynamic", "llama3", "yarn", "longrope"):
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use default, linear, dynamic or llama3")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0,
                  ops: str = "native"):

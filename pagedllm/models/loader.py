@@ -99,7 +99,8 @@ def iterate_safetensors(model_dir: str):
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copies every checkpoint tensor into the parameter of the same name (fused ones by shard).
+    """Copies every checkpoint tensor into its parameter (``model.checkpoint_weights`` maps names and
+    shards per family).
     A pre-quantized checkpoint (``quantization_config``) first gives the projections its
     tensors' parameters and converts them to the runtime layout at the end."""
     method = quantization.checkpoint_method(model.config)
@@ -112,31 +113,26 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 def _load_tensors(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
     loaded = set()
     for name, tensor in iterate_safetensors(model_dir):
         if "rotary_emb.inv_freq" in name:
             continue
-        target, shard = _map_name(name, packed)
-        if target not in params:
-            if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-                continue
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        with torch.no_grad():
-            # packed quantized tensors go to their loader as stored (it unpacks them)
-            value = tensor if getattr(param, "raw_checkpoint_tensor", False) else tensor.to(param.dtype)
-            loader(param, value, shard) if shard is not None else loader(param, value)
-        loaded.add(target)
+        for target, part, shard in model.checkpoint_weights(name, tensor):  # split / renamed per family
+            if target not in params:
+                if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+            _load_one(params[target], part, shard)
+            loaded.add(target)
     _check_all_loaded(model, params, loaded)
 
 
-def _map_name(name: str, packed: dict) -> tuple[str, object]:
-    for ckpt, (fused, shard) in packed.items():
-        if f".{ckpt}." in name:
-            return name.replace(f".{ckpt}.", f".{fused}."), shard
-    return name, None
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    # packed quantized tensors go to their loader as stored (it unpacks them)
+    value = tensor if getattr(param, "raw_checkpoint_tensor", False) else tensor.to(param.dtype)
+    with torch.no_grad():
+        loader(param, value, shard) if shard is not None else loader(param, value)
 
 
 def _check_all_loaded(model, params: dict, loaded: set) -> None:

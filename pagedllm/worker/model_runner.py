@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.selector import get_attention_backend
+from pagedllm.attention.selector import backend_for_soft_cap, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -49,8 +49,11 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         mc = config.model
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.model = build_model(get_model_class(mc.architecture), mc.hf_config, self.backend,
+        model_cls = get_model_class(mc.architecture)
+        soft_cap = model_cls.attention_soft_cap(mc.hf_config)  # Gemma 2: the C kernel cannot do it
+        self.backend = get_attention_backend(backend_for_soft_cap(config.attention_backend, self.device, soft_cap),
+                                             self.device)
+        self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)

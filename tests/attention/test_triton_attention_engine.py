@@ -17,7 +17,9 @@ FIRST = [SHARED, [5, 6, 7]]
 LATER = [SHARED[:16] + [9, 10, 11, 12]]  # reuses SHARED's 2 full blocks from the cache
 
 
-@pytest.mark.parametrize(("arch", "fused_ops"), [("llama", "native"), ("qwen2", "native"), ("llama", "triton")])
+# gemma2: attention soft cap (binding, conftest) and a 16-token sliding window on layer 0
+@pytest.mark.parametrize(("arch", "fused_ops"), [("llama", "native"), ("qwen2", "native"), ("llama", "triton"),
+                                                 ("gemma2", "triton")])
 def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, fused_ops, tmp_path, monkeypatch):
     """fused_ops="triton" is the whole GPU path: Triton attention, norm, rotary, SiLU and sampler."""
     import transformers as tf
@@ -31,7 +33,8 @@ def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, 
     monkeypatch.setattr(TritonAttentionBackend, "forward", spy)
 
     # head_dim 64 (the kernels' smallest), a GQA group of 2
-    model_dir = make_model_dir(tmp_path, arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    model_dir = make_model_dir(tmp_path, arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=64)
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     llm = LLM(model_dir, attention_backend="triton", fused_ops=fused_ops, block_size=8, num_gpu_blocks_override=32,
               max_num_batched_tokens=16, max_model_len=64)  # 16-token chunks: SHARED is prefilled in two

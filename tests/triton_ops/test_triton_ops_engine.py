@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, make_model_dir, random_prompts
 from triton_devices import INTERPRETED
 
 from pagedllm import LLM, SamplingParams
@@ -37,6 +37,25 @@ def test_triton_ops_greedy_matches_transformers(arch, model_dirs, hf_models):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)  # as hf_greedy
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_models[arch], p, MAX_NEW) for p in prompts]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch, overrides", [("phi3", {"partial_rotary_factor": 0.5}), ("qwen3_moe", {}),
+                                             ("olmo2", {})], ids=["phi3-partial-rotary", "qwen3_moe", "olmo2"])
+def test_triton_ops_families_match_transformers(arch, overrides, tmp_path):
+    """The skeleton's families on the Triton ops: the rotary kernel on half of each head (a strided
+    view), SiLU in the experts and the shared MLPs, torch-only norms beside Triton ones."""
+    import transformers as tf
+    path = make_model_dir(tmp_path, arch, **overrides)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(2, seed=12, lo=3, hi=20)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)
+    llm = _triton_llm(path)
+    layer = llm.llm_engine.executor.runner.model.model.layers[0]
+    assert (layer.post_attention_layernorm.ops, getattr(layer.self_attn.rotary, "rotary", layer.self_attn.rotary).ops
+            ) == ("triton", "triton")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
 @needs_interpreter

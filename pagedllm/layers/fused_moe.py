@@ -1,0 +1,88 @@
+"""Mixture-of-experts MLP: route each token to its top-k experts, run every active expert once
+over all of its tokens, and sum the weighted outputs.
+
+All experts' weights live in two stacked tensors, ``w13 [experts, 2 * inter, hidden]`` (gate and
+up) and ``w2 [experts, hidden, inter]``, filled expert by expert at load. Tensor parallelism
+splits every expert's intermediate dimension (like a column- then row-parallel MLP), so each
+rank's partial output is summed with one all-reduce.
+
+    tokens   t0 t1 t2          top-2 ids   (t0: e3 e0) (t1: e3 e5) (t2: e0 e3)
+    sorted by expert:  e0 [t0 t2] | e3 [t0 t1 t2] | e5 [t1]      -> 3 GEMM pairs, not 6 token loops
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.layers.gated_activation import gated_activation
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, k] float32, expert ids [tokens, k]): softmax over all experts, then top-k,
+    renormalised to sum to one when ``renormalize`` (Mixtral, Qwen3-MoE ``norm_topk_prob``).
+    Softmax after top-k over the k logits equals the renormalised form, so it needs no own mode."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [tokens, experts]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer; ``forward(x, router_logits)`` returns ``[tokens, hidden]``."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, act: str = "silu", act_field: str = "hidden_act", *,
+                 tp: TensorParallelGroup, ops: str = "native"):
+        super().__init__()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by "
+                             f"tensor_parallel_size={self.tp_size}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.inter = intermediate_size // self.tp_size  # this rank's share of each expert
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gated_activation(act, act_field, ops)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """``shard_id = (expert, "gate" | "up" | "down")``: one expert's checkpoint matrix, this rank's slice."""
+        expert, kind = shard_id
+        start = self.tp_rank * self.inter
+        if kind == "down":  # [hidden, inter]: split the input dimension
+            param.data[expert].copy_(loaded.narrow(1, start, self.inter))
+            return
+        offset = 0 if kind == "gate" else self.inter
+        param.data[expert].narrow(0, offset, self.inter).copy_(loaded.narrow(0, start, self.inter))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)  # [tokens, k] each
+        flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k
+        order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
+        token_of = order // self.top_k  # [tokens * k]
+        out = self._run_experts(x[token_of], counts)  # [tokens * k, hidden], in sorted order
+        out.mul_(weights.flatten()[order].to(out.dtype).unsqueeze(1))
+        y = torch.zeros_like(x).index_add_(0, token_of, out)  # [tokens, hidden]
+        return self.tp.all_reduce(y)
+
+    def _run_experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One gate/up and one down GEMM per expert that has tokens, over its contiguous rows."""
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = grouped[start:start + n]  # [n, hidden]
+            out[start:start + n] = F.linear(self.act_and_mul(F.linear(rows, self.w13[expert])), self.w2[expert])
+            start += n
+        return out

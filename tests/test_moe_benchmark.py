@@ -1,0 +1,33 @@
+"""benchmarks/moe.py: the layer baselines compute what FusedMoE computes, and a tiny end-to-end run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+moe = _load("pagedllm_bench_moe", "moe.py")
+
+
+def test_full_config_is_about_30m_active():
+    assert 28e6 < moe.active_params(moe.FULL) < 34e6
+
+
+def test_quick_run_end_to_end(tmp_path):
+    out = tmp_path / "moe.json"
+    results = moe.main(["--quick", "--model-dir", str(tmp_path / "model"), "--out", str(out), "--num-threads", "1"])
+    assert set(results["layer_ms"]) == {"fused", "loop-routed", "loop-dense"}  # each checked equal to fused
+    e2e = results["end_to_end"]
+    assert e2e["greedy_agreement"] == 1.0 and 0 < e2e["moe_share"] < 1
+    assert json.loads(out.read_text())["end_to_end"] == e2e
