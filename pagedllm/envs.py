@@ -14,38 +14,35 @@ from pathlib import Path
 from typing import Any
 
 
-def _flag(name: str, default: bool) -> Callable[[], bool]:
-    """A switch: "0" (or "false"/"no"/"off") turns it off, anything else on."""
-    def read() -> bool:
+def _parsed(name: str, default: Any, parse: Callable[[str], Any], what: str) -> Callable[[], Any]:
+    """A getter: ``default`` when the variable is unset or empty, else ``parse(value)``; a value
+    that does not parse raises ValueError naming the variable and ``what`` it must be."""
+    def read() -> Any:
         raw = os.environ.get(name)
         if raw is None or raw == "":
             return default
-        return raw.strip().lower() not in ("0", "false", "no", "off")
+        try:
+            return parse(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} must be {what}") from None
     return read
+
+
+def _switch(raw: str) -> bool:
+    """"0" (or "false"/"no"/"off") turns a switch off, anything else on."""
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    return _parsed(name, default, _switch, "a switch")
 
 
 def _float(name: str, default: float) -> Callable[[], float]:
-    def read() -> float:
-        raw = os.environ.get(name)
-        if raw is None or raw == "":
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
-    return read
+    return _parsed(name, default, float, "a number")
 
 
 def _int(name: str, default: int) -> Callable[[], int]:
-    def read() -> int:
-        raw = os.environ.get(name)
-        if raw is None or raw == "":
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
-    return read
+    return _parsed(name, default, int, "an integer")
 
 
 def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
