@@ -117,3 +117,15 @@ def test_tensor_parallel_ranks_quantize_their_own_shards(llama_dir, hf_models):
         gen = out.outputs[0].token_ids
         got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
         torch.testing.assert_close(got, _token_logprobs(reference, prompt, gen), atol=1e-3, rtol=0)
+
+
+def test_load_time_quantization_is_refused_for_moe_models(tmp_path):
+    """int8/int4 quantize linear projections; a MoE model's experts are not ones, so it is refused
+    rather than applied to the attention only."""
+    from conftest import make_model_dir
+
+    from pagedllm import LLM
+    model_dir = make_model_dir(tmp_path, "mixtral")
+    for method in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"quantization='{method}' covers linear projections only"):
+            LLM(model_dir, quantization=method, num_gpu_blocks_override=16, max_model_len=64)

@@ -125,4 +125,8 @@ def quantize_model(model: torch.nn.Module, method: str | None) -> int:
     ``int4``; returns how many. Checkpoint formats were converted while loading: 0."""
     if check_method(method) not in LOAD_TIME_METHODS:
         return 0
+    from pagedllm.layers.fused_moe import FusedMoE
+    if any(isinstance(m, FusedMoE) for m in model.modules()):  # refused, not half-applied
+        raise ValueError(f"quantization={method!r} covers linear projections only, not the experts of a "
+                         f"mixture-of-experts model ({type(model).__name__}); leave quantization unset")
     return process_weights(model, Int8Method() if method == "int8" else Int4Method())
