@@ -96,9 +96,11 @@ class ModelRunner:
         return sizing.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
 
     def release(self) -> None:
-        """Frees the KV pool and the weights; the runner cannot execute afterwards."""
+        """Frees the KV pool, the weights and the decode graphs (their memory pool); the runner
+        cannot execute afterwards."""
         self.cache = None
         self.model = None
+        self.decode_graphs = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:
