@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from pagedllm import envs
-from pagedllm.kv_cache.planning import kv_bytes
 from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -52,10 +51,6 @@ class ModelConfig:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} must be one of {TOKENIZER_MODES}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (no limit)")
-
-    def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
-        """K and V for one token across all layers."""
-        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim, cache_dtype)
 
 
 @dataclass(frozen=True)

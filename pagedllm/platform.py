@@ -21,12 +21,17 @@ def available_ram() -> int:
 
 def physical_cores() -> int:
     """Distinct physical cores (hyper-threads counted once); the logical CPU count if unknown."""
+    cores, socket = set(), ""
     try:
         with open("/proc/cpuinfo") as f:
-            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
+            for line in f:  # "core id" restarts at 0 on each socket: count (physical id, core id) pairs
+                if line.startswith("physical id"):
+                    socket = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    cores.add((socket, line.split(":")[1].strip()))
     except OSError:
-        cores = set()
-    return max(1, len(cores)) if cores else os.cpu_count() or 1
+        pass
+    return len(cores) if cores else os.cpu_count() or 1
 
 
 def peak_rss() -> int:

@@ -1,7 +1,7 @@
 """KV-cache arithmetic shared by the engine and ``pagedllm plan``: bytes per token / block, blocks per sequence.
 
 Pure functions of the model's shape; no tensors are allocated. The engine sizes its pool with them
-(``ModelConfig.kv_bytes_per_token``, ``kv_cache.sizing.block_bytes``, the executor) and the planner reports
+(``kv_cache.sizing.block_bytes``, the executor) and the planner reports
 the same numbers, so a plan cannot drift from what the engine allocates.
 """
 from __future__ import annotations

@@ -19,6 +19,7 @@ from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.platform import available_ram
+from pagedllm.utils import cdiv
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, replay_size
@@ -95,9 +96,11 @@ class ModelRunner:
         return sizing.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
 
     def release(self) -> None:
-        """Frees the KV pool and the weights; the runner cannot execute afterwards."""
+        """Frees the KV pool, the weights and the decode graphs (their memory pool); the runner
+        cannot execute afterwards."""
         self.cache = None
         self.model = None
+        self.decode_graphs = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:
@@ -151,8 +154,8 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, max_model_len: int) -> None:
         """One forward at the step's token budget, with a throwaway cache, to find peak memory."""
         seq = min(num_tokens, max_model_len)
-        num_seqs = -(-num_tokens // seq)
-        blocks_per_seq = -(-seq // self.block_size)
+        num_seqs = cdiv(num_tokens, seq)
+        blocks_per_seq = blocks_per_sequence(seq, self.block_size)
         saved = self.cache
         self.init_cache(num_seqs * blocks_per_seq)
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
@@ -183,7 +186,7 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, pad_block: int) -> DecodeGraphs:
         mc = self.config.model
-        max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
+        max_blocks_per_seq = blocks_per_sequence(mc.max_model_len, self.block_size)
         graphs = DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
                               mc.max_model_len, pad_block, self.device)
         graphs.capture(self.model, self.cache.layer_caches)
