@@ -21,17 +21,23 @@ def available_ram() -> int:
 
 def physical_cores() -> int:
     """Distinct physical cores (hyper-threads counted once); the logical CPU count if unknown."""
-    cores, socket = set(), ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:  # "core id" restarts at 0 on each socket: count (physical id, core id) pairs
-                if line.startswith("physical id"):
-                    socket = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    cores.add((socket, line.split(":")[1].strip()))
+            return count_physical_cores(f) or os.cpu_count() or 1
     except OSError:
-        pass
-    return len(cores) if cores else os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def count_physical_cores(cpuinfo_lines) -> int:
+    """Distinct (physical id, core id) pairs in /proc/cpuinfo's lines: "core id" restarts at 0 on
+    each socket, so the pair, not the core id, names a core."""
+    cores, socket = set(), ""
+    for line in cpuinfo_lines:
+        if line.startswith("physical id"):
+            socket = line.split(":")[1].strip()
+        elif line.startswith("core id"):
+            cores.add((socket, line.split(":")[1].strip()))
+    return len(cores)
 
 
 def peak_rss() -> int:
