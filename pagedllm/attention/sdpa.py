@@ -20,11 +20,10 @@ class SdpaBackend(AttentionBackend):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
-        bs = key_cache.shape[2]
+        bs, head_dim = key_cache.shape[2], key_cache.shape[3]
         for r, start, end, seq_len in meta.request_spans():
             blocks = meta.block_tables[r, : (seq_len + bs - 1) // bs].long()
             # (cast: the cache may be stored in another dtype, kv_cache_dtype)
-            head_dim = key_cache.shape[3]
             # [n_blocks, kv_heads, bs, hd] -> [kv_heads, n_blocks * bs, hd] -> first seq_len tokens
             k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)

@@ -69,11 +69,8 @@ def pad_decode_inputs(host: dict[str, np.ndarray], size: int, pad_block: int, bl
     n = len(host["seq_lens"])
     pad = size - n
     padded = dict(host)
-    padded["input_ids"] = np.concatenate([host["input_ids"], np.zeros(pad, dtype=host["input_ids"].dtype)])
-    padded["positions"] = np.concatenate([host["positions"], np.zeros(pad, dtype=host["positions"].dtype)])
-    slots = np.full(pad, pad_block * block_size, dtype=host["slot_mapping"].dtype)
-    padded["slot_mapping"] = np.concatenate([host["slot_mapping"], slots])
-    padded["seq_lens"] = np.concatenate([host["seq_lens"], np.ones(pad, dtype=host["seq_lens"].dtype)])
+    for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", pad_block * block_size), ("seq_lens", 1)):
+        padded[name] = np.concatenate([host[name], np.full(pad, fill, dtype=host[name].dtype)])
     padded["query_start_loc"] = np.arange(size + 1, dtype=host["query_start_loc"].dtype)
     tables = host["block_tables"]
     pad_rows = np.full((pad, tables.shape[1]), pad_block, dtype=tables.dtype)

@@ -109,7 +109,7 @@ def _batch1_decode_launch(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Lau
     cache = _meta(16, 2, SUPPORTED_BLOCK_SIZES[0], 128, dtype=cache_dtype)
     call = AttentionCall(query, cache, cache, _metadata(1, 1, 1), 0.1, 0, 0.0)
     return attention_launch(call, attention_tiles(128, call.group), torch.empty_like(query),
-                            SplitBuffers.empty(1, query[:1, :1, :1]))
+                            SplitBuffers.empty(1, query))
 
 
 def compile_launch(launch: Launch, arch: int):

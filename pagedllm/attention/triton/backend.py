@@ -111,8 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
         tiles = attention_tiles(call.query.shape[2], call.group)
         num_splits = self.num_kv_splits or choose_num_kv_splits(
             _num_programs(call, tiles), meta.max_query_len, meta.max_seq_len, _num_sms(call.query.device))
-        # one split: the partial buffers are never touched, one element each keeps the signature
-        splits = SplitBuffers.empty(num_splits, call.query if num_splits > 1 else call.query[:1, :1, :1])
+        splits = SplitBuffers.empty(num_splits, call.query)
         attention_launch(call, tiles, out, splits).run(kernels)
         if num_splits > 1:
             reduce_launch(out, splits).run(kernels)

@@ -67,7 +67,9 @@ class SplitBuffers:
 
     @classmethod
     def empty(cls, num_splits: int, query: torch.Tensor) -> SplitBuffers:
-        num_tokens, num_heads, head_dim = query.shape
+        """Buffers for ``query`` [num_tokens, num_heads, head_dim]; with one split the kernel
+        never touches them, so one element each keeps the launch signature."""
+        num_tokens, num_heads, head_dim = query.shape if num_splits > 1 else (1, 1, 1)
         stats = lambda: torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)  # noqa: E731
         acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
         return cls(acc, stats(), stats())
