@@ -31,12 +31,10 @@ class ChatOptions:
     reasoning_parser: str | None = None
 
     def __post_init__(self):
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is invalid: must be one of "
-                             f"{sorted(TOOL_PARSERS)}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is invalid: must be one of "
-                             f"{sorted(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None:
+            TOOL_PARSERS.check(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (--tool-call-parser NAME)")
 
