@@ -177,6 +177,8 @@ class ChoiceParser:
 
     def feed(self, delta: str, final: bool) -> list[MessagePiece]:
         """The pieces that ``delta`` (appended to the text so far) makes sendable."""
+        if self.reasoning is None and self.tools is None:  # plain chat: the delta is the content, no
+            return [MessagePiece(content=delta)] if delta else []  # text to keep and reparse per delta
         self.text += delta
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning else ("", self.text)
         calls: tuple[ParsedCall, ...] = ()
