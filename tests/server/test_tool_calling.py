@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_server import TOOL_TEMPLATE, WEATHER_TOOL, script_engine, tools_server  # noqa: F401 - fixture
+from chat_server import WEATHER_TOOL, script_engine, tools_server  # noqa: F401 - fixture
 from live_server import live_server, server_model_dir  # noqa: F401 - fixtures
 
 from pagedllm.entrypoints.openai.api_server import _chat_options_from_cli, make_arg_parser
@@ -189,4 +189,3 @@ def test_chat_flags_parse_into_chat_options():
         _chat_options_from_cli(parser.parse_args(["--enable-auto-tool-choice"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-call-parser", "nope"])
-    assert TOOL_TEMPLATE  # the fixture's template is the one rendered above

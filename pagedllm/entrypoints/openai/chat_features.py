@@ -10,16 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .reasoning_parsers import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from .request_fields import RequestFieldError
 from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
-
-
-class ChatRequestError(ValueError):
-    """Bad chat input; ``param`` is the request field to name in the 400."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -31,12 +24,10 @@ class ChatOptions:
     reasoning_parser: str | None = None
 
     def __post_init__(self):
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is invalid: must be one of "
-                             f"{sorted(TOOL_PARSERS)}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is invalid: must be one of "
-                             f"{sorted(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None:
+            TOOL_PARSERS.check(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (--tool-call-parser NAME)")
 
@@ -51,16 +42,16 @@ def resolve_tool_choice(tools: list | None, tool_choice: Any, options: ChatOptio
     """
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-        raise ChatRequestError(f"tool_choice={choice!r} is invalid: must be 'none', 'auto', 'required' or "
-                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        raise RequestFieldError(f"tool_choice={choice!r} is invalid: must be 'none', 'auto', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     if choice != "none" and not tools:
-        raise ChatRequestError(f"tool_choice={_show(choice)} needs a non-empty tools list", "tool_choice")
+        raise RequestFieldError(f"tool_choice={_show(choice)} needs a non-empty tools list", "tool_choice")
     if not isinstance(choice, str):
         _check_named(choice, tools)
     if choice == "auto" and not options.enable_auto_tool_choice:
-        raise ChatRequestError("tool_choice='auto' (the default when tools are given) needs the server to run "
-                               "with --enable-auto-tool-choice --tool-call-parser NAME; send tool_choice='none' "
-                               "to only show the tools to the model", "tool_choice")
+        raise RequestFieldError("tool_choice='auto' (the default when tools are given) needs the server to run "
+                                "with --enable-auto-tool-choice --tool-call-parser NAME; send tool_choice='none' "
+                                "to only show the tools to the model", "tool_choice")
     return choice
 
 
@@ -71,7 +62,7 @@ def is_forced(tool_choice: Any) -> bool:
 def _check_named(choice: Any, tools: list) -> None:
     name = choice.function.name
     if name not in {t.function.name for t in tools}:
-        raise ChatRequestError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        raise RequestFieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
 
 
 def _show(choice: Any) -> str:
@@ -86,17 +77,17 @@ def check_tools(tools: list | None, tool_choice: Any) -> None:
     for i, tool in enumerate(tools or []):
         fn = tool.function
         if fn.name in seen:
-            raise ChatRequestError(f"tools[{i}].function.name={fn.name!r} is a duplicate", "tools")
+            raise RequestFieldError(f"tools[{i}].function.name={fn.name!r} is a duplicate", "tools")
         seen.add(fn.name)
         if fn.strict and tool_choice == "auto":
-            raise ChatRequestError(f"tools[{i}].function.strict=true needs tool_choice 'required' or a named "
-                                   "function: under 'auto' arguments are parsed from free text, not constrained "
-                                   "to the schema", "tools")
+            raise RequestFieldError(f"tools[{i}].function.strict=true needs tool_choice 'required' or a named "
+                                    "function: under 'auto' arguments are parsed from free text, not constrained "
+                                    "to the schema", "tools")
         try:
             jsonschema.validators.validator_for(fn.parameters or {}).check_schema(fn.parameters or {})
         except jsonschema.SchemaError as exc:
-            raise ChatRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: "
-                                   f"{exc.message}", "tools") from None
+            raise RequestFieldError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                                    f"{exc.message}", "tools") from None
 
 
 def tools_for_template(tools: list | None) -> list[dict] | None:
@@ -127,8 +118,8 @@ def _template_call(call, i: int) -> dict:
     try:
         arguments = json.loads(call.function.arguments)
     except json.JSONDecodeError:
-        raise ChatRequestError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid "
-                               f"JSON: {call.function.arguments!r}", "messages") from None
+        raise RequestFieldError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid "
+                                f"JSON: {call.function.arguments!r}", "messages") from None
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
@@ -179,6 +170,8 @@ class ChoiceParser:
 
     def feed(self, delta: str, final: bool) -> list[MessagePiece]:
         """The pieces that ``delta`` (appended to the text so far) makes sendable."""
+        if self.reasoning is None and self.tools is None:  # plain chat: the delta is the content, no
+            return [MessagePiece(content=delta)] if delta else []  # text to keep and reparse per delta
         self.text += delta
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning else ("", self.text)
         calls: tuple[ParsedCall, ...] = ()

@@ -30,22 +30,24 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
 }
 
 
-class UnsupportedField(ValueError):
+class RequestFieldError(ValueError):
+    """A request field that cannot be honoured; ``param`` is the field the 400 names."""
+
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
 
 
 def check_request_fields(req: BaseModel) -> None:
-    """Raises UnsupportedField for the first undeclared field that is not at its no-op value."""
+    """Raises RequestFieldError for the first undeclared field that is not at its no-op value."""
     for name, value in (req.model_extra or {}).items():
         if name not in UNSUPPORTED_VLLM_FIELDS:
-            raise UnsupportedField(f"unknown field {name!r}: this server refuses fields it does not implement "
-                                   "rather than ignore them", name)
+            raise RequestFieldError(f"unknown field {name!r}: this server refuses fields it does not implement "
+                                    "rather than ignore them", name)
         neutral = UNSUPPORTED_VLLM_FIELDS[name]
         if not _is_no_op(value, neutral):
-            raise UnsupportedField(f"{name}={value!r} is not supported by this server (only "
-                                   f"{'null' if neutral is None else repr(neutral)} is accepted)", name)
+            raise RequestFieldError(f"{name}={value!r} is not supported by this server (only "
+                                    f"{'null' if neutral is None else repr(neutral)} is accepted)", name)
 
 
 def _is_no_op(value: Any, neutral: Any) -> bool:

@@ -26,7 +26,6 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .chat_features import (
     ChatOptions,
-    ChatRequestError,
     ChoiceParser,
     MessagePiece,
     check_tools,
@@ -61,7 +60,7 @@ from .protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from .request_fields import UnsupportedField, check_request_fields
+from .request_fields import RequestFieldError, check_request_fields
 from .tool_parsers.forced import forced_call_schema
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
@@ -115,7 +114,7 @@ def check_fields(req) -> None:
     """Every field the request sends is honoured or refused (request_fields.py)."""
     try:
         check_request_fields(req)
-    except UnsupportedField as exc:
+    except RequestFieldError as exc:
         raise ServingError(str(exc), 400, exc.param) from None
 
 
@@ -532,7 +531,7 @@ class OpenAIServing:
             tool_choice = resolve_tool_choice(req.tools, req.tool_choice, self.chat_options)
             check_tools(req.tools, tool_choice)
             group = await self.start_chat(rid, req, arrival, tool_choice)
-        except ChatRequestError as exc:
+        except RequestFieldError as exc:
             raise ServingError(str(exc), 400, exc.param) from None
         except ServingError as exc:
             exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # engine messages name the prompt/logprobs
@@ -588,7 +587,7 @@ class OpenAIServing:
             raise ServingError("messages must not be empty", 400, "messages")
         try:
             conversation = conversation_of(messages, _message_text)
-        except ChatRequestError as exc:
+        except RequestFieldError as exc:
             raise ServingError(str(exc), 400, exc.param) from None
         try:
             return self.tokenizer.apply_chat_template(conversation, chat_template=template,

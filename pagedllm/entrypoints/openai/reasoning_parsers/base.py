@@ -1,9 +1,7 @@
 """The reasoning-parser interface and its registry."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+from ..parser_registry import ParserRegistry
 
 
 class ReasoningParser:
@@ -18,15 +16,6 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    def add(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        REASONING_PARSERS[name] = cls
-        return cls
-    return add
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    """The parser called ``name``; ValueError lists the registered names."""
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser={name!r} is invalid: must be one of {sorted(REASONING_PARSERS)}")
-    return REASONING_PARSERS[name]()
+REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry("reasoning_parser")
+register_reasoning_parser = REASONING_PARSERS.register
+get_reasoning_parser = REASONING_PARSERS.create  # ValueError lists the registered names

@@ -1,16 +1,8 @@
 """``<think>...</think>`` reasoning (DeepSeek-R1, Qwen3, QwQ)."""
 from __future__ import annotations
 
+from ..parser_registry import partial_suffix
 from .base import ReasoningParser, register_reasoning_parser
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``marker`` (held back
-    while streaming: it may still become the marker)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ThinkTagParser(ReasoningParser):

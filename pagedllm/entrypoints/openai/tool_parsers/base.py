@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+from ..parser_registry import ParserRegistry
 
 
 @dataclass(frozen=True)
@@ -34,18 +33,9 @@ class ToolParser:
         raise NotImplementedError
 
 
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    def add(cls: type[ToolParser]) -> type[ToolParser]:
-        TOOL_PARSERS[name] = cls
-        return cls
-    return add
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser called ``name``; ValueError lists the registered names."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"tool_call_parser={name!r} is invalid: must be one of {sorted(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()
+TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry("tool_call_parser")
+register_tool_parser = TOOL_PARSERS.register
+get_tool_parser = TOOL_PARSERS.create  # ValueError lists the registered names
 
 
 def call_from_json(obj: object, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:

@@ -2,7 +2,7 @@
 any number of them, with plain text around them."""
 from __future__ import annotations
 
-from ..reasoning_parsers.think_tags import partial_suffix
+from ..parser_registry import partial_suffix
 from .base import ParsedCall, ToolParse, ToolParser, call_from_text, register_tool_parser
 
 START, END = "<tool_call>", "</tool_call>"
