@@ -91,7 +91,9 @@ class BeamSearchManager:
 
     def consume(self, sampled: list[SampledTokens]) -> list[SampledTokens]:
         """Takes the rows of beam sequences and advances every search whose beams have all
-        reported; returns the other rows untouched."""
+        reported; returns the other rows untouched (the same list when no search is running)."""
+        if not self._by_seq:
+            return sampled
         rest, touched = [], {}
         for s in sampled:
             state = self._by_seq.get(s.request_id)

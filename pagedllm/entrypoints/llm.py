@@ -99,22 +99,25 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        def finished(outputs: list[RequestOutput]):
+        def finished(outputs: list[RequestOutput], _pending: set[str]):
             return [(out.request_id, out) for out in outputs if out.finished]
         return self._drive(ids, "Processed prompts", use_tqdm, finished)
 
     def _drive(self, ids: list[str], desc: str, use_tqdm: bool, take_finished) -> list:
-        """Steps the engine until every id in ``ids`` has its result (``take_finished`` picks them
-        from a step's outputs); on any error, Ctrl-C included, aborts the ids still running."""
+        """Steps the engine until every id in ``ids`` has its result (``take_finished(outputs,
+        pending)`` picks them from a step's outputs); on any error, Ctrl-C included, aborts the ids
+        still running. ``pending`` is a set, so each step costs O(outputs), not O(outputs * ids)."""
         engine = self.llm_engine
         results: dict[str, object] = {}
+        pending = set(ids)
         bar = tqdm(total=len(ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while len(results) < len(ids):
+            while pending:
                 if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"requests {sorted(set(ids) - set(results))} were aborted")
-                for rid, out in take_finished(engine.step()):
-                    if rid in ids and rid not in results:
+                    raise RuntimeError(f"requests {sorted(pending)} were aborted")
+                for rid, out in take_finished(engine.step(), pending):
+                    if rid in pending:
+                        pending.discard(rid)
                         results[rid] = out
                         bar.update(1)
         except BaseException:
@@ -135,8 +138,8 @@ class LLM:
         prompts = _as_list(prompts)
         ids = self._add_all(prompts, [params] * len(prompts), engine.add_beam_search)
 
-        def finished(_outputs):  # beam results are taken from the engine, not the step's outputs
-            return [(rid, out) for rid in ids if (out := engine.take_beam_search_output(rid)) is not None]
+        def finished(_outputs, pending: set[str]):  # beam results come from the engine, not the step's outputs
+            return [(rid, out) for rid in pending if (out := engine.take_beam_search_output(rid)) is not None]
         return self._drive(ids, "Beam search", use_tqdm, finished)
 
     def get_metrics(self) -> list[Metric]:

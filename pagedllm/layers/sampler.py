@@ -114,11 +114,20 @@ def _apply_allowed_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> to
 def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """vLLM's bad_words: a word's last token is masked when the output already ends with the
     word's other tokens (a one-token word: always)."""
+    hit_rows, hit_tokens = [], []
     for i, row in enumerate(rows):
-        for word in row.params.bad_words_token_ids or ():
-            prefix = word[:-1]
-            if not prefix or row.output_token_ids[-len(prefix):] == prefix:
-                logits[i, word[-1]] = float("-inf")
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        ids, num_output = row.token_ids, len(row.token_ids) - row.num_prompt_tokens
+        for word in words:  # compares only the word's prefix with the output's tail (no history copy)
+            k = len(word) - 1
+            if k == 0 or (k <= num_output and ids[-k:] == word[:-1]):
+                hit_rows.append(i)
+                hit_tokens.append(word[-1])
+    if hit_rows:  # one indexed write for the batch, not one per masked token
+        dev = logits.device
+        logits[torch.tensor(hit_rows, device=dev), torch.tensor(hit_tokens, device=dev)] = float("-inf")
     return logits
 
 

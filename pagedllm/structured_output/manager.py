@@ -102,6 +102,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused across steps
         self._batch_matcher = None
@@ -129,8 +130,9 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams):
         t0 = time.perf_counter()
         compiled = self._get_compiler().compile_grammar(to_grammar(params))
-        self.stats.num_compiled += 1
-        self.stats.compile_seconds += time.perf_counter() - t0
+        with self._stats_lock:  # two pool threads may finish at once: += is not atomic
+            self.stats.num_compiled += 1
+            self.stats.compile_seconds += time.perf_counter() - t0
         return compiled
 
     def _get_compiler(self):
