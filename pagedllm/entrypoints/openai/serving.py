@@ -438,8 +438,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         check_fields(req)
         _unsupported(req.suffix, "suffix", "suffix")
-        if req.stream and req.best_of is not None and req.best_of != req.n:
-            raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
+        _refuse_streamed_best_of(req)
         scored_prompt = req.echo and req.logprobs is not None  # echo + logprobs: score the prompt too
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
                                       best_of=req.best_of, logprobs=req.logprobs,
@@ -547,8 +546,7 @@ class OpenAIServing:
                          tool_choice: Any = "none") -> RequestGroup:
         if req.top_logprobs is not None and not req.logprobs:
             raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
-        if req.stream and req.best_of is not None and req.best_of != req.n:
-            raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
+        _refuse_streamed_best_of(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
@@ -731,3 +729,8 @@ def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[
     except (TypeError, ValueError) as exc:
         raise ServingError(f"cannot tokenize {param}: {exc}", 400, param) from None
 
+
+def _refuse_streamed_best_of(req) -> None:
+    """A streamed request shows its sequences as they grow; best_of > n would rank them only at the end."""
+    if req.stream and req.best_of is not None and req.best_of != req.n:
+        raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
