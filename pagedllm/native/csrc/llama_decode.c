@@ -84,15 +84,19 @@ static inline __attribute__((always_inline)) void tile4(const void *const *w, co
  * float32, or int8 when i8 (unscaled). */
 static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T, int64_t n, float (*dots)[4]) {
     int64_t t = 0;
-    if (i8) {
-        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 1, dots + t);
-        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 1, dots + t);
-        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 1, dots + t);
-    } else {
-        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 0, dots + t);
-        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 0, dots + t);
-        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 0, dots + t);
-    }
+#define TILE(NT, I8) tile4(rows, x + t * n, n, n, NT, I8, dots + t)
+#define TILES(I8)                                         \
+    do {                                                  \
+        for (; t + 3 <= T; t += 3) TILE(3, I8);           \
+        if (T - t == 2) TILE(2, I8);                      \
+        if (T - t == 1) TILE(1, I8);                      \
+    } while (0)
+    if (i8)
+        TILES(1);
+    else
+        TILES(0);
+#undef TILES
+#undef TILE
 }
 
 /* A weight matrix [out, in]: float32 (scale NULL), int8 with one float32 scale per row, or
