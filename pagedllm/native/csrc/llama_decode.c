@@ -25,16 +25,6 @@
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-#if PN_AVX2
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-#endif
-
 /* One 8-wide chunk of weight row `row` from element i, as float32: float32 weights are loaded,
  * int8 weights (weight-only quantization, layers/quantization.py) are widened; the per-row
  * scale is applied once to the finished dot product. I8 is a literal at every call site. */
@@ -70,7 +60,7 @@ static inline __attribute__((always_inline)) void tile4(const void *const *w, co
         }
     }
     for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) dots[t][k] = hsum(acc[t][k]);
+        for (int k = 0; k < 4; k++) dots[t][k] = pn_hsum256(acc[t][k]);
 #else
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) dots[t][k] = 0.0f;
