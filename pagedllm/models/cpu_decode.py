@@ -63,10 +63,11 @@ def _projections(model) -> list:
 
 def _projection_mix_reason(model) -> str | None:
     """The C decoder takes one weight kind for all projections, and no act-order gather."""
-    kinds = {(p.weight.dtype, getattr(p, "quant_bits", 0)) for p in _projections(model)}
+    projections = _projections(model)
+    kinds = {(p.weight.dtype, getattr(p, "quant_bits", 0)) for p in projections}
     if len(kinds) > 1:
         return f"projections mix weight kinds {sorted(str(k) for k in kinds)}"
-    if any(getattr(p, "act_perm", None) is not None for p in _projections(model)):
+    if any(getattr(p, "act_perm", None) is not None for p in projections):
         return "act-order (desc_act) projections gather their inputs per call"
     return None
 

@@ -102,6 +102,15 @@ def test_bad_metadata_raises_instead_of_writing_outside_the_cache(llama_dir):
         _step(model, caches, True, [([5, 6], 0, [10_000])])
 
 
+@pytest.mark.parametrize("field", ["qkv_group", "o_group", "gate_up_group", "down_group"])
+def test_a_group_size_the_kernel_refuses_raises_instead_of_returning_garbage(wide_llama_dir, field):
+    model, caches = _model(wide_llama_dir, quantization="int4")
+    struct = model.model.fused_decoder._struct
+    setattr(struct, field, 7)  # not a multiple of 8: qg_linear's ERR_ARG must reach the caller
+    with pytest.raises(ValueError, match="ld_forward: bad dimensions"):
+        _step(model, caches, True, [([5, 6], 0, [3])])
+
+
 def test_fused_path_off_when_not_applicable(llama_dir, monkeypatch):
     llm = LLM(llama_dir, num_gpu_blocks_override=40, max_model_len=256, attention_backend="torch")
     assert llm.llm_engine.executor.runner.model.model.fused_decoder is None

@@ -30,15 +30,16 @@ class QuantMethod:
         raise NotImplementedError
 
 
-_scratch: dict[int, torch.Tensor] = {}  # one float32 buffer per thread, reused: no page faults per call
+# one float32 buffer per thread, reused: no page faults per call; thread-local, so a finished
+# thread's buffer (a whole layer's weight) is freed with it rather than kept under a dead id
+_scratch = threading.local()
 
 
 def scratch_buffer(numel: int) -> torch.Tensor:
     """A float32 CPU buffer of ``numel`` elements that the thread's next call overwrites."""
-    key = threading.get_ident()
-    buf = _scratch.get(key)
+    buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=torch.float32)
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
     return buf[:numel]
 
 

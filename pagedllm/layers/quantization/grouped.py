@@ -23,7 +23,8 @@ import torch
 from pagedllm.layers.quantization.base import scratch_buffer
 from pagedllm.native import bindings
 
-# up to this many rows the C kernel (codes widened in registers) beats dequantize + MKL
+# up to this many rows the C kernel (codes widened in registers), beyond them dequantize + MKL:
+# int8's measured crossover (int8.C_MAX_ROWS) reused, not yet measured for 4/8-bit codes
 # (capped at run time by the library's own limit, NativeLibrary.max_decode_tokens)
 C_MAX_ROWS = 48
 BITS = (4, 8)

@@ -25,16 +25,6 @@
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-#if PN_AVX2
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-#endif
-
 /* One 8-wide chunk of weight row `row` from element i, as float32: float32 weights are loaded,
  * int8 weights (weight-only quantization, layers/quantization.py) are widened; the per-row
  * scale is applied once to the finished dot product. I8 is a literal at every call site. */
@@ -70,7 +60,7 @@ static inline __attribute__((always_inline)) void tile4(const void *const *w, co
         }
     }
     for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) dots[t][k] = hsum(acc[t][k]);
+        for (int k = 0; k < 4; k++) dots[t][k] = pn_hsum256(acc[t][k]);
 #else
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) dots[t][k] = 0.0f;
@@ -84,15 +74,19 @@ static inline __attribute__((always_inline)) void tile4(const void *const *w, co
  * float32, or int8 when i8 (unscaled). */
 static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T, int64_t n, float (*dots)[4]) {
     int64_t t = 0;
-    if (i8) {
-        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 1, dots + t);
-        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 1, dots + t);
-        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 1, dots + t);
-    } else {
-        for (; t + 3 <= T; t += 3) tile4(rows, x + t * n, n, n, 3, 0, dots + t);
-        if (T - t == 2) tile4(rows, x + t * n, n, n, 2, 0, dots + t);
-        if (T - t == 1) tile4(rows, x + t * n, n, n, 1, 0, dots + t);
-    }
+#define TILE(NT, I8) tile4(rows, x + t * n, n, n, NT, I8, dots + t)
+#define TILES(I8)                                         \
+    do {                                                  \
+        for (; t + 3 <= T; t += 3) TILE(3, I8);           \
+        if (T - t == 2) TILE(2, I8);                      \
+        if (T - t == 1) TILE(1, I8);                      \
+    } while (0)
+    if (i8)
+        TILES(1);
+    else
+        TILES(0);
+#undef TILES
+#undef TILE
 }
 
 /* A weight matrix [out, in]: float32 (scale NULL), int8 with one float32 scale per row, or
@@ -110,13 +104,12 @@ static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
 
 static inline float row_scale(Weight W, int64_t row) { return W.scale ? W.scale[row] : 1.0f; }
 
-/* y[t, o] = x[t] . W[o] (+ b[o]) for t < T; x, y contiguous [T, in] / [T, out]. */
-static void matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
+/* y[t, o] = x[t] . W[o] (+ b[o]) for t < T; x, y contiguous [T, in] / [T, out]. Returns 0
+ * or qg_linear's error code (group-wise codes: bad group size, scratch allocation). */
+static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
                    float *y, int threads) {
-    if (W.bits) { /* group sizes were checked when the weights were installed (grouped.py) */
-        qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
-        return;
-    }
+    if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
+        return qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
     const int64_t units = (out + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -130,19 +123,21 @@ static void matmul(const float *x, int64_t T, Weight W, const float *b, int64_t 
             for (int k = 0; k < nr; k++)
                 y[t * out + o + k] = dots[t][k] * row_scale(W, o + k) + (b ? b[o + k] : 0.0f);
     }
+    return PN_OK;
 }
 
 /* act[t, j] = silu(x[t] . W[j] + b[j]) * (x[t] . W[I + j] + b[I + j]) with I = inter: the
  * gate and up rows of one j are computed by the same thread, so the [T, 2I] product never
  * exists in memory. */
-static void gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
+static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
                          int64_t inter, float *act, float *gate_up, int threads) {
     if (W.bits) { /* group-wise codes: the [T, 2I] product goes through gate_up (a scratch buffer) */
-        matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
+        const int rc = matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
+        if (rc != PN_OK) return rc;
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < inter; j++)
                 act[t * inter + j] = silu(gate_up[t * 2 * inter + j]) * gate_up[t * 2 * inter + inter + j];
-        return;
+        return PN_OK;
     }
     const int64_t units = (inter + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -164,6 +159,7 @@ static void gate_up_silu(const float *x, int64_t T, Weight W, const float *b, in
                 act[t * inter + j + k] = silu(g) * up;
             }
     }
+    return PN_OK;
 }
 
 /* out [rows, in] float32 = q [rows, in] int8 * scale[row]: one pass, for batches big enough
@@ -192,8 +188,7 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    matmul(x, T, (Weight){w, scale, NULL, 0, 0}, bias, in, out, y, threads);
-    return PN_OK;
+    return matmul(x, T, (Weight){w, scale, NULL, 0, 0}, bias, in, out, y, threads);
 }
 
 typedef struct {
@@ -231,14 +226,15 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l), m->qkv_b[l], m->hidden,
-           qkv_size, B->qkv, threads);
+    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l), m->qkv_b[l],
+                    m->hidden, qkv_size, B->qkv, threads);
+    if (rc != PN_OK) return rc;
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
     for (int64_t t = 0; t < T; t++) {
         if (m->q_norm[l]) pl_add_rms_norm(q + t * qkv_size, NULL, m->q_norm[l], q + t * qkv_size, m->num_heads, D, D, m->eps, 1);
         if (m->k_norm[l]) pl_add_rms_norm(k + t * qkv_size, NULL, m->k_norm[l], k + t * qkv_size, m->num_kv_heads, D, D, m->eps, 1);
     }
-    int rc = pl_rotary_neox(q, b->positions, m->cos, m->sin, T, m->num_heads, (int)D, qkv_size, D, m->max_position, 1);
+    rc = pl_rotary_neox(q, b->positions, m->cos, m->sin, T, m->num_heads, (int)D, qkv_size, D, m->max_position, 1);
     if (rc == 0) rc = pl_rotary_neox(k, b->positions, m->cos, m->sin, T, m->num_kv_heads, (int)D, qkv_size, D, m->max_position, 1);
     if (rc == 0)
         rc = pa_write_kv(k, v, m->key_cache[l], m->value_cache[l], b->slot_mapping, T, m->num_blocks,
@@ -272,14 +268,17 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     pl_add_rms_norm(B.residual, NULL, m->input_norm[0], B.normed, T, H, H, m->eps, 1);
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
+        if (rc == 0)
+            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l), m->o_b[l], q_size, H,
+                        B.normed, threads);
         if (rc != 0) break;
-        matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l), m->o_b[l], q_size, H, B.normed,
-               threads);
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l),
-                     m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
-        matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l), m->down_b[l],
-               m->intermediate, H, B.normed, threads);
+        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l),
+                          m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
+        if (rc == 0)
+            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l), m->down_b[l],
+                        m->intermediate, H, B.normed, threads);
+        if (rc != 0) break;
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;
         pl_add_rms_norm(B.normed, B.residual, next_norm, l + 1 < m->num_layers ? B.normed : out, T, H, H, m->eps, 1);
     }

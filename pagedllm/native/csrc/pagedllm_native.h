@@ -42,6 +42,14 @@ enum {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PN_AVX2 1
+/* the sum of the 8 lanes of v */
+static inline float pn_hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
 #else
 #define PN_AVX2 0
 #endif

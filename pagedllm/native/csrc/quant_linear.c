@@ -24,14 +24,6 @@
 #include "pagedllm_native.h"
 
 #if PN_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-
 /* Codes of columns i..i+7 of one row as float32 lanes (i a multiple of 8). BITS is a literal. */
 static inline __attribute__((always_inline)) __m256 load_codes8(const uint8_t *row, int64_t i, const int BITS) {
     if (BITS == 4) {
@@ -83,7 +75,7 @@ static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const f
             }
         }
         for (int t = 0; t < NT; t++)
-            for (int k = 0; k < 4; k++) part[t][k] = hsum8(acc[t][k]);
+            for (int k = 0; k < 4; k++) part[t][k] = pn_hsum256(acc[t][k]);
 #else
         for (int t = 0; t < NT; t++)
             for (int k = 0; k < 4; k++) part[t][k] = 0.0f;
