@@ -1,18 +1,11 @@
 """Tests for benchmarks/structured.py's helpers (the benchmark itself runs the 34M model: not in CI)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jsonschema
 import pytest
+from conftest import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured.py"
-_spec = importlib.util.spec_from_file_location("pagedllm_bench_structured", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench
-_spec.loader.exec_module(bench)
+bench = load_benchmark("pagedllm_bench_structured", "structured.py")
 
 
 def test_open_ended_schema_cannot_finish_before_max_tokens():
