@@ -288,7 +288,7 @@ def _resolve_lengths(shape: ModelShape, max_model_len: int | None, mean_len: int
     return max_model_len, mean_len
 
 
-def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, estimated: bool) -> tuple[str, ...]:
+def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int) -> tuple[str, ...]:
     notes = []
     if shape.max_position_embeddings and max_model_len > int(shape.max_position_embeddings):
         notes.append(f"max_model_len {max_model_len} exceeds the config's context length "
@@ -360,8 +360,7 @@ def plan_kv(
     estimated = weights_bytes is None
     quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
     layout = projection_layout(quantization, config)
-    weights = _weights_bytes(shape, num_params, weights_dtype, layout) \
-        if estimated else int(weights_bytes)
+    weights = _weights_bytes(shape, num_params, weights_dtype, layout) if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
@@ -379,7 +378,7 @@ def plan_kv(
         usable_memory=usable, kv_budget=budget, num_blocks=num_blocks,
         max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
-        notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
+        notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
         active_params=count_params(shape, active=True),
     )
