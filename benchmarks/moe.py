@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup  # noqa: E402
+from pagedllm.entrypoints.plan import count_params, model_shape  # noqa: E402
 from pagedllm.layers.fused_moe import FusedMoE, route  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -40,12 +41,9 @@ COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddin
 
 
 def active_params(cfg: dict) -> int:
-    """Parameters one token touches: attention, top-k experts, router, norms, embedding row and LM head."""
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    attention = 2 * h * heads * d + 2 * h * kv * d
-    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["intermediate_size"] + h * cfg["num_local_experts"]
-    return cfg["num_hidden_layers"] * (attention + experts + 2 * h) + 2 * cfg["vocab_size"] * h + h
+    """Parameters one token touches (attention, top-k experts, router, norms, embedding row, LM head):
+    the KV planner's count (entrypoints/plan.py) for this Mixtral config."""
+    return count_params(model_shape({**cfg, **COMMON, "model_type": "mixtral"}), active=True)
 
 
 def build_model(cfg: dict, path: Path) -> Path:
