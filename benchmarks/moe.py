@@ -152,17 +152,20 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload")
     ap.add_argument("--layer-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 32 (4 with --quick)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
+    ap.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--model-dir", type=Path, default=None, help="where the random checkpoint is built "
                     "(default: benchmarks/.cache/<name>); reused when it exists")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "moe.json")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    if args.quick:
-        args.num_prompts, args.prompt_len, args.output_len = 4, 16, 8
+    workload = dict(num_prompts=4, prompt_len=16, output_len=8) if args.quick else \
+        dict(num_prompts=32, prompt_len=128, output_len=64)
+    for key, default in workload.items():  # --quick sizes only what the command line leaves unset
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     args.vocab_size = cfg["vocab_size"]
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
