@@ -161,11 +161,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "moe.json")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    workload = dict(num_prompts=4, prompt_len=16, output_len=8) if args.quick else \
-        dict(num_prompts=32, prompt_len=128, output_len=64)
-    for key, default in workload.items():  # --quick sizes only what the command line leaves unset
-        if getattr(args, key) is None:
-            setattr(args, key, default)
+    common.fill_unset(args, quick=dict(num_prompts=4, prompt_len=16, output_len=8),
+                      full=dict(num_prompts=32, prompt_len=128, output_len=64))
     args.vocab_size = cfg["vocab_size"]
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
