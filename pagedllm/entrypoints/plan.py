@@ -36,6 +36,7 @@ from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import projection_layout
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
+from pagedllm.models.moe import is_sparse_layer
 from pagedllm.utils import format_size, parse_size
 
 __all__ = [
@@ -142,9 +143,8 @@ def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
 
 def _moe_layers(cfg: dict, num_layers: int) -> int:
     """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step`` ones."""
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers")
+    return sum(is_sparse_layer(i, step, dense) for i in range(num_layers))
 
 
 def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
