@@ -19,8 +19,11 @@ the share of pagedllm's generate time spent inside the MoE layers.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
@@ -47,12 +50,15 @@ def active_params(cfg: dict) -> int:
 
 
 def build_model(cfg: dict, path: Path) -> Path:
+    """Builds the random checkpoint once (seed 0) into ``path``; a finished one is reused."""
     if (path / "config.json").exists():
         return path
     import transformers as tf
+    tmp = path.with_name(path.name + ".tmp")
     torch.manual_seed(0)
-    tf.MixtralForCausalLM(tf.MixtralConfig(**cfg, **COMMON)).save_pretrained(path, safe_serialization=True)
-    common.word_tokenizer(cfg["vocab_size"]).save_pretrained(path)
+    tf.MixtralForCausalLM(tf.MixtralConfig(**cfg, **COMMON)).save_pretrained(tmp, safe_serialization=True)
+    common.word_tokenizer(cfg["vocab_size"]).save_pretrained(tmp)
+    os.replace(tmp, path)  # a run killed mid-save leaves no half checkpoint behind to be reused
     return path
 
 
@@ -157,7 +163,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--model-dir", type=Path, default=None, help="where the random checkpoint is built "
-                    "(default: benchmarks/.cache/<name>); reused when it exists")
+                    "(default: benchmarks/.cache/<name>-<config crc>); reused when it exists")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "moe.json")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -168,7 +174,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.num_threads)
     layer = time_layer(cfg, args.layer_tokens, repeats=5 if args.quick else 30)
     name = "mixtral-quick" if args.quick else "mixtral-30m-active"
-    path = build_model(cfg, args.model_dir or common.CACHE_DIR / name)
+    key = zlib.crc32(json.dumps({**cfg, **COMMON}, sort_keys=True).encode())  # a changed config builds anew
+    path = build_model(cfg, args.model_dir or common.CACHE_DIR / f"{name}-{key:08x}")
     e2e = run_end_to_end(path, args)
     print(f"{name}: {active_params(cfg) / 1e6:.1f}M active parameters per token")
     rows = [[k, f"{v:.3f}", f"x{v / layer['fused']:.2f}"] for k, v in layer.items()]
