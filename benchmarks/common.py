@@ -88,6 +88,14 @@ ENGINE_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "atten
                   "kv_cache_memory", "device", "quantization", "dtype", "enforce_eager")
 
 
+def fill_unset(args: argparse.Namespace, quick: dict, full: dict) -> None:
+    """Sets each option the command line left None to its ``--quick`` or full-run default, so
+    ``--quick`` never overrides a value given explicitly."""
+    for key, default in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The pagedllm engine options of throughput.py and latency.py, declared by EngineArgs (read by engine_kwargs).
 

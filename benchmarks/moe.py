@@ -19,8 +19,11 @@ the share of pagedllm's generate time spent inside the MoE layers.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
@@ -30,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup  # noqa: E402
+from pagedllm.entrypoints.plan import count_params, model_shape  # noqa: E402
 from pagedllm.layers.fused_moe import FusedMoE, route  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -40,21 +44,21 @@ COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddin
 
 
 def active_params(cfg: dict) -> int:
-    """Parameters one token touches: attention, top-k experts, router, norms, embedding row and LM head."""
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    attention = 2 * h * heads * d + 2 * h * kv * d
-    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["intermediate_size"] + h * cfg["num_local_experts"]
-    return cfg["num_hidden_layers"] * (attention + experts + 2 * h) + 2 * cfg["vocab_size"] * h + h
+    """Parameters one token touches (attention, top-k experts, router, norms, embedding row, LM head):
+    the KV planner's count (entrypoints/plan.py) for this Mixtral config."""
+    return count_params(model_shape({**cfg, **COMMON, "model_type": "mixtral"}), active=True)
 
 
 def build_model(cfg: dict, path: Path) -> Path:
+    """Builds the random checkpoint once (seed 0) into ``path``; a finished one is reused."""
     if (path / "config.json").exists():
         return path
     import transformers as tf
+    tmp = path.with_name(path.name + ".tmp")
     torch.manual_seed(0)
-    tf.MixtralForCausalLM(tf.MixtralConfig(**cfg, **COMMON)).save_pretrained(path, safe_serialization=True)
-    common.word_tokenizer(cfg["vocab_size"]).save_pretrained(path)
+    tf.MixtralForCausalLM(tf.MixtralConfig(**cfg, **COMMON)).save_pretrained(tmp, safe_serialization=True)
+    common.word_tokenizer(cfg["vocab_size"]).save_pretrained(tmp)
+    os.replace(tmp, path)  # a run killed mid-save leaves no half checkpoint behind to be reused
     return path
 
 
@@ -154,23 +158,24 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload")
     ap.add_argument("--layer-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 32 (4 with --quick)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
+    ap.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--model-dir", type=Path, default=None, help="where the random checkpoint is built "
-                    "(default: benchmarks/.cache/<name>); reused when it exists")
+                    "(default: benchmarks/.cache/<name>-<config crc>); reused when it exists")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "moe.json")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    if args.quick:
-        args.num_prompts, args.prompt_len, args.output_len = 4, 16, 8
+    common.fill_unset(args, quick=dict(num_prompts=4, prompt_len=16, output_len=8),
+                      full=dict(num_prompts=32, prompt_len=128, output_len=64))
     args.vocab_size = cfg["vocab_size"]
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     layer = time_layer(cfg, args.layer_tokens, repeats=5 if args.quick else 30)
     name = "mixtral-quick" if args.quick else "mixtral-30m-active"
-    path = build_model(cfg, args.model_dir or common.CACHE_DIR / name)
+    key = zlib.crc32(json.dumps({**cfg, **COMMON}, sort_keys=True).encode())  # a changed config builds anew
+    path = build_model(cfg, args.model_dir or common.CACHE_DIR / f"{name}-{key:08x}")
     e2e = run_end_to_end(path, args)
     print(f"{name}: {active_params(cfg) / 1e6:.1f}M active parameters per token")
     rows = [[k, f"{v:.3f}", f"x{v / layer['fused']:.2f}"] for k, v in layer.items()]

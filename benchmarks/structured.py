@@ -38,6 +38,7 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
     engine_info,
     engine_kwargs,
     ensure_model,
+    fill_unset,
     format_table,
     git_commit,
     make_prompts,
@@ -140,18 +141,19 @@ def compile_times(llm, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 64 (16 with --quick)")
+    ap.add_argument("--input-len", type=int, default=None, help="default 64 (32 with --quick)")
+    ap.add_argument("--output-len", type=int, default=None, help="default 128 (32 with --quick)")
     ap.add_argument("--num-schemas", type=int, default=6, help="new schemas compiled for the compile time")
-    ap.add_argument("--repeat", type=int, default=4, help="runs of each, in ABBA order; the fastest is reported")
-    ap.add_argument("--quick", action="store_true", help="16 requests, 32 -> 32, one run each")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="runs of each, in ABBA order; the fastest is reported (default 4, 1 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="16 requests, 32 -> 32, one run each (unless given)")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--output", type=Path, default=RESULTS_DIR / "structured.json")
     add_engine_args(ap)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.input_len, args.output_len, args.repeat = 16, 32, 32, 1
+    fill_unset(args, quick=dict(num_prompts=16, input_len=32, output_len=32, repeat=1),
+               full=dict(num_prompts=64, input_len=64, output_len=128, repeat=4))
     model = ensure_bpe_model(ensure_model(args.model_dir or default_model_dir()))
     llm = LLM(str(model), **engine_kwargs(args))
     compile = compile_times(llm, args.num_schemas)

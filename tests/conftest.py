@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,15 @@ if importlib.util.find_spec("triton") is None:
 torch.set_num_threads(2)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def load_benchmark(name: str, file: str):
+    """Import benchmarks/<file> (a script, not a package) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _config(arch: str, **overrides):

@@ -2,29 +2,16 @@
 static-batch server on a fake model, and one tiny end-to-end run of each script."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lat = _load("pagedllm_bench_latency", "latency.py")
-attn = _load("pagedllm_bench_attention", "attention.py")
+lat = load_benchmark("pagedllm_bench_latency", "latency.py")
+attn = load_benchmark("pagedllm_bench_attention", "attention.py")
 
 
 # --------------------------------------------------------------------------- latency helpers

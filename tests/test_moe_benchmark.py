@@ -1,23 +1,11 @@
 """benchmarks/moe.py: the layer baselines compute what FusedMoE computes, and a tiny end-to-end run."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import load_benchmark
 
-
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-moe = _load("pagedllm_bench_moe", "moe.py")
+moe = load_benchmark("pagedllm_bench_moe", "moe.py")
 
 
 def test_full_config_is_about_30m_active():

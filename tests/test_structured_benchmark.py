@@ -1,18 +1,11 @@
 """Tests for benchmarks/structured.py's helpers (the benchmark itself runs the 34M model: not in CI)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jsonschema
 import pytest
+from conftest import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured.py"
-_spec = importlib.util.spec_from_file_location("pagedllm_bench_structured", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench
-_spec.loader.exec_module(bench)
+bench = load_benchmark("pagedllm_bench_structured", "structured.py")
 
 
 def test_open_ended_schema_cannot_finish_before_max_tokens():
@@ -28,3 +21,10 @@ def test_params_constrain_only_the_schema_run():
     assert all(p.structured_outputs is None and p.ignore_eos for p in free)
     assert all(p.structured_outputs.kind == "json" and p.max_tokens == 5 for p in constrained)
     assert [p.seed for p in constrained] == [0, 1]
+
+
+def test_quick_sets_only_the_sizes_left_unset():
+    import argparse
+    args = argparse.Namespace(quick=True, num_prompts=3, repeat=None)
+    bench.fill_unset(args, quick=dict(num_prompts=16, repeat=1), full=dict(num_prompts=64, repeat=4))
+    assert (args.num_prompts, args.repeat) == (3, 1)  # the explicit --num-prompts survives --quick

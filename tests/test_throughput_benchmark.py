@@ -1,19 +1,14 @@
 """Tests for benchmarks/throughput.py: helpers, and one end-to-end --quick run on a tiny model."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-_spec = importlib.util.spec_from_file_location("pagedllm_bench_throughput", _PATH)
-tp = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tp
-_spec.loader.exec_module(tp)
+tp = load_benchmark("pagedllm_bench_throughput", "throughput.py")
 
 
 def test_mixed_lengths_cover_the_range_and_are_fixed():

@@ -1,6 +1,6 @@
 """User-facing engine arguments: the keywords ``LLM(...)`` takes and the CLI flags, from one declaration.
 
-Each :class:`EngineArgs` field carries a :class:`CliOption` in its metadata (help, choices, flag name,
+Each :class:`EngineArgs` field carries a :class:`CliOption` in its metadata (help, choices, aliases,
 parse function, hidden, or the reason it is Python-only). :func:`add_engine_args` makes the argparse
 flags from it and :meth:`EngineArgs.from_cli_args` maps the parsed namespace back, so a new field
 appears on every command (generate, chat, serve) without being typed again. Choice lists are the
@@ -44,7 +44,7 @@ from pagedllm.utils import parse_size
 
 @dataclass(frozen=True)
 class CliOption:
-    """How one EngineArgs field appears on the command line (``--field-name`` unless ``flag`` says otherwise).
+    """How one EngineArgs field appears on the command line (``--field-name``, plus any ``aliases``).
 
     A bool field is a switch: ``--flag`` when it defaults to False, ``--flag/--no-flag`` when it
     defaults to True. A field with ``python_only`` (the reason) gets no flag.
@@ -53,7 +53,6 @@ class CliOption:
     help: str
     choices: tuple | None = None
     parse: Callable[[str], Any] | None = None  # argparse ``type``; None keeps the string
-    flag: str | None = None
     aliases: tuple[str, ...] = ()  # short forms, e.g. "-q"
     nargs: str | None = None
     hidden: bool = False  # accepted, but left out of --help
@@ -254,7 +253,7 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Sequence[str] | None
 
 
 def _flag_names(name: str, opt: CliOption) -> list[str]:
-    return [opt.flag or "--" + name.replace("_", "-"), *opt.aliases]
+    return ["--" + name.replace("_", "-"), *opt.aliases]
 
 
 def _argparse_kwargs(f: Field, opt: CliOption) -> dict[str, Any]:

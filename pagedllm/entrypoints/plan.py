@@ -36,6 +36,7 @@ from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import projection_layout
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
+from pagedllm.models.moe import is_sparse_layer
 from pagedllm.utils import format_size, parse_size
 
 __all__ = [
@@ -142,9 +143,8 @@ def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
 
 def _moe_layers(cfg: dict, num_layers: int) -> int:
     """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step`` ones."""
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers")
+    return sum(is_sparse_layer(i, step, dense) for i in range(num_layers))
 
 
 def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
@@ -288,7 +288,7 @@ def _resolve_lengths(shape: ModelShape, max_model_len: int | None, mean_len: int
     return max_model_len, mean_len
 
 
-def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int, estimated: bool) -> tuple[str, ...]:
+def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int) -> tuple[str, ...]:
     notes = []
     if shape.max_position_embeddings and max_model_len > int(shape.max_position_embeddings):
         notes.append(f"max_model_len {max_model_len} exceeds the config's context length "
@@ -360,8 +360,7 @@ def plan_kv(
     estimated = weights_bytes is None
     quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
     layout = projection_layout(quantization, config)
-    weights = _weights_bytes(shape, num_params, weights_dtype, layout) \
-        if estimated else int(weights_bytes)
+    weights = _weights_bytes(shape, num_params, weights_dtype, layout) if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
@@ -379,7 +378,7 @@ def plan_kv(
         usable_memory=usable, kv_budget=budget, num_blocks=num_blocks,
         max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
-        notes=_notes(shape, max_model_len, budget, max_seqs, estimated),
+        notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
         active_params=count_params(shape, active=True),
     )

@@ -1,33 +1,29 @@
-"""Gemma 3 (text): four RMSNorms per layer scaling by ``1 + weight``, per-head q/k norms, GeGLU
-(tanh GELU), embeddings scaled by sqrt(hidden), attention scaled by ``query_pre_attn_scalar``,
-and local (sliding-window) layers with their own rope base (``rope_local_base_freq``) between
-global ones."""
+"""Gemma 3 (text): Gemma 2's layer (gemma2.py) without the attention-logit soft cap, plus per-head
+q/k norms and local (sliding-window) layers with their own rope base (``rope_local_base_freq``)
+between global ones."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch import nn
 
 from pagedllm.layers.rotary_variants import make_rotary
-from pagedllm.models.decoder import DecoderForCausalLM, DecoderSpec, head_dim_of
+from pagedllm.models.decoder import DecoderSpec, head_dim_of
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @classmethod
     def check_config(cls, cfg) -> None:
         if getattr(cfg, "attn_logit_softcapping", None) is not None:  # Gemma 2's field, left in Gemma 3's config
             raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping!r} is not supported for Gemma 3: "
                              "transformers' Gemma 3 attention never applies it, so a checkpoint setting it has no "
                              "reference meaning; it must be null")
-        if getattr(cfg, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention=True is not supported: attention here is causal")
+        super().check_config(cfg)  # causal attention only; a final soft cap must be > 0
 
     @classmethod
     def decoder_spec(cls, cfg) -> DecoderSpec:
-        bias = bool(getattr(cfg, "attention_bias", False))
-        return DecoderSpec(
-            qkv_bias=bias, o_bias=bias, qk_norm="head", norm_layout="sandwich", gemma_norm=True,
-            hidden_act=cfg.hidden_activation, act_field="hidden_activation", embed_scale=cfg.hidden_size**0.5,
-            attn_scale=cfg.query_pre_attn_scalar**-0.5, final_logit_softcap=cfg.final_logit_softcapping,
-        )
+        return replace(super().decoder_spec(cfg), qk_norm="head", attn_logit_softcap=None)
 
     def make_rotaries(self, cfg, max_position: int) -> list[nn.Module]:
         """Local and global layers rotate with different bases: one table per layer type."""

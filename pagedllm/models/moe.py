@@ -69,11 +69,15 @@ class MixtralForCausalLM(MoeForCausalLM):
         return SparseMoeBlock(cfg, spec, cfg.num_local_experts, cfg.intermediate_size, True, self.tp, self.ops)
 
 
+def is_sparse_layer(layer_idx: int, decoder_sparse_step: int | None, mlp_only_layers) -> bool:
+    """Qwen-MoE's rule: sparse unless listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th
+    layer (also the KV planner's count, entrypoints/plan.py)."""
+    return layer_idx not in (mlp_only_layers or ()) and (layer_idx + 1) % (decoder_sparse_step or 1) == 0
+
+
 def qwen_layer_is_sparse(cfg, layer_idx: int) -> bool:
-    """Qwen-MoE's rule: sparse unless listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th layer."""
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or []) and cfg.num_experts > 0
-            and (layer_idx + 1) % step == 0)
+    return cfg.num_experts > 0 and is_sparse_layer(layer_idx, getattr(cfg, "decoder_sparse_step", 1),
+                                                   getattr(cfg, "mlp_only_layers", None))
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
