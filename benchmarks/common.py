@@ -170,21 +170,3 @@ def git_commit() -> str | None:
                               text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def physical_cores() -> int:
-    try:
-        with open("/proc/cpuinfo") as f:
-            cores = {(p, c) for p, c in _core_ids(f)}
-        return len(cores) or os.cpu_count() or 1
-    except OSError:
-        return os.cpu_count() or 1
-
-
-def _core_ids(lines):
-    phys = "0"
-    for line in lines:
-        if line.startswith("physical id"):
-            phys = line.split(":")[1].strip()
-        elif line.startswith("core id"):
-            yield phys, line.split(":")[1].strip()

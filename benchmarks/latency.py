@@ -59,6 +59,8 @@ import common  # noqa: E402  (the shared 34M random Llama, engine options, table
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
+
 RESULTS_DIR = common.RESULTS_DIR
 QUICK_DIV = 8
 PERCENTILES = (50, 90, 99)
@@ -391,7 +393,7 @@ def _fill_defaults(args):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.num_threads = args.num_threads or common.physical_cores()
+    args.num_threads = args.num_threads or physical_cores()
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else common.ensure_model(common.default_model_dir())
     llm = common.make_llm(model_dir, args)

@@ -42,11 +42,11 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
     format_table,
     git_commit,
     make_prompts,
-    physical_cores,
     save_json,
 )
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer"},

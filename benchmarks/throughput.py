@@ -52,12 +52,12 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
     load_hf,
     make_llm,
     make_prompts,
-    physical_cores,
     prefix_agreement,
     save_json,
 )
 
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
+from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
 
 QUICK_DIV = 8
 
