@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=run_generate)
     from pagedllm.entrypoints import plan
     plan.register(sub)
-    for optional in ("pagedllm.entrypoints.chat", "pagedllm.entrypoints.openai.api_server"):
+    for optional in ("pagedllm.entrypoints.chat", "pagedllm.entrypoints.openai.api_server",
+                     "pagedllm.entrypoints.router.cli"):
         _register_optional(optional, sub)
     return parser
 

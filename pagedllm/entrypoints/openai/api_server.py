@@ -30,6 +30,7 @@ from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 
 from .chat_features import ChatOptions
@@ -373,6 +374,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_limit_args(parser)
     _add_chat_args(parser)
     add_engine_args(parser)
+    add_data_parallel_args(parser)
     return parser
 
 
@@ -418,6 +420,8 @@ def run_server(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     limits = _limits_from_cli(args)
     chat_options = _chat_options_from_cli(args)  # checked before the model loads
+    if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
+        return run_data_parallel(args)
     engine_args = engine_args_from_cli(args)
     app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                     limits=limits, chat_options=chat_options)

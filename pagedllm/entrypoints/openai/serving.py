@@ -558,7 +558,8 @@ class OpenAIServing:
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival)
 
-    def template_options(self, req: ChatCompletionRequest) -> dict:
+    @staticmethod
+    def template_options(req: ChatCompletionRequest) -> dict:
         """The request's template inputs: its own template, tools, documents, continue_final_message
         and ``chat_template_kwargs`` (e.g. ``enable_thinking``), which reach the template as variables."""
         if req.continue_final_message and req.add_generation_prompt:
@@ -577,22 +578,7 @@ class OpenAIServing:
                     **kwargs) -> str:
         """The chat template (the request's, else the server's, else the tokenizer's) applied to the
         messages: the prompt text. ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
-        template = template if template is not None else self.chat_template
-        if template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ServingError("this model's tokenizer has no chat template; start the server with "
-                               "--chat-template FILE_OR_STRING", 400, "messages")
-        if not messages:
-            raise ServingError("messages must not be empty", 400, "messages")
-        try:
-            conversation = conversation_of(messages, _message_text)
-        except RequestFieldError as exc:
-            raise ServingError(str(exc), 400, exc.param) from None
-        try:
-            return self.tokenizer.apply_chat_template(conversation, chat_template=template,
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False,
-                                                      **kwargs)
-        except Exception as exc:  # jinja errors (raise_exception in a template)
-            raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
+        return render_chat(self.tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs)
 
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
                       parsers: list[ChoiceParser]) -> ChatCompletionResponse:
@@ -673,6 +659,28 @@ class OpenAIServing:
                 yield json.dumps(self.generate_json(out)) + "\n"
         finally:
             group.close()
+
+
+def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
+                template: str | None = None, **kwargs) -> str:
+    """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
+    messages: the prompt text. The one rendering path of the server (and of the router, which must
+    see the same tokens). ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
+    template = template if template is not None else server_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ServingError("this model's tokenizer has no chat template; start the server with "
+                           "--chat-template FILE_OR_STRING", 400, "messages")
+    if not messages:
+        raise ServingError("messages must not be empty", 400, "messages")
+    try:
+        conversation = conversation_of(messages, _message_text)
+    except RequestFieldError as exc:
+        raise ServingError(str(exc), 400, exc.param) from None
+    try:
+        return tokenizer.apply_chat_template(conversation, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+    except Exception as exc:  # jinja errors (raise_exception in a template)
+        raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
 
 
 def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:

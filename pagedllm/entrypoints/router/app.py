@@ -1,0 +1,80 @@
+"""The router's ASGI app: its own /health, /metrics and /router/backends; everything else is forwarded."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.api_server import with_cancellation
+from pagedllm.entrypoints.openai.serving import error_body
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
+
+from .config import RouterConfig
+from .prompt_hasher import PromptHasher
+from .proxy import Router, request_headers
+
+routes = APIRouter()
+
+
+def _router(raw: Request) -> Router:
+    return raw.app.state.router
+
+
+@routes.get("/health")
+async def health(raw: Request) -> Response:
+    """200 while at least one backend is in rotation."""
+    if _router(raw).pool.healthy():
+        return Response(status_code=200)
+    return JSONResponse(error_body("no healthy backend", 503), status_code=503)
+
+
+@routes.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    return Response(_router(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/router/backends")
+async def backends(raw: Request) -> dict:
+    """Each backend's URL, health, in-flight count and last scraped queue depth."""
+    return _router(raw).describe()
+
+
+@routes.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+async def forward(raw: Request) -> Response:
+    body = await raw.body()  # read before the disconnect watcher starts listening
+    path_qs = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
+    handler = _router(raw).forward(raw.method, path_qs, request_headers(raw.headers), body)
+    return await with_cancellation(raw, handler)
+
+
+def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None) -> FastAPI:
+    """The router app; ``hasher`` is needed by the prefix policy (see ``load_hasher``)."""
+    if config.policy == "prefix" and hasher is None:
+        raise ValueError("routing_policy='prefix' needs a PromptHasher (the replicas' tokenizer)")
+    router = Router(config, hasher)
+    app = FastAPI(title="pagedllm router", lifespan=_lifespan(router))
+    app.state.router = router
+    app.include_router(routes)
+    return app
+
+
+def load_hasher(config: RouterConfig) -> PromptHasher | None:
+    """The prompt hasher the config's policy needs (None for load-only policies)."""
+    if config.policy != "prefix":
+        return None
+    return PromptHasher.load(config.tokenizer, config.block_size, config.chat_template, config.trust_remote_code)
+
+
+def _lifespan(router: Router):
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.pool.check_all()
+        watcher = asyncio.create_task(router.pool.watch(router.config.health_check_interval))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await router.close()
+    return lifespan

@@ -1,0 +1,94 @@
+"""``pagedllm router --backend URL ...``: the router in front of running OpenAI-compatible servers."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import httpx
+
+from .backends import BackendPool
+from .config import ROUTING_POLICIES, RouterConfig
+
+_DEFAULTS = RouterConfig(backends=("http://unused:1",), policy="round_robin")
+# the routing flags' defaults (shared by both commands)
+ROUTING_DEFAULTS = {"routing_policy": "prefix", "prefix_table_size": _DEFAULTS.prefix_table_size,
+                    "balance_threshold": _DEFAULTS.balance_threshold,
+                    "health_check_interval": _DEFAULTS.health_check_interval}
+
+
+def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") -> None:
+    """The routing flags shared by ``pagedllm router`` and ``pagedllm serve --data-parallel-size``."""
+    g = parser.add_argument_group(title)
+    d = ROUTING_DEFAULTS
+    g.add_argument("--routing-policy", default=d["routing_policy"], choices=ROUTING_POLICIES,
+                   help="prefix: the backend holding the longest cached prefix of the prompt, unless it is "
+                        "--balance-threshold requests busier than the least loaded; least_loaded; round_robin")
+    g.add_argument("--prefix-table-size", type=int, default=d["prefix_table_size"],
+                   help="prompt block hashes the router remembers (LRU, all backends together)")
+    g.add_argument("--balance-threshold", type=int, default=d["balance_threshold"],
+                   help="requests in flight the prefix holder may have beyond the least loaded backend")
+    g.add_argument("--health-check-interval", type=float, default=d["health_check_interval"],
+                   help="seconds between GET /health and /metrics probes of each backend")
+
+
+def register(subparsers) -> None:
+    """Adds ``pagedllm router`` to the pagedllm CLI."""
+    p = subparsers.add_parser("router", help="route requests across OpenAI-compatible servers (data parallelism)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", action="extend", nargs="+", required=True, metavar="URL",
+                   help="a backend server's root URL, e.g. http://10.0.0.2:8000 (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--model", default=None, help="the backends' model: its tokenizer keys the prefix policy")
+    p.add_argument("--tokenizer", default=None, help="the backends' tokenizer, when not --model's")
+    p.add_argument("--trust-remote-code", action="store_true", help="let transformers run the tokenizer's code")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="the backends' --block-size")
+    p.add_argument("--chat-template", default=None, help="the chat template the backends were started with")
+    p.add_argument("--startup-timeout", type=float, default=_DEFAULTS.startup_timeout,
+                   help="seconds each backend gets to pass GET /health before the router refuses to start")
+    p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout,
+                   help="seconds a backend may go silent during a request before the client gets 504")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    add_routing_args(p)
+    p.set_defaults(func=run_router)
+
+
+def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed) -> RouterConfig:
+    """The RouterConfig of the routing flags; ``fixed`` supplies the rest (tokenizer, block size...)."""
+    return RouterConfig(backends=backends, policy=args.routing_policy, prefix_table_size=args.prefix_table_size,
+                        balance_threshold=args.balance_threshold, health_check_interval=args.health_check_interval,
+                        **fixed)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import load_chat_template
+    resolved = _resolved_tokenizer(args.tokenizer or args.model)
+    config = config_from_cli(args, tuple(args.backend), tokenizer=resolved, trust_remote_code=args.trust_remote_code,
+                             chat_template=load_chat_template(args.chat_template), block_size=args.block_size,
+                             startup_timeout=args.startup_timeout, request_timeout=args.request_timeout)
+    asyncio.run(check_reachable(config))
+    serve_router(config, args.host, args.port, args.uvicorn_log_level)
+    return 0
+
+
+def _resolved_tokenizer(name: str | None) -> str | None:
+    """The bundled demo model's folder for its name; anything else goes to AutoTokenizer as given
+    (a Hub id fetches only the tokenizer files, not the weights)."""
+    from pagedllm.models.loader import DEMO_MODEL_NAME, demo_model_path
+    return demo_model_path() if name == DEMO_MODEL_NAME else name
+
+
+async def check_reachable(config: RouterConfig) -> None:
+    """ValueError naming each backend that does not pass ``GET /health`` within ``startup_timeout``."""
+    async with httpx.AsyncClient() as client:
+        await BackendPool(config.backends, client).wait_reachable(config.startup_timeout)
+
+
+def serve_router(config: RouterConfig, host: str, port: int, log_level: str) -> None:
+    """Runs the router app until interrupted."""
+    import uvicorn
+
+    from .app import build_router_app, load_hasher
+    app = build_router_app(config, load_hasher(config))
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

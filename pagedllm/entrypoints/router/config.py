@@ -1,0 +1,80 @@
+"""The router's options, validated once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pagedllm.config import ALLOWED_BLOCK_SIZES
+
+# prefix: longest cached prefix, balanced against load; least_loaded: fewest requests in flight;
+# round_robin: in turn (the baseline the prefix policy is measured against)
+ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What the router fronts and how it picks a backend.
+
+    ``tokenizer`` (a path or Hub id), ``chat_template`` (the template text, as the replicas' server
+    was given, or None for the tokenizer's own) and ``block_size`` (the replicas' ``--block-size``)
+    let the prefix policy compute the same chained block hashes as the replicas' engines.
+    ``prefix_table_size`` bounds the remembered block hashes (LRU, all backends together).
+    ``balance_threshold``: when the backend holding the longest prefix has more than this many
+    requests in flight beyond the least loaded one, the least loaded one gets the request.
+    """
+
+    backends: tuple[str, ...]
+    policy: str = "prefix"
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+    block_size: int = 16
+    prefix_table_size: int = 65536
+    balance_threshold: int = 8
+    health_check_interval: float = 2.0
+    startup_timeout: float = 10.0
+    request_timeout: float = 600.0
+
+    def __post_init__(self):
+        if not self.backends:
+            raise ValueError("backends=() is invalid: give at least one --backend URL")
+        for url in self.backends:
+            check_backend_url(url)
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends={list(self.backends)} lists a URL twice: each backend once")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy={self.policy!r} is invalid: must be one of {ROUTING_POLICIES}")
+        if self.policy == "prefix" and not self.tokenizer:
+            raise ValueError("routing_policy='prefix' needs the replicas' tokenizer (--tokenizer or --model) to hash "
+                             "prompts as they do; use --routing-policy least_loaded or round_robin without one")
+        if self.block_size not in ALLOWED_BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size!r} is invalid: must be one of {ALLOWED_BLOCK_SIZES} "
+                             "(the replicas' --block-size)")
+        _check_int("prefix_table_size", self.prefix_table_size, 1)
+        _check_int("balance_threshold", self.balance_threshold, 0)
+        for name in ("health_check_interval", "startup_timeout", "request_timeout"):
+            _check_seconds(name, getattr(self, name))
+
+
+def check_backend_url(url: str) -> str:
+    """An ``http(s)://host:port`` root URL (no path beyond ``/``), else ValueError naming it."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+            or parts.query or parts.fragment:
+        raise ValueError(f"backend={url!r} is invalid: must be a server's root URL, e.g. http://10.0.0.2:8000")
+    try:
+        _ = parts.port  # raises ValueError on a port out of range
+    except ValueError:
+        raise ValueError(f"backend={url!r} is invalid: its port must be 0-65535") from None
+    return url
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid: must be a positive number of seconds")

@@ -1,0 +1,57 @@
+"""The router's own ``/metrics`` (``pagedllm:router_*``); each replica keeps its engine metrics."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .backends import BackendPool
+
+
+class _BackendStateCollector(Collector):
+    """Health, in-flight count and scraped queue depth of each backend, read at scrape time."""
+
+    def __init__(self, pool: BackendPool):
+        self.pool = pool
+
+    def collect(self):
+        families = {
+            "healthy": GaugeMetricFamily("pagedllm:router_backend_healthy", "1 when the backend is in rotation.",
+                                         labels=["backend"]),
+            "in_flight": GaugeMetricFamily("pagedllm:router_backend_in_flight",
+                                           "Requests this router has on the backend now.", labels=["backend"]),
+            "queued": GaugeMetricFamily("pagedllm:router_backend_queue_depth",
+                                        "Running + waiting requests the backend's /metrics last reported.",
+                                        labels=["backend"]),
+        }
+        for b in self.pool.backends.values():
+            families["healthy"].add_metric([b.url], float(b.healthy))
+            families["in_flight"].add_metric([b.url], b.in_flight)
+            families["queued"].add_metric([b.url], b.queued)
+        yield from families.values()
+
+
+class RouterMetrics:
+    """Counters by backend: requests sent, prefix-affinity hits, failovers, broken streams."""
+
+    def __init__(self, pool: BackendPool):
+        self.registry = CollectorRegistry()
+        self.registry.register(_BackendStateCollector(pool))
+        self.requests = self._counter("requests", "Requests sent to each backend (retries included).")
+        self.affinity_hits = self._counter("prefix_affinity_hits",
+                                           "Requests sent to a backend because it held a prefix of the prompt.")
+        self.matched_tokens = self._counter("prefix_matched_tokens",
+                                            "Prompt tokens the chosen backend held by the router's table.")
+        self.failovers = self._counter("failovers", "Requests moved away from a failed backend before output.")
+        self.stream_errors = self._counter("stream_errors",
+                                           "Streams that broke after output began (ended with an error event).")
+        for url in pool.backends:  # every series exists from the start, at 0
+            for counter in (self.requests, self.affinity_hits, self.matched_tokens, self.failovers,
+                            self.stream_errors):
+                counter.labels(backend=url)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"pagedllm:router_{name}", doc, ["backend"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

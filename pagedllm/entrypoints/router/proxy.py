@@ -1,0 +1,235 @@
+"""Forwarding with failover: one request, tried on backends in the policy's order until one answers.
+
+A request is *pending* until its first byte reaches the client: for a stream, until the backend
+sends its first event (a pagedllm server sends none before the first generated token); for a
+plain response, until the backend's whole answer arrived. A backend that fails (cannot be reached,
+drops the connection, or answers 502/503/504) while a request is pending is taken out and the
+request goes to the next backend: generation has no side effects, so this is a safe retry. Once a
+stream began it cannot be replayed transparently (the client already holds part of one answer):
+the router then ends it with an OpenAI-style ``{"error": ...}`` event and ``[DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
+
+import anyio
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.serving import error_body, sse
+
+from .backends import Backend, BackendPool
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .policy import Choice, Picker
+from .prefix_table import PrefixTable
+from .prompt_hasher import PromptHasher
+
+logger = logging.getLogger(__name__)
+
+# hop-by-hop and framing headers: the router's own connections set them
+_DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+                                      "upgrade", "accept-encoding"})
+_DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
+                                       "content-encoding", "date", "server"})
+_BACKEND_DOWN_STATUSES = (502, 503, 504)
+CONNECT_TIMEOUT = 5.0
+
+
+class BackendFailed(Exception):
+    """The backend failed while the request was pending: take it out, try the next one."""
+
+
+class Router:
+    """Routes each request to a backend (policy, prefix table, load) and relays its answer.
+
+    Stateful: the prefix table, the backends' health and in-flight counts, and the counters of
+    ``/metrics``. Runs on one event loop; tokenization runs on its own single thread.
+    """
+
+    def __init__(self, config: RouterConfig, hasher: PromptHasher | None = None):
+        self.config, self.hasher = config, hasher
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=CONNECT_TIMEOUT),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.table = PrefixTable(config.prefix_table_size)
+        self.pool = BackendPool(config.backends, self.client, on_down=self.table.forget)
+        self.picker = Picker(config.policy, config.balance_threshold)
+        self.metrics = RouterMetrics(self.pool)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        self._tokenizer_thread.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ choosing
+    async def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
+        if self.hasher is None:
+            return []
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, body)
+
+    def choose(self, hashes: list[bytes], tried: set[str]) -> Choice | None:
+        """The next backend for a request (None when every healthy one was tried); counts it as in flight."""
+        candidates = [b for b in self.pool.healthy() if b.url not in tried]
+        choice = self.picker.pick(candidates, self.table.match(hashes))
+        if choice is None:
+            return None
+        url = choice.backend.url
+        self.table.record(hashes, url)
+        choice.backend.in_flight += 1
+        self.metrics.requests.labels(backend=url).inc()
+        self.metrics.matched_tokens.labels(backend=url).inc(choice.matched_blocks * self.config.block_size)
+        if choice.affinity:
+            self.metrics.affinity_hits.labels(backend=url).inc()
+        return choice
+
+    # ------------------------------------------------------------------ forwarding
+    async def forward(self, method: str, path_qs: str, headers: dict[str, str], body: bytes) -> Response:
+        """Sends the request to backends in turn until one answers; 503 when none can."""
+        path = path_qs.split("?", 1)[0]
+        hashes = await self.prompt_hashes(path, body)
+        stream = wants_stream(body)
+        tried: set[str] = set()
+        while (choice := self.choose(hashes, tried)) is not None:
+            backend = choice.backend
+            tried.add(backend.url)
+            try:
+                return await self._attempt(backend, method, path_qs, headers, body, stream)
+            except httpx.TimeoutException:
+                message = f"backend {backend.url} did not answer within {self.config.request_timeout:g} s"
+                return JSONResponse(error_body(message, 504), status_code=504)
+            except BackendFailed as exc:
+                self.pool.mark_down(backend.url, str(exc))
+                self.metrics.failovers.labels(backend=backend.url).inc()
+        message = f"no healthy backend could take the request (tried {sorted(tried)})" if tried else \
+            "no healthy backend: every backend failed its health check"
+        return JSONResponse(error_body(message, 503), status_code=503)
+
+    async def _attempt(self, backend: Backend, method: str, path_qs: str, headers: dict[str, str], body: bytes,
+                       stream: bool) -> Response:
+        """One try on ``backend``; releases its in-flight slot unless a relayed stream now owns it."""
+        owned_by_stream = False
+        try:
+            upstream = await self._send(backend, method, path_qs, headers, body)
+            if not stream or upstream.status_code != 200:
+                return await self._whole(backend, upstream)
+            response = await self._stream(backend, upstream)
+            owned_by_stream = True
+            return response
+        finally:
+            if not owned_by_stream:
+                backend.in_flight -= 1
+
+    async def _send(self, backend: Backend, method: str, path_qs: str, headers: dict[str, str],
+                    body: bytes) -> httpx.Response:
+        request = self.client.build_request(method, backend.url + path_qs, headers=headers, content=body)
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise_failure(exc, "unreachable")
+        if upstream.status_code in _BACKEND_DOWN_STATUSES:
+            await upstream.aclose()
+            raise BackendFailed(f"answered {upstream.status_code} {method} {path_qs}")
+        return upstream
+
+    async def _whole(self, backend: Backend, upstream: httpx.Response) -> Response:
+        """The backend's whole answer, relayed once it has arrived (retried elsewhere if it breaks)."""
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as exc:
+            raise_failure(exc, "connection lost before the answer")
+        finally:
+            await close_quietly(upstream)
+        return Response(content, status_code=upstream.status_code, headers=response_headers(upstream.headers))
+
+    async def _stream(self, backend: Backend, upstream: httpx.Response) -> StreamingResponse:
+        """Waits for the first event (still pending until then), then relays the rest as it comes."""
+        events = sse_events(upstream.aiter_bytes())
+        try:
+            first = await anext(events, b"")
+        except httpx.TransportError as exc:
+            await close_quietly(upstream)
+            raise_failure(exc, "connection lost before the first event")
+        except BaseException:  # the client left (cancelled) while the request was queued
+            await close_quietly(upstream)
+            raise
+        return StreamingResponse(self._relay(backend, upstream, first, events), status_code=200,
+                                 headers=response_headers(upstream.headers))
+
+    async def _relay(self, backend: Backend, upstream: httpx.Response, first: bytes,
+                     events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for event in events:
+                yield event
+        except httpx.TransportError as exc:
+            yield self._broken_stream(backend, exc)
+        finally:  # also when the client leaves: closing the upstream makes the backend abort the request
+            backend.in_flight -= 1
+            await close_quietly(upstream)
+
+    def _broken_stream(self, backend: Backend, exc: Exception) -> bytes:
+        """The error event that ends a stream whose backend failed after output began."""
+        self.metrics.stream_errors.labels(backend=backend.url).inc()
+        if not isinstance(exc, httpx.TimeoutException):
+            self.pool.mark_down(backend.url, f"stream broke ({type(exc).__name__}: {exc})")
+        message = (f"backend {backend.url} failed after the stream began ({type(exc).__name__}); a started stream "
+                   "cannot be replayed on another backend: send the request again")
+        return (sse(error_body(message, 502)) + sse("[DONE]")).encode()
+
+    # ------------------------------------------------------------------ state for /router/backends
+    def describe(self) -> dict:
+        backends = [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "queue_depth": b.queued,
+                     "error": b.error} for b in self.pool.backends.values()]
+        return {"policy": self.config.policy, "prefix_table_entries": len(self.table), "backends": backends}
+
+
+def raise_failure(exc: httpx.TransportError, when: str) -> NoReturn:
+    """Raises what a transport error means: BackendFailed (take the backend out, retry elsewhere),
+    or, for a read that outlived ``request_timeout``, the timeout itself (the client gets 504)."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        raise exc
+    raise BackendFailed(f"{when} ({type(exc).__name__}: {exc})") from exc
+
+
+async def close_quietly(upstream: httpx.Response) -> None:
+    """Closes a backend response even inside a cancelled scope (the client left)."""
+    with anyio.CancelScope(shield=True):
+        await upstream.aclose()
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether a JSON body asks for ``"stream": true`` (anything else is relayed whole)."""
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("stream") is True
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Regroups a byte stream into whole server-sent events (each ending in a blank line), so an
+    error event appended after a failure never lands inside a half-relayed one."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        cut = buffer.rfind(b"\n\n")
+        if cut >= 0:
+            yield buffer[:cut + 2]
+            buffer = buffer[cut + 2:]
+    if buffer:
+        yield buffer
+
+
+def request_headers(headers) -> dict[str, str]:
+    """The client's headers worth passing on (Authorization included: the backends check keys)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_REQUEST_HEADERS}
+
+
+def response_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS}

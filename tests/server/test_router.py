@@ -1,0 +1,277 @@
+"""Data parallelism: ``pagedllm serve --data-parallel-size 2`` (two replicas behind the prefix-aware
+router) against a round-robin router over the same replicas, driven by the real ``openai`` client.
+
+One module-scoped launch (the parent process and its two replicas); the test that kills a replica
+runs last. Replicas run with ``--max-num-seqs 2`` so a burst queues (requests stay pending).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from live_server import free_port, server_model_dir
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.entrypoints.cli import main as cli_main
+from pagedllm.entrypoints.router.app import build_router_app
+from pagedllm.entrypoints.router.config import RouterConfig
+from pagedllm.entrypoints.router.prompt_hasher import PromptHasher
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 8
+MAX_TOKENS = 180  # a long stream (the prompts are ~65 tokens of max_model_len 256)
+WORDS = "the quick brown fox jumps over lazy dog paged attention keeps a block table hello world".split()
+
+
+@dataclass
+class DataParallelServer:
+    url: str
+    backends: list[str]
+    proc: subprocess.Popen
+    log: Path
+
+
+def _get(url: str, timeout: float = 5.0) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+
+
+def _healthy(url: str) -> bool:
+    response = _get(f"{url}/health")
+    return response is not None and response.status_code == 200
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def dp_server(server_model_dir, tmp_path_factory):
+    port, log = free_port(), tmp_path_factory.mktemp("dp") / "server.log"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", server_model_dir, "--data-parallel-size", "2",
+           "--port", str(port), "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", "256",
+           "--max-model-len", "256", "--max-num-seqs", "2", "--served-model-name", "tiny",
+           "--health-check-interval", "0.5", "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=out,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(lambda: proc.poll() is not None or _healthy(url), 240, "the data-parallel server to start")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        backends = [b["url"] for b in httpx.get(f"{url}/router/backends").json()["backends"]]
+        yield DataParallelServer(url, backends, proc, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def round_robin_url(dp_server):
+    """A round-robin router (in this process) over the same two replicas: the baseline."""
+    import uvicorn
+    config = RouterConfig(tuple(dp_server.backends), policy="round_robin", health_check_interval=0.5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_router_app(config), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait_for(lambda: server.started, 30, "the round-robin router")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _replica_total(backends: list[str], name: str) -> float:
+    return sum(v for url in backends for (n, _), v in _metrics(url).items() if n == name)
+
+
+def _system_prompt(tag: str, i: int) -> str:
+    """A long system prompt (about 8 blocks), distinct per tag and index from its first words (the
+    chat template's own opening is shorter than a block, so different prompts share no block)."""
+    rng = random.Random(f"{tag}-{i}")
+    return " ".join(rng.choice(WORDS) for _ in range(24)) + f" ({tag} {i})"
+
+
+def _chat(client: openai.OpenAI, system: str, user: str, max_tokens: int = 2, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": system},
+                                                                  {"role": "user", "content": user}],
+                                          max_tokens=max_tokens, temperature=0, **kwargs)
+
+
+def _second_wave_hit_rate(url: str, backends: list[str], tag: str) -> float:
+    """Wave 1: one request per system prompt; wave 2: each system prompt twice more. Returns the
+    replicas' prefix-cache hit rate (hit / looked-up prompt tokens) over wave 2."""
+    client, systems = _client(url), [_system_prompt(tag, i) for i in range(4)]
+    for s in systems:
+        _chat(client, s, "first question")
+    hits, queries = (_replica_total(backends, f"pagedllm:prefix_cache_{k}_total") for k in ("hits", "queries"))
+    for s in systems:
+        for user in ("second question", "third one"):
+            _chat(client, s, user)
+    new_hits = _replica_total(backends, "pagedllm:prefix_cache_hits_total") - hits
+    return new_hits / (_replica_total(backends, "pagedllm:prefix_cache_queries_total") - queries)
+
+
+# ---------------------------------------------------------------------- routing
+def test_prefix_routing_beats_round_robin(dp_server, round_robin_url):
+    before = _metrics(dp_server.url)
+    prefix_rate = _second_wave_hit_rate(dp_server.url, dp_server.backends, "prefix-run")
+    round_robin_rate = _second_wave_hit_rate(round_robin_url, dp_server.backends, "round-robin-run")
+    # every wave-2 request finds its system prompt on its replica: about 3/4 of its tokens
+    assert prefix_rate > 0.6
+    assert prefix_rate >= round_robin_rate + 0.2, (prefix_rate, round_robin_rate)
+    after = _metrics(dp_server.url)
+
+    def delta(name: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
+    assert delta("pagedllm:router_requests_total") == 12
+    assert delta("pagedllm:router_prefix_affinity_hits_total") >= 8  # all of wave 2
+    assert delta("pagedllm:router_prefix_matched_tokens_total") >= 8 * 3 * BLOCK_SIZE
+
+
+def test_router_hashes_the_prompts_the_replicas_see(dp_server, server_model_dir):
+    """The router's token ids equal the replica's own tokenization (its /tokenize), for a chat and a
+    completion prompt, so its block hashes are the replica's prefix-cache keys."""
+    hasher = PromptHasher.load(server_model_dir, BLOCK_SIZE)
+    messages = [{"role": "system", "content": _system_prompt("hash", 0)}, {"role": "user", "content": "hi"}]
+    chat = {"model": "tiny", "messages": messages}
+    completion = {"model": "tiny", "prompt": _system_prompt("hash", 1)}
+    backend = dp_server.backends[0]
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        tokenize_body = {"model": "tiny", "messages": messages} if "messages" in body else dict(body)
+        expected = httpx.post(f"{backend}/tokenize", json=tokenize_body).json()["tokens"]
+        assert hasher.prompt_ids(path, body) == expected
+        assert len(hasher.block_hashes(path, json.dumps(body).encode())) == len(expected) // BLOCK_SIZE
+
+
+def test_streams_pass_through(dp_server):
+    """A stream through the router carries the same tokens as one straight from a replica."""
+    system = _system_prompt("stream", 0)
+
+    def streamed(url: str) -> str:
+        stream = _chat(_client(url), system, "say something", max_tokens=12, stream=True,
+                       extra_body={"ignore_eos": True})
+        return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed(dp_server.url) == streamed(dp_server.backends[0])
+
+
+def test_other_routes_are_forwarded(dp_server):
+    assert _client(dp_server.url).models.list().data[0].id == "tiny"
+    response = httpx.post(f"{dp_server.url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert response.status_code in (400, 404)  # the replica's own refusal, passed on
+    assert "nope" in response.json()["error"]["message"]
+
+
+def test_every_block_is_free_on_each_replica(dp_server):
+    for url in dp_server.backends:
+        _wait_for(lambda u=url: _replica_total([u], "pagedllm:num_requests_running") == 0, 10, "idle replicas")
+        assert _replica_total([url], "pagedllm:num_requests_waiting") == 0
+        assert _replica_total([url], "pagedllm:kv_cache_usage_perc") == 0
+
+
+# ---------------------------------------------------------------------- bad input
+def test_unreachable_backend_is_a_clear_error(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code = cli_main(["router", "--backend", url, "--routing-policy", "round_robin", "--startup-timeout", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{url}: unreachable" in err and "--startup-timeout" in err
+
+
+def test_bad_backend_url_is_a_clear_error(capsys):
+    assert cli_main(["router", "--backend", "127.0.0.1:8000", "--routing-policy", "round_robin"]) == 2
+    assert "backend='127.0.0.1:8000' is invalid" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- failover (last: kills a replica)
+def _replica_pid(dp_server: DataParallelServer, url: str) -> int:
+    port = int(url.rsplit(":", 1)[1])
+    for child in psutil.Process(dp_server.proc.pid).children():
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp")):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise LookupError(f"no replica process listens on {url}")
+
+
+def _run_stream(client: openai.OpenAI, system: str, user: str, started: threading.Event) -> tuple[str, int]:
+    """("done", completion tokens) for a stream that ended normally; ("error", chunks received before
+    the error) otherwise."""
+    chunks, usage = 0, None
+    try:
+        stream = _chat(client, system, user, max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True},
+                       stream_options={"include_usage": True})
+        for chunk in stream:
+            usage = chunk.usage or usage
+            if chunk.choices and chunk.choices[0].delta.content:
+                chunks += 1
+                started.set()
+    except openai.APIError:
+        return "error", chunks
+    return "done", usage.completion_tokens
+
+
+def test_killed_backend_pending_requests_complete_on_the_other(dp_server):
+    client, system = _client(dp_server.url), _system_prompt("failover", 0)
+    before_warm = _metrics(dp_server.url)
+    _chat(client, system, "warm")  # the prefix table now sends this system prompt to one replica
+    before = _metrics(dp_server.url)
+    holder = next(url for url in dp_server.backends if before[("pagedllm:router_requests_total", (("backend", url),))]
+                  > before_warm[("pagedllm:router_requests_total", (("backend", url),))])
+    holder_pid, started = _replica_pid(dp_server, holder), threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_run_stream, client, system, f"user {i}", started) for i in range(6)]
+        assert started.wait(60)
+        os.kill(holder_pid, signal.SIGKILL)  # while 2 streams run on it and the rest wait there
+        results = [f.result(timeout=120) for f in futures]
+    done = [r for r in results if r[0] == "done"]
+    broken = [r for r in results if r[0] == "error"]
+    # at most max_num_seqs=2 streams had begun on the killed replica; the pending ones moved over
+    assert len(broken) <= 2 and len(done) >= 4, results
+    assert all(tokens == MAX_TOKENS for _, tokens in done)
+    assert all(tokens > 0 for _, tokens in broken)  # an error only for a stream that had begun
+    after = _metrics(dp_server.url)
+
+    def delta(name: str) -> float:
+        return after[(name, (("backend", holder),))] - before[(name, (("backend", holder),))]
+    assert delta("pagedllm:router_requests_total") == 6  # the whole burst followed the prefix to one replica
+    assert delta("pagedllm:router_failovers_total") >= 1
+    assert after[("pagedllm:router_backend_healthy", (("backend", holder),))] == 0
+    assert httpx.get(f"{dp_server.url}/health").status_code == 200
+    survivor = next(url for url in dp_server.backends if url != holder)
+    _wait_for(lambda: _replica_total([survivor], "pagedllm:num_requests_running") == 0, 10, "the survivor to idle")
+    assert _replica_total([survivor], "pagedllm:kv_cache_usage_perc") == 0

@@ -1,0 +1,160 @@
+"""The router's parts without servers: prefix table, policies, config checks, metrics parsing."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.entrypoints.router.backends import Backend, queue_depth
+from pagedllm.entrypoints.router.config import RouterConfig
+from pagedllm.entrypoints.router.data_parallel import wants_data_parallel
+from pagedllm.entrypoints.router.policy import Picker
+from pagedllm.entrypoints.router.prefix_table import PrefixTable
+from pagedllm.entrypoints.router.proxy import sse_events
+from pagedllm.kv_cache.prefix_hash import extend_block_hashes
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def _hashes(token_ids: list[int], block_size: int = 4) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size)
+    return hashes
+
+
+# ---------------------------------------------------------------------- prefix table
+def test_match_counts_leading_blocks_per_backend():
+    table = PrefixTable(capacity=100)
+    shared = list(range(8))
+    table.record(_hashes(shared + [50, 51, 52, 53]), A)  # 3 blocks on A
+    table.record(_hashes(shared), B)  # 2 blocks on B
+    assert table.match(_hashes(shared + [50, 51, 52, 53, 9, 9, 9, 9])) == {A: 3, B: 2}
+    assert table.match(_hashes(shared[:4] + [7, 7, 7, 7])) == {A: 1, B: 1}
+    assert table.match(_hashes([9] * 8)) == {}
+    assert table.match([]) == {}
+
+
+def test_capacity_forgets_least_recently_used_tail_first():
+    table = PrefixTable(capacity=3)
+    first = _hashes(list(range(12)))  # 3 blocks
+    table.record(first, A)
+    table.record(_hashes([100, 101, 102, 103]), B)  # 1 block: pushes out first's last block
+    assert len(table) == 3
+    assert table.match(first) == {A: 2}  # the leading blocks survive, the tail went first
+
+
+def test_forget_drops_a_backend_everywhere():
+    table = PrefixTable(capacity=100)
+    h = _hashes(list(range(8)))
+    table.record(h, A)
+    table.record(h, B)
+    table.forget(A)
+    assert table.match(h) == {B: 2}
+    table.forget(B)
+    assert len(table) == 0
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity=0"):
+        PrefixTable(0)
+
+
+# ---------------------------------------------------------------------- policies
+def _backends(*loads: int) -> list[Backend]:
+    return [Backend(url, in_flight=load) for url, load in zip((A, B, C), loads)]
+
+
+def test_round_robin_takes_turns():
+    picker, backends = Picker("round_robin", 8), _backends(0, 0, 0)
+    assert [picker.pick(backends, {}).backend.url for _ in range(4)] == [A, B, C, A]
+
+
+def test_least_loaded_spreads_ties():
+    picker = Picker("least_loaded", 8)
+    assert picker.pick(_backends(3, 1, 2), {}).backend.url == B
+    ties = _backends(0, 0, 5)
+    assert {picker.pick(ties, {}).backend.url for _ in range(4)} == {A, B}
+
+
+def test_prefix_prefers_the_longest_match():
+    picker = Picker("prefix", 8)
+    choice = picker.pick(_backends(2, 0, 0), {A: 3, B: 1})
+    assert (choice.backend.url, choice.matched_blocks, choice.affinity) == (A, 3, True)
+
+
+def test_prefix_yields_to_load_beyond_the_threshold():
+    picker = Picker("prefix", 2)
+    assert picker.pick(_backends(2, 0, 1), {A: 5}).backend.url == A  # 2 busier: still within the threshold
+    choice = picker.pick(_backends(3, 0, 1), {A: 5})
+    assert (choice.backend.url, choice.affinity) == (B, False)
+
+
+def test_prefix_without_a_match_is_least_loaded():
+    choice = Picker("prefix", 8).pick(_backends(1, 0, 4), {})
+    assert (choice.backend.url, choice.affinity) == (B, False)
+
+
+def test_load_counts_the_scraped_queue():
+    assert Backend(A, in_flight=1, queued=5).load == 5
+    assert Backend(A, in_flight=3, queued=0).load == 3
+
+
+def test_no_candidate_means_no_choice():
+    assert Picker("prefix", 8).pick([], {A: 1}) is None
+
+
+# ---------------------------------------------------------------------- config and flags
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backends=()), "at least one --backend"),
+    (dict(backends=("localhost:8000",)), "backend='localhost:8000' is invalid"),
+    (dict(backends=("http://h:8000/v1",)), "root URL"),
+    (dict(backends=("http://h:99999",)), "port"),
+    (dict(backends=(A, A)), "twice"),
+    (dict(backends=(A,), policy="random"), "routing_policy='random'"),
+    (dict(backends=(A,), policy="prefix"), "needs the replicas' tokenizer"),
+    (dict(backends=(A,), policy="round_robin", block_size=5), "block_size=5"),
+    (dict(backends=(A,), policy="round_robin", prefix_table_size=0), "prefix_table_size=0"),
+    (dict(backends=(A,), policy="round_robin", balance_threshold=-1), "balance_threshold=-1"),
+    (dict(backends=(A,), policy="round_robin", health_check_interval=0), "health_check_interval=0"),
+])
+def test_bad_router_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RouterConfig(**kwargs)
+
+
+def _serve_args(**overrides) -> argparse.Namespace:
+    from pagedllm.entrypoints.openai.api_server import make_arg_parser
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([])
+    return argparse.Namespace(**(vars(args) | overrides))
+
+
+def test_data_parallel_flags():
+    assert not wants_data_parallel(_serve_args())
+    assert wants_data_parallel(_serve_args(data_parallel_size=2))
+    with pytest.raises(ValueError, match="data_parallel_size=0"):
+        wants_data_parallel(_serve_args(data_parallel_size=0))
+    with pytest.raises(ValueError, match="--routing-policy only apply with --data-parallel-size > 1"):
+        wants_data_parallel(_serve_args(routing_policy="round_robin"))
+
+
+# ---------------------------------------------------------------------- metrics text and streams
+def test_queue_depth_reads_any_servers_names():
+    text = ('# TYPE pagedllm:num_requests_running gauge\npagedllm:num_requests_running{model_name="m"} 2.0\n'
+            '# TYPE pagedllm:num_requests_waiting gauge\npagedllm:num_requests_waiting{model_name="m"} 3.0\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+            '# TYPE pagedllm:kv_cache_usage_perc gauge\npagedllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
+    assert queue_depth(text) == 6
+    assert queue_depth("") == 0
+
+
+async def _collect(chunks):
+    async def source():
+        for c in chunks:
+            yield c
+    return [e async for e in sse_events(source())]
+
+
+def test_sse_events_are_regrouped_whole():
+    import asyncio
+    events = asyncio.run(_collect([b"data: {\"a\"", b": 1}\n\ndata: [DO", b"NE]\n\n"]))
+    assert events == [b"data: {\"a\": 1}\n\n", b"data: [DONE]\n\n"]
