@@ -121,6 +121,8 @@ def build_requests(args: argparse.Namespace, tokenizer: Any = None) -> list[Requ
     ``--random-range-ratio`` of ``--random-input-len`` / ``--random-output-len``.
     ``fixed``: the same prompt (``--fixed-prompt`` or one random prompt of exactly
     ``--random-input-len``) for every request, exactly ``--random-output-len`` tokens out.
+    ``prefix``: ``--num-prefixes`` shared prompts of ``--prefix-len`` (system prompts), each
+    request one of them (at random) followed by a distinct ``random`` prompt.
     """
     rng = random.Random(args.seed)
     n = args.num_prompts
@@ -128,9 +130,15 @@ def build_requests(args: argparse.Namespace, tokenizer: Any = None) -> list[Requ
     if args.dataset == "fixed":
         spec = _fixed_spec(args, make, tokenizer)
         return [dataclasses.replace(spec, output_len=args.random_output_len)] * n
+    prefixes = [make(args.prefix_len) for _ in range(args.num_prefixes)] if args.dataset == "prefix" else []
     in_lens = _sample_lengths(rng, args.random_input_len, args.random_range_ratio, n)
     out_lens = _sample_lengths(rng, args.random_output_len, args.random_range_ratio, n)
-    return [dataclasses.replace(make(i), output_len=o) for i, o in zip(in_lens, out_lens)]
+    specs = [dataclasses.replace(make(i), output_len=o) for i, o in zip(in_lens, out_lens)]
+    return [_with_prefix(rng.choice(prefixes), s) for s in specs] if prefixes else specs
+
+
+def _with_prefix(prefix: RequestSpec, spec: RequestSpec) -> RequestSpec:
+    return RequestSpec(f"{prefix.prompt} {spec.prompt}", prefix.prompt_len + spec.prompt_len, spec.output_len)
 
 
 def _fixed_spec(args: argparse.Namespace, make: Any, tokenizer: Any) -> RequestSpec:
@@ -329,6 +337,9 @@ def format_table(metrics: dict[str, Any]) -> str:
         lines.append(row("Request goodput (req/s):", metrics["request_goodput"]))
     lines += [row("Output token throughput (tok/s):", metrics["output_throughput"]),
               row("Total token throughput (tok/s):", metrics["total_token_throughput"])]
+    if "prefix_cache_hit_rate" in metrics:
+        lines += [row("Prefix-cache hit rate (tokens):", metrics["prefix_cache_hit_rate"]),
+                  row("Router prefix-affinity rate (requests):", metrics["router_affinity_rate"])]
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for key in METRIC_KEYS:
@@ -380,6 +391,47 @@ def _load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+# counters read from /metrics with --prefix-metrics (the router's exist only behind a pagedllm router)
+PREFIX_COUNTERS = ("pagedllm:prefix_cache_hits_total", "pagedllm:prefix_cache_queries_total")
+ROUTER_COUNTERS = ("pagedllm:router_requests_total", "pagedllm:router_prefix_affinity_hits_total")
+
+
+async def _server_urls(client: httpx.AsyncClient, base_url: str) -> list[str]:
+    """The servers whose engines answer: a pagedllm router's backends, else ``base_url`` itself."""
+    response = await client.get(f"{base_url}/router/backends")
+    if response.status_code == 200:
+        return [b["url"] for b in response.json()["backends"]]
+    return [base_url]
+
+
+async def scrape_counters(client: httpx.AsyncClient, urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
+    """Each counter in ``names`` summed over every label set and every server in ``urls``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(names, 0.0)
+    for url in urls:
+        text = (await client.get(f"{url}/metrics")).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals
+
+
+def prefix_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Hit rates over the run: prefix-cache hits / looked-up prompt tokens (the engines'), and
+    the share of requests a router sent by prefix affinity (NaN without a router)."""
+    delta = {k: after[k] - before[k] for k in before}
+    queries, routed = delta[PREFIX_COUNTERS[1]], delta[ROUTER_COUNTERS[0]]
+    return {"prefix_cache_hit_rate": delta[PREFIX_COUNTERS[0]] / queries if queries else math.nan,
+            "router_affinity_rate": delta[ROUTER_COUNTERS[1]] / routed if routed else math.nan}
+
+
+async def _prefix_snapshot(client: httpx.AsyncClient, base_url: str, servers: list[str]) -> dict[str, float]:
+    return {**await scrape_counters(client, servers, PREFIX_COUNTERS),
+            **await scrape_counters(client, [base_url], ROUTER_COUNTERS)}
+
+
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by parsed ``args``; returns the result dict (also saved/printed)."""
     base_url = args.base_url.rstrip("/")
@@ -390,10 +442,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = args.model or await _resolve_model(client, base_url)
         payloads = [build_payload(s, model, chat, args.extra_body) for s in specs]
+        servers = await _server_urls(client, base_url) if args.prefix_metrics else []
+        before = await _prefix_snapshot(client, base_url, servers) if servers else None
         start = time.perf_counter()
         results = await _run_requests(client, base_url + args.endpoint, payloads, specs, args)
         duration = time.perf_counter() - start
+        after = await _prefix_snapshot(client, base_url, servers) if servers else None
     metrics = compute_metrics(results, duration, args.goodput)
+    if before is not None:
+        metrics |= prefix_metrics(before, after)
     return {"date": datetime.now().isoformat(timespec="seconds"), "model": model,
             "config": _config_dict(args), "metrics": metrics,
             "requests": [dataclasses.asdict(r) | {"tpot": r.tpot} for r in results]}
@@ -478,12 +535,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default: first from GET /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path/id: build prompts from random token ids")
     p.add_argument("--num-prompts", type=_positive_int, default=100)
-    p.add_argument("--dataset", choices=("random", "fixed"), default="random")
+    p.add_argument("--dataset", choices=("random", "fixed", "prefix"), default="random",
+                   help="prefix: each prompt is one of --num-prefixes shared prefixes + a random one")
     p.add_argument("--random-input-len", type=_positive_int, default=1024)
     p.add_argument("--random-output-len", type=_positive_int, default=128)
     p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (default: 0)")
     p.add_argument("--fixed-prompt", default=None, help="prompt text for --dataset fixed")
+    p.add_argument("--prefix-len", type=_positive_int, default=512, help="shared prefix length (--dataset prefix)")
+    p.add_argument("--num-prefixes", type=_positive_int, default=8, help="distinct shared prefixes (--dataset prefix)")
+    p.add_argument("--prefix-metrics", action="store_true",
+                   help="report the server's prefix-cache hit rate over the run (pagedllm /metrics; behind a "
+                        "pagedllm router, summed over the backends it lists at /router/backends)")
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests/s, Poisson arrivals; inf sends all at once (default: inf)")
     p.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")

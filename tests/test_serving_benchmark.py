@@ -245,3 +245,22 @@ def test_token_id_prompts_with_tokenizer():
     specs = serving.build_requests(args, tok)
     assert [s.prompt_len for s in specs] == [12] * 4
     assert all("[UNK]" not in s.prompt and "[EOS]" not in s.prompt for s in specs)
+
+
+def test_prefix_dataset_shares_a_few_prefixes():
+    args = serving.parse_args(["--dataset", "prefix", "--num-prompts", "12", "--num-prefixes", "3",
+                               "--prefix-len", "20", "--random-input-len", "5"])
+    reqs = serving.build_requests(args)
+    assert reqs == serving.build_requests(args)  # seeded
+    assert len({" ".join(r.prompt.split()[:20]) for r in reqs}) == 3
+    assert len({r.prompt for r in reqs}) == 12
+    assert all(r.prompt_len == 25 == len(r.prompt.split()) for r in reqs)
+
+
+def test_prefix_metrics_are_rates_over_the_run():
+    names = serving.PREFIX_COUNTERS + serving.ROUTER_COUNTERS
+    before = dict(zip(names, (10.0, 100.0, 4.0, 1.0)))
+    after = dict(zip(names, (70.0, 200.0, 14.0, 9.0)))
+    assert serving.prefix_metrics(before, after) == {"prefix_cache_hit_rate": 0.6, "router_affinity_rate": 0.8}
+    no_router = serving.prefix_metrics(dict.fromkeys(names, 0.0), dict(zip(names, (1.0, 2.0, 0.0, 0.0))))
+    assert no_router["prefix_cache_hit_rate"] == 0.5 and math.isnan(no_router["router_affinity_rate"])
