@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import fields
 
 import httpx
 
 from .backends import BackendPool
 from .config import ROUTING_POLICIES, RouterConfig
 
-_DEFAULTS = RouterConfig(backends=("http://unused:1",), policy="round_robin")
+_DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
 # the routing flags' defaults (shared by both commands)
-ROUTING_DEFAULTS = {"routing_policy": "prefix", "prefix_table_size": _DEFAULTS.prefix_table_size,
-                    "balance_threshold": _DEFAULTS.balance_threshold,
-                    "health_check_interval": _DEFAULTS.health_check_interval}
+ROUTING_DEFAULTS = {"routing_policy": _DEFAULTS["policy"], "prefix_table_size": _DEFAULTS["prefix_table_size"],
+                    "balance_threshold": _DEFAULTS["balance_threshold"],
+                    "health_check_interval": _DEFAULTS["health_check_interval"]}
 
 
 def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") -> None:
@@ -42,11 +43,11 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="the backends' model: its tokenizer keys the prefix policy")
     p.add_argument("--tokenizer", default=None, help="the backends' tokenizer, when not --model's")
     p.add_argument("--trust-remote-code", action="store_true", help="let transformers run the tokenizer's code")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="the backends' --block-size")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], help="the backends' --block-size")
     p.add_argument("--chat-template", default=None, help="the chat template the backends were started with")
-    p.add_argument("--startup-timeout", type=float, default=_DEFAULTS.startup_timeout,
+    p.add_argument("--startup-timeout", type=float, default=_DEFAULTS["startup_timeout"],
                    help="seconds each backend gets to pass GET /health before the router refuses to start")
-    p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout,
+    p.add_argument("--request-timeout", type=float, default=_DEFAULTS["request_timeout"],
                    help="seconds a backend may go silent during a request before the client gets 504")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
