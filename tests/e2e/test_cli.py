@@ -45,7 +45,7 @@ def test_bad_values_exit_nonzero_with_parameter_name(llama_dir):
     assert r.returncode == 2 and "top_p" in r.stderr
 
 
-@pytest.mark.parametrize("sub", ["generate", "chat", "plan"])
+@pytest.mark.parametrize("sub", ["generate", "chat", "plan", "router"])
 def test_help_has_examples(sub):
     r = _cli(sub, "--help", timeout=60)
     assert r.returncode == 0 and "examples" in r.stdout.lower()

@@ -158,3 +158,12 @@ def test_sse_events_are_regrouped_whole():
     import asyncio
     events = asyncio.run(_collect([b"data: {\"a\"", b": 1}\n\ndata: [DO", b"NE]\n\n"]))
     assert events == [b"data: {\"a\": 1}\n\n", b"data: [DONE]\n\n"]
+
+
+def test_data_parallel_launch_checks_flags_before_starting_replicas(capsys, tmp_path):
+    from pagedllm.entrypoints.cli import main
+    missing = str(tmp_path / "no-model")
+    assert main(["serve", missing, "--data-parallel-size", "2"]) == 2
+    assert f"model={missing!r} does not exist" in capsys.readouterr().err
+    assert main(["serve", missing, "--data-parallel-size", "0"]) == 2
+    assert "data_parallel_size=0 is invalid" in capsys.readouterr().err

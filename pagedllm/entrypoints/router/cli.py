@@ -32,10 +32,21 @@ def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") ->
                    help="seconds between GET /health and /metrics probes of each backend")
 
 
+EXAMPLES = """examples:
+  pagedllm router --backend http://10.0.0.2:8000 http://10.0.0.3:8000 --model Qwen/Qwen2.5-0.5B-Instruct
+  pagedllm router --backend http://h1:8000 --backend http://h2:8000 --routing-policy least_loaded
+  pagedllm serve MODEL --data-parallel-size 2     # the same router in front of 2 local replicas
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help, examples kept as written."""
+
+
 def register(subparsers) -> None:
     """Adds ``pagedllm router`` to the pagedllm CLI."""
     p = subparsers.add_parser("router", help="route requests across OpenAI-compatible servers (data parallelism)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              epilog=EXAMPLES, formatter_class=_HelpFormatter)
     p.add_argument("--backend", action="extend", nargs="+", required=True, metavar="URL",
                    help="a backend server's root URL, e.g. http://10.0.0.2:8000 (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
