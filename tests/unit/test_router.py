@@ -158,6 +158,8 @@ def test_sse_events_are_regrouped_whole():
     import asyncio
     events = asyncio.run(_collect([b"data: {\"a\"", b": 1}\n\ndata: [DO", b"NE]\n\n"]))
     assert events == [b"data: {\"a\": 1}\n\n", b"data: [DONE]\n\n"]
+    crlf = asyncio.run(_collect([b"data: 1\r\n\r\ndata: ", b"2\r\n\r\n", b"tail"]))
+    assert crlf == [b"data: 1\r\n\r\n", b"data: 2\r\n\r\n", b"tail"]
 
 
 def test_data_parallel_launch_checks_flags_before_starting_replicas(capsys, tmp_path):

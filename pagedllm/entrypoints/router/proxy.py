@@ -39,6 +39,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-ali
                                        "content-encoding", "date", "server"})
 _BACKEND_DOWN_STATUSES = (502, 503, 504)
 CONNECT_TIMEOUT = 5.0
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 
 class BackendFailed(Exception):
@@ -213,15 +214,15 @@ def wants_stream(body: bytes) -> bool:
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Regroups a byte stream into whole server-sent events (each ending in a blank line), so an
-    error event appended after a failure never lands inside a half-relayed one."""
+    """Regroups a byte stream into whole server-sent events (each ending in a blank line, with LF or
+    CRLF line ends), so an error event appended after a failure never lands inside a half-relayed one."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
-        cut = buffer.rfind(b"\n\n")
-        if cut >= 0:
-            yield buffer[:cut + 2]
-            buffer = buffer[cut + 2:]
+        cut = max(buffer.rfind(sep) + len(sep) if sep in buffer else 0 for sep in _EVENT_ENDS)
+        if cut:
+            yield buffer[:cut]
+            buffer = buffer[cut:]
     if buffer:
         yield buffer
 
