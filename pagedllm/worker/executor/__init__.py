@@ -1,4 +1,4 @@
-"""Executors: run the model for a SchedulerOutput, in this process or across tensor-parallel ranks."""
+"""Executors: run the model for a SchedulerOutput, in this process or across TP x PP ranks (and nodes)."""
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
@@ -10,6 +10,6 @@ __all__ = ["Executor", "MultiprocExecutor", "RankCall", "UniProcExecutor", "make
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     return MultiprocExecutor(config)
