@@ -35,6 +35,7 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _CONFIG_KEY = "pagedllm/config"
+_FIRST_ERROR = "error/first"  # the first failure any remote rank reported (start-up reads it)
 _POLL_S = 0.05  # start-up: how often rank 0 looks for the remote ranks' reports
 _IDLE_WAIT_S = 300.0  # a remote rank's wait for the next call, renewed while rank 0 is there
 
@@ -74,10 +75,9 @@ class RemoteRanks:
         RuntimeError with a rank's error, or naming the nodes not there after the timeout."""
         pending, deadline = set(self.ranks), time.monotonic() + self.timeout
         while pending:
+            if self._has(_FIRST_ERROR):  # any rank, also one this layout does not expect
+                raise RuntimeError(f"a remote rank failed during start-up:\n{self.store.get(_FIRST_ERROR).decode()}")
             for rank in sorted(pending):
-                if self._has(f"error/{rank}"):
-                    raise RuntimeError(f"rank {rank} (node {node_of(rank, self.config)}) failed during start-up:\n"
-                                       f"{self.store.get(f'error/{rank}').decode()}")
                 if self._has(f"{what}/{rank}"):
                     pending.discard(rank)
             if pending and time.monotonic() > deadline:
@@ -103,8 +103,7 @@ class RemoteRanks:
         for rank in self.ranks:
             try:
                 if self._has(f"error/{rank}"):
-                    return f"rank {rank} (node {node_of(rank, self.config)}) raised:\n" \
-                           f"{self.store.get(f'error/{rank}').decode()}"
+                    return f"node {node_of(rank, self.config)} raised:\n{self.store.get(f'error/{rank}').decode()}"
             except RuntimeError:  # the store is gone (shut down)
                 return None
         return None
@@ -181,8 +180,11 @@ def _next_call(store: dist.TCPStore, n: int, num_readers: int) -> RankCall | Non
 
 
 def _report(store: dist.TCPStore, rank: int, text: str) -> None:
+    text = f"rank {rank}: {text}"
     try:
         store.set(f"error/{rank}", text)
+        if not store.check([_FIRST_ERROR]):
+            store.set(_FIRST_ERROR, text)
     except RuntimeError:  # rank 0's store is gone
         pass
 
