@@ -361,13 +361,23 @@ class MultiprocExecutor(Executor):
             self._remote.send(call)
             return call.run(self.runner)
         except BaseException as exc:
-            reason = self._workers.cause(_CAUSE_GRACE_S) or self._remote_cause() or (
-                f"every worker is still running but the call failed on rank 0 (a collective gives up after "
-                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s): {type(exc).__name__}: {exc}")
+            reason = self._failure_reason(exc)
             self._fail(reason)
             if isinstance(exc, Exception):
                 raise RuntimeError(f"tensor-parallel step failed, the engine is dead: {reason}") from exc
             raise
+
+    def _failure_reason(self, exc: BaseException) -> str:
+        local = self._workers.cause(_CAUSE_GRACE_S if self._workers.procs else 0.0)
+        if local is not None:
+            return local
+        remote = self._remote_cause()
+        if remote is not None:
+            return remote
+        where = "every worker on this node is still running" if self._remote.ranks else "every worker is still running"
+        also = "; a rank on another node may have died or lost its connection" if self._remote.ranks else ""
+        return (f"{where} but the call failed on rank 0 (a collective gives up after "
+                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s){also}: {type(exc).__name__}: {exc}")
 
     def _remote_cause(self) -> str | None:
         """A remote rank's reported traceback; it may take a moment to arrive after the failure."""
