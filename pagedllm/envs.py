@@ -93,6 +93,9 @@ VARIABLES: dict[str, EnvVar] = {
                          "torchrun: the number of processes, each one rank (must equal TP x PP)"),
     "RANK": EnvVar(_parsed("RANK", None, int, "an integer"),
                    "torchrun: this process's rank (0 hosts the engine and the API, the others run headless)"),
+    "TORCHELASTIC_USE_AGENT_STORE": EnvVar(
+        _flag("TORCHELASTIC_USE_AGENT_STORE", False),
+        "torchrun: its agent already hosts the store on MASTER_PORT, so rank 0 joins it instead of creating one"),
     "LOCAL_RANK": EnvVar(_parsed("LOCAL_RANK", None, int, "an integer"),
                          "torchrun: this process's index on its host (its CUDA device)"),
 }

@@ -104,6 +104,13 @@ def connect_store(port: int, world_size: int, timeout: float, host: str = "127.0
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
 
 
+def join_store(host: str, port: int, world_size: int, timeout: float, agent_store: bool = False) -> dist.Store:
+    """A rank's client of the rendezvous store; under torchrun's agent store (which rank 0 joins
+    too, instead of hosting one), the keys go under a prefix of their own."""
+    store = connect_store(port, world_size, timeout, host)
+    return dist.PrefixStore("pagedllm", store) if agent_store else store
+
+
 def init_group(device: torch.device, rank: int, size: int, store: dist.Store, timeout: float) -> TensorParallelGroup:
     """Joins the rendezvous (blocks until every rank has, at most ``timeout`` seconds) and
     returns this rank's group: NCCL on CUDA, gloo otherwise."""

@@ -124,3 +124,16 @@ def test_dead_stage_fails_in_flight_request_and_health(llama_dir):
     finally:
         srv.stop()
     assert not _alive(pid)
+
+
+def test_a_node_that_never_joins_is_named_with_its_command(llama_dir, monkeypatch):
+    """Node 0 of two hosts one rank itself and spawns nothing: no node 1 -> a clear error."""
+    from pagedllm import LLM
+    monkeypatch.setenv("PAGEDLLM_TP_STARTUP_TIMEOUT", "1")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        LLM(llama_dir, tensor_parallel_size=2, nnodes=2, master_port=_free_ports(1), num_gpu_blocks_override=64,
+            max_model_len=128, num_threads=1)
+    assert time.monotonic() - t0 < 30
+    assert "node(s) [1] (rank(s) [1]) did not report 'joined' within 1 s" in str(err.value)
+    assert "--headless --nnodes 2 --node-rank 1" in str(err.value)

@@ -38,7 +38,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import RankGroups, connect_store, create_store, init_groups
+from pagedllm.distributed.parallel_state import RankGroups, create_store, init_groups, join_store
 from pagedllm.distributed.pipeline import RankLayout
 from pagedllm.worker.executor.base import Executor, RankCall, rank_config, seed_and_threads
 from pagedllm.worker.executor.remote import RemoteRanks
@@ -79,7 +79,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts,
             torch.cuda.set_device(config.device)
         seed_and_threads(config)
         p = config.parallel
-        store = connect_store(port, p.world_size, timeouts.startup, host=p.master_addr)
+        store = join_store(p.master_addr, port, p.world_size, timeouts.startup, envs.TORCHELASTIC_USE_AGENT_STORE)
         group = init_groups(config.device, RankLayout.of(p, rank), store, timeouts.collective)
         runner = ModelRunner(config, group.tp, group.pp)
         conn.send((_READY,))
@@ -307,9 +307,13 @@ class MultiprocExecutor(Executor):
 
     def _start(self) -> ModelRunner:
         timeouts, p = Timeouts.from_env(), self.config.parallel
-        first = p.master_port or envs.PAGEDLLM_PORT
-        store = create_store(p.world_size, first, timeouts.startup, p.master_addr, search=not p.master_port)
-        self.port = store.port
+        if envs.TORCHELASTIC_USE_AGENT_STORE:  # torchrun's agent hosts the store on MASTER_PORT
+            store, self.port = join_store(p.master_addr, p.master_port, p.world_size, timeouts.startup, True), \
+                p.master_port
+        else:
+            first = p.master_port or envs.PAGEDLLM_PORT
+            store = create_store(p.world_size, first, timeouts.startup, p.master_addr, search=not p.master_port)
+            self.port = store.port
         self._workers = WorkerProcesses(self.config, self.port, timeouts)
         self._remote = RemoteRanks(store, self.config, list(range(p.ranks_per_node, p.world_size)), timeouts.startup)
         self._finalizer = weakref.finalize(self, _close, self._workers, self._remote)
@@ -396,9 +400,10 @@ class MultiprocExecutor(Executor):
 def _close(workers: WorkerProcesses, remote: RemoteRanks, graceful: bool = True) -> None:
     """Stops node 0's workers and tells the remote ranks to stop (they also leave when this
     process's store goes away)."""
-    if graceful and remote.ranks:
+    if graceful and remote.ranks and remote.store is not None:
         try:
             remote.send(None)
         except RuntimeError:  # the store is already closed
             pass
+    remote.close()
     workers.close(graceful)

@@ -26,8 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import RankGroups, connect_store, init_groups
+from pagedllm.distributed.parallel_state import RankGroups, init_groups, join_store
 from pagedllm.distributed.pipeline import RankLayout
 from pagedllm.worker.executor.base import RankCall, rank_config, seed_and_threads
 from pagedllm.worker.model_runner import ModelRunner
@@ -100,7 +101,7 @@ class RemoteRanks:
 
     def cause(self) -> str | None:
         """The first traceback a remote rank reported, if any."""
-        for rank in self.ranks:
+        for rank in self.ranks if self.store is not None else ():
             try:
                 if self._has(f"error/{rank}"):
                     return f"node {node_of(rank, self.config)} raised:\n{self.store.get(f'error/{rank}').decode()}"
@@ -110,6 +111,10 @@ class RemoteRanks:
 
     def _has(self, key: str) -> bool:
         return self.store.check([key])
+
+    def close(self) -> None:
+        """Drops rank 0's reference to the store (the last one frees its port); idempotent."""
+        self.store = None
 
 
 # ---------------------------------------------------------------------- a remote rank
@@ -132,7 +137,7 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
     p = config.parallel
     if rank % p.ranks_per_node:  # a spawned rank: Ctrl-C is for the node's first rank to act on
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = connect_store(p.master_port, p.world_size, startup_timeout, host=p.master_addr)
+    store = join_store(p.master_addr, p.master_port, p.world_size, startup_timeout, envs.TORCHELASTIC_USE_AGENT_STORE)
     groups: RankGroups | None = None
     try:
         check_signature(store, config, rank, startup_timeout)
