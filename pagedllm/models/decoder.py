@@ -279,8 +279,8 @@ class DecoderForCausalLM(nn.Module):
         if name.startswith("model.embed_tokens."):
             if stage.is_first:
                 return name
-            return "lm_head." + name.removeprefix("model.embed_tokens.") if stage.is_last and self.tied_embeddings \
-                else None
+            tied_head = stage.is_last and self.tied_embeddings
+            return "lm_head." + name.removeprefix("model.embed_tokens.") if tied_head else None
         if name.startswith(("model.norm.", "lm_head.")):
             return name if stage.is_last else None
         return name

@@ -307,13 +307,7 @@ class MultiprocExecutor(Executor):
 
     def _start(self) -> ModelRunner:
         timeouts, p = Timeouts.from_env(), self.config.parallel
-        if envs.TORCHELASTIC_USE_AGENT_STORE:  # torchrun's agent hosts the store on MASTER_PORT
-            store, self.port = join_store(p.master_addr, p.master_port, p.world_size, timeouts.startup, True), \
-                p.master_port
-        else:
-            first = p.master_port or envs.PAGEDLLM_PORT
-            store = create_store(p.world_size, first, timeouts.startup, p.master_addr, search=not p.master_port)
-            self.port = store.port
+        store = self._open_store(timeouts.startup)
         self._workers = WorkerProcesses(self.config, self.port, timeouts)
         self._remote = RemoteRanks(store, self.config, list(range(p.ranks_per_node, p.world_size)), timeouts.startup)
         self._finalizer = weakref.finalize(self, _close, self._workers, self._remote)
@@ -327,6 +321,17 @@ class MultiprocExecutor(Executor):
                     p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes, p.master_addr,
                     self.port, "nccl" if self.config.device.type == "cuda" else "gloo")
         return runner
+
+    def _open_store(self, timeout: float):
+        """Rank 0's rendezvous store (``self.port``: its port): its own, or torchrun's agent's."""
+        p = self.config.parallel
+        if envs.TORCHELASTIC_USE_AGENT_STORE:  # torchrun's agent already hosts it on MASTER_PORT
+            self.port = p.master_port
+            return join_store(p.master_addr, p.master_port, p.world_size, timeout, agent_store=True)
+        store = create_store(p.world_size, p.master_port or envs.PAGEDLLM_PORT, timeout, p.master_addr,
+                             search=not p.master_port)
+        self.port = store.port
+        return store
 
     def _start_rank0(self, store, timeout: float) -> ModelRunner:
         config = rank_config(self.config, 0)

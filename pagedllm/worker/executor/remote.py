@@ -95,7 +95,9 @@ class RemoteRanks:
                 f"{p.master_addr}:{p.master_port}")
 
     def send(self, call: RankCall | None) -> None:
-        """Publishes the next call (None: stop) for every remote rank."""
+        """Publishes the next call (None: stop) for every remote rank (nothing without any)."""
+        if not self.ranks:
+            return
         self._next += 1
         self.store.set(f"call/{self._next}", pickle.dumps(call))
 
