@@ -69,20 +69,22 @@ def _raises(fn) -> str | None:
 
 
 def multinode(model: str, prompts: list[list[int]], port: int) -> dict:
-    """TP=2 over two launches (node 0 here, node 1 headless); then node 1 killed mid-run; then a
-    node 1 started with another layout."""
+    """TP=2 over two launches (node 0 here, node 1 headless); then node 1 killed while the engine
+    is idle (the heartbeat watchdog notices); then a node 1 started with another layout."""
     node1 = _headless(model, port, tp=2)
     llm = LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE)
     outputs = [greedy(llm, prompts), greedy(llm, prompts)]
     node1.send_signal(signal.SIGKILL)
     node1.wait()
     t0 = time.monotonic()
+    while llm.llm_engine.executor.health_error() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.1)  # an idle engine: only the heartbeat watchdog can tell
+    seconds, health = time.monotonic() - t0, llm.llm_engine.executor.health_error()
     killed_error = _raises(lambda: greedy(llm, prompts))
-    seconds = time.monotonic() - t0
     llm.shutdown()
     wrong = _headless(model, port + 1, tp=1, pp=2)  # world 2 and TP 1 against node 0's TP 2
     mismatch = _raises(lambda: LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port + 1, **ENGINE))
-    return dict(outputs=outputs, killed_error=killed_error, seconds=seconds, mismatch=mismatch,
+    return dict(outputs=outputs, killed_error=killed_error, health=health, seconds=seconds, mismatch=mismatch,
                 wrong_exit=wrong.wait(60), wrong_stderr=wrong.stderr.read()[-2000:])
 
 

@@ -317,6 +317,7 @@ class MultiprocExecutor(Executor):
             self._stop(graceful=False)
             raise
         self._workers.start_watchdog()
+        self._remote.start_watchdog()
         logger.info("%d ranks (tensor parallel %d x pipeline parallel %d) on %d node(s), store %s:%d (%s)",
                     p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes, p.master_addr,
                     self.port, "nccl" if self.config.device.type == "cuda" else "gloo")
@@ -355,11 +356,11 @@ class MultiprocExecutor(Executor):
         return self._workers.pids()
 
     def health_error(self) -> str | None:
-        """Also a worker the watchdog saw die between steps, before any call has failed on it."""
-        return super().health_error() or self._workers.dead
+        """Also a worker the watchdogs saw die between steps, before any call has failed on it."""
+        return super().health_error() or self._workers.dead or self._remote.dead
 
     def check_health(self) -> None:
-        dead = self._workers.dead
+        dead = self._workers.dead or self._remote.dead
         if dead is not None and self._closed_reason is None:
             self._fail(dead)
         super().check_health()

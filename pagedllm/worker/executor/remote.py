@@ -10,7 +10,9 @@ Start-up, all through the store: rank 0 publishes its parallel layout and model 
 each remote rank checks it against its own command line (a mismatch, e.g. another world size, is
 an error on both sides), reports ``joined/<rank>``, joins the process groups, loads its shard
 and reports ``ready/<rank>``. A rank that fails reports ``error/<rank>`` (its traceback) before
-it exits; rank 0 reads those to say why a step failed.
+it exits; rank 0 reads those to say why a step failed. A running rank bumps ``alive/<rank>``
+every second over a connection of its own; rank 0's watchdog marks the engine dead when one
+stops (a killed host), so ``/health`` turns 503 between steps too.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import signal
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -39,6 +42,9 @@ _CONFIG_KEY = "pagedllm/config"
 _FIRST_ERROR = "error/first"  # the first failure any remote rank reported (start-up reads it)
 _POLL_S = 0.05  # start-up: how often rank 0 looks for the remote ranks' reports
 _IDLE_WAIT_S = 300.0  # a remote rank's wait for the next call, renewed while rank 0 is there
+# a remote rank bumps its counter every _HEARTBEAT_S; rank 0 declares it dead after _SILENCE_S
+# without a bump (counters, not clocks: the hosts' clocks need not agree)
+_HEARTBEAT_S, _SILENCE_S = 1.0, 10.0
 
 
 def signature(config: EngineConfig) -> dict:
@@ -69,7 +75,31 @@ class RemoteRanks:
         self.store, self.config, self.ranks = store, config, ranks
         self.timeout = startup_timeout
         self._next = 0
+        self.dead: str | None = None  # set by the watchdog: why a remote rank is gone
+        self._stop = threading.Event()
         store.set(_CONFIG_KEY, json.dumps(signature(config)))
+
+    def start_watchdog(self) -> None:
+        if self.ranks:
+            threading.Thread(target=self._watch, name="pagedllm-remote-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Marks ``dead`` when a remote rank's heartbeat counter stops moving for _SILENCE_S."""
+        seen = {rank: (-1, time.monotonic()) for rank in self.ranks}
+        while not self._stop.wait(_HEARTBEAT_S):
+            store = self.store
+            if store is None:
+                return
+            now = time.monotonic()
+            for rank, (count, since) in seen.items():
+                current = store.add(f"alive/{rank}", 0)
+                if current != count:
+                    seen[rank] = (current, now)
+                elif now - since > _SILENCE_S:
+                    self.dead = (f"rank {rank} (node {node_of(rank, self.config)}) sent no heartbeat for "
+                                 f"{now - since:.0f} s: its host or process is gone")
+                    logger.error("remote rank died: %s", self.dead)
+                    return
 
     def await_all(self, what: str) -> None:
         """Waits until every remote rank has reported ``what`` ("joined", "ready"); raises
@@ -115,7 +145,9 @@ class RemoteRanks:
         return self.store.check([key])
 
     def close(self) -> None:
-        """Drops rank 0's reference to the store (the last one frees its port); idempotent."""
+        """Stops the watchdog and drops rank 0's reference to the store (the last one frees its
+        port); idempotent."""
+        self._stop.set()
         self.store = None
 
 
@@ -149,6 +181,7 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
         seed_and_threads(config)
         groups = init_groups(config.device, RankLayout.of(p, rank), store, collective_timeout)
         runner = ModelRunner(config, groups.tp, groups.pp)
+        _start_heartbeat(config, rank, startup_timeout)
         store.set(f"ready/{rank}", "1")
         _serve_calls(store, runner, p.world_size - p.ranks_per_node)
     except dist.DistNetworkError:
@@ -159,6 +192,23 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
     finally:
         if groups is not None:
             groups.destroy()
+
+
+def _start_heartbeat(config: EngineConfig, rank: int, timeout: float) -> None:
+    """Bumps ``alive/<rank>`` every _HEARTBEAT_S on a store connection of its own (the main
+    thread's connection is held by its long wait for the next call)."""
+    p = config.parallel
+    store = join_store(p.master_addr, p.master_port, p.world_size, timeout, envs.TORCHELASTIC_USE_AGENT_STORE)
+
+    def beat() -> None:
+        try:
+            while True:
+                store.add(f"alive/{rank}", 1)
+                time.sleep(_HEARTBEAT_S)
+        except RuntimeError:  # rank 0's store is gone: the main thread leaves too
+            pass
+
+    threading.Thread(target=beat, name=f"pagedllm-heartbeat-{rank}", daemon=True).start()
 
 
 def _serve_calls(store: dist.TCPStore, runner: ModelRunner, num_readers: int) -> None:
