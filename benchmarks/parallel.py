@@ -31,9 +31,10 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402
 
 
-def run_layout(model_dir: Path, tp: int, pp: int, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_layout(model_dir: Path, tp: int, pp: int, prompts: list[list[int]], max_tokens: int,
+               threads: int | None) -> dict:
     """Steps one batch to completion; the prefill step's time and the decode steps' times."""
-    threads = max(1, physical_cores() // (tp * pp))
+    threads = threads or max(1, physical_cores() // (tp * pp))
     with LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=threads,
              kv_cache_memory="512MiB", max_model_len=512, seed=0) as llm:
         engine = llm.llm_engine
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="8,1", help="batch sizes (requests in one step)")
     ap.add_argument("--prompt-len", type=int, default=None, help="(default 128; --quick 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="(default 64; --quick 8)")
+    ap.add_argument("--threads-per-rank", type=int, default=None,
+                    help="torch threads of every rank (default: the physical cores shared evenly)")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "parallel.json")
     args = ap.parse_args(argv)
     common.fill_unset(args, dict(prompt_len=32, max_tokens=8), dict(prompt_len=128, max_tokens=64))
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = common.make_prompts([args.prompt_len] * batch, common.MODEL_CONFIG["vocab_size"], seed=batch)
         base = None
         for tp, pp in layouts:
-            r = run_layout(model_dir, tp, pp, prompts, args.max_tokens)
+            r = run_layout(model_dir, tp, pp, prompts, args.max_tokens, args.threads_per_rank)
             base = base or r
             agree = common.prefix_agreement(r["outputs"], base["outputs"], [args.max_tokens] * batch)
             timings = {k: v for k, v in r.items() if k != "outputs"}

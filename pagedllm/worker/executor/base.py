@@ -37,7 +37,8 @@ class RankCall:
 
 
 class Executor(ABC):
-    """Runs the model on every tensor-parallel rank; rank 0's runner lives in this process.
+    """Runs the model on every rank (TP x PP, on one node or several); rank 0's runner lives in
+    this process.
 
     Built ready to execute, with the KV cache sized and allocated on every rank
     (``num_blocks`` / ``num_cpu_blocks``). ``shutdown()`` stops the ranks and frees the pool
