@@ -124,3 +124,9 @@ def test_each_stage_loads_only_its_weights(three_layer_tied):
     for name, param in [*first.items(), *last.items()]:
         expected = full["model.embed_tokens.weight"] if name == "lm_head.weight" else full[name]
         assert torch.equal(param, expected), name  # a tied LM head on the last stage: the embedding
+
+
+def test_an_engine_on_a_node_other_than_0_is_refused(llama_dir):
+    from pagedllm import LLM
+    with pytest.raises(ValueError, match="node_rank=1 hosts no engine"):
+        LLM(llama_dir, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29400)

@@ -10,6 +10,10 @@ __all__ = ["Executor", "MultiprocExecutor", "RankCall", "UniProcExecutor", "make
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    p = config.parallel
+    if p.node_rank != 0:
+        raise ValueError(f"node_rank={p.node_rank} hosts no engine: node 0 does; run this node as "
+                         f"`pagedllm serve MODEL --headless --nnodes {p.nnodes} --node-rank {p.node_rank} ...`")
     if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     return MultiprocExecutor(config)
