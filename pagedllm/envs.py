@@ -96,6 +96,8 @@ VARIABLES: dict[str, EnvVar] = {
     "TORCHELASTIC_USE_AGENT_STORE": EnvVar(
         _flag("TORCHELASTIC_USE_AGENT_STORE", False),
         "torchrun: its agent already hosts the store on MASTER_PORT, so rank 0 joins it instead of creating one"),
+    "LOCAL_WORLD_SIZE": EnvVar(_parsed("LOCAL_WORLD_SIZE", None, int, "an integer"),
+                               "torchrun: the processes on this host (they share its cores)"),
     "LOCAL_RANK": EnvVar(_parsed("LOCAL_RANK", None, int, "an integer"),
                          "torchrun: this process's index on its host (its CUDA device)"),
 }

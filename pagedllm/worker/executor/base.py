@@ -137,8 +137,8 @@ class Executor(ABC):
 
 
 def num_threads_per_rank(config: EngineConfig) -> int:
-    """Physical cores shared evenly between the ranks this node hosts."""
-    return max(1, physical_cores() // config.parallel.ranks_per_node)
+    """Physical cores shared evenly between the ranks on this host (torchrun: its LOCAL_WORLD_SIZE)."""
+    return max(1, physical_cores() // (envs.LOCAL_WORLD_SIZE or config.parallel.ranks_per_node))
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
