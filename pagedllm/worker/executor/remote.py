@@ -171,7 +171,13 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
     p = config.parallel
     if rank % p.ranks_per_node:  # a spawned rank: Ctrl-C is for the node's first rank to act on
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = join_store(p.master_addr, p.master_port, p.world_size, startup_timeout, envs.TORCHELASTIC_USE_AGENT_STORE)
+    try:
+        store = join_store(p.master_addr, p.master_port, p.world_size, startup_timeout,
+                           envs.TORCHELASTIC_USE_AGENT_STORE)
+    except dist.DistNetworkError as exc:
+        raise RuntimeError(f"rank {rank} could not reach node 0's store at {p.master_addr}:{p.master_port} within "
+                           f"{startup_timeout:g} s (PAGEDLLM_TP_STARTUP_TIMEOUT): is node 0 started with the same "
+                           "--master-addr / --master-port, and is the port open?") from exc
     groups: RankGroups | None = None
     try:
         check_signature(store, config, rank, startup_timeout)
