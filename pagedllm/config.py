@@ -96,11 +96,39 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """TP x PP ranks (rank = stage * tensor_parallel_size + tp_rank), spread over ``nnodes``
+    launches of ``world_size / nnodes`` ranks each; node ``n`` hosts ranks ``[n*k, (n+1)*k)``.
+    Rank 0 (node 0) hosts the engine; ``master_addr:master_port`` is its rendezvous store
+    (``master_port=0``: any free port, one node only)."""
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be >= 1")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes!r} must be >= 1 and divide the world size tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size} (every node hosts as many ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank!r} must be in [0, nnodes={self.nnodes})")
+        if not 0 <= self.master_port < 65536 or (self.nnodes > 1 and self.master_port == 0):
+            raise ValueError(f"master_port={self.master_port!r} must be in [1, 65535] (with nnodes > 1 every node "
+                             "must be told the same port), or 0 on one node (any free port)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,21 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_TP_STARTUP_TIMEOUT": EnvVar(
         _float("PAGEDLLM_TP_STARTUP_TIMEOUT", 600.0),
         "seconds tensor-parallel workers may take to start and load weights (a worker that exits fails at once)"),
+    # torch.distributed's standard launch variables (torchrun sets them): a multi-node launch
+    "MASTER_ADDR": EnvVar(_str("MASTER_ADDR"), "rank 0's host for a multi-node launch when --master-addr is not given"),
+    "MASTER_PORT": EnvVar(_parsed("MASTER_PORT", None, int, "a port number"),
+                          "rank 0's rendezvous port for a multi-node launch when --master-port is not given"),
+    "WORLD_SIZE": EnvVar(_parsed("WORLD_SIZE", None, int, "an integer"),
+                         "torchrun: the number of processes, each one rank (must equal TP x PP)"),
+    "RANK": EnvVar(_parsed("RANK", None, int, "an integer"),
+                   "torchrun: this process's rank (0 hosts the engine and the API, the others run headless)"),
+    "TORCHELASTIC_USE_AGENT_STORE": EnvVar(
+        _flag("TORCHELASTIC_USE_AGENT_STORE", False),
+        "torchrun: its agent already hosts the store on MASTER_PORT, so rank 0 joins it instead of creating one"),
+    "LOCAL_WORLD_SIZE": EnvVar(_parsed("LOCAL_WORLD_SIZE", None, int, "an integer"),
+                               "torchrun: the processes on this host (they share its cores)"),
+    "LOCAL_RANK": EnvVar(_parsed("LOCAL_RANK", None, int, "an integer"),
+                         "torchrun: this process's index on its host (its CUDA device)"),
 }
 
 

@@ -14,10 +14,13 @@ others see at once.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.pipeline import PipelineGroup, RankLayout
 
 logger = logging.getLogger(__name__)
 
@@ -76,23 +79,36 @@ class TensorParallelGroup:
         return self._backend
 
 
-def create_store(world_size: int, first_port: int, timeout: float) -> dist.TCPStore:
-    """Rank 0's store on 127.0.0.1: the first free port from ``first_port`` upwards (0: any)."""
-    ports = [0] if first_port == 0 else range(first_port, min(first_port + _PORT_ATTEMPTS, 65536))
+def create_store(world_size: int, first_port: int, timeout: float, host: str = "127.0.0.1",
+                 search: bool = True) -> dist.TCPStore:
+    """Rank 0's store: the first free port from ``first_port`` upwards (0: any), or exactly
+    ``first_port`` when not ``search`` (other nodes were told that port)."""
+    if not search:
+        ports = [first_port]
+    else:
+        ports = [0] if first_port == 0 else range(first_port, min(first_port + _PORT_ATTEMPTS, 65536))
     error: Exception | None = None
     for port in ports:
         try:
-            return dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+            return dist.TCPStore(host, port, world_size, is_master=True,
                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
         except (RuntimeError, OSError) as exc:  # DistNetworkError: the port is taken
             error = exc
-    raise RuntimeError(f"no free port for the tensor-parallel store in [{first_port}, "
-                       f"{first_port + _PORT_ATTEMPTS}): {error}") from error
+    last = first_port if not search else first_port + _PORT_ATTEMPTS
+    raise RuntimeError(f"no free port for the distributed store in [{first_port}, {last}] on {host}: "
+                       f"{error}") from error
 
 
-def connect_store(port: int, world_size: int, timeout: float) -> dist.TCPStore:
-    """A worker rank's client of rank 0's store."""
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+def connect_store(port: int, world_size: int, timeout: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A worker rank's client of rank 0's store (retries until ``timeout`` while rank 0 starts)."""
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def join_store(host: str, port: int, world_size: int, timeout: float, agent_store: bool = False) -> dist.Store:
+    """A rank's client of the rendezvous store; under torchrun's agent store (which rank 0 joins
+    too, instead of hosting one), the keys go under a prefix of their own."""
+    store = connect_store(port, world_size, timeout, host)
+    return dist.PrefixStore("pagedllm", store) if agent_store else store
 
 
 def init_group(device: torch.device, rank: int, size: int, store: dist.Store, timeout: float) -> TensorParallelGroup:
@@ -100,11 +116,39 @@ def init_group(device: torch.device, rank: int, size: int, store: dist.Store, ti
     returns this rank's group: NCCL on CUDA, gloo otherwise."""
     if size == 1:
         return TensorParallelGroup()
+    return TensorParallelGroup(rank, size, _backend(device, rank, size, store, timeout), store)
+
+
+def _backend(device: torch.device, rank: int, size: int, store: dist.Store, timeout: float):
     td = timedelta(seconds=timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = td
-        backend = dist.ProcessGroupNCCL(store, rank, size, options)
-    else:
-        backend = dist.ProcessGroupGloo(store, rank, size, td)
-    return TensorParallelGroup(rank, size, backend, store)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, td)
+
+
+@dataclass
+class RankGroups:
+    """One rank's groups: its stage's tensor-parallel group and, with pipeline parallelism, its
+    point-to-point link to the other stages (None on one stage)."""
+
+    tp: TensorParallelGroup
+    pp: PipelineGroup | None = None
+
+    def destroy(self) -> None:
+        self.tp.destroy()
+        if self.pp is not None:
+            self.pp.destroy()
+
+
+def init_groups(device: torch.device, layout: RankLayout, store: dist.Store, timeout: float) -> RankGroups:
+    """This rank's groups. One stage: the tensor-parallel group on the store itself (as before
+    pipeline parallelism). Several: each stage's tensor-parallel group under its own key prefix,
+    and a world group for the stage-to-stage transfers."""
+    if layout.pp_size == 1:
+        return RankGroups(init_group(device, layout.rank, layout.tp_size, store, timeout))
+    tp_store = dist.PrefixStore(f"tp{layout.stage}", store)
+    tp = init_group(device, layout.tp_rank, layout.tp_size, tp_store, timeout)
+    world = _backend(device, layout.rank, layout.world_size, dist.PrefixStore("pp", store), timeout)
+    return RankGroups(tp, PipelineGroup(layout, world))

@@ -34,6 +34,7 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.distributed.pipeline import check_layers
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
@@ -103,6 +104,15 @@ class EngineArgs:
     kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype",
                                  choices=tuple(KV_CACHE_DTYPES))
     tensor_parallel_size: int = option(1, "number of tensor-parallel ranks", parse=int, aliases=("-tp",))
+    pipeline_parallel_size: int = option(1, "number of pipeline stages (contiguous layer ranges; at most the "
+                                         "model's layer count)", parse=int, aliases=("-pp",))
+    nnodes: int = option(1, "number of nodes (launches) the TP x PP ranks are spread over; node 0 hosts the "
+                         "engine, the others run `pagedllm serve MODEL --headless` (torchrun: WORLD_SIZE)", parse=int)
+    node_rank: int = option(0, "this launch's node index in [0, nnodes) (torchrun: RANK)", parse=int)
+    master_addr: str | None = option(None, "node 0's address, reachable from every node (default: MASTER_ADDR, "
+                                     "else 127.0.0.1)")
+    master_port: int | None = option(None, "node 0's rendezvous port (default: MASTER_PORT; required with nnodes > 1, "
+                                     "else any free port)", parse=int)
     num_gpu_blocks_override: int | None = option(None, "force the number of KV blocks", parse=int)
     attention_backend: str = option("auto", "attention kernels; auto = the C kernel on CPU, Triton on CUDA",
                                     choices=ATTENTION_BACKENDS)
@@ -154,7 +164,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=self._parallel_config(model_config),
             device=device,
             attention_backend=self.attention_backend,
             num_threads=self.num_threads,
@@ -163,6 +173,21 @@ class EngineArgs:
             layer_ops=layer_ops,
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
         )
+
+    def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
+        """The TP x PP layout and where this launch sits; torchrun's WORLD_SIZE / RANK make each
+        process one node of one rank."""
+        nnodes, node_rank = self.nnodes, self.node_rank
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if envs.WORLD_SIZE is not None and (nnodes, node_rank) == (1, 0):
+            if envs.WORLD_SIZE != world:
+                raise ValueError(f"WORLD_SIZE={envs.WORLD_SIZE} (torchrun's process count) must equal "
+                                 f"tensor_parallel_size x pipeline_parallel_size = {world}: one process per rank")
+            nnodes, node_rank = world, envs.RANK or 0
+        check_layers(model_config.num_layers, self.pipeline_parallel_size)
+        port = self.master_port if self.master_port is not None else envs.MASTER_PORT
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, nnodes, node_rank,
+                              self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0)
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig

@@ -18,7 +18,8 @@ class LLM:
 
     Accepts vLLM's keywords (``model, tokenizer, dtype, block_size, gpu_memory_utilization,
     kv_cache_memory, swap_space, max_model_len, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, preemption_mode, seed, enforce_eager, tensor_parallel_size, ...``);
+    enable_prefix_caching, preemption_mode, seed, enforce_eager, tensor_parallel_size,
+    pipeline_parallel_size, ...``);
     an unknown keyword raises ``TypeError`` naming it.
 
     ``shutdown()`` (or leaving ``with LLM(...) as llm:``) stops the tensor-parallel workers,

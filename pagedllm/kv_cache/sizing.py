@@ -14,9 +14,11 @@ from pagedllm.kv_cache.planning import blocks_per_sequence, kv_bytes
 from pagedllm.utils import human_bytes
 
 
-def block_bytes(model: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    """One KV block on one rank (``num_kv_heads``: the heads it holds), by planning's one formula."""
-    return kv_bytes(model.num_layers, num_kv_heads, model.head_dim, dtype, block_size)
+def block_bytes(model: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype,
+                num_layers: int | None = None) -> int:
+    """One KV block on one rank (``num_kv_heads``: the heads it holds; ``num_layers``: the layers
+    its pipeline stage holds, default all), by planning's one formula."""
+    return kv_bytes(num_layers or model.num_layers, num_kv_heads, model.head_dim, dtype, block_size)
 
 
 def useful_blocks(sched: SchedulerConfig, block_size: int) -> int:

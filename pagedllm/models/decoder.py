@@ -11,9 +11,16 @@ that are split or fused differently (``packed_modules``: checkpoint name -> (fus
 
 Every layer keeps the residual stream as ``(hidden, residual)``: the stream is ``residual +
 hidden`` and the next norm adds them (in one fused op where it can).
+
+Under pipeline parallelism a model is one stage (``PipelineStage``): it builds only its layers
+(the others are ``MissingLayer`` placeholders, so parameter names keep their global layer index
+and load by name), the embedding only on the first stage, the final norm and the LM head only
+on the last; a stage past the first takes the previous stage's ``(hidden, residual)`` pair and
+one before the last returns its own.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,6 +30,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline import PipelineStage
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.gated_activation import gated_activation
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
@@ -30,6 +38,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary_variants import make_rotary
 
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: key, value [num_blocks, kv_heads, block, dim]
 NORM_LAYOUTS = ("pre", "post", "sandwich")
 QK_NORMS = (None, "head")
@@ -175,24 +184,41 @@ class DecoderLayer(nn.Module):
         return x if self.residual_scale == 1.0 else x * self.residual_scale
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage holds: no parameters, never run."""
+
+    def forward(self, *args):
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, spec: DecoderSpec, layers: list[DecoderLayer], tp: TensorParallelGroup,
-                 ops: str = "native"):
+    def __init__(self, cfg, spec: DecoderSpec, layers: list[nn.Module], tp: TensorParallelGroup,
+                 ops: str = "native", stage: PipelineStage | None = None):
         super().__init__()
         self.tp = tp  # (read by the C decoder: one rank only)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.stage = stage or PipelineStage.whole(len(layers))
+        if self.stage.is_first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if self.stage.is_last:
+            self.norm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.embed_scale = spec.embed_scale
         self.fused_decoder = None  # models/cpu_decode.py (Llama family), set by enable_fused_decode
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta):
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta, intermediate=None):
+        """Final-normed hidden ``[num_tokens, hidden]``; a stage before the last returns its
+        ``(hidden, residual)`` pair, and one past the first starts from ``intermediate``."""
         fused = self.fused_decoder
         if fused is not None and fused.applies(input_ids.shape[0], kv_caches):
             return fused(input_ids, positions, meta)  # small CPU batch: the whole stack in one C call
-        hidden, residual = self.embed(input_ids), None  # [num_tokens, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if self.stage.is_first:
+            hidden, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+        else:
+            hidden, residual = intermediate
+        for layer, kv_cache in zip(self.layers[self.stage.start:self.stage.end], kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if not self.stage.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -217,19 +243,47 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
-                 ops: str = "native"):
-        """``ops``: "native" or "triton", the layers' fused-op implementation (layers/ops.py)."""
+                 ops: str = "native", stage: PipelineStage | None = None):
+        """``ops``: "native" or "triton", the layers' fused-op implementation (layers/ops.py);
+        ``stage``: the pipeline stage this rank holds (default: the whole model)."""
         super().__init__()
         self.config, self.tp, self.ops = cfg, tp, ops
+        self.stage = stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.check_config(cfg)
         spec = self.spec = self.decoder_spec(cfg)
         rotaries = self.make_rotaries(cfg, max_position)
         layers = [DecoderLayer(cfg, spec, self.attention_cls(cfg, spec, rotaries[i], backend, tp, i, ops),
-                               self.make_mlp(cfg, spec, i), ops) for i in range(cfg.num_hidden_layers)]
-        self.model = DecoderModel(cfg, spec, layers, tp, ops)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
-        if getattr(cfg, "tie_word_embeddings", False):
+                               self.make_mlp(cfg, spec, i), ops) if stage.owns_layer(i) else MissingLayer()
+                  for i in range(cfg.num_hidden_layers)]
+        self.model = DecoderModel(cfg, spec, layers, tp, ops, stage)
+        if stage.is_last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        if stage.is_first and stage.is_last and self.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def stage_layers(self) -> list[nn.Module]:
+        """The decoder layers this rank holds (all of them without pipeline parallelism)."""
+        return list(self.model.layers[self.stage.start:self.stage.end])
+
+    def stage_weight_name(self, name: str) -> str | None:
+        """The name a checkpoint tensor loads under on this stage, or None when another stage
+        holds it. A last stage without the embedding loads a tied LM head from the embedding."""
+        stage = self.stage
+        match = _LAYER_NAME.match(name)
+        if match is not None:
+            return name if stage.owns_layer(int(match.group(1))) else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return name
+            tied_head = stage.is_last and self.tied_embeddings
+            return "lm_head." + name.removeprefix("model.embed_tokens.") if tied_head else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if stage.is_last else None
+        return name
 
     @classmethod
     def decoder_spec(cls, cfg) -> DecoderSpec:
@@ -262,8 +316,9 @@ class DecoderForCausalLM(nn.Module):
                 return
         yield name, tensor, None
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)  # [num_tokens, hidden]
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
+        """``[num_tokens, hidden]``, or the ``(hidden, residual)`` pair a stage before the last hands on."""
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def enable_fused_decode(self, backend: AttentionBackend) -> str | None:
         """The one-call C decoder covers the Llama family only; returns why not."""

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline import PipelineStage
 from pagedllm.layers import quantization
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.registry import MODEL_REGISTRY
@@ -70,14 +71,16 @@ def config_dtype(name: object) -> torch.dtype | None:
 
 
 def build_model(model_cls: type[nn.Module], hf_config, backend, max_position: int, dtype: torch.dtype,
-                device: torch.device, tp: TensorParallelGroup, ops: str = "native") -> nn.Module:
-    """The model's modules for this rank (its shard of every parallel layer), weights not loaded;
-    ``ops``: the layers' fused-op implementation, "native" or "triton" (layers/ops.py)."""
+                device: torch.device, tp: TensorParallelGroup, ops: str = "native",
+                stage: PipelineStage | None = None) -> nn.Module:
+    """The model's modules for this rank (its shard of every parallel layer, the layers of its
+    pipeline ``stage``), weights not loaded; ``ops``: the layers' fused-op implementation,
+    "native" or "triton" (layers/ops.py)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, backend, max_position, tp, ops)
+            model = model_cls(hf_config, backend, max_position, tp, ops, stage)
     finally:
         torch.set_default_dtype(prev)
     # rotary tables stay float32 for accuracy; they are cast at use
@@ -118,6 +121,9 @@ def _load_tensors(model: nn.Module, model_dir: str) -> None:
         if "rotary_emb.inv_freq" in name:
             continue
         for target, part, shard in model.checkpoint_weights(name, tensor):  # split / renamed per family
+            target = model.stage_weight_name(target)  # pipeline parallelism: another stage's, or renamed
+            if target is None:
+                continue
             if target not in params:
                 if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                     continue

@@ -14,8 +14,9 @@ class CacheEngine:
     """
 
     def __init__(self, model_config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
-        shape = (model_config.num_layers, 2, num_blocks, num_kv_heads, block_size, model_config.head_dim)
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0, num_layers: int | None = None):
+        """``num_layers``: the layers this rank's pipeline stage holds (default: all)."""
+        shape = (num_layers or model_config.num_layers, 2, num_blocks, num_kv_heads, block_size, model_config.head_dim)
         # torch.empty: pages are only committed as blocks are written
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]

@@ -12,6 +12,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import backend_for_soft_cap, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline import PipelineGroup, PipelineStage, stage_of
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.planning import blocks_per_sequence
@@ -24,6 +25,7 @@ from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, replay_size
 from pagedllm.worker.host_to_device import to_device
+from pagedllm.worker.pipeline_execute import StagePipeline
 
 logger = logging.getLogger(__name__)
 
@@ -39,33 +41,39 @@ class ExecuteResult:
 class ModelRunner:
     """One rank's model shard and KV pool: runs a SchedulerOutput and returns logits to sample.
 
-    Built with its engine's tensor-parallel group; ``init_cache`` allocates the pool once the
-    executor has sized it, ``release`` drops the pool and the weights at shutdown.
+    Built with its engine's tensor-parallel group and, under pipeline parallelism, its link to
+    the other stages (``pp``: then it holds only its stage's layers and their KV);
+    ``init_cache`` allocates the pool once the executor has sized it, ``release`` drops the pool
+    and the weights at shutdown.
     """
 
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
 
-    def __init__(self, config: EngineConfig, tp: TensorParallelGroup):
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup, pp: PipelineGroup | None = None):
         self.config = config
         self.device = config.device
         mc = config.model
+        self.stage = stage_of(mc.num_layers, pp.layout.pp_size, pp.layout.stage) if pp else \
+            PipelineStage.whole(mc.num_layers)
+        self.pipeline = StagePipeline(pp, mc.hidden_size, mc.vocab_size, mc.dtype, self.device) if pp else None
         model_cls = get_model_class(mc.architecture)
         soft_cap = model_cls.attention_soft_cap(mc.hf_config)  # Gemma 2: the C kernel cannot do it
         self.backend = get_attention_backend(backend_for_soft_cap(config.attention_backend, self.device, soft_cap),
                                              self.device)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
-                                 mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops)
+                                 mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)
         if self.device.type == "cpu":
             cpu_ops.pack_model(self.model, available_ram())
-            reason = self.model.enable_fused_decode(self.backend)
+            reason = self.model.enable_fused_decode(self.backend) if pp is None else \
+                "pipeline parallelism: the C decoder runs the whole layer stack in one call"
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
         if config.compile_model:
             self._compile_layers()
-        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
@@ -76,15 +84,15 @@ class ModelRunner:
         break, and the fused C ops give way to plain torch ops inside compiled code.
         ``benchmarks/compile_probe.py`` measures it: no gain on CPU, seconds of compile time."""
         layers = self.model.model.layers
-        for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer, dynamic=True)
+        for i in range(self.stage.start, self.stage.end):
+            layers[i] = torch.compile(layers[i], dynamic=True)
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         mc = self.config.model
         graphs = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
         self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
-                                 self.device, num_cpu_blocks)
+                                 self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
         self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
 
     @property
@@ -92,8 +100,11 @@ class ModelRunner:
         return self.config.cache.cache_dtype or self.config.model.dtype
 
     def block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its share of the KV heads)."""
-        return sizing.block_bytes(self.config.model, self.num_kv_heads, self.block_size, self.cache_dtype)
+        """Bytes of one KV block on the rank that holds the most (its share of the KV heads, of
+        its stage's layers): every rank holds the same block ids."""
+        mc, pp_size = self.config.model, self.config.parallel.pipeline_parallel_size
+        layers = max(stage_of(mc.num_layers, pp_size, s).num_layers for s in range(pp_size))
+        return sizing.block_bytes(mc, self.num_kv_heads, self.block_size, self.cache_dtype, layers)
 
     def release(self) -> None:
         """Frees the KV pool, the weights and the decode graphs (their memory pool); the runner
@@ -116,6 +127,8 @@ class ModelRunner:
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
             return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0)
+        if self.pipeline is not None:
+            return ExecuteResult(*self.pipeline.run(self, out))
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
@@ -125,6 +138,27 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
         return ExecuteResult(logits, prepare_time)
+
+    def forward_stage(self, input_ids, positions, meta, intermediate=None):
+        """This rank's stage of the model over one batch (pipeline parallelism: see pipeline_execute)."""
+        return self.model(input_ids, positions, self.cache.layer_caches, meta, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)  # [rows, vocab]
+
+    def shard_summary(self) -> list[dict]:
+        """Every rank's stage: its layers, the layers its KV pool covers, its parameter count
+        (gathered over the pipeline's world group; this rank alone without one)."""
+        kv_layers = self.cache.kv.shape[0] if self.cache is not None else 0
+        params = sum(p.numel() for p in self.model.parameters())
+        mine = torch.tensor([self.stage.start, self.stage.end, kv_layers, params], dtype=torch.int64)
+        rows = self.pipeline.pp.all_gather(mine) if self.pipeline is not None else mine[None]
+        keys = ("first_layer", "end_layer", "kv_layers", "num_params")
+        return [dict(zip(keys, row)) for row in rows.tolist()]
+
+    def pipeline_max_in_flight(self) -> int:
+        """The most micro-batches one step has had in flight (0 without pipeline parallelism)."""
+        return self.pipeline.max_in_flight if self.pipeline is not None else 0
 
     def prepare_inputs(self, out: SchedulerOutput):
         chunks = out.chunks
@@ -178,8 +212,8 @@ class ModelRunner:
         if not c.cuda_graphs:  # not CUDA, or enforce_eager
             return False
         reason = self.backend.cuda_graph_blocker(c.model.dtype, self.cache_dtype, c.model.head_dim, self.block_size)
-        if reason is None and (c.parallel.tensor_parallel_size > 1 or c.compile_model):
-            reason = "tensor parallelism and compile_model run eagerly"
+        if reason is None and (c.parallel.world_size > 1 or c.compile_model):
+            reason = "tensor / pipeline parallelism and compile_model run eagerly"
         if reason:
             logger.info("CUDA graphs off: %s", reason)
         return reason is None

@@ -38,9 +38,12 @@ NON_DEFAULT = {
     "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
+    "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
 }
 # a field whose effect shows only when another one is set
-NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}
+NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
+         "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
+         "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:

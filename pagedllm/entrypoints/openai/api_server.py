@@ -371,6 +371,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(or set $PAGEDLLM_API_KEY)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--headless", action="store_true",
+                   help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
     _add_limit_args(parser)
     _add_chat_args(parser)
     add_engine_args(parser)
@@ -423,6 +425,9 @@ def run_server(args: argparse.Namespace) -> int:
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
         return run_data_parallel(args)
     engine_args = engine_args_from_cli(args)
+    from pagedllm.entrypoints.headless import is_headless, run_headless
+    if is_headless(engine_args, args.headless):
+        return run_headless(engine_args)
     app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                     limits=limits, chat_options=chat_options)
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)

@@ -1,4 +1,4 @@
-"""Executors: run the model for a SchedulerOutput, in this process or across tensor-parallel ranks."""
+"""Executors: run the model for a SchedulerOutput, in this process or across TP x PP ranks (and nodes)."""
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
@@ -10,6 +10,10 @@ __all__ = ["Executor", "MultiprocExecutor", "RankCall", "UniProcExecutor", "make
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    p = config.parallel
+    if p.node_rank != 0:
+        raise ValueError(f"node_rank={p.node_rank} hosts no engine: node 0 does; run this node as "
+                         f"`pagedllm serve MODEL --headless --nnodes {p.nnodes} --node-rank {p.node_rank} ...`")
+    if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     return MultiprocExecutor(config)

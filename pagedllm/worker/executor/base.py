@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ class RankCall:
 
 
 class Executor(ABC):
-    """Runs the model on every tensor-parallel rank; rank 0's runner lives in this process.
+    """Runs the model on every rank (TP x PP, on one node or several); rank 0's runner lives in
+    this process.
 
     Built ready to execute, with the KV cache sized and allocated on every rank
     (``num_blocks`` / ``num_cpu_blocks``). ``shutdown()`` stops the ranks and frees the pool
@@ -136,8 +137,18 @@ class Executor(ABC):
 
 
 def num_threads_per_rank(config: EngineConfig) -> int:
-    """Physical cores shared evenly between the tensor-parallel ranks."""
-    return max(1, physical_cores() // config.parallel.tensor_parallel_size)
+    """Physical cores shared evenly between the ranks on this host (torchrun: its LOCAL_WORLD_SIZE)."""
+    return max(1, physical_cores() // (envs.LOCAL_WORLD_SIZE or config.parallel.ranks_per_node))
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config one rank runs with: on CUDA, rank r owns its node's device ``r mod
+    ranks_per_node`` (under torchrun, ``LOCAL_RANK``)."""
+    if config.device.type != "cuda":
+        return config
+    local = envs.LOCAL_RANK
+    index = local if local is not None else rank % config.parallel.ranks_per_node
+    return replace(config, device=torch.device("cuda", index))
 
 
 def seed_and_threads(config: EngineConfig) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,10 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import TensorParallelGroup, connect_store, create_store, init_group
-from pagedllm.worker.executor.base import Executor, RankCall, seed_and_threads
+from pagedllm.distributed.parallel_state import RankGroups, create_store, init_groups, join_store
+from pagedllm.distributed.pipeline import RankLayout
+from pagedllm.worker.executor.base import Executor, RankCall, rank_config, seed_and_threads
+from pagedllm.worker.executor.remote import RemoteRanks
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -63,13 +65,6 @@ class Timeouts:
         return cls(envs.PAGEDLLM_TP_STARTUP_TIMEOUT, envs.PAGEDLLM_TP_TIMEOUT)
 
 
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config one rank runs with: on CUDA, rank r owns device r."""
-    if config.device.type == "cuda":
-        return replace(config, device=torch.device("cuda", rank))
-    return config
-
-
 # ---------------------------------------------------------------------- the worker process
 def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts, conn: mpc.Connection) -> None:
     """A worker rank: join the group, build the shard, then run rank 0's calls until told to stop."""
@@ -83,9 +78,10 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts,
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
         seed_and_threads(config)
-        store = connect_store(port, config.parallel.tensor_parallel_size, timeouts.startup)
-        group = init_group(config.device, rank, config.parallel.tensor_parallel_size, store, timeouts.collective)
-        runner = ModelRunner(config, group)
+        p = config.parallel
+        store = join_store(p.master_addr, port, p.world_size, timeouts.startup, envs.TORCHELASTIC_USE_AGENT_STORE)
+        group = init_groups(config.device, RankLayout.of(p, rank), store, timeouts.collective)
+        runner = ModelRunner(config, group.tp, group.pp)
         conn.send((_READY,))
         while (call := conn.recv()) is not _STOP:
             call.run(runner)
@@ -119,7 +115,7 @@ class WorkerProcesses:
         ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
         self.timeout = timeouts.startup
         self.procs, self.conns = [], []
-        for rank in range(1, config.parallel.tensor_parallel_size):
+        for rank in range(1, config.parallel.ranks_per_node):  # node 0's ranks; others: remote.py
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, rank, port, timeouts, child),
                                name=f"pagedllm-tp-rank{rank}", daemon=True)
@@ -127,7 +123,7 @@ class WorkerProcesses:
             child.close()  # only the worker holds its end: its exit reads as end-of-file here
             self.procs.append(proc)
             self.conns.append(parent)
-        self.group: TensorParallelGroup | None = None
+        self.group: RankGroups | None = None
         self.dead: str | None = None
         self._cause_lock = threading.Lock()
         self._closed = False
@@ -304,39 +300,55 @@ def _is_main_guard(node: ast.stmt) -> bool:
 
 # ---------------------------------------------------------------------- the executor
 class MultiprocExecutor(Executor):
-    """Rank 0 in this process plus ``tensor_parallel_size - 1`` spawned worker processes, on a
-    tensor-parallel group of their own (a TCPStore on its own port; ``PAGEDLLM_PORT`` sets the
-    first port tried)."""
+    """Rank 0 in this process plus the other ranks of node 0 as spawned worker processes, on
+    groups of their own (a TCPStore on its own port; ``PAGEDLLM_PORT`` sets the first port tried
+    unless ``master_port`` is given). With ``nnodes > 1`` the ranks of the other nodes join the
+    same store from their own launches and get their calls through it (remote.py)."""
 
     def _start(self) -> ModelRunner:
-        timeouts, world = Timeouts.from_env(), self.config.parallel.tensor_parallel_size
-        store = create_store(world, envs.PAGEDLLM_PORT, timeouts.startup)
-        self.port = store.port
+        timeouts, p = Timeouts.from_env(), self.config.parallel
+        store = self._open_store(timeouts.startup)
         self._workers = WorkerProcesses(self.config, self.port, timeouts)
-        self._finalizer = weakref.finalize(self, self._workers.close)
+        self._remote = RemoteRanks(store, self.config, list(range(p.ranks_per_node, p.world_size)), timeouts.startup)
+        self._finalizer = weakref.finalize(self, _close, self._workers, self._remote)
         try:
             runner = self._start_rank0(store, timeouts.collective)
         except BaseException:
             self._stop(graceful=False)
             raise
         self._workers.start_watchdog()
-        logger.info("tensor parallel: %d ranks on port %d (%s)", world, self.port,
-                    "nccl" if self.config.device.type == "cuda" else "gloo")
+        self._remote.start_watchdog()
+        logger.info("%d ranks (tensor parallel %d x pipeline parallel %d) on %d node(s), store %s:%d (%s)",
+                    p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes, p.master_addr,
+                    self.port, "nccl" if self.config.device.type == "cuda" else "gloo")
         return runner
+
+    def _open_store(self, timeout: float):
+        """Rank 0's rendezvous store (``self.port``: its port): its own, or torchrun's agent's."""
+        p = self.config.parallel
+        if envs.TORCHELASTIC_USE_AGENT_STORE:  # torchrun's agent already hosts it on MASTER_PORT
+            self.port = p.master_port
+            return join_store(p.master_addr, p.master_port, p.world_size, timeout, agent_store=True)
+        store = create_store(p.world_size, p.master_port or envs.PAGEDLLM_PORT, timeout, p.master_addr,
+                             search=not p.master_port)
+        self.port = store.port
+        return store
 
     def _start_rank0(self, store, timeout: float) -> ModelRunner:
         config = rank_config(self.config, 0)
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)  # NCCL binds each rank to its current device
         self._workers.await_all(_STARTED)
+        self._remote.await_all("joined")
         try:
-            self._workers.group = init_group(config.device, 0, config.parallel.tensor_parallel_size, store, timeout)
+            self._workers.group = init_groups(config.device, RankLayout.of(config.parallel, 0), store, timeout)
         except RuntimeError as exc:  # the rendezvous timed out: say which worker is missing, if one died
-            cause = self._workers.cause(0.0) or str(exc)
+            cause = self._workers.cause(0.0) or self._remote.cause() or str(exc)
             raise RuntimeError(f"tensor-parallel rendezvous failed: {cause}") from exc
         seed_and_threads(config)
-        runner = ModelRunner(config, self._workers.group)
+        runner = ModelRunner(config, self._workers.group.tp, self._workers.group.pp)
         self._workers.await_all(_READY)
+        self._remote.await_all("ready")
         return runner
 
     def worker_pids(self) -> list[int]:
@@ -344,11 +356,11 @@ class MultiprocExecutor(Executor):
         return self._workers.pids()
 
     def health_error(self) -> str | None:
-        """Also a worker the watchdog saw die between steps, before any call has failed on it."""
-        return super().health_error() or self._workers.dead
+        """Also a worker the watchdogs saw die between steps, before any call has failed on it."""
+        return super().health_error() or self._workers.dead or self._remote.dead
 
     def check_health(self) -> None:
-        dead = self._workers.dead
+        dead = self._workers.dead or self._remote.dead
         if dead is not None and self._closed_reason is None:
             self._fail(dead)
         super().check_health()
@@ -356,18 +368,48 @@ class MultiprocExecutor(Executor):
     def _run(self, call: RankCall) -> Any:
         try:
             self._workers.send(call)
+            self._remote.send(call)
             return call.run(self.runner)
         except BaseException as exc:
-            reason = self._workers.cause(_CAUSE_GRACE_S) or (
-                f"every worker is still running but the call failed on rank 0 (a collective gives up after "
-                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s): {type(exc).__name__}: {exc}")
+            reason = self._failure_reason(exc)
             self._fail(reason)
             if isinstance(exc, Exception):
                 raise RuntimeError(f"tensor-parallel step failed, the engine is dead: {reason}") from exc
             raise
 
+    def _failure_reason(self, exc: BaseException) -> str:
+        local = self._workers.cause(_CAUSE_GRACE_S if self._workers.procs else 0.0)
+        if local is not None:
+            return local
+        remote = self._remote_cause()
+        if remote is not None:
+            return remote
+        where = "every worker on this node is still running" if self._remote.ranks else "every worker is still running"
+        also = "; a rank on another node may have died or lost its connection" if self._remote.ranks else ""
+        return (f"{where} but the call failed on rank 0 (a collective gives up after "
+                f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s){also}: {type(exc).__name__}: {exc}")
+
+    def _remote_cause(self) -> str | None:
+        """A remote rank's reported traceback; it may take a moment to arrive after the failure."""
+        deadline = time.monotonic() + (_CAUSE_GRACE_S if self._remote.ranks else 0.0)
+        while (cause := self._remote.cause()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return cause
+
     def _stop(self, graceful: bool) -> None:
         if graceful:
             self._finalizer()
         elif self._finalizer.detach() is not None:
-            self._workers.close(graceful=False)
+            _close(self._workers, self._remote, graceful=False)
+
+
+def _close(workers: WorkerProcesses, remote: RemoteRanks, graceful: bool = True) -> None:
+    """Stops node 0's workers and tells the remote ranks to stop (they also leave when this
+    process's store goes away)."""
+    if graceful and remote.ranks and remote.store is not None:
+        try:
+            remote.send(None)
+        except RuntimeError:  # the store is already closed
+            pass
+    remote.close()
+    workers.close(graceful)

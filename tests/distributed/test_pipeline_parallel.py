@@ -1,0 +1,141 @@
+"""Pipeline parallelism and multi-node launch, on one machine ("nodes" are launches that
+rendezvous over loopback). Each scenario runs in a subprocess with a time limit
+(pp_scenarios.py); the server test kills a pipeline stage under a live server."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import hf_greedy, random_prompts
+from test_tp_server import _alive, _live_server_helpers, _wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).with_name("pp_scenarios.py")
+MAX_NEW = 6  # pp_scenarios.MAX_NEW
+
+
+def scenario(name: str, model: str, prompts: list[list[int]], *args: int, timeout: float = 300) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PAGEDLLM_TP_TIMEOUT="60", PAGEDLLM_TP_STARTUP_TIMEOUT="120")
+    env.pop("PAGEDLLM_PORT", None)
+    proc = subprocess.Popen([sys.executable, str(SCENARIOS), name, model, json.dumps(prompts), *map(str, args)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"scenario {name} hung for {timeout} s:\n{err[-3000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario {name} failed ({proc.returncode}):\n{err[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free (probed by binding)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n < 65536 and all(_bindable(first + i) for i in range(1, n)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(3, seed=16, hi=20)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_models, prompts) -> list[list[int]]:
+    return [hf_greedy(hf_models["llama"], p, MAX_NEW) for p in prompts]
+
+
+def test_pp2_and_tp2_x_pp2_equal_transformers_with_per_stage_kv(llama_dir, prompts, expected):
+    result = scenario("pipeline", llama_dir, prompts)
+    single, pp2, tp2pp2 = result["single"], result["pp2"], result["tp2pp2"]
+    assert single["outputs"] == expected
+    assert pp2["outputs"] == expected and tp2pp2["outputs"] == expected
+    assert pp2["in_flight"] == 2 and tp2pp2["in_flight"] == 2  # 3 requests a step: two micro-batches
+    # the prompt-logprob rows come back in the order one forward gives them
+    for run in (pp2, tp2pp2):
+        for got, want in zip(run["prompt_logprobs"], single["prompt_logprobs"]):
+            assert [p and sorted(p) for p in got] == [p and sorted(p) for p in want]
+            assert all(abs(g[t] - w[t]) < 1e-4 for g, w in zip(got[1:], want[1:]) for t in w)
+    # each stage holds its layer and a KV pool of one layer, the same block count everywhere
+    (whole,) = single["shards"]
+    assert [(s["first_layer"], s["end_layer"], s["kv_layers"]) for s in pp2["shards"]] == [(0, 1, 1), (1, 2, 1)]
+    assert [(s["first_layer"], s["kv_layers"]) for s in tp2pp2["shards"]] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert whole["kv_layers"] == 2 and pp2["num_blocks"] == single["num_blocks"]
+    assert all(s["num_params"] < whole["num_params"] for s in pp2["shards"])
+    assert sum(s["num_params"] for s in tp2pp2["shards"]) < 2 * whole["num_params"]
+
+
+def test_tp2_across_two_launches(llama_dir, prompts, expected):
+    """Node 0 (the engine) and node 1 (``pagedllm serve --headless``) rendezvous like two hosts;
+    killing node 1 turns the idle engine unhealthy within seconds and fails the next call; a node
+    with another layout is refused."""
+    result = scenario("multinode", llama_dir, prompts, _free_ports(2))
+    assert result["outputs"] == [expected, expected]
+    assert "rank 1 (node 1) sent no heartbeat" in result["health"]
+    assert result["seconds"] < 20  # the watchdog's 10 s of silence, plus a loaded machine's slack
+    assert result["killed_error"] is not None and "sent no heartbeat" in result["killed_error"]
+    assert "does not match the engine on node 0" in result["mismatch"]
+    assert "tensor_parallel_size=1 here but 2 on node 0" in result["mismatch"]
+    assert result["wrong_exit"] != 0 and "does not match" in result["wrong_stderr"]
+
+
+def test_dead_stage_fails_in_flight_request_and_health(llama_dir):
+    srv = _live_server_helpers().start_server(llama_dir, pipeline_parallel_size=2, num_threads=1, max_num_seqs=4)
+    engine = srv.engine.engine
+    pid = engine.executor.worker_pids()[0]
+    replies = []
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 100, "ignore_eos": True}
+    request = threading.Thread(target=lambda: replies.append(
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)))
+    try:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        request.start()
+        _wait_for(lambda: engine.counters.generation_tokens >= 3, 60, "the request to decode")
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        request.join(15)
+        assert replies, "the in-flight request did not finish after the last stage died"
+        assert time.monotonic() - killed < 10
+        assert replies[0].status_code == 500 and "SIGKILL" in replies[0].json()["error"]["message"]
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "worker rank 1" in health.json()["error"]["message"]
+    finally:
+        srv.stop()
+    assert not _alive(pid)
+
+
+def test_a_node_that_never_joins_is_named_with_its_command(llama_dir, monkeypatch):
+    """Node 0 of two hosts one rank itself and spawns nothing: no node 1 -> a clear error."""
+    from pagedllm import LLM
+    monkeypatch.setenv("PAGEDLLM_TP_STARTUP_TIMEOUT", "1")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        LLM(llama_dir, tensor_parallel_size=2, nnodes=2, master_port=_free_ports(1), num_gpu_blocks_override=64,
+            max_model_len=128, num_threads=1)
+    assert time.monotonic() - t0 < 30
+    assert "node(s) [1] (rank(s) [1]) did not report 'joined' within 1 s" in str(err.value)
+    assert "--headless --nnodes 2 --node-rank 1" in str(err.value)
