@@ -64,6 +64,13 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"cli": CliOption(help, **kwargs)})
 
 
+def gib_to_bytes(value: float, name: str) -> int:
+    """A size in GiB (a number >= 0) as bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a number of GiB >= 0")
+    return int(value * 1024**3)
+
+
 def cli_option(f: Field) -> CliOption:
     return f.metadata["cli"]
 
@@ -86,6 +93,12 @@ class EngineArgs:
         parse=float)
     kv_cache_memory: int | str | None = option(None, "KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
     swap_space: float | str = option(4, "CPU swap space for preempted KV, GiB or e.g. '16GiB'")
+    kv_offload_cpu_gb: float = option(0, "CPU memory (GiB, per rank; pinned on CUDA) for prefix blocks evicted "
+                                      "from the KV cache, found again by later prompts", parse=float)
+    kv_offload_dir: str | None = option(None, "directory for a disk tier below the CPU tier (kept across "
+                                        "restarts; engines may share it); needs --kv-offload-disk-gb")
+    kv_offload_disk_gb: float = option(0, "bytes (GiB) the disk tier may use in --kv-offload-dir, all engines "
+                                       "sharing it together", parse=float)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int = option(256, "sequences per step", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU)", parse=int)
@@ -151,6 +164,9 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 watermark=self.watermark,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
+                kv_offload_cpu_bytes=gib_to_bytes(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
+                kv_offload_dir=self.kv_offload_dir,
+                kv_offload_disk_bytes=gib_to_bytes(self.kv_offload_disk_gb, "kv_offload_disk_gb"),
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),

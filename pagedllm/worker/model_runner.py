@@ -14,6 +14,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache import sizing
+from pagedllm.kv_cache.offload.ops import LoadReport
+from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
@@ -34,6 +36,7 @@ class ExecuteResult:
 
     logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows, vocab]
     prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
+    tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
 
 
 class ModelRunner:
@@ -45,9 +48,11 @@ class ModelRunner:
 
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
+    tiers: TierStore | None = None  # this rank's KV tiers (CPU, disk), set by init_cache
 
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup):
         self.config = config
+        self.tp = tp
         self.device = config.device
         mc = config.model
         model_cls = get_model_class(mc.architecture)
@@ -79,13 +84,24 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layers[i] = torch.compile(layer, dynamic=True)
 
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0, with_tiers: bool = True) -> None:
         mc = self.config.model
         graphs = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
         self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
                                  self.device, num_cpu_blocks)
         self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        if with_tiers:
+            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
+
+    def reset_kv_tiers(self, clear_disk: bool) -> None:
+        """After the scheduler forgot the CPU tier: waits for queued disk writes, then (with
+        ``clear_disk``) deletes this rank's disk entries."""
+        if self.tiers is None:
+            return
+        self.tiers.flush()
+        if clear_disk:
+            self.tiers.clear_disk()
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -101,6 +117,9 @@ class ModelRunner:
         self.cache = None
         self.model = None
         self.decode_graphs = None
+        if self.tiers is not None:
+            self.tiers.close()  # after its queued disk writes
+            self.tiers = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:
@@ -110,12 +129,14 @@ class ModelRunner:
         after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk.
         """
         self.block_table.release(out.released_ids)
+        if out.tier_ops:  # first: blocks evicted to the tiers may be written by what follows
+            self.tiers.apply(out.tier_ops)
         # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
-            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0)
+            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
@@ -124,7 +145,11 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
-        return ExecuteResult(logits, prepare_time)
+        return ExecuteResult(logits, prepare_time, self._tier_report(out))
+
+    def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
+        """The step's tier loads, settled after its forward (the disk reads overlapped it)."""
+        return self.tiers.collect() if out.tier_ops and out.tier_ops.loads else None
 
     def prepare_inputs(self, out: SchedulerOutput):
         chunks = out.chunks
@@ -157,7 +182,7 @@ class ModelRunner:
         num_seqs = cdiv(num_tokens, seq)
         blocks_per_seq = blocks_per_sequence(seq, self.block_size)
         saved = self.cache
-        self.init_cache(num_seqs * blocks_per_seq)
+        self.init_cache(num_seqs * blocks_per_seq, with_tiers=False)
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]

@@ -78,6 +78,14 @@ class Executor(ABC):
         """One forward for the step; the logits to sample and rank 0's input-preparation time."""
         return self.run_on_all_ranks(RankCall(ModelRunner.execute, (scheduler_output,)))
 
+    def block_bytes(self) -> int:
+        """Bytes of one KV block on one rank."""
+        return self.runner.block_bytes()
+
+    def reset_kv_tiers(self, clear_disk: bool) -> None:
+        """Every rank settles its KV tiers after a prefix-cache reset (ModelRunner.reset_kv_tiers)."""
+        self.run_on_all_ranks(RankCall(ModelRunner.reset_kv_tiers, (clear_disk,)))
+
     def health_error(self) -> str | None:
         """Why the executor cannot run any more, or None; a read only, safe from any thread."""
         return self._closed_reason
