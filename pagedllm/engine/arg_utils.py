@@ -64,6 +64,9 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"cli": CliOption(help, **kwargs)})
 
 
+DEFAULT_DISK_GB = 10.0  # the disk tier's budget when --kv-offload-dir comes without --kv-offload-disk-gb
+
+
 def gib_to_bytes(value: float, name: str) -> int:
     """A size in GiB (a number >= 0) as bytes."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -97,8 +100,9 @@ class EngineArgs:
                                       "from the KV cache, found again by later prompts", parse=float)
     kv_offload_dir: str | None = option(None, "directory for a disk tier below the CPU tier (kept across "
                                         "restarts; engines may share it); needs --kv-offload-disk-gb")
-    kv_offload_disk_gb: float = option(0, "bytes (GiB) the disk tier may use in --kv-offload-dir, all engines "
-                                       "sharing it together", parse=float)
+    kv_offload_disk_gb: float | None = option(None, "bytes (GiB) the disk tier may use in --kv-offload-dir, all "
+                                              f"engines sharing it together (default {DEFAULT_DISK_GB:g})",
+                                              parse=float)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int = option(256, "sequences per step", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU)", parse=int)
@@ -166,7 +170,7 @@ class EngineArgs:
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
                 kv_offload_cpu_bytes=gib_to_bytes(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
                 kv_offload_dir=self.kv_offload_dir,
-                kv_offload_disk_bytes=gib_to_bytes(self.kv_offload_disk_gb, "kv_offload_disk_gb"),
+                kv_offload_disk_bytes=self._disk_tier_bytes(),
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),
@@ -179,6 +183,17 @@ class EngineArgs:
             layer_ops=layer_ops,
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
         )
+
+    def _disk_tier_bytes(self) -> int:
+        if self.kv_offload_dir is None:
+            if self.kv_offload_disk_gb is not None:
+                raise ValueError(f"kv_offload_disk_gb={self.kv_offload_disk_gb!r} needs kv_offload_dir (the "
+                                 "directory of the disk tier)")
+            return 0
+        gib = DEFAULT_DISK_GB if self.kv_offload_disk_gb is None else self.kv_offload_disk_gb
+        if gib == 0:
+            raise ValueError("kv_offload_disk_gb=0 leaves the disk tier no room; leave kv_offload_dir unset instead")
+        return gib_to_bytes(gib, "kv_offload_disk_gb")
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig

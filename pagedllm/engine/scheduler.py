@@ -176,6 +176,8 @@ class Scheduler:
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
             hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
             plan = [] if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))
+            if plan is None:  # its prefix is being loaded for another request: it hits it next step
+                break
             if plan:
                 if not self.kv.start_load(req, hits, plan, reserve=self.watermark_blocks):
                     break

@@ -141,15 +141,18 @@ class KVCacheManager:
         return hashes
 
     # ----------------------------------------------------------------- tier hits (kv_cache/offload)
-    def get_tier_hits(self, req, num_device_hits: int) -> list[KVBlock | tuple[bytes, str, int]]:
+    def get_tier_hits(self, req, num_device_hits: int) -> list[KVBlock | tuple[bytes, str, int]] | None:
         """Past a fresh request's ``num_device_hits`` leading hits: the next consecutive blocks
         found in the device pool (a block) or in a tier (``(hash, tier, CPU slot)``); [] if no tier
-        holds any. Like ``get_computed_blocks``, never the block of the last token."""
+        holds any; None if another request is loading one of them this step (wait for it, then
+        hit it in the device pool). Like ``get_computed_blocks``, never the block of the last token."""
         if self.offload is None or req.num_computed_tokens > 0:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         plan: list[KVBlock | tuple[bytes, str, int]] = []
         for block_hash in self._request_hashes(req)[num_device_hits:max_blocks]:
+            if self.offload.is_loading(block_hash):
+                return None
             found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash)
             if found is None:
                 break

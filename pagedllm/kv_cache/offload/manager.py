@@ -52,6 +52,7 @@ class OffloadManager:
         self.stats = {TIER_CPU: TierStats(), TIER_DISK: TierStats()}
         self._ops = TierOps()
         self._jobs: dict[str, LoadJob] = {}
+        self._in_flight: set[bytes] = set()  # hashes some request is loading this step
 
     @property
     def has_disk(self) -> bool:
@@ -108,8 +109,13 @@ class OffloadManager:
         """Keeps a CPU slot a load will read from (call before allocating the load's blocks)."""
         self.cpu.pin(slot)
 
+    def is_loading(self, block_hash: bytes) -> bool:
+        """Another request is loading this block this step (a second load would duplicate it)."""
+        return block_hash in self._in_flight
+
     def add_load(self, job: LoadJob) -> None:
         self._jobs[job.request_id] = job
+        self._in_flight.update(item.block_hash for item in job.items)
         self._ops.loads.append(job)
 
     def take_ops(self) -> TierOps:
@@ -121,6 +127,7 @@ class OffloadManager:
         """Settles a load: unpins its CPU slots, counts hits (the first ``num_ok`` items) and the
         first failed item as a miss of its tier; returns the job."""
         job = self._jobs.pop(request_id)
+        self._in_flight.difference_update(item.block_hash for item in job.items)
         for item in job.items:
             if item.tier == TIER_CPU:
                 self.cpu.unpin(item.cpu_slot)
