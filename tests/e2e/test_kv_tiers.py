@@ -154,3 +154,30 @@ def test_disk_budget_holds(llama_dir, tmp_path):
     files = list(tmp_path.rglob("*.kv"))
     assert 0 < len(files) <= budget_blocks
     assert sum(f.stat().st_size for f in files) <= budget_blocks * 2200
+
+
+def test_tensor_parallel_ranks_keep_their_own_entries_and_agree_on_bad_ones(llama_dir, tmp_path):
+    """Under TP each rank stores its own shard (its own fingerprint); an entry damaged on rank 1
+    only is a miss for every rank, so no rank runs with K/V the others lack."""
+    from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+    reference = _llm(llama_dir, 8, enable_prefix_caching=False)
+    expected = [_run(reference, i) for i in (1, 2)]
+    llm = _llm(llama_dir, 8, cpu_blocks=2, disk=tmp_path, tensor_parallel_size=2, num_threads=1)
+    try:
+        _run(llm, 0)
+        _evict(llm)
+        assert _run(llm, 1) == expected[0]
+        assert _tier(llm, "disk")["hits"] > 0
+        llm.reset_prefix_cache()  # forget the CPU tier and the device pool; waits for the writes
+        rank1 = tmp_path / kv_fingerprint(llm.llm_engine.config, 1)
+        assert len({p.parent for p in tmp_path.rglob("*.kv")}) == 2 and any(rank1.iterdir())
+        for f in rank1.iterdir():
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0x80
+            f.write_bytes(bytes(data))
+        hits = _tier(llm, "disk")["hits"]
+        assert _run(llm, 2) == expected[1]
+        assert _tier(llm, "disk")["hits"] == hits
+        _assert_all_blocks_free(llm)
+    finally:
+        llm.llm_engine.shutdown()

@@ -63,7 +63,9 @@ class CpuTierIndex:
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def check_integrity(self) -> None:
-        """Every slot is free or holds exactly one hash."""
+        """Every slot is free or holds exactly one hash; no pin outlives its load."""
+        if self._pins:
+            raise AssertionError(f"CPU tier slots still pinned: {dict(self._pins)}")
         held = list(self.entries.values())
         if sorted(held + self._free) != list(range(self.num_slots)):
             raise AssertionError(f"CPU tier slots: held {sorted(held)} + free {sorted(self._free)} "

@@ -159,4 +159,7 @@ class OffloadManager:
         return out
 
     def check_integrity(self) -> None:
+        """Between steps: every CPU slot free or holding one hash, and no load left unsettled."""
         self.cpu.check_integrity()
+        if self._jobs or self._in_flight:
+            raise AssertionError(f"loads never settled: {sorted(self._jobs)}")
