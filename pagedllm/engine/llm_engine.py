@@ -317,7 +317,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the executor's ranks (worker processes, process group), frees the KV pool and the
-        weights, and stops the grammar compiler's threads; idempotent. Later steps raise RuntimeError."""
+        weights, and stops the grammar compiler's threads; idempotent. Later steps raise RuntimeError.
+        With a KV disk tier, the cached prefixes still in the device pool or the CPU tier are written
+        to disk first, so a restart finds them."""
+        ops = self.scheduler.persist_ops()
+        if ops and self.executor.health_error() is None:
+            self.executor.persist_kv_tiers(ops)
         self.executor.shutdown()
         self.structured_output.shutdown()
 

@@ -405,6 +405,10 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def persist_ops(self):
+        """KV tier disk writes of every cached prefix, for a shutdown (None without tiers)."""
+        return self.kv.persist_tier_ops()
+
     def take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []
         return ids

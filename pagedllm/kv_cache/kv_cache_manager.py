@@ -204,6 +204,13 @@ class KVCacheManager:
         self.prefix_stats.hits += (keep - self._load_base.pop(req.request_id)) * self.block_size
         return keep * self.block_size
 
+    def persist_tier_ops(self) -> TierOps | None:
+        """Disk writes that keep the cached prefixes of the device pool and the CPU tier (shutdown)."""
+        if self.offload is None:
+            return None
+        free_cached = [(b.block_id, h) for h, b in self.pool.cached.items() if b.ref_cnt == 0]
+        return self.offload.persist_ops(free_cached)
+
     def take_tier_ops(self) -> TierOps | None:
         """The tier moves and loads of this step (None without tiers)."""
         return self.offload.take_ops() if self.offload is not None else None

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache import sizing
-from pagedllm.kv_cache.offload.ops import LoadReport
+from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
@@ -93,6 +93,12 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
         if with_tiers:
             self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
+
+    def persist_kv_tiers(self, ops: TierOps) -> None:
+        """Writes the blocks of ``ops.moves`` to this rank's disk tier and waits until they are there."""
+        if self.tiers is not None:
+            self.tiers.apply(ops)
+            self.tiers.flush()
 
     def reset_kv_tiers(self, clear_disk: bool) -> None:
         """After the scheduler forgot the CPU tier: waits for queued disk writes, then (with

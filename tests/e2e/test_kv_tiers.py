@@ -99,6 +99,18 @@ def test_disk_tier_hit_and_restart_match_recompute(llama_dir, block_size, expect
     _assert_all_blocks_free(restarted)
 
 
+def test_shutdown_writes_the_prefixes_still_cached_to_disk(llama_dir, block_size, expected, tmp_path):
+    """Nothing was evicted: the document lives only in the device pool until shutdown writes it."""
+    llm = _llm(llama_dir, block_size, cpu_blocks=2, disk=tmp_path)
+    _run(llm, 0)
+    assert not any(tmp_path.rglob("*.kv"))
+    llm.llm_engine.shutdown()
+    restarted = _llm(llama_dir, block_size, cpu_blocks=2, disk=tmp_path)
+    assert _run(restarted, 1) == expected[1]
+    assert _tier(restarted, "disk")["hits"] == len(DOC) // block_size
+    _assert_all_blocks_free(restarted)
+
+
 def test_changed_fingerprint_never_hits(llama_dir, tmp_path):
     llm = _llm(llama_dir, 8, disk=tmp_path)
     _run(llm, 0)

@@ -14,6 +14,7 @@ Device pool -> CPU tier -> disk tier, each with its own LRU and capacity::
 
     BlockPool.allocate evicts hash h from block b
         -> CPU tier: slot s <- b        (its LRU entry, if full, -> disk first)
+        -> disk tier: file of h <- b    (write-through, on the ranks' I/O threads)
     prefix walk: device pool | CPU tier | disk tier, block by block, stopping at the first miss
         -> hits load into freshly allocated device blocks; the request waits one step
 

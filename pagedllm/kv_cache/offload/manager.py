@@ -1,7 +1,14 @@
 """Scheduler-side tier manager: where each evicted prefix block went, and the moves to ask for.
 
 The block pool calls :meth:`OffloadManager.on_evict` when it hands out a block whose hash it
-forgets; the KV manager calls :meth:`lookup` block by block past the device pool's hits and
+forgets; the block goes to the CPU tier and, with a disk tier, is also queued for disk
+(write-through): the CPU tier's entries are the most recently evicted, i.e. the heads of the
+prefixes (the pool evicts a request's tail first), and a prefix walk stops at its first miss,
+so without them on disk a restart would lose every prefix whole. A CPU-tier entry that leaves
+it goes to disk only if its write did not land (e.g. the budget was full then); at shutdown,
+:meth:`persist_ops` writes what the device pool and the CPU tier still hold.
+
+The KV manager calls :meth:`lookup` block by block past the device pool's hits and
 :meth:`add_load` for a request's hits; :meth:`take_ops` hands the step's moves and loads to the
 scheduler output, and :meth:`finish_load` settles a load with what the ranks reported.
 """
@@ -77,6 +84,8 @@ class OffloadManager:
             self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])
         self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
         self._count_store(TIER_CPU)
+        if self.has_disk:  # write-through: what the CPU tier holds at shutdown survives too
+            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
 
     def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
         if not self.on_disk(block_hash):
@@ -147,6 +156,15 @@ class OffloadManager:
     @property
     def num_loads_in_flight(self) -> int:
         return len(self._jobs)
+
+    def persist_ops(self, device_blocks: list[tuple[int, bytes]]) -> TierOps:
+        """At shutdown: disk writes for the given cached device blocks ``(block id, hash)`` and the
+        CPU tier's entries that are not on disk yet, so a restart finds every prefix it can."""
+        ops = TierOps()
+        if self.has_disk:
+            ops.moves += [(DEVICE_TO_DISK, b, h) for b, h in device_blocks if not self.on_disk(h)]
+            ops.moves += [(CPU_TO_DISK, s, h) for h, s in self.cpu.entries.items() if not self.on_disk(h)]
+        return ops
 
     # ------------------------------------------------------------------ reset and stats
     def reset(self) -> None:

@@ -86,6 +86,10 @@ class Executor(ABC):
         """Every rank settles its KV tiers after a prefix-cache reset (ModelRunner.reset_kv_tiers)."""
         self.run_on_all_ranks(RankCall(ModelRunner.reset_kv_tiers, (clear_disk,)))
 
+    def persist_kv_tiers(self, ops) -> None:
+        """Every rank writes ``ops``' blocks to its disk tier and waits for them (ModelRunner.persist_kv_tiers)."""
+        self.run_on_all_ranks(RankCall(ModelRunner.persist_kv_tiers, (ops,)))
+
     def health_error(self) -> str | None:
         """Why the executor cannot run any more, or None; a read only, safe from any thread."""
         return self._closed_reason
