@@ -158,7 +158,7 @@ def _disk_case(model: str, s: Setup, disk: Path, question: list[int]) -> dict:
     llm = s.engine(model, cpu_blocks=SMALL_CPU_TIER_BLOCKS, disk=disk)
     llm.generate([{"prompt_token_ids": s.doc + question[:1]}], SamplingParams(max_tokens=1), use_tqdm=False)
     evict(llm, s)
-    llm.llm_engine.executor.reset_kv_tiers(False)  # its queued disk writes land before the timing
+    llm.llm_engine.flush_kv_tiers()  # its queued disk writes land before the timing
     r = _case(llm, s, question)
     llm.llm_engine.shutdown()
     return r

@@ -308,8 +308,13 @@ class LLMEngine:
         this engine's disk-tier entries; refused (False) while any request holds blocks."""
         if not self.scheduler.reset_prefix_cache():
             return False
-        self.executor.reset_kv_tiers(reset_disk)
+        self.executor.sync_kv_tiers(reset_disk)
         return True
+
+    def flush_kv_tiers(self) -> None:
+        """Returns once every KV block queued for the disk tier is on disk, on every rank (evicted
+        blocks are written in the background; until then a lookup misses them)."""
+        self.executor.sync_kv_tiers()
 
     def health_error(self) -> str | None:
         """Why this engine can no longer step (e.g. a tensor-parallel worker died), or None."""

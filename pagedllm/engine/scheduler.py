@@ -11,7 +11,7 @@ Each step re-decides what runs (DESIGN core idea 1): every request gets up to
 3. waiting requests are admitted in FCFS order, only once nothing is swapped out. With KV tiers
    (``kv_cache/offload/``), one whose prefix continues in the CPU or disk tier gets its blocks
    and a load instead of a chunk: it waits out this step in ``loading`` (the ranks load while the
-   others run) and goes back to the front of the queue with those tokens computed.
+   others run) and joins the running requests with those tokens computed.
 
 No step that preempted admits or swaps in anything, so a block freed by a swap-out is never
 reused in the same step before the cache engine has copied it out.
@@ -182,6 +182,7 @@ class Scheduler:
                 if not self.kv.start_load(req, hits, plan, reserve=self.watermark_blocks):
                     break
                 self.loading[req.request_id] = self.waiting.popleft()
+                seats += 1 + req.num_forks_pending
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
@@ -189,7 +190,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_hit
-            req.num_cached_tokens = req.num_computed_tokens  # this step's hits, or a finished load's
+            req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -200,16 +201,18 @@ class Scheduler:
 
     def finish_loads(self, report: LoadReport | None) -> None:
         """The ranks' loads of this step arrived (``report``): each loading request, with its
-        intact leading blocks computed, goes back to the front of the queue in admission order."""
+        intact leading blocks computed, joins the running requests (it holds blocks, so it must
+        not wait behind swapped requests that may need them)."""
         if report is None:
             return
         self.kv.offload.add_load_seconds(report.seconds)
-        done = []
         for rid, num_ok in report.num_ok.items():
             req = self.loading.pop(rid)
-            req.num_computed_tokens = self.kv.finish_load(req, num_ok)
-            done.append(req)
-        self.waiting.extendleft(reversed(done))
+            req.num_computed_tokens = req.num_cached_tokens = self.kv.finish_load(req, num_ok)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
 
     def _grammar_failed(self, req: Request) -> bool:
         """A grammar that did not compile ends its request (aborted; ``take_failed`` reports it)."""

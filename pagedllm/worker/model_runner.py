@@ -95,19 +95,19 @@ class ModelRunner:
             self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
 
     def persist_kv_tiers(self, ops: TierOps) -> None:
-        """Writes the blocks of ``ops.moves`` to this rank's disk tier and waits until they are there."""
+        """Writes the blocks of ``ops.moves`` to this rank's disk tier; returns once every rank's are there."""
         if self.tiers is not None:
             self.tiers.apply(ops)
-            self.tiers.flush()
+        self.sync_kv_tiers(False)
 
-    def reset_kv_tiers(self, clear_disk: bool) -> None:
-        """After the scheduler forgot the CPU tier: waits for queued disk writes, then (with
-        ``clear_disk``) deletes this rank's disk entries."""
-        if self.tiers is None:
-            return
-        self.tiers.flush()
-        if clear_disk:
-            self.tiers.clear_disk()
+    def sync_kv_tiers(self, clear_disk: bool) -> None:
+        """Waits for this rank's queued disk writes, then (with ``clear_disk``) deletes its disk
+        entries; returns once every rank has (a barrier)."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            if clear_disk:
+                self.tiers.clear_disk()
+        self.tp.barrier()
 
     @property
     def cache_dtype(self) -> torch.dtype:

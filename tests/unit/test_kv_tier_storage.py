@@ -133,6 +133,9 @@ def test_cpu_tier_lru_with_pins():
     assert cpu.insert(b"d") is None  # every slot pinned: nothing evicted
     cpu.unpin(1)
     assert cpu.insert(b"d") == (1, (b"c", 1))
+    with pytest.raises(AssertionError, match="pinned"):  # between steps no load holds a slot
+        cpu.check_integrity()
+    cpu.unpin(0)
     cpu.check_integrity()
     cpu.clear()
     assert len(cpu) == 0 and cpu.insert(b"x") == (0, None)

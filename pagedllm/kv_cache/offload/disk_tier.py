@@ -105,6 +105,9 @@ class DiskTier:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:  # an unreadable disk costs the hit, never the engine
+            self._discard(path, f"unreadable: {exc}")
+            return None
         reason = self._check(data, block_hash, shape, dtype)
         if reason is not None:
             self._discard(path, reason)

@@ -82,9 +82,9 @@ class Executor(ABC):
         """Bytes of one KV block on one rank."""
         return self.runner.block_bytes()
 
-    def reset_kv_tiers(self, clear_disk: bool) -> None:
-        """Every rank settles its KV tiers after a prefix-cache reset (ModelRunner.reset_kv_tiers)."""
-        self.run_on_all_ranks(RankCall(ModelRunner.reset_kv_tiers, (clear_disk,)))
+    def sync_kv_tiers(self, clear_disk: bool = False) -> None:
+        """Every rank's queued KV disk-tier writes land (and with ``clear_disk`` its entries go)."""
+        self.run_on_all_ranks(RankCall(ModelRunner.sync_kv_tiers, (clear_disk,)))
 
     def persist_kv_tiers(self, ops) -> None:
         """Every rank writes ``ops``' blocks to its disk tier and waits for them (ModelRunner.persist_kv_tiers)."""
