@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_model_dir, random_prompts
 
 from pagedllm import LLM, SamplingParams
@@ -194,3 +195,49 @@ def test_tensor_parallel_ranks_keep_their_own_entries_and_agree_on_bad_ones(llam
         _assert_all_blocks_free(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_two_engines_sharing_a_directory_concurrently(llama_dir, tmp_path):
+    """Two engines (same model: same fingerprint) evict into one directory at the same time; every
+    file left is whole, and a third engine finds both documents there."""
+    import threading
+
+    from pagedllm.kv_cache.offload.disk_tier import DiskTier
+    from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+    docs = random_prompts(2, seed=43, lo=64, hi=65)
+    engines = [_llm(llama_dir, 8, cpu_blocks=1, disk=tmp_path) for _ in range(2)]
+
+    def work(llm: LLM, doc: list[int]) -> None:
+        for filler in FILLERS:
+            llm.generate([{"prompt_token_ids": doc + [5]}, {"prompt_token_ids": filler}], GREEDY, use_tqdm=False)
+
+    threads = [threading.Thread(target=work, args=(e, d)) for e, d in zip(engines, docs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in engines:
+        e.llm_engine.shutdown()
+    config = engines[0].llm_engine.config
+    tier = DiskTier(tmp_path, kv_fingerprint(config, 0), 1 << 30)
+    files = list(tmp_path.rglob("*"))
+    assert all(f.suffix == ".kv" or f.is_dir() or f.name == ".lock" for f in files)  # no temporary files
+    shape = (2, 2, 2, 8, 16)  # [layers, K/V, kv heads, block_size, head_dim]
+    assert all(tier.read(bytes.fromhex(f.stem), shape, torch.float32) is not None for f in files if f.suffix == ".kv")
+    third = _llm(llama_dir, 8, disk=tmp_path)
+    for doc in docs:
+        third.generate([{"prompt_token_ids": doc + [6]}], GREEDY, use_tqdm=False)
+    assert _tier(third, "disk")["hits"] == 2 * (64 // 8)
+
+
+def test_tier_metrics_on_the_prometheus_endpoint(llama_dir):
+    from pagedllm.metrics.prometheus import PrometheusMetrics
+    llm = _llm(llama_dir, 8, cpu_blocks=64)
+    _run(llm, 0)
+    _evict(llm)
+    _run(llm, 1)
+    text = PrometheusMetrics("m").render(llm.get_metrics()).decode()
+    hits = _tier(llm, "cpu")["hits"]
+    assert hits > 0
+    assert f'pagedllm:kv_offload_hits_total{{model_name="m",tier="cpu"}} {float(hits)}' in text
+    assert 'pagedllm:kv_offload_bytes_total{direction="load",model_name="m",tier="cpu"}' in text
