@@ -63,9 +63,15 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     watermark: float = 0.01
     cache_dtype: torch.dtype | None = None  # KV storage dtype; None: the model's dtype
+    # KV tiers (kv_cache/offload/): evicted prefix blocks kept in CPU memory (bytes per rank) and
+    # on disk (a directory shared by every engine using it, within a byte budget for all of it)
+    kv_offload_cpu_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
 
     def __post_init__(self):
         check_block_size(self.block_size)
+        check_offload(self)
         check_memory_utilization(self.gpu_memory_utilization)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
@@ -144,6 +150,20 @@ class EngineConfig:
     compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
     layer_ops: str = "native"  # the layers' fused ops, "native" or "triton" (layers/ops.py, resolved)
     cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
+
+
+def check_offload(cache: CacheConfig) -> None:
+    """The KV tiers' settings: sizes >= 0, a disk budget exactly when there is a directory, and
+    prefix caching on (the tiers hold prefix-cache blocks)."""
+    for name in ("kv_offload_cpu_bytes", "kv_offload_disk_bytes"):
+        if getattr(cache, name) < 0:
+            raise ValueError(f"{name}={getattr(cache, name)!r} must be >= 0")
+    if (cache.kv_offload_dir is None) != (cache.kv_offload_disk_bytes == 0):
+        raise ValueError(f"kv_offload_dir={cache.kv_offload_dir!r} and kv_offload_disk_bytes="
+                         f"{cache.kv_offload_disk_bytes!r}: a disk tier needs both a directory and a budget > 0")
+    if (cache.kv_offload_cpu_bytes or cache.kv_offload_dir) and not cache.enable_prefix_caching:
+        raise ValueError("the KV offload tiers (kv_offload_cpu_gb / kv_offload_dir) hold prefix-cache blocks: "
+                         "they need enable_prefix_caching=True")
 
 
 def check_block_size(block_size: int) -> int:

@@ -65,6 +65,16 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"cli": CliOption(help, **kwargs)})
 
 
+DEFAULT_DISK_GB = 10.0  # the disk tier's budget when --kv-offload-dir comes without --kv-offload-disk-gb
+
+
+def gib_to_bytes(value: float, name: str) -> int:
+    """A size in GiB (a number >= 0) as bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a number of GiB >= 0")
+    return int(value * 1024**3)
+
+
 def cli_option(f: Field) -> CliOption:
     return f.metadata["cli"]
 
@@ -87,6 +97,13 @@ class EngineArgs:
         parse=float)
     kv_cache_memory: int | str | None = option(None, "KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
     swap_space: float | str = option(4, "CPU swap space for preempted KV, GiB or e.g. '16GiB'")
+    kv_offload_cpu_gb: float = option(0, "CPU memory (GiB, per rank; pinned on CUDA) for prefix blocks evicted "
+                                      "from the KV cache, found again by later prompts", parse=float)
+    kv_offload_dir: str | None = option(None, "directory for a disk tier below the CPU tier (kept across "
+                                        "restarts; engines may share it); needs --kv-offload-disk-gb")
+    kv_offload_disk_gb: float | None = option(None, "bytes (GiB) the disk tier may use in --kv-offload-dir, all "
+                                              f"engines sharing it together (default {DEFAULT_DISK_GB:g})",
+                                              parse=float)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int = option(256, "sequences per step", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU)", parse=int)
@@ -144,6 +161,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         device = default_device() if self.device == "auto" else torch.device(self.device)
         model_config = self._model_config(device)
+        self._check_offload_layout()
         max_batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
         layer_ops = resolve_fused_ops(self.fused_ops, device)
         if layer_ops == "triton" and device.type == "cpu" and self.compile_model and not self.enforce_eager:
@@ -161,6 +179,9 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 watermark=self.watermark,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
+                kv_offload_cpu_bytes=gib_to_bytes(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
+                kv_offload_dir=self.kv_offload_dir,
+                kv_offload_disk_bytes=self._disk_tier_bytes(),
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),
@@ -188,6 +209,24 @@ class EngineArgs:
         port = self.master_port if self.master_port is not None else envs.MASTER_PORT
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, nnodes, node_rank,
                               self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0)
+    def _check_offload_layout(self) -> None:
+        # each pipeline stage would hold its own layers' share of a block, and the tiers agree on
+        # a load's outcome only within a tensor-parallel group: not wired across stages yet
+        if self.pipeline_parallel_size > 1 and (self.kv_offload_cpu_gb or self.kv_offload_dir):
+            raise ValueError(f"kv_offload_cpu_gb={self.kv_offload_cpu_gb!r} / kv_offload_dir={self.kv_offload_dir!r} "
+                             f"cannot be combined with pipeline_parallel_size={self.pipeline_parallel_size}: the KV "
+                             "tiers work with pipeline_parallel_size=1 only")
+
+    def _disk_tier_bytes(self) -> int:
+        if self.kv_offload_dir is None:
+            if self.kv_offload_disk_gb is not None:
+                raise ValueError(f"kv_offload_disk_gb={self.kv_offload_disk_gb!r} needs kv_offload_dir (the "
+                                 "directory of the disk tier)")
+            return 0
+        gib = DEFAULT_DISK_GB if self.kv_offload_disk_gb is None else self.kv_offload_disk_gb
+        if gib == 0:
+            raise ValueError("kv_offload_disk_gb=0 leaves the disk tier no room; leave kv_offload_dir unset instead")
+        return gib_to_bytes(gib, "kv_offload_disk_gb")
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig

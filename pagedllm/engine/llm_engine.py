@@ -15,6 +15,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
@@ -44,7 +45,8 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
-                                   self.executor.num_cpu_blocks)
+                                   self.executor.num_cpu_blocks,
+                                   build_offload_manager(config, self.executor.block_bytes()))
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.layer_ops, self.structured_output)
@@ -161,6 +163,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
+        self.scheduler.finish_loads(result.tier_report)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         num_sample_rows = sched_out.num_sample_rows
@@ -298,10 +301,20 @@ class LLMEngine:
                     for k, v in c.request_success.items()]
         metrics += [Metric("pagedllm:num_preemptions_by_mode", v, {"mode": k}, "counter")
                     for k, v in s.preemptions_by_mode.items()]
-        return metrics
+        return metrics + _offload_metrics(s.offload)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_disk: bool = False) -> bool:
+        """Forgets every cached prefix in the device pool and the CPU tier, and with ``reset_disk``
+        this engine's disk-tier entries; refused (False) while any request holds blocks."""
+        if not self.scheduler.reset_prefix_cache():
+            return False
+        self.executor.sync_kv_tiers(reset_disk)
+        return True
+
+    def flush_kv_tiers(self) -> None:
+        """Returns once every KV block queued for the disk tier is on disk, on every rank (evicted
+        blocks are written in the background; until then a lookup misses them)."""
+        self.executor.sync_kv_tiers()
 
     def health_error(self) -> str | None:
         """Why this engine can no longer step (e.g. a tensor-parallel worker died), or None."""
@@ -309,9 +322,27 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the executor's ranks (worker processes, process group), frees the KV pool and the
-        weights, and stops the grammar compiler's threads; idempotent. Later steps raise RuntimeError."""
+        weights, and stops the grammar compiler's threads; idempotent. Later steps raise RuntimeError.
+        With a KV disk tier, the cached prefixes still in the device pool or the CPU tier are written
+        to disk first, so a restart finds them."""
+        ops = self.scheduler.persist_ops()
+        if ops and self.executor.health_error() is None:
+            self.executor.persist_kv_tiers(ops)
         self.executor.shutdown()
         self.structured_output.shutdown()
+
+
+def _offload_metrics(offload: dict[str, dict[str, float]]) -> list[Metric]:
+    """The KV tiers' counters, labelled by tier (nothing without tiers)."""
+    out = []
+    for tier, t in offload.items():
+        out += [Metric("pagedllm:kv_offload_hits", t["hits"], {"tier": tier}, "counter"),
+                Metric("pagedllm:kv_offload_misses", t["misses"], {"tier": tier}, "counter"),
+                Metric("pagedllm:kv_offload_bytes", t["bytes_stored"], {"tier": tier, "direction": "store"}, "counter"),
+                Metric("pagedllm:kv_offload_bytes", t["bytes_loaded"], {"tier": tier, "direction": "load"}, "counter"),
+                Metric("pagedllm:kv_offload_loads", t["loads"], {"tier": tier}, "counter"),
+                Metric("pagedllm:kv_offload_load_seconds", t["load_seconds"], {"tier": tier}, "counter")]
+    return out
 
 
 def _load_tokenizer(model_config):

@@ -8,7 +8,10 @@ Each step re-decides what runs (DESIGN core idea 1): every request gets up to
    queue with all its tokens; ``swap`` moves all its blocks to the CPU pool (falling back to
    recompute when the CPU pool is full);
 2. swapped requests come back (oldest first) when their blocks fit above the watermark;
-3. waiting requests are admitted in FCFS order, only once nothing is swapped out.
+3. waiting requests are admitted in FCFS order, only once nothing is swapped out. With KV tiers
+   (``kv_cache/offload/``), one whose prefix continues in the CPU or disk tier gets its blocks
+   and a load instead of a chunk: it waits out this step in ``loading`` (the ranks load while the
+   others run) and joins the running requests with those tokens computed.
 
 No step that preempted admits or swaps in anything, so a block freed by a swap-out is never
 reused in the same step before the cache engine has copied it out.
@@ -24,6 +27,8 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus, make_generator
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.kv_cache.offload.manager import OffloadManager
+from pagedllm.kv_cache.offload.ops import LoadReport
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
@@ -49,15 +54,16 @@ class Scheduler:
     """Decides, each step, which requests run and with how many tokens; applies the results."""
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, offload: OffloadManager | None = None):
         self.config = config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 num_cpu_blocks)
+                                 num_cpu_blocks, offload)
         self.watermark_blocks = int(cache_config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.loading: dict[str, Request] = {}  # admitted this step to load tier hits (finish_loads)
         self.requests: dict[str, Request] = {}  # every live sequence by its id
         self.sequences: dict[str, list[str]] = {}  # parent request id -> its sequence ids
         self.stats = SchedulerStats()
@@ -89,7 +95,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -102,6 +108,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_copies()
         out.released_ids = self.kv.take_released()
+        out.tier_ops = self.kv.take_tier_ops()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -168,6 +175,15 @@ class Scheduler:
             # a request that wants prompt logprobs needs logits at every prompt position
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
             hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
+            plan = [] if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))
+            if plan is None:  # its prefix is being loaded for another request: it hits it next step
+                break
+            if plan:
+                if not self.kv.start_load(req, hits, plan, reserve=self.watermark_blocks):
+                    break
+                self.loading[req.request_id] = self.waiting.popleft()
+                seats += 1 + req.num_forks_pending
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
                                           reserve_tokens=self._preallocation(req)):
@@ -182,6 +198,21 @@ class Scheduler:
             self._add_chunk(out, req, num_new)
             budget -= num_new
             seats += 1 + req.num_forks_pending
+
+    def finish_loads(self, report: LoadReport | None) -> None:
+        """The ranks' loads of this step arrived (``report``): each loading request, with its
+        intact leading blocks computed, joins the running requests (it holds blocks, so it must
+        not wait behind swapped requests that may need them)."""
+        if report is None:
+            return
+        self.kv.offload.add_load_seconds(report.seconds)
+        for rid, num_ok in report.num_ok.items():
+            req = self.loading.pop(rid)
+            req.num_computed_tokens = req.num_cached_tokens = self.kv.finish_load(req, num_ok)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
 
     def _grammar_failed(self, req: Request) -> bool:
         """A grammar that did not compile ends its request (aborted; ``take_failed`` reports it)."""
@@ -328,6 +359,7 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
                 break
+        self.loading.pop(request_id, None)
         self.kv.free(req)
         self.finished_ids.append(request_id)
 
@@ -370,10 +402,15 @@ class Scheduler:
             num_cpu_blocks=kv.num_cpu_blocks, num_cpu_free_blocks=kv.num_cpu_free_blocks,
             cpu_usage=kv.cpu_usage(), num_preemptions=self.stats.num_preemptions,
             preemptions_by_mode=dict(self.stats.preemptions_by_mode),
+            offload=kv.offload.snapshot() if kv.offload is not None else {},
         )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def persist_ops(self):
+        """KV tier disk writes of every cached prefix, for a shutdown (None without tiers)."""
+        return self.kv.persist_tier_ops()
 
     def take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []

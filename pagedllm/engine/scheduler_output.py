@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.kv_cache.offload.ops import TierOps
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -44,6 +46,7 @@ class SchedulerOutput:
     # requests whose block tables were dropped since the previous output (finished, aborted,
     # preempted, swapped out): the runner forgets their persistent rows before this step
     released_ids: list[str] = field(default_factory=list)
+    tier_ops: TierOps | None = None  # KV tier moves and loads (kv_cache/offload/), before forward
 
     @property
     def num_tokens(self) -> int:
@@ -56,4 +59,5 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
-        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids)
+        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids
+                    or self.tier_ops)

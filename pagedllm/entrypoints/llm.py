@@ -149,8 +149,9 @@ class LLM:
     def get_kv_cache_stats(self) -> KVCacheStats:
         return self.llm_engine.get_kv_cache_stats()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_disk: bool = False) -> bool:
+        """Forgets cached prefixes (device pool, CPU tier; the disk tier too with ``reset_disk``)."""
+        return self.llm_engine.reset_prefix_cache(reset_disk)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

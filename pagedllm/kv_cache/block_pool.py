@@ -11,7 +11,7 @@ middle is O(1)::
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -70,9 +70,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns ``num_blocks`` blocks: allocation, reference counts, free queue and prefix hashes."""
+    """Owns ``num_blocks`` blocks: allocation, reference counts, free queue and prefix hashes.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    ``on_evict(block_id, block_hash)``, when set, is called as a cached block is handed out again
+    (its hash forgotten), while its K/V are still intact: the KV tiers keep them from there.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int, bytes], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
@@ -80,6 +85,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding those tokens
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,6 +142,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

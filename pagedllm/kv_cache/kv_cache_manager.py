@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
+from pagedllm.kv_cache.offload.manager import OffloadManager
+from pagedllm.kv_cache.offload.ops import LoadItem, LoadJob, TierOps
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
 from pagedllm.kv_cache.swap import CpuBlockPool
 from pagedllm.utils import cdiv
@@ -33,11 +35,17 @@ class KVCacheManager:
 
     The request objects passed in need ``request_id``, ``all_token_ids``, ``num_tokens``,
     ``num_computed_tokens`` and ``cache_salt`` (None or a string mixed into the block hashes).
+
+    With ``offload`` (KV tiers, ``kv_cache/offload/``), evicted prefix blocks go to the CPU and
+    disk tiers, and a fresh request's hits there are loaded back (``start_load`` /
+    ``finish_load``) into blocks it holds but that are not in the prefix cache until they arrive.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0,
+                 offload: OffloadManager | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.offload = offload if enable_caching else None
+        self.pool = BlockPool(num_blocks, enable_caching, self.offload.on_evict if self.offload else None)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> its CPU blocks
         self.tables: dict[str, list[KVBlock]] = {}
@@ -51,6 +59,7 @@ class KVCacheManager:
         self._dirty_from: dict[str, int] = {}
         self._released: list[str] = []
         self.prefix_stats = PrefixCacheStats()
+        self._load_base: dict[str, int] = {}  # loading request -> its leading device hits
 
     # ----------------------------------------------------------------- queries
     @property
@@ -130,6 +139,81 @@ class KVCacheManager:
         extra = (req.cache_salt,) if req.cache_salt else ()
         extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
         return hashes
+
+    # ----------------------------------------------------------------- tier hits (kv_cache/offload)
+    def get_tier_hits(self, req, num_device_hits: int) -> list[KVBlock | tuple[bytes, str, int]] | None:
+        """Past a fresh request's ``num_device_hits`` leading hits: the next consecutive blocks
+        found in the device pool (a block) or in a tier (``(hash, tier, CPU slot)``); [] if no tier
+        holds any; None if another request is loading one of them this step (wait for it, then
+        hit it in the device pool). Like ``get_computed_blocks``, never the block of the last token."""
+        if self.offload is None or req.num_computed_tokens > 0:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        plan: list[KVBlock | tuple[bytes, str, int]] = []
+        for block_hash in self._request_hashes(req)[num_device_hits:max_blocks]:
+            if self.offload.is_loading(block_hash):
+                return None
+            found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash)
+            if found is None:
+                break
+            plan.append(found if isinstance(found, KVBlock) else (block_hash, *found))
+        return plan if any(not isinstance(p, KVBlock) for p in plan) else []
+
+    def start_load(self, req, hits: list[KVBlock], plan: list, reserve: int = 0) -> bool:
+        """Gives ``req`` its device ``hits`` and the ``plan`` of ``get_tier_hits``: planned device
+        blocks are shared, tier hits get fresh blocks to load into. False (nothing changed) if
+        the blocks do not fit above ``reserve`` free blocks."""
+        shared = hits + [p for p in plan if isinstance(p, KVBlock)]
+        num_fresh = len(plan) + len(hits) - len(shared)
+        if num_fresh + sum(1 for b in shared if b.ref_cnt == 0) + reserve > self.pool.num_free_blocks:
+            return False
+        for _, _, slot in (p for p in plan if not isinstance(p, KVBlock)):
+            if slot >= 0:
+                self.offload.pin(slot)  # before allocating: the evictions below may spill to the CPU tier
+        self.pool.touch(shared)
+        fresh = iter(self.pool.allocate(num_fresh))
+        table, items = list(hits), []
+        for p in plan:
+            block = p if isinstance(p, KVBlock) else next(fresh)
+            if not isinstance(p, KVBlock):
+                items.append(LoadItem(block.block_id, p[1], p[0], p[2]))
+            table.append(block)
+        rid = req.request_id
+        self.tables[rid], self.requests[rid] = table, req
+        self._mark_dirty(rid, 0)
+        self._num_hashed_blocks[rid] = len(table)  # finish_load registers the loaded blocks
+        self._load_base[rid] = len(hits)  # already counted as prefix-cache hits
+        self.offload.add_load(LoadJob(rid, tuple(items)))
+        return True
+
+    def finish_load(self, req, num_ok: int) -> int:
+        """Settles ``req``'s load: its table keeps the blocks up to the first item that did not
+        arrive, the loaded ones enter the prefix cache; returns the tokens now computed."""
+        job = self.offload.finish_load(req.request_id, num_ok)
+        table = self.tables[req.request_id]
+        loaded = {i.device_block: i.block_hash for i in job.items[:num_ok]}
+        keep = len(table)
+        if num_ok < len(job.items):
+            keep = next(k for k, b in enumerate(table) if b.block_id == job.items[num_ok].device_block)
+        self.pool.free(reversed(table[keep:]))
+        del table[keep:]
+        for block in table:
+            if block.block_id in loaded:
+                self.pool.cache_block(block, loaded[block.block_id])
+        self._num_hashed_blocks[req.request_id] = keep
+        self.prefix_stats.hits += (keep - self._load_base.pop(req.request_id)) * self.block_size
+        return keep * self.block_size
+
+    def persist_tier_ops(self) -> TierOps | None:
+        """Disk writes that keep the cached prefixes of the device pool and the CPU tier (shutdown)."""
+        if self.offload is None:
+            return None
+        free_cached = [(b.block_id, h) for h, b in self.pool.cached.items() if b.ref_cnt == 0]
+        return self.offload.persist_ops(free_cached)
+
+    def take_tier_ops(self) -> TierOps | None:
+        """The tier moves and loads of this step (None without tiers)."""
+        return self.offload.take_ops() if self.offload is not None else None
 
     # ----------------------------------------------------------------- allocation
     def blocks_needed(self, req, num_new_tokens: int, new_computed: list[KVBlock] = (),
@@ -230,7 +314,12 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forgets the device pool's and the CPU tier's cached prefixes; refused while blocks are in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.reset()
+        return True
 
     # ----------------------------------------------------------------- swapping
     def can_swap_out(self, req) -> bool:
@@ -290,6 +379,8 @@ class KVCacheManager:
             if block.block_hash != block_hash:
                 raise AssertionError(f"cache entry points at {block} with another hash")
         self._check_cpu_pool()
+        if self.offload is not None:
+            self.offload.check_integrity()
 
     def _check_cpu_pool(self) -> None:
         held = [c for ids in self.cpu_tables.values() for c in ids]

@@ -38,6 +38,11 @@ _HELP = {
     "pagedllm:prompt_tokens": "Number of prefill tokens processed.",
     "pagedllm:generation_tokens": "Number of generation tokens processed.",
     "pagedllm:request_success": "Count of finished sequences by finish reason.",
+    "pagedllm:kv_offload_hits": "KV blocks found in an offload tier and loaded back, by tier.",
+    "pagedllm:kv_offload_misses": "KV block lookups an offload tier could not serve, by tier.",
+    "pagedllm:kv_offload_bytes": "KV bytes moved into (store) or out of (load) an offload tier.",
+    "pagedllm:kv_offload_loads": "Requests that loaded KV blocks from an offload tier.",
+    "pagedllm:kv_offload_load_seconds": "Seconds spent loading KV blocks from an offload tier.",
 }
 
 

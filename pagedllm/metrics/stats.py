@@ -32,6 +32,9 @@ class KVCacheStats:
     cpu_usage: float
     num_preemptions: int
     preemptions_by_mode: dict[str, int]
+    # KV tiers (kv_cache/offload/): per tier ("cpu", "disk") hits, misses, stored_blocks,
+    # bytes_stored, bytes_loaded, loads, load_seconds (cumulative); empty without tiers
+    offload: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

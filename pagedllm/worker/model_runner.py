@@ -15,6 +15,8 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineGroup, PipelineStage, stage_of
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache import sizing
+from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
+from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
@@ -36,6 +38,7 @@ class ExecuteResult:
 
     logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows, vocab]
     prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
+    tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
 
 
 class ModelRunner:
@@ -49,9 +52,11 @@ class ModelRunner:
 
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
+    tiers: TierStore | None = None  # this rank's KV tiers (CPU, disk), set by init_cache
 
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup, pp: PipelineGroup | None = None):
         self.config = config
+        self.tp = tp
         self.device = config.device
         mc = config.model
         self.stage = stage_of(mc.num_layers, pp.layout.pp_size, pp.layout.stage) if pp else \
@@ -87,13 +92,30 @@ class ModelRunner:
         for i in range(self.stage.start, self.stage.end):
             layers[i] = torch.compile(layers[i], dynamic=True)
 
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0, with_tiers: bool = True) -> None:
         mc = self.config.model
         graphs = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
         self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
                                  self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
         self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        if with_tiers:
+            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
+
+    def persist_kv_tiers(self, ops: TierOps) -> None:
+        """Writes the blocks of ``ops.moves`` to this rank's disk tier; returns once every rank's are there."""
+        if self.tiers is not None:
+            self.tiers.apply(ops)
+        self.sync_kv_tiers(False)
+
+    def sync_kv_tiers(self, clear_disk: bool) -> None:
+        """Waits for this rank's queued disk writes, then (with ``clear_disk``) deletes its disk
+        entries; returns once every rank has (a barrier)."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            if clear_disk:
+                self.tiers.clear_disk()
+        self.tp.barrier()
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -112,6 +134,9 @@ class ModelRunner:
         self.cache = None
         self.model = None
         self.decode_graphs = None
+        if self.tiers is not None:
+            self.tiers.close()  # after its queued disk writes
+            self.tiers = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:
@@ -121,13 +146,15 @@ class ModelRunner:
         after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk.
         """
         self.block_table.release(out.released_ids)
+        if out.tier_ops:  # first: blocks evicted to the tiers may be written by what follows
+            self.tiers.apply(out.tier_ops)
         # order matters: a block swapped out this step may be the target of a swap-in or copy
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
-            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0)
-        if self.pipeline is not None:
+            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
+        if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
@@ -137,7 +164,11 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
-        return ExecuteResult(logits, prepare_time)
+        return ExecuteResult(logits, prepare_time, self._tier_report(out))
+
+    def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
+        """The step's tier loads, settled after its forward (the disk reads overlapped it)."""
+        return self.tiers.collect() if out.tier_ops and out.tier_ops.loads else None
 
     def forward_stage(self, input_ids, positions, meta, intermediate=None):
         """This rank's stage of the model over one batch (pipeline parallelism: see pipeline_execute)."""
@@ -191,7 +222,7 @@ class ModelRunner:
         num_seqs = cdiv(num_tokens, seq)
         blocks_per_seq = blocks_per_sequence(seq, self.block_size)
         saved = self.cache
-        self.init_cache(num_seqs * blocks_per_seq)
+        self.init_cache(num_seqs * blocks_per_seq, with_tiers=False)
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]

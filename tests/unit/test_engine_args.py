@@ -39,11 +39,13 @@ NON_DEFAULT = {
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
     "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
+    "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
-         "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500}}
+         "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
+         "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:
@@ -130,6 +132,10 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
 @pytest.mark.parametrize("kwargs, word", [
     ({"tokenizer_mode": "fast"}, "tokenizer_mode"),
     ({"disable_log_stats": False, "log_stats_interval": 0}, "log_stats_interval"),
+    ({"kv_offload_cpu_gb": -1}, "kv_offload_cpu_gb"),
+    ({"kv_offload_disk_gb": 1}, "kv_offload_disk_gb"),
+    ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
+    ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -79,6 +79,18 @@ class Executor(ABC):
         """One forward for the step; the logits to sample and rank 0's input-preparation time."""
         return self.run_on_all_ranks(RankCall(ModelRunner.execute, (scheduler_output,)))
 
+    def block_bytes(self) -> int:
+        """Bytes of one KV block on one rank."""
+        return self.runner.block_bytes()
+
+    def sync_kv_tiers(self, clear_disk: bool = False) -> None:
+        """Every rank's queued KV disk-tier writes land (and with ``clear_disk`` its entries go)."""
+        self.run_on_all_ranks(RankCall(ModelRunner.sync_kv_tiers, (clear_disk,)))
+
+    def persist_kv_tiers(self, ops) -> None:
+        """Every rank writes ``ops``' blocks to its disk tier and waits for them (ModelRunner.persist_kv_tiers)."""
+        self.run_on_all_ranks(RankCall(ModelRunner.persist_kv_tiers, (ops,)))
+
     def health_error(self) -> str | None:
         """Why the executor cannot run any more, or None; a read only, safe from any thread."""
         return self._closed_reason

@@ -1,0 +1,183 @@
+"""Scheduler-side tier manager: where each evicted prefix block went, and the moves to ask for.
+
+The block pool calls :meth:`OffloadManager.on_evict` when it hands out a block whose hash it
+forgets; the block goes to the CPU tier and, with a disk tier, is also queued for disk
+(write-through): the CPU tier's entries are the most recently evicted, i.e. the heads of the
+prefixes (the pool evicts a request's tail first), and a prefix walk stops at its first miss,
+so without them on disk a restart would lose every prefix whole. A CPU-tier entry that leaves
+it goes to disk only if its write did not land (e.g. the budget was full then); at shutdown,
+:meth:`persist_ops` writes what the device pool and the CPU tier still hold.
+
+The KV manager calls :meth:`lookup` block by block past the device pool's hits and
+:meth:`add_load` for a request's hits; :meth:`take_ops` hands the step's moves and loads to the
+scheduler output, and :meth:`finish_load` settles a load with what the ranks reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
+from pagedllm.kv_cache.offload.ops import (
+    CPU_TO_DISK,
+    DEVICE_TO_CPU,
+    DEVICE_TO_DISK,
+    TIER_CPU,
+    TIER_DISK,
+    LoadJob,
+    TierOps,
+)
+
+
+@dataclass
+class TierStats:
+    """One tier's counters (blocks, bytes, seconds), cumulative."""
+
+    hits: int = 0  # blocks found here and loaded intact
+    misses: int = 0  # blocks looked up here and not found (or found corrupt)
+    stored_blocks: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    loads: int = 0  # requests that loaded blocks from this tier
+    load_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+class OffloadManager:
+    """The CPU tier's index and the disk tier's presence checks for one engine (every rank).
+
+    ``disk_tiers`` holds one :class:`DiskTier` per tensor-parallel rank (each with its rank's
+    fingerprint): a block counts as on disk only when every rank's file is there.
+    """
+
+    def __init__(self, num_cpu_slots: int, disk_tiers: list[DiskTier], block_bytes: int):
+        self.cpu = CpuTierIndex(num_cpu_slots)
+        self.disk_tiers = disk_tiers
+        self.block_bytes = block_bytes
+        self.stats = {TIER_CPU: TierStats(), TIER_DISK: TierStats()}
+        self._ops = TierOps()
+        self._jobs: dict[str, LoadJob] = {}
+        self._in_flight: set[bytes] = set()  # hashes some request is loading this step
+
+    @property
+    def has_disk(self) -> bool:
+        return bool(self.disk_tiers)
+
+    # ------------------------------------------------------------------ eviction
+    def on_evict(self, block_id: int, block_hash: bytes) -> None:
+        """The pool is handing out ``block_id``: keep its K/V (named by ``block_hash``) in a tier."""
+        if self.cpu.get(block_hash) is not None:
+            self.cpu.touch(block_hash)
+        elif self.cpu.num_slots:
+            self._store_cpu(block_id, block_hash)
+        elif self.has_disk:
+            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
+
+    def _store_cpu(self, block_id: int, block_hash: bytes) -> None:
+        placed = self.cpu.insert(block_hash)
+        if placed is None:  # every slot is being loaded from: the block is dropped
+            return
+        slot, evicted = placed
+        if evicted is not None and self.has_disk:
+            self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])
+        self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
+        self._count_store(TIER_CPU)
+        if self.has_disk:  # write-through: what the CPU tier holds at shutdown survives too
+            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
+
+    def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
+        if not self.on_disk(block_hash):
+            self._ops.moves.append((kind, source, block_hash))
+            self._count_store(TIER_DISK)
+
+    def _count_store(self, tier: str) -> None:
+        s = self.stats[tier]
+        s.stored_blocks += 1
+        s.bytes_stored += self.block_bytes
+
+    # ------------------------------------------------------------------ lookup and loads
+    def on_disk(self, block_hash: bytes) -> bool:
+        return bool(self.disk_tiers) and all(t.contains(block_hash) for t in self.disk_tiers)
+
+    def lookup(self, block_hash: bytes) -> tuple[str, int] | None:
+        """``(tier, CPU slot or -1)`` holding the block, or None; counts misses per tier."""
+        slot = self.cpu.get(block_hash)
+        if slot is not None:
+            return TIER_CPU, slot
+        if self.cpu.num_slots:
+            self.stats[TIER_CPU].misses += 1
+        if self.on_disk(block_hash):
+            return TIER_DISK, -1
+        if self.has_disk:
+            self.stats[TIER_DISK].misses += 1
+        return None
+
+    def pin(self, slot: int) -> None:
+        """Keeps a CPU slot a load will read from (call before allocating the load's blocks)."""
+        self.cpu.pin(slot)
+
+    def is_loading(self, block_hash: bytes) -> bool:
+        """Another request is loading this block this step (a second load would duplicate it)."""
+        return block_hash in self._in_flight
+
+    def add_load(self, job: LoadJob) -> None:
+        self._jobs[job.request_id] = job
+        self._in_flight.update(item.block_hash for item in job.items)
+        self._ops.loads.append(job)
+
+    def take_ops(self) -> TierOps:
+        """The moves and loads accumulated since the last call."""
+        ops, self._ops = self._ops, TierOps()
+        return ops
+
+    def finish_load(self, request_id: str, num_ok: int) -> LoadJob:
+        """Settles a load: unpins its CPU slots, counts hits (the first ``num_ok`` items) and the
+        first failed item as a miss of its tier; returns the job."""
+        job = self._jobs.pop(request_id)
+        self._in_flight.difference_update(item.block_hash for item in job.items)
+        for item in job.items:
+            if item.tier == TIER_CPU:
+                self.cpu.unpin(item.cpu_slot)
+        for tier in {item.tier for item in job.items}:
+            self.stats[tier].loads += 1
+        for item in job.items[:num_ok]:
+            self.stats[item.tier].hits += 1
+            self.stats[item.tier].bytes_loaded += self.block_bytes
+        if num_ok < len(job.items):
+            self.stats[job.items[num_ok].tier].misses += 1
+        return job
+
+    def add_load_seconds(self, seconds: dict[str, float]) -> None:
+        for tier, s in seconds.items():
+            self.stats[tier].load_seconds += s
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def persist_ops(self, device_blocks: list[tuple[int, bytes]]) -> TierOps:
+        """At shutdown: disk writes for the given cached device blocks ``(block id, hash)`` and the
+        CPU tier's entries that are not on disk yet, so a restart finds every prefix it can."""
+        ops = TierOps()
+        if self.has_disk:
+            ops.moves += [(DEVICE_TO_DISK, b, h) for b, h in device_blocks if not self.on_disk(h)]
+            ops.moves += [(CPU_TO_DISK, s, h) for h, s in self.cpu.entries.items() if not self.on_disk(h)]
+        return ops
+
+    # ------------------------------------------------------------------ reset and stats
+    def reset(self) -> None:
+        """Forgets the CPU tier (only with no load in flight); the disk tier is cleared by the ranks."""
+        self.cpu.clear()
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        out = {tier: s.as_dict() for tier, s in self.stats.items()}
+        out[TIER_CPU].update(num_blocks=self.cpu.num_slots, num_used_blocks=len(self.cpu))
+        return out
+
+    def check_integrity(self) -> None:
+        """Between steps: every CPU slot free or holding one hash, and no load left unsettled."""
+        self.cpu.check_integrity()
+        if self._jobs or self._in_flight:
+            raise AssertionError(f"loads never settled: {sorted(self._jobs)}")

@@ -1,0 +1,53 @@
+"""The tier moves one scheduler step asks every rank to carry out (ids and hashes, no tensors).
+
+The runner applies ``moves`` in order before the step's forward (an evicted device block is
+copied out before a new owner writes into it; a CPU slot is spilled to disk before it is
+reused), then the ``loads`` (into device blocks that only the loading request holds), and
+reports per load how many leading blocks arrived intact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# move kinds: (kind, source, destination or block hash)
+DEVICE_TO_CPU = "d2c"  # (device block id, CPU slot)
+CPU_TO_DISK = "c2disk"  # (CPU slot, block hash)
+DEVICE_TO_DISK = "d2disk"  # (device block id, block hash): no CPU tier
+
+TIER_CPU, TIER_DISK = "cpu", "disk"
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    """One block of a load: from a CPU slot or from the disk file of ``block_hash``."""
+
+    device_block: int
+    tier: str  # TIER_CPU or TIER_DISK
+    block_hash: bytes
+    cpu_slot: int = -1  # TIER_CPU only
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """The tier hits of one request, in block-table order; disk reads are batched per job."""
+
+    request_id: str
+    items: tuple[LoadItem, ...]
+
+
+@dataclass
+class TierOps:
+    moves: list[tuple[str, int, object]] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.moves or self.loads)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the ranks' loads came to this step: per request, the leading items that arrived
+    intact (every rank agreeing); seconds spent loading per tier (rank 0's)."""
+
+    num_ok: dict[str, int]
+    seconds: dict[str, float]

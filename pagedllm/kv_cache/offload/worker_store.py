@@ -1,0 +1,168 @@
+"""One rank's tiers (worker side): the CPU tier tensor, the disk tier, and the I/O thread.
+
+``apply(ops)`` runs before the step's forward: the moves in order (device -> CPU copies,
+captures of blocks bound for disk), the CPU-tier loads (a copy), and it queues each request's
+disk reads as one job on the I/O thread. ``collect()`` runs after the forward: it waits for
+those reads (which overlapped the forward), copies the intact blocks into their device blocks
+and reports, per request, how many leading blocks arrived (the minimum over the ranks).
+
+One I/O thread, first in first out: a file queued for writing is on disk before any later read
+looks for it. The thread never touches the device pool; only the engine thread copies into it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
+from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+from pagedllm.kv_cache.offload.ops import (
+    CPU_TO_DISK,
+    DEVICE_TO_CPU,
+    TIER_CPU,
+    TIER_DISK,
+    LoadJob,
+    LoadReport,
+    TierOps,
+)
+from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
+
+logger = logging.getLogger(__name__)
+
+
+class TierStore:
+    """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA) and a disk tier.
+
+    ``kv`` is the device pool ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
+    a block is ``kv[:, :, b]``, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``.
+    """
+
+    def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup):
+        self.kv = kv
+        shape = (kv.shape[0], 2, num_slots) + tuple(kv.shape[3:])
+        pin = kv.device.type == "cuda"
+        self.cpu = torch.empty(shape, dtype=kv.dtype, pin_memory=pin) if num_slots else None
+        self.block_shape = (kv.shape[0], 2) + tuple(kv.shape[3:])
+        self.disk = disk
+        self.tp = tp
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-io") if disk else None
+        self._pending: list[tuple[LoadJob, Future | None]] = []
+        self._seconds = {TIER_CPU: 0.0, TIER_DISK: 0.0}
+
+    # ------------------------------------------------------------------ before the forward
+    def apply(self, ops: TierOps) -> None:
+        self._apply_moves(ops.moves)
+        for job in ops.loads:
+            self._start_load(job)
+
+    def _apply_moves(self, moves: list[tuple[str, int, object]]) -> None:
+        """In order, batching runs of device -> CPU copies into one gather each."""
+        run: list[tuple[int, int]] = []
+        writes: list[tuple[bytes, torch.Tensor]] = []
+        for kind, src, dst in moves:
+            if kind == DEVICE_TO_CPU:
+                run.append((src, dst))
+                continue
+            self._to_cpu(run)
+            run = []
+            block = self.cpu[:, :, src] if kind == CPU_TO_DISK else self.kv[:, :, src]
+            writes.append((dst, block.to("cpu", copy=True)))  # [num_layers, 2, heads, block_size, head_dim]
+        self._to_cpu(run)
+        if writes:
+            self._io.submit(self._write, writes)
+
+    def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x) for x in zip(*pairs))
+        self.cpu[:, :, dst] = self.kv[:, :, src.to(self.kv.device)].to("cpu")
+
+    def _write(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
+        try:
+            self.disk.write_many(items)
+        except OSError as exc:  # a full or vanished disk costs future hits, never the engine
+            logger.warning("KV disk tier: writing %d blocks failed: %s", len(items), exc)
+
+    def _start_load(self, job: LoadJob) -> None:
+        t0 = time.perf_counter()
+        cpu = [(i.cpu_slot, i.device_block) for i in job.items if i.tier == TIER_CPU]
+        if cpu:
+            src, dst = (torch.tensor(x) for x in zip(*cpu))
+            self.kv[:, :, dst.to(self.kv.device)] = self.cpu[:, :, src].to(self.kv.device)
+        self._seconds[TIER_CPU] += time.perf_counter() - t0
+        disk = [i.block_hash for i in job.items if i.tier == TIER_DISK]
+        future = self._io.submit(self._read, disk, time.perf_counter()) if disk else None
+        self._pending.append((job, future))
+
+    def _read(self, hashes: list[bytes], t0: float) -> tuple[list[torch.Tensor | None], float]:
+        blocks = [self.disk.read(h, self.block_shape, self.kv.dtype) for h in hashes]
+        return blocks, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ after the forward
+    def collect(self) -> LoadReport:
+        """Waits for this step's disk reads, fills the device blocks, reports per request."""
+        counts = [self._finish(job, future) for job, future in self._pending]
+        jobs = [job for job, _ in self._pending]
+        self._pending = []
+        counts = self._agree(counts)
+        seconds, self._seconds = self._seconds, {TIER_CPU: 0.0, TIER_DISK: 0.0}
+        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds)
+
+    def _finish(self, job: LoadJob, future: Future | None) -> int:
+        """Leading items of ``job`` that are now in their device blocks."""
+        blocks = iter(())
+        if future is not None:
+            read, seconds = future.result()
+            self._seconds[TIER_DISK] += seconds
+            blocks = iter(read)
+        for n, item in enumerate(job.items):
+            if item.tier == TIER_DISK:
+                block = next(blocks)
+                if block is None:
+                    return n
+                self.kv[:, :, item.device_block] = block.to(self.kv.device)
+        return len(job.items)
+
+    def _agree(self, counts: list[int]) -> list[int]:
+        """Every rank uses the smallest count any rank reached (a file may be bad on one rank only)."""
+        if self.tp.size == 1 or not counts:
+            return counts
+        # the group only sums: rank r fills row r, the sum holds every rank's counts
+        rows = torch.zeros(self.tp.size, len(counts), dtype=torch.int64, device=self.kv.device)  # [ranks, jobs]
+        rows[self.tp.rank] = torch.tensor(counts, dtype=torch.int64)
+        self.tp.all_reduce(rows)
+        return rows.min(dim=0).values.tolist()
+
+    # ------------------------------------------------------------------ maintenance
+    def flush(self) -> None:
+        """Waits for every queued disk write."""
+        if self._io is not None:
+            self._io.submit(lambda: None).result()
+
+    def clear_disk(self) -> None:
+        """Deletes this rank's disk entries (after the queued writes land)."""
+        if self.disk is not None:
+            self.flush()
+            self.disk.clear()
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
+
+def build_tier_store(config: EngineConfig, kv: torch.Tensor, tp: TensorParallelGroup,
+                     block_bytes: int) -> TierStore | None:
+    """This rank's tiers as ``config.cache`` asks (None without any)."""
+    cache = config.cache
+    if not tiers_enabled(cache):
+        return None
+    disk = None
+    if cache.kv_offload_dir:
+        disk = DiskTier(cache.kv_offload_dir, kv_fingerprint(config, tp.rank), cache.kv_offload_disk_bytes)
+    return TierStore(kv, num_cpu_tier_blocks(cache, block_bytes), disk, tp)

@@ -1,0 +1,162 @@
+"""The KV tiers' storage pieces on their own: the disk tier's file format, checksum, budget and
+sharing between processes; the CPU tier's LRU index; the fingerprint."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
+from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+
+SHAPE = (2, 2, 2, 8, 16)  # [num_layers, K/V, kv heads, block_size, head_dim]
+FP = "ab" * 32
+
+
+def _block(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def _hash(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8  # 32 bytes, like a SHA-256 block hash
+
+
+def _file_bytes(tier: DiskTier) -> int:
+    return len(tier.encode(_hash(0), _block(0)))
+
+
+def test_round_trip_is_bit_exact_for_every_dtype(tmp_path):
+    tier = DiskTier(tmp_path, FP, 1 << 20)
+    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
+        block = _block(i).to(dtype)
+        tier.write_many([(_hash(i), block)])
+        assert torch.equal(tier.read(_hash(i), SHAPE, dtype), block)
+    assert tier.read(_hash(99), SHAPE, torch.float32) is None  # absent: a plain miss
+
+
+def test_entry_written_with_another_fingerprint_or_shape_is_never_read(tmp_path, caplog):
+    DiskTier(tmp_path, FP, 1 << 20).write_many([(_hash(1), _block(1))])
+    other = DiskTier(tmp_path, "cd" * 32, 1 << 20)
+    assert not other.contains(_hash(1))
+    # the same file under the other fingerprint's name: its header still names the first one
+    os.link(tmp_path / FP / (_hash(1).hex() + ".kv"), other.path(_hash(1)))
+    with caplog.at_level(logging.WARNING):
+        assert other.read(_hash(1), SHAPE, torch.float32) is None
+    assert "fingerprint" in caplog.text and not other.path(_hash(1)).exists()
+    assert DiskTier(tmp_path, FP, 1 << 20).read(_hash(1), SHAPE[:-1] + (8,), torch.float32) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip_payload", "bitflip_header", "empty"])
+def test_damaged_file_is_a_miss_logged_once_and_deleted(tmp_path, caplog, damage):
+    tier = DiskTier(tmp_path, FP, 1 << 20)
+    tier.write_many([(_hash(1), _block(1))])
+    path = tier.path(_hash(1))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-7]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[-5 if damage == "bitflip_payload" else 20] ^= 0x10
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert tier.read(_hash(1), SHAPE, torch.float32) is None
+        path.write_bytes(bytes(data))  # the same bad file again: still a miss, not logged twice
+        assert tier.read(_hash(1), SHAPE, torch.float32) is None
+    assert caplog.text.count("treated as a miss") == 1
+    assert not path.exists()
+
+
+def test_budget_evicts_least_recently_used_files(tmp_path):
+    size = _file_bytes(DiskTier(tmp_path, FP, 1))
+    tier = DiskTier(tmp_path, FP, 3 * size)
+    tier.write_many([(_hash(i), _block(i)) for i in range(3)])
+    os.utime(tier.path(_hash(0)), (1e9, 1e9))  # 0 is old, then 1, 2; reading 1 makes it newest
+    os.utime(tier.path(_hash(1)), (1e9 + 1, 1e9 + 1))
+    os.utime(tier.path(_hash(2)), (1e9 + 2, 1e9 + 2))
+    assert tier.read(_hash(1), SHAPE, torch.float32) is not None
+    tier.write_many([(_hash(3), _block(3)), (_hash(4), _block(4))])
+    assert [tier.contains(_hash(i)) for i in range(5)] == [False, True, False, True, True]
+    assert tier.usage_bytes() <= 3 * size
+    small = DiskTier(tmp_path / "small", FP, size - 1)  # a block larger than the budget is skipped
+    assert small.write_many([(_hash(0), _block(0))]) == 0 and not small.contains(_hash(0))
+
+
+def test_clear_removes_only_this_fingerprint(tmp_path):
+    a, b = DiskTier(tmp_path, FP, 1 << 20), DiskTier(tmp_path, "cd" * 32, 1 << 20)
+    a.write_many([(_hash(1), _block(1))])
+    b.write_many([(_hash(1), _block(1))])
+    a.clear()
+    assert not a.contains(_hash(1)) and b.contains(_hash(1))
+
+
+def _writer(root: str, budget: int, start: int, count: int) -> None:
+    tier = DiskTier(root, FP, budget)
+    for i in range(start, start + count, 4):
+        tier.write_many([(_hash(j), _block(j)) for j in range(i, min(i + 4, start + count))])
+        tier.read(_hash(i), SHAPE, torch.float32)
+
+
+def test_two_processes_sharing_a_directory_stay_consistent_and_within_budget(tmp_path):
+    size = _file_bytes(DiskTier(tmp_path, FP, 1 << 20))
+    budget = 25 * size + size // 2
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), budget, k * 1000, 60)) for k in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    tier = DiskTier(tmp_path, FP, budget)
+    files = sorted(Path(tmp_path, FP).iterdir())
+    assert 0 < len(files) <= 25 and tier.usage_bytes() <= budget
+    assert all(f.suffix == ".kv" for f in files)  # no temporary file left behind
+    for f in files:  # every entry left is whole and holds the block its name says
+        i = int.from_bytes(bytes.fromhex(f.stem)[:4], "little")
+        assert torch.equal(tier.read(_hash(i), SHAPE, torch.float32), _block(i))
+
+
+def test_cpu_tier_lru_with_pins():
+    cpu = CpuTierIndex(2)
+    assert cpu.insert(b"a") == (0, None) and cpu.insert(b"b") == (1, None)
+    cpu.touch(b"a")  # b is now least recently used
+    assert cpu.insert(b"c") == (1, (b"b", 1))
+    cpu.pin(0)  # a is being loaded from: c goes instead
+    cpu.pin(1)
+    assert cpu.insert(b"d") is None  # every slot pinned: nothing evicted
+    cpu.unpin(1)
+    assert cpu.insert(b"d") == (1, (b"c", 1))
+    with pytest.raises(AssertionError, match="pinned"):  # between steps no load holds a slot
+        cpu.check_integrity()
+    cpu.unpin(0)
+    cpu.check_integrity()
+    cpu.clear()
+    assert len(cpu) == 0 and cpu.insert(b"x") == (0, None)
+
+
+@pytest.fixture(scope="module")
+def base_config(llama_dir):
+    return EngineArgs(model=llama_dir, block_size=8).create_engine_config()
+
+
+def test_fingerprint_changes_with_everything_that_changes_kv(base_config, tmp_path):
+    from conftest import make_model_dir
+    fp = kv_fingerprint(base_config, 0)
+    assert kv_fingerprint(base_config, 0) == fp  # stable: a restart finds its entries
+    cache, model = base_config.cache, base_config.model
+    changed = [
+        kv_fingerprint(base_config, 1),
+        kv_fingerprint(replace(base_config, cache=replace(cache, block_size=16)), 0),
+        kv_fingerprint(replace(base_config, cache=replace(cache, cache_dtype=torch.bfloat16)), 0),
+        kv_fingerprint(replace(base_config, model=replace(model, dtype=torch.bfloat16)), 0),
+        kv_fingerprint(replace(base_config, parallel=replace(base_config.parallel, tensor_parallel_size=2)), 0),
+        kv_fingerprint(replace(base_config, model=replace(model, model=make_model_dir(tmp_path, seed=1))), 0),
+    ]
+    assert len({fp, *changed}) == len(changed) + 1
