@@ -160,3 +160,18 @@ def test_fingerprint_changes_with_everything_that_changes_kv(base_config, tmp_pa
         kv_fingerprint(replace(base_config, model=replace(model, model=make_model_dir(tmp_path, seed=1))), 0),
     ]
     assert len({fp, *changed}) == len(changed) + 1
+
+
+def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
+    from pagedllm.kv_cache.offload.manager import OffloadManager
+    from pagedllm.kv_cache.offload.ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
+    mgr = OffloadManager(1, [DiskTier(tmp_path, FP, 1 << 20)], block_bytes=10)
+    mgr.on_evict(3, _hash(1))
+    assert mgr.take_ops().moves == [(DEVICE_TO_CPU, 3, 0), (DEVICE_TO_DISK, 3, _hash(1))]  # write-through
+    mgr.pin(0)  # a load reads slot 0 this step
+    mgr.on_evict(4, _hash(2))
+    assert mgr.take_ops().moves == [(DEVICE_TO_DISK, 4, _hash(2))]
+    mgr.cpu.unpin(0)
+    mgr.on_evict(5, _hash(3))  # slot 0's entry leaves the CPU tier: its disk write never landed, so it spills
+    assert mgr.take_ops().moves == [(CPU_TO_DISK, 0, _hash(1)), (DEVICE_TO_CPU, 5, 0), (DEVICE_TO_DISK, 5, _hash(3))]
+    assert mgr.stats["cpu"].stored_blocks == 2 and mgr.stats["disk"].bytes_stored == 40

@@ -70,22 +70,21 @@ class OffloadManager:
         """The pool is handing out ``block_id``: keep its K/V (named by ``block_hash``) in a tier."""
         if self.cpu.get(block_hash) is not None:
             self.cpu.touch(block_hash)
-        elif self.cpu.num_slots:
+            return
+        if self.cpu.num_slots:
             self._store_cpu(block_id, block_hash)
-        elif self.has_disk:
+        if self.has_disk:  # write-through: what the CPU tier holds at shutdown survives too
             self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
 
     def _store_cpu(self, block_id: int, block_hash: bytes) -> None:
         placed = self.cpu.insert(block_hash)
-        if placed is None:  # every slot is being loaded from: the block is dropped
+        if placed is None:  # every slot is being loaded from: only the disk tier (if any) keeps it
             return
         slot, evicted = placed
         if evicted is not None and self.has_disk:
             self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])
         self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
         self._count_store(TIER_CPU)
-        if self.has_disk:  # write-through: what the CPU tier holds at shutdown survives too
-            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
 
     def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
         if not self.on_disk(block_hash):

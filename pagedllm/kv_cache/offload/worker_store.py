@@ -6,8 +6,10 @@ disk reads as one job on the I/O thread. ``collect()`` runs after the forward: i
 those reads (which overlapped the forward), copies the intact blocks into their device blocks
 and reports, per request, how many leading blocks arrived (the minimum over the ranks).
 
-One I/O thread, first in first out: a file queued for writing is on disk before any later read
-looks for it. The thread never touches the device pool; only the engine thread copies into it.
+Two I/O threads: one writes (evicted blocks, in order), one reads, so a request's load never
+waits behind the writes its own allocation queued. A read only looks for files the scheduler
+saw on disk; one deleted in between (the budget, another engine) is a miss. Neither thread
+touches the device pool; only the engine thread copies into it.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class TierStore:
         self.block_shape = (kv.shape[0], 2) + tuple(kv.shape[3:])
         self.disk = disk
         self.tp = tp
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-io") if disk else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-write") if disk else None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read") if disk else None
         self._pending: list[tuple[LoadJob, Future | None]] = []
         self._seconds = {TIER_CPU: 0.0, TIER_DISK: 0.0}
 
@@ -74,7 +77,7 @@ class TierStore:
             writes.append((dst, block.to("cpu", copy=True)))  # [num_layers, 2, heads, block_size, head_dim]
         self._to_cpu(run)
         if writes:
-            self._io.submit(self._write, writes)
+            self._writer.submit(self._write, writes)
 
     def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -96,7 +99,7 @@ class TierStore:
             self.kv[:, :, dst.to(self.kv.device)] = self.cpu[:, :, src].to(self.kv.device)
         self._seconds[TIER_CPU] += time.perf_counter() - t0
         disk = [i.block_hash for i in job.items if i.tier == TIER_DISK]
-        future = self._io.submit(self._read, disk, time.perf_counter()) if disk else None
+        future = self._reader.submit(self._read, disk, time.perf_counter()) if disk else None
         self._pending.append((job, future))
 
     def _read(self, hashes: list[bytes], t0: float) -> tuple[list[torch.Tensor | None], float]:
@@ -141,8 +144,8 @@ class TierStore:
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:
         """Waits for every queued disk write."""
-        if self._io is not None:
-            self._io.submit(lambda: None).result()
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
 
     def clear_disk(self) -> None:
         """Deletes this rank's disk entries (after the queued writes land)."""
@@ -151,9 +154,11 @@ class TierStore:
             self.disk.clear()
 
     def close(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
+        """Stops the I/O threads after the queued writes."""
+        for pool in (self._reader, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._reader = self._writer = None
 
 
 def build_tier_store(config: EngineConfig, kv: torch.Tensor, tp: TensorParallelGroup,
