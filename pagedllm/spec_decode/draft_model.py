@@ -87,11 +87,12 @@ class DraftModelProposer:
                 if rid in requests and seq.drafts}
 
     def _sync(self, req: Request) -> DraftSequence:
-        """Keeps the draft K/V of the longest common prefix with the target's tokens."""
+        """Keeps the draft K/V of the longest common prefix with the target's tokens, but never
+        the last token's (it is fed again for its logits: the target may not have run last step)."""
         seq = self.seqs.get(req.request_id)
         if seq is None:
             seq = self.seqs[req.request_id] = DraftSequence(req.request_id, [], cache_salt=None)
-        same = _common_prefix(seq.all_token_ids, req.all_token_ids, seq.num_computed_tokens)
+        same = _common_prefix(seq.all_token_ids, req.all_token_ids, min(seq.num_computed_tokens, req.num_tokens - 1))
         seq.all_token_ids = list(req.all_token_ids)
         seq.num_computed_tokens = same
         seq.drafts, seq.probs = [], []

@@ -38,6 +38,7 @@ NON_DEFAULT = {
     "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}
