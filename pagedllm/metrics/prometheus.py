@@ -38,6 +38,10 @@ _HELP = {
     "pagedllm:prompt_tokens": "Number of prefill tokens processed.",
     "pagedllm:generation_tokens": "Number of generation tokens processed.",
     "pagedllm:request_success": "Count of finished sequences by finish reason.",
+    "pagedllm:spec_decode_num_drafts": "Speculative runs verified (one per request per step).",
+    "pagedllm:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "pagedllm:spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the run.",
 }
 
 

@@ -3,7 +3,6 @@ what followed them there. No model, no state."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -26,14 +25,27 @@ class NgramProposer:
         """Up to ``k`` draft tokens; empty when no suffix of ``min_n``.. tokens occurs earlier."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         num = len(tokens)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. num-1-n: every occurrence but the suffix itself
-            windows = sliding_window_view(tokens[:num - 1], n)  # [num - n, n]
-            hits = np.flatnonzero((windows == tokens[num - n:]).all(axis=1))
-            if hits.size:
-                full = hits[hits + n + k <= num]
-                return _continue(token_ids, int((full[-1] if full.size else hits[-1]) + n), k)
-        return []
+        ends = np.flatnonzero(tokens[:num - 1] == tokens[-1])  # earlier occurrences of the last token
+        lengths = _match_lengths(tokens, ends, min(self.max_n, num - 1))
+        best = int(lengths.max()) if lengths.size else 0
+        if best < self.min_n:
+            return []
+        starts = ends[lengths == best] + 1  # where the continuation of each longest match begins
+        full = starts[starts + k <= num]
+        return _continue(token_ids, int(full[-1] if full.size else starts[-1]), k)
+
+
+def _match_lengths(tokens: np.ndarray, ends: np.ndarray, max_n: int) -> np.ndarray:
+    """For each earlier occurrence ending at ``ends[i]``, how many of the sequence's last
+    ``max_n`` tokens it matches (walking backwards from the last token)."""
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for m in range(1, max_n):
+        back = ends - m
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[-1 - m]
+        lengths += alive
+    return np.minimum(lengths, max_n)
 
 
 def _continue(token_ids: list[int], start: int, k: int) -> list[int]:

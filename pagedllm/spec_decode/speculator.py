@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
@@ -93,18 +94,51 @@ class Speculator:
     # ------------------------------------------------------------------ verify
     def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                requests: dict[str, Request]) -> list[SampledTokens]:
-        """Rejection-samples every speculative chunk against its verify rows (``logits``:
-        ``[sum of k + 1, vocab]``, chunk by chunk); one consecutive run of tokens per request."""
+        """Checks every speculative chunk against its verify rows (``logits``: ``[sum of k + 1,
+        vocab]``, chunk by chunk); returns one consecutive run of tokens per request. Greedy
+        requests go through the ordinary sampler (argmax), sampled ones through rejection sampling."""
         spec = [c for c in chunks if c.num_spec_tokens]
-        if not spec:
-            return []
-        rows = [row for c in spec for row in self._rows(requests[c.request_id], c.token_ids[-c.num_spec_tokens:])]
+        offsets = np.cumsum([0] + [c.num_verify_rows for c in spec])
+        greedy = [i for i, c in enumerate(spec) if requests[c.request_id].params.greedy]
+        random = [i for i, c in enumerate(spec) if not requests[c.request_id].params.greedy]
+        runs: dict[int, SampledTokens] = {}
+        for group, method in ((greedy, self._accept_greedy), (random, self._accept_sampled)):
+            if group:
+                row_idx = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in group])
+                runs.update(zip(group, method([spec[i] for i in group], logits[torch.from_numpy(row_idx)], requests)))
+        out = [runs[i] for i in range(len(spec))]
+        for c, run in zip(spec, out):
+            self._record(c.request_id, c.num_spec_tokens, len(run.token_ids) - 1)
+        return out
+
+    def _accept_greedy(self, spec: list[ScheduledChunk], logits: torch.Tensor,
+                       requests: dict[str, Request]) -> list[SampledTokens]:
+        rows = [row for c in spec for row in self._rows(requests[c.request_id], _drafts(c))]
+        result = self.sampler(logits, rows)  # each row's argmax, with its raw logprobs
+        out, i = [], 0
+        for c in spec:
+            tokens = _greedy_accept(result.token_ids[i:i + c.num_verify_rows], _drafts(c))
+            n = len(tokens)
+            tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
+            out.append(SampledTokens(c.request_id, tokens, result.logprobs[i:i + n], tops, consecutive=True))
+            i += c.num_verify_rows
+        return out
+
+    def _accept_sampled(self, spec: list[ScheduledChunk], logits: torch.Tensor,
+                        requests: dict[str, Request]) -> list[SampledTokens]:
+        rows = [row for c in spec for row in self._rows(requests[c.request_id], _drafts(c))]
         probs, raw = self.sampler.distributions(logits, rows)
         out, i = [], 0
         for c in spec:
-            n = c.num_verify_rows
-            out.append(self._accept(c, requests[c.request_id], probs[i:i + n], raw[i:i + n], rows[i:i + n]))
-            i += n
+            req, drafts, rows_c = requests[c.request_id], _drafts(c), slice(i, i + c.num_verify_rows)
+            proposal = self.proposals.get(c.request_id)
+            q = proposal.probs[:len(drafts)] if proposal is not None and proposal.probs is not None else None
+            tokens = rejection_sample(probs[rows_c], drafts, q, req.generator)
+            n = len(tokens)
+            logprobs = raw[torch.arange(i, i + n), torch.tensor(tokens)].tolist()
+            tops = self.sampler.top_logprobs(raw[i:i + n], rows[i:i + n])
+            out.append(SampledTokens(c.request_id, tokens, logprobs, tops, consecutive=True))
+            i += c.num_verify_rows
         return out
 
     def _rows(self, req: Request, drafts: list[int]) -> list[SamplingRow]:
@@ -114,24 +148,9 @@ class Speculator:
         for j in range(len(drafts) + 1):
             banned = () if req.num_output_tokens + j >= req.params.min_tokens else (
                 self.eos_token_ids + tuple(req.params.stop_token_ids))
-            rows.append(SamplingRow(req.params, req.all_token_ids + drafts[:j], req.num_prompt_tokens,
-                                    req.generator, banned))
+            history = req.all_token_ids + drafts[:j] if j else req.all_token_ids
+            rows.append(SamplingRow(req.params, history, req.num_prompt_tokens, req.generator, banned))
         return rows
-
-    def _accept(self, chunk: ScheduledChunk, req: Request, probs: torch.Tensor, raw: torch.Tensor,
-                rows: list[SamplingRow]) -> SampledTokens:
-        drafts = chunk.token_ids[-chunk.num_spec_tokens:]
-        proposal = self.proposals.get(req.request_id)
-        q = proposal.probs[:len(drafts)] if proposal is not None and proposal.probs is not None else None
-        if req.params.greedy:
-            tokens = _greedy_accept(probs.argmax(dim=-1).tolist(), drafts)
-        else:
-            tokens = rejection_sample(probs, drafts, q, req.generator)
-        self._record(req.request_id, len(drafts), len(tokens) - 1)
-        idx = torch.arange(len(tokens))
-        logprobs = raw[idx, torch.tensor(tokens)].tolist()
-        tops = self.sampler.top_logprobs(raw[:len(tokens)], rows[:len(tokens)])
-        return SampledTokens(req.request_id, tokens, logprobs, tops, consecutive=True)
 
     def _record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.stats.record(num_drafted, num_accepted)
@@ -156,6 +175,10 @@ class Speculator:
     def shutdown(self) -> None:
         if self.draft is not None:
             self.draft.release()
+
+
+def _drafts(chunk: ScheduledChunk) -> list[int]:
+    return chunk.token_ids[-chunk.num_spec_tokens:]
 
 
 def _greedy_accept(target: list[int], drafts: list[int]) -> list[int]:
