@@ -185,6 +185,9 @@ class EngineArgs:
         spec = parse_speculative_config(self.speculative_config)
         if spec is None or spec.method != "draft_model":
             return spec
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.model (a draft model) cannot be combined with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; use method='ngram' or one rank")
         args = dataclasses.replace(self, model=spec.model, tokenizer=None, quantization=None,
                                    max_model_len=target.max_model_len, speculative_config=None)
         try:

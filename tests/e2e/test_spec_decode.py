@@ -137,6 +137,32 @@ def test_chunked_prefill_and_prefix_caching(llama_dir, reference):
     _assert_all_blocks_free(llm)
 
 
+def test_structured_outputs_and_forks_beside_speculation(llama_dir, reference):
+    """A grammar-constrained request decodes plainly in the same steps; n=2 siblings speculate."""
+    import re
+
+    from pagedllm import StructuredOutputsParams
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=400, speculative_config=NGRAM)
+    regex = SamplingParams(seed=3, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}"))
+    twice = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts[:1] + prompts, [regex] + [twice] * len(PROMPTS), use_tqdm=False)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", outs[0].outputs[0].text)
+    assert [[c.token_ids for c in o.outputs] for o in outs[1:]] == [r * 2 for r in reference]
+    assert _spec_metrics(llm)["num_drafts"] > 0
+    _assert_all_blocks_free(llm)
+
+
+def test_ngram_with_tensor_parallelism(llama_dir, reference):
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=400, tensor_parallel_size=2, num_threads=1,
+              speculative_config=NGRAM)
+    try:
+        assert _tokens(_generate(llm)) == reference
+        assert _spec_metrics(llm)["num_accepted_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def self_draft_llm(llama_dir):
     return LLM(llama_dir, block_size=8, num_gpu_blocks_override=400,
