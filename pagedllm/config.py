@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from pagedllm import envs
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -150,6 +151,7 @@ class EngineConfig:
     compile_model: bool = False  # torch.compile each decoder layer (no gain measured on CPU)
     layer_ops: str = "native"  # the layers' fused ops, "native" or "triton" (layers/ops.py, resolved)
     cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/), off when None
 
 
 def check_offload(cache: CacheConfig) -> None:

@@ -9,6 +9,7 @@ constants the configs validate against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
@@ -40,6 +41,7 @@ from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
 from pagedllm.models.registry import resolve_architecture
+from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
 
@@ -77,6 +79,15 @@ def gib_to_bytes(value: float, name: str) -> int:
 
 def cli_option(f: Field) -> CliOption:
     return f.metadata["cli"]
+
+
+def _json_object_text(text: str) -> str:
+    """Checks a JSON-object flag value (argparse reports the error); keeps the text."""
+    try:
+        load_json_object(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 @dataclass
@@ -149,6 +160,10 @@ class EngineArgs:
         None, "model name(s) clients use (default: the --model value)", nargs="+")
     fused_ops: str = option("auto", "norm/rotary/activation/sampling kernels: auto (Triton on CUDA), native "
                             "(C/torch), triton (everywhere; CPU only under TRITON_INTERPRET=1)", choices=FUSED_OPS)
+    speculative_config: dict | str | None = option(
+        None, 'speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, "num_speculative_tokens": 4}',
+        parse=_json_object_text)
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
@@ -193,6 +208,7 @@ class EngineArgs:
             compile_model=self.compile_model and not self.enforce_eager,
             layer_ops=layer_ops,
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
+            speculative=self._speculative_config(device, model_config),
         )
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
@@ -209,6 +225,7 @@ class EngineArgs:
         port = self.master_port if self.master_port is not None else envs.MASTER_PORT
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, nnodes, node_rank,
                               self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0)
+
     def _check_offload_layout(self) -> None:
         # each pipeline stage would hold its own layers' share of a block, and the tiers agree on
         # a load's outcome only within a tensor-parallel group: not wired across stages yet
@@ -227,6 +244,27 @@ class EngineArgs:
         if gib == 0:
             raise ValueError("kv_offload_disk_gb=0 leaves the disk tier no room; leave kv_offload_dir unset instead")
         return gib_to_bytes(gib, "kv_offload_disk_gb")
+
+    def _speculative_config(self, device: torch.device, target: ModelConfig) -> SpeculativeConfig | None:
+        """Parsed and checked; a draft model is resolved like the target (same dtype, context)."""
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is not None and self.pipeline_parallel_size > 1:
+            # the pipeline reassembles sampling and prompt-logprob rows only, not verify rows
+            raise ValueError(f"speculative_config cannot be combined with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}; speculative decoding needs pipeline_parallel_size=1")
+        if spec is None or spec.method != "draft_model":
+            return spec
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.model (a draft model) cannot be combined with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; use method='ngram' or one rank")
+        args = dataclasses.replace(self, model=spec.model, tokenizer=None, quantization=None,
+                                   max_model_len=target.max_model_len, speculative_config=None)
+        try:
+            draft = args._model_config(device)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from None
+        check_draft_vocab(draft.vocab_size, target.vocab_size, spec.model)
+        return dataclasses.replace(spec, draft=dataclasses.replace(draft, dtype=target.dtype))
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig

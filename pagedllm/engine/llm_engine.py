@@ -20,6 +20,7 @@ from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.spec_decode.speculator import Speculator, split_rounds
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.executor import make_executor
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
+        self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
+                           if config.speculative is not None else None)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
         self._last_log = time.time()
@@ -90,6 +93,9 @@ class LLMEngine:
         beams once finished.
         """
         self._check_new_id(request_id)
+        if self.speculator is not None:
+            raise ValueError("beam search cannot be combined with speculative_config (its beams rank every "
+                             "candidate of every step); start the engine without speculative_config")
         max_seqs = self.config.scheduler.max_num_seqs
         if params.beam_width > max_seqs:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
@@ -133,6 +139,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, samples, and returns progress of every touched request."""
+        if self.speculator is not None:  # drafts first: the scheduler runs them with each request's next token
+            t = time.perf_counter()
+            self.speculator.propose(self.scheduler.running)
+            self.step_times.add(forward=time.perf_counter() - t)
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         self._record_peaks()
@@ -141,16 +151,44 @@ class LLMEngine:
             self._wait_for_grammars()
         sampled = self._execute(sched_out)
         t2 = time.perf_counter()
-        touched = self.scheduler.update(self.beam_search.consume(sampled)) + self.scheduler.take_failed()
+        touched = self._apply(sampled)
         self._count(sched_out, sampled, touched)
-        for req in touched:
-            if self.output_processor.update_text(req) is not None:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
         outputs = self._collect_outputs({r.parent_id for r in touched})
+        if self.speculator is not None:
+            self.speculator.retain(set(self.scheduler.requests))
         self.step_times.add(update=time.perf_counter() - t2, steps=1)
         self.counters.num_steps += 1
         self._maybe_log()
         return outputs
+
+    def _apply(self, sampled: list[SampledTokens]) -> list[Request]:
+        """Appends the step's tokens, finishing sequences on stops (stop strings included).
+
+        A verified speculative run goes in one token per round, each round checked for stops
+        before the next, so a run ends exactly where plain decoding would have stopped; then
+        its rejected K/V is rolled back. Runs are trimmed to what was appended (for ``_count``).
+        """
+        rounds = split_rounds(sampled)
+        touched = self.scheduler.update(self.beam_search.consume(rounds[0])) + self.scheduler.take_failed()
+        self._apply_stop_strings(touched)
+        appended = {r.request_id: 1 for r in touched}
+        for later in rounds[1:]:
+            more = self.scheduler.update(later)
+            self._apply_stop_strings(more)
+            for req in more:
+                appended[req.request_id] = appended.get(req.request_id, 0) + 1
+        touched = list({id(r): r for r in touched}.values())
+        for s in sampled:
+            if s.consecutive:
+                self.scheduler.end_verification(s.request_id)
+                n = appended.get(s.request_id, 0)
+                s.token_ids, s.logprobs = s.token_ids[:n], s.logprobs[:n]
+        return touched
+
+    def _apply_stop_strings(self, touched: list[Request]) -> None:
+        for req in touched:
+            if self.output_processor.update_text(req) is not None:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _wait_for_grammars(self) -> None:
         """Nothing could run: if requests wait for their grammars, wait (briefly) for one to
@@ -166,13 +204,20 @@ class LLMEngine:
         self.scheduler.finish_loads(result.tier_report)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
-        num_sample_rows = sched_out.num_sample_rows
-        self._record_prompt_logprobs(sched_out, logits[num_sample_rows:])
+        num_sample_rows, num_prompt_rows = sched_out.num_sample_rows, sched_out.num_prompt_logprob_rows
+        self._record_prompt_logprobs(sched_out, logits[num_sample_rows:num_sample_rows + num_prompt_rows])
+        sampled = self._sample(sched_out, logits[:num_sample_rows])
+        if sched_out.num_verify_rows:
+            verify = logits[num_sample_rows + num_prompt_rows:]  # [sum of k + 1 per speculative chunk, vocab]
+            sampled += self.speculator.verify(sched_out.chunks, verify, self.scheduler.requests)
+        self.step_times.add(sample=time.perf_counter() - t1)
+        return sampled
+
+    def _sample(self, sched_out: SchedulerOutput, logits: torch.Tensor) -> list[SampledTokens]:
         rows, owners = self._sampling_rows(sched_out)
         if not rows:
             return []
-        result = self.sampler(logits[:num_sample_rows], rows)
-        self.step_times.add(sample=time.perf_counter() - t1)
+        result = self.sampler(logits, rows)
         sampled, i = [], 0
         for rid, n in owners:
             tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
@@ -301,6 +346,8 @@ class LLMEngine:
                     for k, v in c.request_success.items()]
         metrics += [Metric("pagedllm:num_preemptions_by_mode", v, {"mode": k}, "counter")
                     for k, v in s.preemptions_by_mode.items()]
+        if self.speculator is not None:
+            metrics += self.speculator.metrics()
         return metrics + _offload_metrics(s.offload)
 
     def reset_prefix_cache(self, reset_disk: bool = False) -> bool:
@@ -330,6 +377,8 @@ class LLMEngine:
             self.executor.persist_kv_tiers(ops)
         self.executor.shutdown()
         self.structured_output.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
 
 
 def _offload_metrics(offload: dict[str, dict[str, float]]) -> list[Metric]:

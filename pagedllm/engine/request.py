@@ -97,6 +97,7 @@ class Request:
         self.last_token_time: float | None = None
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured_outputs: this sequence's matcher
+        self.spec_token_ids: list[int] = []  # speculative drafts to verify in the next step
 
     @property
     def num_tokens(self) -> int:

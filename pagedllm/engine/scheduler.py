@@ -42,6 +42,8 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token
     top_logprobs: list[dict[int, float]] | None = None
+    # token_ids follow one another in this one sequence (a verified speculative run), not one per fork
+    consecutive: bool = False
 
 
 @dataclass
@@ -119,12 +121,22 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if req.spec_token_ids:
+                num_new += self._num_drafts(req, num_new, budget)
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was the last running request and got preempted
             self._add_chunk(out, req, num_new)
             budget -= num_new
             i += 1
         return budget
+
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """How many of the request's speculative drafts run with its next token: those the
+        budget leaves room for, or none when their blocks are not free (never a preemption)."""
+        num = min(len(req.spec_token_ids), budget - num_new)
+        if num > 0 and self.kv.blocks_needed(req, num_new + num) > self.kv.num_free_blocks:
+            return 0
+        return num
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, num_new):
@@ -244,6 +256,8 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
+        # speculative drafts run past the request's tokens (verified, then rolled back: end_verification)
+        num_spec = max(0, req.num_computed_tokens - req.num_tokens)
         samples = 0
         if req.num_computed_tokens == req.num_tokens:
             samples = 1 + req.num_forks_pending
@@ -253,13 +267,24 @@ class Scheduler:
             prompt_rows = max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
         out.chunks.append(ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + num_new],
+            token_ids=req.all_token_ids[start:start + num_new - num_spec] + req.spec_token_ids[:num_spec],
             start=start,
             new_block_start=block_start,
             new_block_ids=new_blocks,
             num_samples=samples,
             num_prompt_logprob_rows=prompt_rows,
+            num_spec_tokens=num_spec,
         ))
+
+    def end_verification(self, request_id: str) -> None:
+        """After a speculative run was verified and its accepted tokens appended: the request's
+        K/V is valid for all its tokens but the last (rejected drafts' slots are not), so its
+        progress moves back there and blocks holding only rejected drafts are freed."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
+            return
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.free_tail(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the victim's blocks out when asked and possible, else recompute it later."""

@@ -22,6 +22,13 @@ class ScheduledChunk:
     # prompt_logprobs: logits are also needed at the chunk's first k positions (each predicts
     # the prompt token after it)
     num_prompt_logprob_rows: int = 0
+    # speculative decoding: the last k token_ids are drafts (num_samples is 0); logits come back
+    # at the chunk's last k + 1 positions, after every sampling and prompt-logprob row
+    num_spec_tokens: int = 0
+
+    @property
+    def num_verify_rows(self) -> int:
+        return self.num_spec_tokens + 1 if self.num_spec_tokens else 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -55,6 +62,14 @@ class SchedulerOutput:
     @property
     def num_sample_rows(self) -> int:
         return sum(c.num_samples for c in self.chunks)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        return sum(c.num_prompt_logprob_rows for c in self.chunks)
+
+    @property
+    def num_verify_rows(self) -> int:
+        return sum(c.num_verify_rows for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:

@@ -254,7 +254,8 @@ class KVCacheManager:
         if total_blocks > len(table):
             self._mark_dirty(rid, len(table))
             table.extend(self.pool.allocate(total_blocks - len(table)))
-        self._cache_full_blocks(req, num_computed + num_new_tokens)
+        # only tokens the request holds: speculative drafts past them are hashed once accepted
+        self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
     def _write_block_is_shared(self, table: list[KVBlock], num_computed: int) -> bool:
@@ -312,6 +313,23 @@ class KVCacheManager:
         self.requests.pop(rid, None)
         self._hashes.pop(rid, None)
         self._num_hashed_blocks.pop(rid, None)
+
+    def free_tail(self, req) -> None:
+        """Frees the blocks past the request's ``num_computed_tokens`` (the K/V of rejected
+        speculative tokens)::
+
+            table:  [ full | full | partial (computed ... rejected) | rejected only ] -> freed
+                                    kept: rejected slots are overwritten next step
+        """
+        rid = req.request_id
+        table = self.tables.get(rid)
+        keep = cdiv(req.num_computed_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self._mark_dirty(rid, keep)
+        self.pool.free(reversed(tail))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the device pool's and the CPU tier's cached prefixes; refused while blocks are in use."""

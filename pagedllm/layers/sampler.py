@@ -60,16 +60,40 @@ class Sampler:
         # log-probs are only computed when some row reports them or ranks by them (best_of)
         need_lp = any(r.params.logprobs is not None or (r.params.best_of or 0) > r.params.n for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
-        self._apply_grammars(logits, rows)
-        logits = _apply_allowed_and_bias(logits, rows)
-        logits = _mask_bad_words(logits, rows)
-        logits = _mask_banned(logits, rows)
-        logits = _apply_penalties(logits, rows)
+        logits = self._process(logits, rows)
         tokens = self._choose(logits, rows)
         if raw_logprobs is None:
             return SamplerOutput(tokens.tolist(), [0.0] * len(rows), None)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(raw_logprobs, rows))
+
+    @torch.inference_mode()
+    def distributions(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, raw_logprobs)``, both ``[num_rows, vocab]``: the normalised distribution
+        ``__call__`` draws each row's token from (a greedy row: one-hot at its argmax) and the
+        raw log-probs it reports. Speculative decoding verifies drafts against these."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._process(logits, rows)
+        probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()  # [rows, vocab]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random:
+            weights = _random_probs(logits[random], [rows[i] for i in random])
+            probs[random] = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, raw_logprobs
+
+    @staticmethod
+    def top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float]] | None:
+        """Per row, its ``params.logprobs`` most likely tokens -> raw logprob (None if no row asks)."""
+        return _top_logprobs(raw_logprobs, rows)
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Every logit rule before the draw (grammar, allowed ids and bias, bad words, min_tokens, penalties)."""
+        self._apply_grammars(logits, rows)
+        logits = _apply_allowed_and_bias(logits, rows)
+        logits = _mask_bad_words(logits, rows)
+        logits = _mask_banned(logits, rows)
+        return _apply_penalties(logits, rows)
 
     def _apply_grammars(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         grammars = [r.grammar for r in rows]
@@ -167,6 +191,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    probs = _random_probs(logits, rows)
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _random_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p: each row's weights to draw from (not normalised after min-p)."""
     dev = logits.device
     temp = _param_tensor(rows, "temperature", dev).clamp_min(1e-5)[:, None]
     logits = logits / temp
@@ -176,7 +206,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if bool((min_p > 0).any()):
         keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs * keep
-    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    return probs
 
 
 def _sample_random_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

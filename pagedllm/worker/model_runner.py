@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class ExecuteResult:
     """What one forward returns to the engine."""
 
-    logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows, vocab]
+    logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows + verify rows, vocab]
     prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
     tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
 
@@ -140,10 +140,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:
-        """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows + P, vocab]``.
+        """Applies the cache plans, runs the batch; returns logits ``[num_sample_rows + P + V, vocab]``.
 
         A chunk with ``num_samples = n`` contributes n identical rows (a fork samples n tokens);
-        after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk.
+        after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk, then the ``V``
+        rows that verify speculative drafts (``num_spec_tokens + 1`` per speculative chunk).
         """
         self.block_table.release(out.released_ids)
         if out.tier_ops:  # first: blocks evicted to the tiers may be written by what follows
@@ -163,7 +164,7 @@ class ModelRunner:
             hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[logit_idx])  # [num_sample_rows + prompt rows, vocab]
+        logits = self.model.compute_logits(hidden[logit_idx])  # [sample + prompt + verify rows, vocab]
         return ExecuteResult(logits, prepare_time, self._tier_report(out))
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
@@ -205,6 +206,11 @@ class ModelRunner:
         if prompt_rows.any():  # prompt_logprobs: the chunk's first k positions, after the samples
             starts = np.repeat(last + 1 - query_lens, prompt_rows)
             offsets = np.arange(int(prompt_rows.sum())) - np.repeat(np.cumsum(prompt_rows) - prompt_rows, prompt_rows)
+            sample_idx = np.concatenate([sample_idx, starts + offsets])
+        verify_rows = np.fromiter((c.num_verify_rows for c in chunks), dtype=np.int64, count=len(chunks))
+        if verify_rows.any():  # speculative drafts: the chunk's last k + 1 positions, after everything else
+            starts = np.repeat(last + 1 - verify_rows, verify_rows)
+            offsets = np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows)
             sample_idx = np.concatenate([sample_idx, starts + offsets])
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there

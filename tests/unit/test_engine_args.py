@@ -40,6 +40,7 @@ NON_DEFAULT = {
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
     "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
     "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
@@ -136,6 +137,9 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"kv_offload_disk_gb": 1}, "kv_offload_disk_gb"),
     ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
     ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
+    ({"kv_offload_cpu_gb": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}', "pipeline_parallel_size": 2},
+     "pipeline_parallel_size=2"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
     with pytest.raises(ValueError, match=word):
