@@ -53,5 +53,8 @@ class LLM:
 
     def generate(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool = True) -> list[_Output]:
         assert all(p.temperature == 0.0 and p.ignore_eos for p in params)
-        return [_Output([_Completion([(pr["prompt_token_ids"][-1] + i + 1) % self.vocab for i in range(sp.max_tokens)])])
+        return [_Output([_Completion(self._count_up(pr["prompt_token_ids"][-1], sp.max_tokens))])
                 for pr, sp in zip(prompts, params)]
+
+    def _count_up(self, last: int, n: int) -> list[int]:
+        return [(last + i + 1) % self.vocab for i in range(n)]
