@@ -34,6 +34,12 @@ MODEL_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, nu
                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                     pad_token_id=0, initializer_range=0.05)
+# ~205M parameters: 16 x 11.8M (layers) + 2 x 8.4M (embeddings and lm_head), issue 15's "~200M random Llama".
+MODEL_CONFIGS = {
+    "34m": MODEL_CONFIG,
+    "200m": dict(MODEL_CONFIG, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                 num_attention_heads=16, num_key_value_heads=8),
+}
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 
@@ -61,21 +67,22 @@ def word_tokenizer(vocab_size: int):
                                    pad_token="<pad>", unk_token="<pad>")
 
 
-def default_model_dir() -> Path:
-    key = zlib.crc32(json.dumps(MODEL_CONFIG, sort_keys=True).encode())
-    return CACHE_DIR / f"llama-34m-random-{key:08x}"
+def default_model_dir(size: str = "34m") -> Path:
+    """Where the random Llama of ``size`` (a MODEL_CONFIGS key) is cached, keyed by its config's crc."""
+    key = zlib.crc32(json.dumps(MODEL_CONFIGS[size], sort_keys=True).encode())
+    return CACHE_DIR / f"llama-{size}-random-{key:08x}"
 
 
-def ensure_model(path: Path) -> Path:
-    """Builds the random checkpoint once (seed 0) into ``path``; a finished one is reused."""
+def ensure_model(path: Path, config: dict = MODEL_CONFIG) -> Path:
+    """Builds the random checkpoint of ``config`` once (seed 0) into ``path``; a finished one is reused."""
     if (path / "config.json").exists():
         return path
     import transformers as tf
     tmp = path.with_name(path.name + ".tmp")
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL_CONFIG)).to(torch.float32)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**config)).to(torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
-    word_tokenizer(MODEL_CONFIG["vocab_size"]).save_pretrained(tmp)
+    word_tokenizer(config["vocab_size"]).save_pretrained(tmp)
     os.replace(tmp, path)
     print(f"built {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter model in {path}")
     return path

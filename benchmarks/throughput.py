@@ -18,6 +18,18 @@ Workloads (full sizes; ``--quick`` divides request counts and lengths by 8):
 The headline metric is output tok/s (for mixed32 and lognormal: *useful* output tok/s =
 requested tokens / time; for prefill512: prompt tok/s). Ratio = pagedllm / transformers on it.
 
+``--compare-vllm PYTHON`` adds vLLM's CPU backend as a column (benchmarks/vllm_compare.py): that
+interpreter (vLLM's own venv) loads the same model once and runs every workload on the same
+prompt token ids (greedy, ignore_eos, float32, ``--vllm-block-size`` 32) *before* pagedllm is
+loaded; its process group is killed before anything else is timed. Ratio = pagedllm / vLLM::
+
+    python benchmarks/throughput.py --repeats 3 --workloads single,batch64,long16,mixed32 \
+        --compare-vllm /work/wt/vllm-venv/bin/python
+    python benchmarks/throughput.py --repeats 3 --model-size 200m --compare-vllm V/bin/python
+
+``--model-size 200m``: the random ~205M Llama (hidden 1024, 16 layers, 16 heads / 8 KV heads,
+intermediate 2816) instead of the 34M one; its default workloads are single and batch64.
+
 ``--sweep`` adds a concurrency sweep: for each c in ``--concurrency`` (default 1,8,16,32,64,128),
 c requests of 128 -> 128 through both systems (transformers: one static batch of c), printed as
 a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
@@ -26,6 +38,7 @@ a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -41,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)
+    MODEL_CONFIGS,
     RESULTS_DIR,
     add_engine_args,
     default_model_dir,
@@ -55,6 +69,7 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
     prefix_agreement,
     save_json,
 )
+from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
@@ -293,7 +308,8 @@ def median_run(runs: list[dict]) -> dict:
     return best
 
 
-def bench_workload(wl: Workload, llm, hf, vocab: int, args) -> dict:
+def bench_workload(wl: Workload, llm, hf, vocab: int, args, vllm_run: dict | None = None) -> dict:
+    """Both in-process systems on ``wl``, alternated; ``vllm_run``: the vLLM runner's result for it."""
     prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
     warm(wl, llm, hf, vocab, args)
     paged_runs, hf_runs = [], defaultdict(list)
@@ -301,23 +317,30 @@ def bench_workload(wl: Workload, llm, hf, vocab: int, args) -> dict:
         paged_runs.append(run_paged(llm, wl, prompts))
         for bs in ([] if hf is None else wl.hf_batch_sizes):
             hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
-    return summarize(wl, median_run(paged_runs), {bs: median_run(r) for bs, r in hf_runs.items()})
+    return summarize(wl, median_run(paged_runs), {bs: median_run(r) for bs, r in hf_runs.items()}, vllm_run)
+
+
+def warm_workload(wl: Workload, vocab: int) -> tuple[Workload, list[list[int]]]:
+    """The untimed warm-up run of ``wl``: its first (up to) 4 prompt lengths with other prompts, 4 tokens out."""
+    n = min(wl.num_requests, 4)
+    small = Workload(wl.name, wl.prompt_lens[:n], [min(4, x) for x in wl.output_lens[:n]], [n])
+    return small, make_prompts(small.prompt_lens, vocab, workload_seed(wl.name) + 1)
 
 
 def warm(wl: Workload, llm, hf, vocab: int, args) -> None:
     """A small untimed run of each system on this workload's shapes (other prompts)."""
-    n = min(wl.num_requests, 4)
-    small = Workload(wl.name, wl.prompt_lens[:n], [min(4, x) for x in wl.output_lens[:n]], [n])
-    prompts = make_prompts(small.prompt_lens, vocab, workload_seed(wl.name) + 1)
+    small, prompts = warm_workload(wl, vocab)
     run_paged(llm, small, prompts)
     if hf is not None:
-        run_hf(hf, small, prompts, n, args.device)
+        run_hf(hf, small, prompts, small.num_requests, args.device)
 
 
-def summarize(wl: Workload, paged: dict, hf: dict[int, dict]) -> dict:
+def summarize(wl: Workload, paged: dict, hf: dict[int, dict], vllm_run: dict | None = None) -> dict:
     p = metrics(wl, paged["time_s"], wl.output_tokens)
     res = dict(workload=_wl_json(wl), pagedllm=dict(**p, times_s=paged["times_s"], engine=paged["engine"]),
                transformers={})
+    if vllm_run is not None:
+        res["vllm"] = vllm_metrics(wl, p, paged["outputs"], vllm_run)
     for bs, run in hf.items():
         m = metrics(wl, run["time_s"], *static_batch_tokens(wl, bs))
         m.update(times_s=run["times_s"], batch_size=bs,
@@ -325,6 +348,15 @@ def summarize(wl: Workload, paged: dict, hf: dict[int, dict]) -> dict:
                  greedy_agreement=prefix_agreement(paged["outputs"], run["outputs"], wl.output_lens))
         res["transformers"][f"bs{bs}"] = m
     return res
+
+
+def vllm_metrics(wl: Workload, paged: dict, paged_outputs: list[list[int]], vllm_run: dict) -> dict:
+    """vLLM's median run as ``metrics``, with ``ratio`` = pagedllm / vLLM on the headline metric."""
+    times = vllm_run["times_s"]
+    m = metrics(wl, sorted(times)[len(times) // 2], wl.output_tokens)
+    m.update(times_s=times, ratio=headline(wl, paged) / headline(wl, m),
+             greedy_agreement=prefix_agreement(paged_outputs, vllm_run["outputs"], wl.output_lens))
+    return m
 
 
 def _wl_json(wl: Workload) -> dict:
@@ -356,10 +388,25 @@ def throughput_rows(results: dict) -> list[list[str]]:
         wl, p = r["workload"], r["pagedllm"]
         rows.append([name, _shape(wl), "pagedllm", f"{p['time_s']:.2f}", f"{p['output_tok_s']:.1f}",
                      f"{p['total_tok_s']:.1f}", _headline_cell(wl, p), "", ""])
-        for key, m in r["transformers"].items():
-            rows.append(["", "", f"hf {key}", f"{m['time_s']:.2f}", f"{m['output_tok_s']:.1f}",
+        others = [("vllm", r["vllm"])] if "vllm" in r else []
+        for key, m in others + [(f"hf {k}", m) for k, m in r["transformers"].items()]:
+            rows.append(["", "", key, f"{m['time_s']:.2f}", f"{m['output_tok_s']:.1f}",
                          f"{m['total_tok_s']:.1f}", _headline_cell(wl, m), f"{m['ratio']:.2f}x",
                          f"agree {100 * m['greedy_agreement']:.0f}% {_pad_note(m)}".strip()])
+    return rows
+
+
+def vllm_rows(results: dict) -> list[list[str]]:
+    """One row per workload run against vLLM: headline metric of each system and their ratio."""
+    rows = []
+    for name, r in results.items():
+        if "vllm" not in r:
+            continue
+        wl, p, v = r["workload"], r["pagedllm"], r["vllm"]
+        key = {"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[wl["headline"]]
+        rows.append([name, _shape(wl), f"{wl['headline']} tok/s", f"{v[key]:.1f}", f"{p[key]:.1f}",
+                     f"{v['ratio']:.2f}x", f"{v['total_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
+                     f"{100 * v['greedy_agreement']:.0f}%"])
     return rows
 
 
@@ -387,9 +434,13 @@ def print_header(meta: dict) -> None:
 
 
 def print_report(results: dict, info: dict) -> None:
-    print("\nThroughput (tok/s). ratio = pagedllm / transformers on the headline metric")
+    print("\nThroughput (tok/s). ratio = pagedllm / that system on the headline metric")
     print(format_table(["workload", "shape", "system", "time s", "out tok/s", "total tok/s", "headline",
                         "ratio", "notes"], throughput_rows(results)))
+    if any("vllm" in r for r in results.values()):
+        print("\npagedllm vs vLLM-CPU, one run of each (median of the repeats); agree = greedy tokens equal")
+        print(format_table(["workload", "shape", "metric", "vLLM-CPU", "pagedllm", "pagedllm/vLLM",
+                            "vLLM total", "pagedllm total", "agree"], vllm_rows(results)))
     print(f"\npagedllm engine stats (median run; backend {info['attention_backend']}, block_size "
           f"{info['block_size']}, max_num_seqs {info['max_num_seqs']}, max_num_batched_tokens "
           f"{info['max_num_batched_tokens']}). Per-step ms from the engine's own timers (LLMEngine.step_times):")
@@ -493,9 +544,13 @@ def finish_sweep(results: dict, args, meta: dict) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: build/reuse the random 34M Llama)")
-    ap.add_argument("--workloads", default="single,batch64,long16,mixed32,prefill512",
-                    help="comma-separated; also 'lognormal' (by name only), or 'none' (e.g. with --sweep)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: build/reuse the random Llama of "
+                    "--model-size)")
+    ap.add_argument("--model-size", choices=sorted(MODEL_CONFIGS), default="34m",
+                    help="the random Llama built when --model is not given")
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated; also 'lognormal' (by name only), or 'none' (e.g. with --sweep); default "
+                         "single,batch64,long16,mixed32,prefill512 (200m: single,batch64)")
     ap.add_argument("--quick", action="store_true", help=f"sizes divided by {QUICK_DIV}; repeats default 3")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median); 3 quick, 1 full")
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
@@ -507,8 +562,21 @@ def parse_args(argv=None):
                     help="sweep levels, comma-separated (default 1,8,16,32,64,128); implies --sweep")
     sw.add_argument("--sweep-prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
+    vl = ap.add_argument_group("vLLM-CPU column (benchmarks/vllm_compare.py)")
+    vl.add_argument("--compare-vllm", metavar="PYTHON", default=None,
+                    help="the python of a venv with vllm-cpu installed: run vLLM on the same workloads first")
+    vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
+    vl.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds for the whole vLLM side")
     add_engine_args(ap)
     args = ap.parse_args(argv)
+    if args.model and args.model_size != "34m":
+        ap.error("--model and --model-size exclude each other")
+    try:
+        check_block_size(args.vllm_block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.workloads is None:
+        args.workloads = "single,batch64" if args.model_size == "200m" else "single,batch64,long16,mixed32,prefill512"
     args.repeats = args.repeats or (3 if args.quick else 1)
     args.output = args.output or RESULTS_DIR / ("throughput-quick.json" if args.quick else "throughput.json")
     _sweep_args(ap, args)
@@ -542,13 +610,17 @@ def main(argv=None) -> dict:
     sweep = sweep_workloads(args.concurrency, args.sweep_prompt_len, args.sweep_output_len) if args.sweep else []
     args.num_threads = args.num_threads or physical_cores()
     torch.set_num_threads(args.num_threads)
-    model_dir = Path(args.model) if args.model else ensure_model(default_model_dir())
+    model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
+                                                                 MODEL_CONFIGS[args.model_size])
+    vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm else None  # before anything else runs
     llm = make_llm(model_dir, args)
     hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
-    results = run_workloads(workloads, llm, hf, vocab, args)
+    results = run_workloads(workloads, llm, hf, vocab, args, vllm)
     sweep_results = run_workloads(sweep, llm, hf, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
+    if vllm is not None:
+        meta["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
     data = dict(meta=meta, engine=info, results=results)
     print_header(meta)
     if results:
@@ -561,11 +633,30 @@ def main(argv=None) -> dict:
     return results
 
 
-def run_workloads(workloads: list[Workload], llm, hf, vocab: int, args) -> dict:
+def vllm_side(workloads: list[Workload], model_dir: Path, args) -> dict:
+    """Every workload through vLLM-CPU in one subprocess (one model load), on the prompts pagedllm gets."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    jobs = []
+    for wl in workloads:
+        small, warm_prompts = warm_workload(wl, vocab)
+        jobs.append(job_workload(wl.name, make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name)),
+                                 wl.output_lens, warm_prompts, small.output_lens))
+    job = make_job(model_dir, jobs, args.repeats, args.vllm_block_size, args.dtype)
+    t0 = time.perf_counter()
+    print(f"[vllm] running {len(jobs)} workload(s) x {args.repeats} under {args.compare_vllm} ...", flush=True)
+    out = run_vllm(args.compare_vllm, job, args.output.parent / f"{args.output.stem}-vllm", args.num_threads,
+                   args.vllm_timeout)
+    out["wall_s"] = time.perf_counter() - t0
+    print(f"[vllm] done in {out['wall_s']:.0f}s (load {out['load_s']:.0f}s); its processes are gone", flush=True)
+    return out
+
+
+def run_workloads(workloads: list[Workload], llm, hf, vocab: int, args, vllm: dict | None = None) -> dict:
     results = {}
     for wl in workloads:
         t0 = time.perf_counter()
-        results[wl.name] = bench_workload(wl, llm, hf, vocab, args)
+        vllm_run = None if vllm is None else vllm["results"][wl.name]
+        results[wl.name] = bench_workload(wl, llm, hf, vocab, args, vllm_run)
         print(f"[{wl.name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
     return results
 
@@ -578,6 +669,7 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                 engine_kwargs=engine_kwargs(args), skip_hf=args.skip_hf, git_commit=git_commit(),
+                model_size=None if args.model else args.model_size,
                 env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
 
 

@@ -1,0 +1,78 @@
+"""The vLLM side of ``throughput.py --compare-vllm PYTHON``, run by that other interpreter.
+
+    PYTHON benchmarks/vllm_runner.py JOB.json RESULT.json
+
+It imports only the standard library and ``vllm`` (it runs in vLLM's own venv, not this one).
+It loads the model once, then for every workload of the job runs a small untimed warm-up and
+``repeats`` timed ``LLM.generate`` calls on the job's prompt token ids (greedy, ``ignore_eos``,
+the prefix cache reset before each run), and writes::
+
+    {"vllm_version": str, "load_s": float, "engine_kwargs": {...},
+     "results": {name: {"times_s": [...], "outputs": [[token ids] per request] (of the last run)}}}
+
+The job (written by throughput.py)::
+
+    {"model": dir, "engine_kwargs": {"dtype": "float32", "block_size": 32, ...}, "repeats": 3,
+     "workloads": [{"name": str, "prompts": [[ids]], "output_lens": [int],
+                    "warm_prompts": [[ids]], "warm_output_lens": [int]}]}
+
+The result is written before the interpreter exits, and the process leaves with ``os._exit``:
+vLLM's engine-core processes may outlive it, which is why the caller starts it in its own
+process group and kills that group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def generate(llm, vllm, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    inputs = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    if [len(g) for g in got] != list(output_lens):
+        raise RuntimeError("vLLM returned the wrong number of tokens")
+    return got
+
+
+def timed_runs(llm, vllm, wl: dict, repeats: int) -> dict:
+    generate(llm, vllm, wl["warm_prompts"], wl["warm_output_lens"])
+    times, outputs = [], []
+    for _ in range(repeats):
+        if hasattr(llm, "reset_prefix_cache"):
+            llm.reset_prefix_cache()  # repeats reuse the prompts: no run may hit an earlier run's blocks
+        t0 = time.perf_counter()
+        outputs = generate(llm, vllm, wl["prompts"], wl["output_lens"])
+        times.append(time.perf_counter() - t0)
+        print(f"[vllm] {wl['name']}: {times[-1]:.2f}s", file=sys.stderr, flush=True)
+    return dict(times_s=times, outputs=outputs)
+
+
+def run(job: dict) -> dict:
+    import vllm
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=job["model"], **job["engine_kwargs"])
+    load_s = time.perf_counter() - t0
+    print(f"[vllm] loaded in {load_s:.1f}s", file=sys.stderr, flush=True)
+    results = {wl["name"]: timed_runs(llm, vllm, wl, job["repeats"]) for wl in job["workloads"]}
+    return dict(vllm_version=getattr(vllm, "__version__", "?"), load_s=load_s,
+                engine_kwargs=job["engine_kwargs"], results=results)
+
+
+def main(argv: list[str]) -> None:
+    job_path, result_path = argv
+    with open(job_path) as f:
+        result = run(json.load(f))
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)  # the caller reads only a complete file
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.stderr.flush()
+    os._exit(0)  # do not wait on vLLM's shutdown (its background processes are the caller's to kill)
