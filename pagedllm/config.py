@@ -63,9 +63,13 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     watermark: float = 0.01
     cache_dtype: torch.dtype | None = None  # KV storage dtype; None: the model's dtype
+    calculate_kv_scales: bool = False  # fp8 caches: K/V scales from the first batch (attention/kv_quant.py)
 
     def __post_init__(self):
         check_block_size(self.block_size)
+        if self.calculate_kv_scales and self.cache_dtype not in FP8_KV_CACHE_DTYPES.values():
+            raise ValueError(f"calculate_kv_scales=True needs an fp8 kv_cache_dtype (one of "
+                             f"{tuple(FP8_KV_CACHE_DTYPES)}); the cache dtype is {self.cache_dtype}")
         check_memory_utilization(self.gpu_memory_utilization)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
@@ -152,14 +156,15 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     return _DTYPES[dtype]
 
 
-KV_CACHE_DTYPES = {"auto": None, **_DTYPES}
+# fp8: e4m3 with per-tensor scales per layer (attention/kv_quant.py)
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {"auto": None, **_DTYPES, **FP8_KV_CACHE_DTYPES}
 
 
 def resolve_kv_cache_dtype(value: str) -> torch.dtype | None:
     """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or a float type to store K/V in."""
     if value not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={value!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)} "
-                         "(fp8 caches are not implemented)")
+        raise ValueError(f"kv_cache_dtype={value!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[value]
 
 

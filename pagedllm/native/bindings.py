@@ -102,7 +102,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
 }  # fmt: skip
 
-_DTYPE_CONSTANTS = {torch.float32: "DTYPE_F32", torch.float16: "DTYPE_F16", torch.bfloat16: "DTYPE_BF16"}
+_DTYPE_CONSTANTS = {torch.float32: "DTYPE_F32", torch.float16: "DTYPE_F16", torch.bfloat16: "DTYPE_BF16",
+                    torch.float8_e4m3fn: "DTYPE_FP8_E4M3", torch.float8_e5m2: "DTYPE_FP8_E5M2"}
 _ERROR_CONSTANTS = {
     "ERR_ARG": (ValueError, "bad dimensions or dtype"),
     "ERR_NOMEM": (MemoryError, "scratch allocation failed"),

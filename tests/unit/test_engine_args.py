@@ -38,9 +38,11 @@ NON_DEFAULT = {
     "num_gpu_blocks_override": 99, "attention_backend": "sdpa", "num_threads": 3, "device": "cuda",
     "watermark": 0.05, "disable_log_stats": False, "log_stats_interval": 2.5, "served_model_name": ["a", "b"],
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
+    "calculate_kv_scales": True,
 }
 # a field whose effect shows only when another one is set
-NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False}}
+NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
+         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:

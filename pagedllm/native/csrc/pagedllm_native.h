@@ -27,8 +27,9 @@
  * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
 #define LD_MAX_TOKENS 64
 
-/* KV cache dtypes (the math is float32 whatever the cache holds). */
-enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2 };
+/* KV cache dtypes (the math is float32 whatever the cache holds; fp8 caches' scales are folded
+ * into the softmax scale and the output by the caller). */
+enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2, PN_DTYPE_FP8_E4M3 = 3, PN_DTYPE_FP8_E5M2 = 4 };
 
 /* Return codes of every exported function. */
 enum {
