@@ -285,3 +285,28 @@ def test_block_that_does_not_divide_a_row_parallel_shard_is_refused(model_dirs, 
     (Path(path) / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="whole blocks of 48"):
         LLM(path, num_gpu_blocks_override=50)
+
+
+# --- on a GPU with FP8 tensor cores ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="torch._scaled_mm needs an sm_89+ GPU")
+@pytest.mark.parametrize("act", ["token", "static"])
+def test_scaled_mm_computes_the_formats_math(act):
+    """On sm_89+ the W8A8 product is one torch._scaled_mm: it must equal the CPU path's math
+    (activations rounded to fp8 per token or with the static scale, then the product) in float64."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 160, generator=g) * 60).to(torch.float8_e4m3fn)
+    scale, bias = torch.rand(96, 1, generator=g) * 0.01 + 0.001, torch.randn(96, generator=g)
+    input_scale = torch.tensor([0.02]) if act == "static" else None
+    x = torch.randn(5, 160, generator=g).bfloat16()
+    layer = ReplicatedLinear(160, 96, bias=True)
+    layer.bias.data = bias.bfloat16()
+    fp8.install(layer, w, scale, act, input_scale)
+    want = (fp8.quantize_activations(x.double(), act, 160, input_scale) @ fp8.dequantize(w, scale, torch.float64).t()
+            + bias.bfloat16().double())
+    got = fp8.fp8_linear(layer.cuda(), x.cuda())  # (not .bfloat16(): that would cast the fp8 weight)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)

@@ -299,10 +299,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 
 
 def _scaled_mm_applies(layer: torch.nn.Module, x: torch.Tensor) -> bool:
-    """sm_89+ and a layout ``_scaled_mm`` takes: one weight scale per row, activations per token
-    or static (block-wise layers and weight-only W8A16 take the dequantize path)."""
+    """sm_89+ and a layout ``_scaled_mm`` takes: one weight scale per row (row-wise scaling, which
+    outputs bfloat16 only), activations per token or static, dimensions multiples of 16
+    (block-wise layers, weight-only W8A16 and other shapes take the dequantize path)."""
+    out_features, in_features = layer.weight.shape
     return (torch.cuda.get_device_capability(x.device) >= (8, 9) and layer.weight_scale.shape[1] == 1
-            and layer.fp8_act in ("token", "static") and x.dtype in (torch.float16, torch.bfloat16))
+            and layer.fp8_act in ("token", "static") and x.dtype == torch.bfloat16
+            and out_features % 16 == 0 and in_features % 16 == 0)
 
 
 def _scaled_mm_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -313,5 +316,7 @@ def _scaled_mm_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         sx = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).eps)
     xq = (rows.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     sw = layer.weight_scale.reshape(1, -1)  # [1, out]
-    y = torch._scaled_mm(xq, layer.weight.t(), scale_a=sx, scale_b=sw, bias=layer.bias, out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, layer.weight.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    if layer.bias is not None:  # added here: not every scaling mode takes a bias
+        y = y + layer.bias
     return y.view(*x.shape[:-1], layer.weight.shape[0])  # [..., out]
