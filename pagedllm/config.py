@@ -69,10 +69,19 @@ class CacheConfig:
     kv_offload_cpu_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
+    calculate_kv_scales: bool = False  # fp8 caches: K/V scales from the first batch (attention/kv_quant.py)
 
     def __post_init__(self):
         check_block_size(self.block_size)
         check_offload(self)
+        if self.calculate_kv_scales and self.cache_dtype not in FP8_KV_CACHE_DTYPES.values():
+            raise ValueError(f"calculate_kv_scales=True needs an fp8 kv_cache_dtype (one of "
+                             f"{tuple(FP8_KV_CACHE_DTYPES)}); the cache dtype is {self.cache_dtype}")
+        if self.calculate_kv_scales and self.kv_offload_dir:
+            # the scales come from this run's first batch: blocks on disk from another run were
+            # written with other scales, and the fingerprint cannot know them in advance
+            raise ValueError(f"calculate_kv_scales=True cannot be combined with kv_offload_dir="
+                             f"{self.kv_offload_dir!r}; use the checkpoint's K/V scales with a disk tier")
         check_memory_utilization(self.gpu_memory_utilization)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
@@ -202,14 +211,15 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     return _DTYPES[dtype]
 
 
-KV_CACHE_DTYPES = {"auto": None, **_DTYPES}
+# fp8: e4m3 with per-tensor scales per layer (attention/kv_quant.py)
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {"auto": None, **_DTYPES, **FP8_KV_CACHE_DTYPES}
 
 
 def resolve_kv_cache_dtype(value: str) -> torch.dtype | None:
     """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or a float type to store K/V in."""
     if value not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={value!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)} "
-                         "(fp8 caches are not implemented)")
+        raise ValueError(f"kv_cache_dtype={value!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[value]
 
 

@@ -241,3 +241,19 @@ def test_plan_auto_dtype_follows_the_planned_device():
 def test_plan_reads_the_bundled_demo_model(capsys):
     assert plan_mod.main(["--model", "pagedllm-demo", "--gpu-memory", "1GiB", "--device", "cpu"]) == 0
     assert "on cpu" in capsys.readouterr().out
+
+
+def test_fp8_kv_cache_and_fp8_checkpoint_hand_computed():
+    """An fp8 KV cache is one byte per element (a quarter of float32); FP8 projections one byte
+    per weight plus the float32 scales the runtime keeps (one per row, or per row and block)."""
+    f32 = plan_kv(GQA, gpu_memory=GiB, dtype="float32")
+    for kv in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        p = plan_kv(GQA, gpu_memory=GiB, dtype="float32", kv_cache_dtype=kv)
+        assert p.kv_bytes_per_token * 4 == f32.kv_bytes_per_token == 2 * 4 * 2 * 128 * 4
+    proj = 4 * (512 * 8 * 128 * 2 + 512 * 2 * 128 * 2 + 3 * 512 * 1024)
+    rest = 12_562_944 - proj
+    per_tensor = {**GQA, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+    assert plan_kv(per_tensor, gpu_memory=GiB, dtype="float32").weights_bytes == rest * 4 + proj + 4 * proj // 512
+    block = {**GQA, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                            "weight_block_size": [128, 128]}}
+    assert plan_kv(block, gpu_memory=GiB, dtype="float32").weights_bytes == rest * 4 + proj + 4 * proj // 128

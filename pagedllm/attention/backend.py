@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -68,5 +69,5 @@ def write_kv(
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # advanced indices on dims 0 and 2 -> the indexed view is [num_tokens, num_kv_heads, head_dim]
-    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = to_cache_dtype(key, key_cache.dtype)
+    value_cache[blocks, :, offsets] = to_cache_dtype(value, value_cache.dtype)

@@ -21,8 +21,9 @@ and prefill chunks (causal inside the chunk, possibly starting mid-context) go i
 call. Hot loops are AVX2/FMA intrinsics with scalar fallbacks; metadata that would index
 outside the tensors is rejected (ValueError) rather than crashing the process.
 
-Dtypes: the cache may be float32, float16 or bfloat16 (converted to float32 per tile, in a
-per-thread scratch buffer, when read); the math and the accumulation are float32. Queries are
+Dtypes: the cache may be float32, float16, bfloat16 or fp8 e4m3 / e5m2 (converted to float32
+per tile, in a per-thread scratch buffer, when read; fp8 scales are folded in by the model,
+``attention/kv_quant.py``); the math and the accumulation are float32. Queries are
 computed in float32 and the output is cast back to ``query.dtype``.
 
 Build: the kernel is part of the CPU C library (``pagedllm/native``), compiled on first use
@@ -35,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, check_soft_cap
+from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.native import bindings
@@ -43,7 +45,7 @@ from pagedllm.native import bindings
 def _rows_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[tokens, heads, head_dim] in ``dtype`` with a unit-stride last dim (other strides are
     passed to C, so views of a fused QKV projection need no copy)."""
-    t = t.to(dtype)
+    t = to_cache_dtype(t, dtype)  # (fp8 caches: saturating)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 

@@ -127,10 +127,13 @@ class EngineArgs:
                                  "on CPU)")
     quantization: str | None = option(None, "weight-only projections: int8 (per-channel) or int4 (group 128) "
                                       "quantized at load, or the checkpoint's format (gptq, awq, "
-                                      "compressed-tensors; detected from config.json)",
+                                      "compressed-tensors, fp8; detected from config.json)",
                                       choices=QUANTIZATION_METHODS, aliases=("-q",))
-    kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype",
+    kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype; fp8 (= fp8_e4m3) and "
+                                 "fp8_e5m2 store K/V in one byte with per-layer scales",
                                  choices=tuple(KV_CACHE_DTYPES))
+    calculate_kv_scales: bool = option(False, "fp8 KV cache: set each layer's K/V scales from the first batch "
+                                       "(max / 200 and max / 100, as vLLM) instead of the checkpoint's or 1.0")
     tensor_parallel_size: int = option(1, "number of tensor-parallel ranks", parse=int, aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "number of pipeline stages (contiguous layer ranges; at most the "
                                          "model's layer count)", parse=int, aliases=("-pp",))
@@ -197,6 +200,7 @@ class EngineArgs:
                 kv_offload_cpu_bytes=gib_to_bytes(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
                 kv_offload_dir=self.kv_offload_dir,
                 kv_offload_disk_bytes=self._disk_tier_bytes(),
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation),

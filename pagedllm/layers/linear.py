@@ -37,6 +37,8 @@ class LinearBase(nn.Module):
             return quantization.int8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.weight.dtype == torch.uint8:  # group-wise 4/8-bit codes (layers/quantization/grouped.py)
             return quantization.grouped_linear(self, x)
+        if self.weight.dtype == torch.float8_e4m3fn:  # FP8 checkpoints (layers/quantization/fp8.py)
+            return quantization.fp8_linear(self, x)
         return cpu_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import TensorParallelGroup
@@ -109,6 +110,7 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
         self.logits_soft_cap = spec.attn_logit_softcap
+        kv_quant.add_scales(self)  # k_scale / v_scale of an fp8 KV cache
 
     def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
@@ -120,8 +122,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        fp8_cache = kv_quant.is_fp8(kv_cache[0].dtype)
+        if fp8_cache:  # the per-tensor K/V scales folded into q, k, v and the output
+            q, k, v = kv_quant.scale_inputs(self, q, k, v)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                    logits_soft_cap=self.logits_soft_cap)
+        if fp8_cache:
+            out = kv_quant.scale_output(self, out)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]
 
     def split_qkv(self, qkv: torch.Tensor, q_size: int, kv_size: int):

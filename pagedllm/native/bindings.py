@@ -92,12 +92,18 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I64, _I64, _I64, _I32, _VP, _I32,  # in, out, group, bits, y, threads
     ]),
     "qg_dequant": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I32, _I32]),
+    "fp8_linear": (_I32, [
+        _VP, _I64, _VP, _VP, _VP,  # x, T, fp8 weight bytes, scale, bias
+        _I64, _I64, _I64, _VP, _I32,  # in, out, group, y, threads
+    ]),
+    "fp8_dequant": (_I32, [_VP, _VP, _VP, _I64, _I64, _I64, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
 }  # fmt: skip
 
-_DTYPE_CONSTANTS = {torch.float32: "DTYPE_F32", torch.float16: "DTYPE_F16", torch.bfloat16: "DTYPE_BF16"}
+_DTYPE_CONSTANTS = {torch.float32: "DTYPE_F32", torch.float16: "DTYPE_F16", torch.bfloat16: "DTYPE_BF16",
+                    torch.float8_e4m3fn: "DTYPE_FP8_E4M3", torch.float8_e5m2: "DTYPE_FP8_E5M2"}
 _ERROR_CONSTANTS = {
     "ERR_ARG": (ValueError, "bad dimensions or dtype"),
     "ERR_NOMEM": (MemoryError, "scratch allocation failed"),
@@ -274,6 +280,25 @@ class NativeLibrary:
                                   num_threads)
         if rc != 0:
             self._raise(rc, "qg_dequant", f": out {tuple(out.shape)}, group {group}, bits {bits}")
+
+    def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                   group: int, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` with W float8_e4m3fn bytes times a float32
+        scale per row and group of ``group`` inputs (``csrc/fp8_linear.c``); all contiguous, T at
+        most ``max_decode_tokens``."""
+        rows, in_features = x.shape
+        rc = self._lib.fp8_linear(_ptr(x), rows, _ptr(w), _ptr(scale), _ptr(bias), in_features, w.shape[0], group,
+                                  _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "fp8_linear", f": x {tuple(x.shape)}, weight {tuple(w.shape)}, group {group}")
+
+    def dequantize_fp8(self, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, group: int,
+                       num_threads: int) -> None:
+        """``out [rows, in]`` float32 = the FP8 matrix times its group scales, all contiguous."""
+        rows, in_features = out.shape
+        rc = self._lib.fp8_dequant(_ptr(w), _ptr(scale), _ptr(out), rows, in_features, group, num_threads)
+        if rc != 0:
+            self._raise(rc, "fp8_dequant", f": out {tuple(out.shape)}, group {group}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

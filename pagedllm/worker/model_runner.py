@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import backend_for_soft_cap, get_attention_backend
 from pagedllm.config import EngineConfig
@@ -70,6 +71,8 @@ class ModelRunner:
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
         load_weights(self.model, mc.model)
         quantize_model(self.model, mc.quantization)
+        if config.cache.calculate_kv_scales:
+            kv_quant.start_calibration(self.model)
         if self.device.type == "cpu":
             cpu_ops.pack_model(self.model, available_ram())
             reason = self.model.enable_fused_decode(self.backend) if pp is None else \
@@ -98,7 +101,8 @@ class ModelRunner:
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
         self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
                                  self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
-        self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        with kv_quant.calibration_paused(self.model):  # capture runs dummy tokens
+            self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
         if with_tiers:
             self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
 
@@ -232,7 +236,8 @@ class ModelRunner:
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
                   for i in range(num_seqs)]
-        self.execute(SchedulerOutput(chunks=chunks))
+        with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
+            self.execute(SchedulerOutput(chunks=chunks))
         if self.decode_graphs is not None:  # captured over the throwaway cache: measured, then dropped
             self.cuda_graph_bytes, self.decode_graphs = self.decode_graphs.memory_bytes, None
             torch.cuda.empty_cache()

@@ -114,8 +114,10 @@ def test_empty_batch():
     assert out.shape == (0, 4, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_half_precision_cache(dtype):
+    """float16/bfloat16 and the fp8 formats (their scales are folded in by the model, so the
+    kernel stores K/V rounded to the cache dtype and widens them exactly)."""
     batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=4, head_dim=64, block_size=16,
                              cache_dtype=dtype)  # fmt: skip
     check_against_oracles(batch)
@@ -232,7 +234,8 @@ def test_portable_scalar_build_matches_dense(tmp_path):
     lib = NativeLibrary.build(cache_dir=tmp_path, cflags=("-O2", "-fopenmp", "-shared", "-fPIC"))
     assert not lib.has_avx2
     backend = CpuAttentionBackend(num_threads=2, parallel_work=0, library=lib)
-    for head_dim, cache_dtype in ((64, torch.float32), (12, torch.float16), (16, torch.bfloat16)):
+    for head_dim, cache_dtype in ((64, torch.float32), (12, torch.float16), (16, torch.bfloat16),
+                                  (20, torch.float8_e4m3fn), (12, torch.float8_e5m2)):
         batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                                  block_size=8, cache_dtype=cache_dtype)  # fmt: skip
         check_against_oracles(batch, backend)

@@ -25,7 +25,7 @@ def test_torch_backends_match_dense_f64(backend, block_size, head_dim, group):
                                           batch.scale)  # fmt: skip
     torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=1e-5, rtol=1e-5)
     for r in range(batch.meta.num_reqs):
-        assert torch.equal(gather_context(kc, batch, r), batch.ctx_k[r])
+        assert torch.equal(gather_context(kc, batch, r).float(), batch.ctx_k[r])
         assert torch.equal(gather_context(vc, batch, r), batch.ctx_v[r])
 
 
@@ -36,3 +36,16 @@ def test_torch_backends_sliding_window(backend, window):
     kc, vc = batch.fresh_caches()
     out = backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale, window)
     torch.testing.assert_close(out.double(), dense_attention_f64(batch, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_torch_backends_over_an_fp8_cache(backend, cache_dtype):
+    """K/V are stored rounded to fp8 and widened on read: dense attention over the fp8-rounded
+    K/V (the batch's context is rounded through the cache dtype) is the reference."""
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, cache_dtype=cache_dtype)
+    kc, vc = batch.fresh_caches()
+    out = backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=1e-5, rtol=1e-5)
+    for r in range(batch.meta.num_reqs):
+        assert torch.equal(gather_context(kc, batch, r).float(), batch.ctx_k[r])

@@ -131,10 +131,11 @@ def test_float16():
         assert torch.equal(gather_context(kc, batch, r).float(), batch.ctx_k[r])
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float32_model_over_half_cache(cache_dtype):
     """K/V are rounded to the cache dtype on write and computed in float32 on read (bfloat16
-    conversions only: the interpreter's bfloat16 arithmetic is wrong, triton#11584)."""
+    conversions only: the interpreter's bfloat16 arithmetic is wrong, triton#11584); fp8 caches
+    the same way (the reference attends over the fp8-rounded K/V)."""
     batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
                              cache_dtype=cache_dtype)  # fmt: skip
     out = check(batch)
@@ -152,6 +153,24 @@ def test_bfloat16_write_is_exact():
     for r in range(batch.meta.num_reqs):
         assert torch.equal(gather_context(kc.cpu(), batch, r).float(), batch.ctx_k[r])
         assert torch.equal(gather_context(vc.cpu(), batch, r).float(), batch.ctx_v[r])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_write_rounds_and_saturates_like_torch(cache_dtype):
+    """K/V that fp8 cannot represent (and some past its range) are stored as torch rounds them,
+    to nearest even and saturating: rounded in torch before the copy kernel (the interpreter's
+    own float -> fp8 cast drops the carry into the exponent)."""
+    batch = make_paged_batch([(0, 5), (3, 2)], num_heads=2, num_kv_heads=2, head_dim=64, block_size=8)
+    key = batch.key * 3.7
+    key[0, 0, :2] = torch.tensor([1e6, -1e6])
+    out, kc, vc = run(TritonAttentionBackend(num_kv_splits=1),
+                      replace(batch, key=key, key_cache=batch.key_cache.to(cache_dtype),
+                              value_cache=batch.value_cache.to(cache_dtype)))
+    limit = torch.finfo(cache_dtype).max
+    slots = batch.meta.slot_mapping.long()
+    stored = kc[slots // 8, :, slots % 8]  # [num_tokens, kv_heads, head_dim]
+    assert torch.equal(stored.float(), key.clamp(-limit, limit).to(cache_dtype).float())
+    assert not out.isnan().any()
 
 
 def test_strided_views_of_fused_qkv_and_padding_slots():
@@ -252,8 +271,12 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     from pagedllm.attention.triton.aot import shipped_launches
-    assert len(lines) == 2 * len(list(shipped_launches())) == 2 * 28
+    # 11 (query, cache) dtype pairs x 4 attention launches, 7 K/V writes (fp8 caches take fp8 K/V:
+    # one write each), 3 merges; the e4m3-cache kernels (3 x 4 + 1) on sm_90 only
+    assert len(lines) == 2 * len(list(shipped_launches())) - 13 == 2 * 54 - 13
     assert {line.split()[0] for line in lines} == {"sm_80", "sm_90"}
+    e4m3 = [line for line in lines if "key_cache=fp8e4nv" in line]
+    assert len(e4m3) == 13 and {line.split()[0] for line in e4m3} == {"sm_90"}
 
 
 # --- on a real GPU -----------------------------------------------------------------------------

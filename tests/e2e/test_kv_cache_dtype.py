@@ -44,5 +44,5 @@ def test_half_cache_holds_twice_the_blocks(llama_dir):
 
 
 def test_unsupported_cache_dtype(llama_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
-        _llm(llama_dir, num_gpu_blocks_override=64, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        _llm(llama_dir, num_gpu_blocks_override=64, kv_cache_dtype="int8")

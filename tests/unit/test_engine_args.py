@@ -40,13 +40,14 @@ NON_DEFAULT = {
     "preallocation": "request", "fused_ops": "triton", "max_logprobs": 5, "generation_config": "vllm",
     "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
     "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
-    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "calculate_kv_scales": True,
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
-         "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"}}
+         "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
+         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:
@@ -140,6 +141,7 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"kv_offload_cpu_gb": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}', "pipeline_parallel_size": 2},
      "pipeline_parallel_size=2"),
+    ({"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "kv_offload_dir": "/tmp/x"}, "calculate_kv_scales"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -27,17 +27,19 @@ from pagedllm.attention.triton.launch import (
     write_kv_launch,
 )
 from pagedllm.attention.triton.plan import (
+    FP8_DTYPES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     attention_tiles,
+    device_lacks_dtype,
     next_pow2,
 )
 
 ARCHS = (80, 90)
 MAX_SHARED_MEMORY = {80: 166912, 90: 232448}  # bytes a block may opt into (A100, H100)
 _TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-               torch.int64: "i64"}
+               torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def signature(args: dict[str, object]) -> dict[str, str]:
@@ -80,10 +82,13 @@ def _metadata(num_tokens: int, num_reqs: int, max_query_len: int) -> AttentionMe
 def shipped_launches() -> Iterator[Launch]:
     """One launch per distinct (kernel, argument types, constexprs, options) the backend issues:
     every (query, cache) dtype pair and every padded head dim."""
-    for q_dtype, cache_dtype in SUPPORTED_DTYPES:
-        key = _meta(4, 2, 64, dtype=q_dtype)
+    # K/V reach the write kernel in the model's dtype, or already rounded for an fp8 cache (the
+    # backend rounds them in torch): one launch per distinct (K/V dtype, cache dtype)
+    for key_dtype, cache_dtype in dict.fromkeys((c if c in FP8_DTYPES else q, c) for q, c in SUPPORTED_DTYPES):
+        key = _meta(4, 2, 64, dtype=key_dtype)
         cache = _meta(16, 2, SUPPORTED_BLOCK_SIZES[0], 64, dtype=cache_dtype)
         yield write_kv_launch(key, key, cache, cache, _meta(4, dtype=torch.int64))
+    for q_dtype, cache_dtype in SUPPORTED_DTYPES:
         for head_dim in {next_pow2(d): d for d in SUPPORTED_HEAD_DIMS}.values():  # one per padded width
             yield from _attention_launches(q_dtype, cache_dtype, head_dim)
         yield _batch1_decode_launch(q_dtype, cache_dtype)
@@ -131,12 +136,19 @@ def describe(launch: Launch) -> str:
     return f"{launch.kernel} {dtypes} {specialized_constants(launch.args) | launch.constexprs} {launch.options}"
 
 
+def _needs_newer_arch(launch: Launch, arch: int) -> bool:
+    """An e4m3 cache kernel on a pre-sm_89 target (the backend refuses that cache there)."""
+    capability = divmod(arch, 10)
+    return any(isinstance(v, torch.Tensor) and device_lacks_dtype(v.dtype, capability) for v in launch.args.values())
+
+
 def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:
-    """Compiles every shipped launch for every arch; returns one line per kernel and raises on
-    a failure or a kernel needing more shared memory than the target has."""
+    """Compiles every shipped launch for every arch (e4m3-cache kernels from sm_89 on); returns
+    one line per kernel and raises on a failure or a kernel needing more shared memory than the
+    target has."""
     lines = []
     for launch in shipped_launches():
-        for arch in archs:
+        for arch in [a for a in archs if not _needs_newer_arch(launch, a)]:
             kernel = compile_launch(launch, arch)
             shared = kernel.metadata.shared
             if shared > MAX_SHARED_MEMORY[arch]:

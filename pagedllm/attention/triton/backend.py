@@ -7,6 +7,7 @@ import logging
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kv_quant import is_fp8, to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton import import_error, interpreting, load_kernels
 from pagedllm.attention.triton.launch import (
@@ -17,12 +18,14 @@ from pagedllm.attention.triton.launch import (
     write_kv_launch,
 )
 from pagedllm.attention.triton.plan import (
+    E4M3_MIN_CAPABILITY,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     AttentionTiles,
     attention_tiles,
     choose_num_kv_splits,
+    device_lacks_dtype,
     num_query_tiles,
 )
 
@@ -74,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
         """A configuration the kernels do not cover runs on the fallback, which must then be
         graph-safe too (SDPA, the one ``auto`` picks, is not)."""
         reason = unsupported_config(head_dim, block_size, dtype, kv_cache_dtype)
+        if reason is None and torch.cuda.is_available():
+            reason = _device_reason(kv_cache_dtype, torch.device("cuda", torch.cuda.current_device()))
         if reason is None or self.fallback is None:  # no fallback: forward refuses the configuration
             return None
         blocker = self.fallback.cuda_graph_blocker(dtype, kv_cache_dtype, head_dim, block_size)
@@ -89,6 +94,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.check_device(query.device)
         kernels = load_kernels()
         query, key, value = (_unit_stride(t) for t in (query, key, value))
+        if is_fp8(key_cache.dtype):  # rounded here (saturating, to nearest even); the kernel copies bytes
+            key, value = to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, key_cache.dtype)
         if key.shape[0]:
             write_kv_launch(key, value, key_cache, value_cache, meta.slot_mapping).run(kernels)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -139,7 +146,15 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
     """Which part of the model / cache configuration the kernels do not cover, or None."""
     _, _, block_size, head_dim = key_cache.shape
-    return unsupported_config(head_dim, block_size, query.dtype, key_cache.dtype)
+    return (unsupported_config(head_dim, block_size, query.dtype, key_cache.dtype)
+            or _device_reason(key_cache.dtype, key_cache.device))
+
+
+def _device_reason(kv_cache_dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type != "cuda" or not device_lacks_dtype(kv_cache_dtype, torch.cuda.get_device_capability(device)):
+        return None
+    return (f"kv cache dtype {kv_cache_dtype} needs compute capability {E4M3_MIN_CAPABILITY} or newer for "
+            "attention_backend='triton' (use kv_cache_dtype='fp8_e5m2' there)")
 
 
 def unsupported_config(head_dim: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str | None:

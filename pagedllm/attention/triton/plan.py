@@ -8,10 +8,15 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)  # the engine's block sizes; the kernel reads any
-# (query dtype, KV cache dtype): the model's dtype throughout, or a float32 model over a half cache
+# (query dtype, KV cache dtype): the model's dtype throughout, a float32 model over a half cache,
+# or any model over an fp8 cache (widened to float32 on read; scales folded in by the model,
+# attention/kv_quant.py)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3_MIN_CAPABILITY = (8, 9)  # Triton has no float8_e4m3fn (fp8e4nv) before sm_89; e5m2 compiles everywhere
 SUPPORTED_DTYPES = (
     (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
     (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+    *((q, c) for q in (torch.float32, torch.float16, torch.bfloat16) for c in FP8_DTYPES),
 )
 
 MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group a program serves (bigger groups: several programs)
@@ -22,6 +27,11 @@ DECODE_MAX_QUERY_LEN = 16  # steps whose chunks are all this short count as deco
 BLOCK_M = 16
 MAX_KV_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256  # a split must have this many keys to pay for its share of the merge
+
+
+def device_lacks_dtype(kv_cache_dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """True for a cache dtype Triton cannot compile for a GPU of ``capability``."""
+    return kv_cache_dtype == torch.float8_e4m3fn and capability < E4M3_MIN_CAPABILITY
 
 
 def next_pow2(n: int) -> int:

@@ -9,10 +9,13 @@ Read from a pre-quantized checkpoint (detected from ``quantization_config`` in c
 ``--quantization`` may name it, and refuses a checkpoint of another kind):
     gptq                GPTQ 4/8-bit, v1 and v2, act order (gptq.py)
     awq                 AWQ 4-bit GEMM layout (awq.py)
-    compressed-tensors  W4A16 / W8A16 pack- or naive-quantized (compressed_tensors.py)
+    compressed-tensors  W4A16 / W8A16 pack- or naive-quantized (compressed_tensors.py), and
+                        float-quantized FP8 W8A8 / W8A16 (fp8.py)
+    fp8                 FP8 e4m3 weights, per-tensor or block-wise scales, static or dynamic
+                        FP8 activations (fp8.py)
 
-Not here yet: FP8 weights (``fp8``, compressed-tensors ``float-quantized``), an FP8 KV cache
-and GPU dequant-in-GEMM kernels (on a GPU the 4/8-bit weight is dequantized per call).
+Not here yet: GPU dequant-in-GEMM kernels for 4/8-bit codes (on a GPU the weight is
+dequantized per call).
 """
 from __future__ import annotations
 
@@ -21,16 +24,19 @@ import torch
 from pagedllm.layers.quantization.awq import AWQMethod
 from pagedllm.layers.quantization.base import QuantMethod
 from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMethod
+from pagedllm.layers.quantization.fp8 import Fp8Method, fp8_linear
 from pagedllm.layers.quantization.gptq import GPTQMethod
 from pagedllm.layers.quantization.grouped import grouped_linear
 from pagedllm.layers.quantization.int4 import Int4Method
 from pagedllm.layers.quantization.int8 import C_MAX_ROWS, Int8Method, int8_linear, quantize_int8
 
-__all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "grouped_linear",
+__all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "fp8_linear",
+           "grouped_linear",
            "int8_linear", "process_weights", "projection_layout", "quantize_int8", "quantize_model", "resolve_method"]
 
 LOAD_TIME_METHODS = ("int8", "int4")
-CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod}
+CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod,
+                      "fp8": Fp8Method}
 METHODS = (*LOAD_TIME_METHODS, *CHECKPOINT_METHODS)
 
 
@@ -89,7 +95,7 @@ def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | N
     """``(bits, group size, float bytes per group)`` of the projections with ``method`` (resolved:
     :func:`resolve_method`); group -1: one group per output row. None: float weights. For memory
     estimates (``pagedllm plan``): int8 keeps a scale per row, the group-wise layout a scale and
-    a scaled zero per group."""
+    a scaled zero per group, fp8 a scale per group."""
     if method is None:
         return None
     if method == "int8":
@@ -97,7 +103,7 @@ def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | N
     if method == "int4":
         return 4, Int4Method.group_size, 8
     fmt = checkpoint_method(hf_config)
-    return fmt.bits, fmt.group_size, 8
+    return fmt.bits, fmt.group_size, getattr(fmt, "scale_bytes_per_group", 8)
 
 
 def _linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -97,7 +97,7 @@ class CheckpointMethod(QuantMethod):
         if spec.kind == "shape":
             self._check_shape(layer, full)
         else:
-            _shard_into(layer, param, full, shard_id, spec)
+            shard_into(layer, param, full, shard_id, spec)
         param.loaded = True
 
     def _check_shape(self, layer: torch.nn.Module, shape: torch.Tensor) -> None:
@@ -132,7 +132,7 @@ class CheckpointMethod(QuantMethod):
         return layer.tp_rank * local_groups
 
 
-def _shard_into(layer: torch.nn.Module, param: torch.nn.Parameter, full: torch.Tensor, shard_id,
+def shard_into(layer: torch.nn.Module, param: torch.nn.Parameter, full: torch.Tensor, shard_id,
                 spec: CheckpointTensor) -> None:
     """Copies this rank's slice of the logical tensor ``full`` into ``param`` (module docstring)."""
     from pagedllm.layers.linear import RowParallelLinear

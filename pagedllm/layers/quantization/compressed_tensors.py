@@ -16,7 +16,8 @@ Per linear layer (compressed_tensors/compressors/pack_quantized/helpers.py, ``pa
 
 ``naive-quantized`` stores the signed codes unpacked as int8 ``weight`` (and int8 zero points).
 Signed codes and zero points are moved to unsigned by adding 2^(bits-1) to both, which leaves
-W unchanged. FP8 (``float-quantized``), activation quantization and sparsity are refused.
+W unchanged. ``float-quantized`` (FP8 weights, FP8 or float activations) is read by ``fp8.py``;
+integer activation quantization and sparsity are refused.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import torch
 from pagedllm.layers.quantization.base import unpack_int32
 from pagedllm.layers.quantization.checkpoint import CheckpointMethod, CheckpointTensor
 from pagedllm.layers.quantization.config import require, require_choice
+from pagedllm.layers.quantization.fp8 import Fp8Method
 
-FORMATS = ("pack-quantized", "naive-quantized")
+FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
 STRATEGIES = ("group", "channel")
 # modules outside pagedllm's quantized projections that a checkpoint may leave unquantized
 IGNORABLE = ("lm_head",)
@@ -40,19 +42,21 @@ class CompressedTensorsMethod(CheckpointMethod):
         self.packed = packed
 
     @classmethod
-    def from_config(cls, cfg: dict) -> CompressedTensorsMethod:
+    def from_config(cls, cfg: dict) -> CompressedTensorsMethod | Fp8Method:
         groups = cfg.get("config_groups") or {}
         require(len(groups) == 1, "config_groups", list(groups), "exactly one scheme")
         scheme = next(iter(groups.values()))
         fmt = scheme.get("format") or cfg.get("format")
         require(fmt in FORMATS, "format", fmt, f"one of {FORMATS}")
-        require(scheme.get("input_activations") is None, "input_activations", scheme.get("input_activations"),
-                "null (weight-only schemes: W4A16, W8A16)")
         require(not cfg.get("kv_cache_scheme"), "kv_cache_scheme", cfg.get("kv_cache_scheme"), "null")
         require(not cfg.get("sparsity_config"), "sparsity_config", cfg.get("sparsity_config"), "empty")
         ignored = [m for m in cfg.get("ignore") or [] if m not in IGNORABLE]
         require(not ignored, "ignore", ignored, f"only {IGNORABLE} (every projection quantized)")
         require("Linear" in scheme.get("targets", []), "targets", scheme.get("targets"), "['Linear']")
+        if fmt == "float-quantized":
+            return Fp8Method.from_compressed_tensors(scheme)
+        require(scheme.get("input_activations") is None, "input_activations", scheme.get("input_activations"),
+                "null (weight-only integer schemes: W4A16, W8A16)")
         return cls._from_weights(scheme.get("weights") or {}, packed=fmt == "pack-quantized")
 
     @classmethod

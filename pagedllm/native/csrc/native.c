@@ -22,6 +22,8 @@ static const Constant CONSTANTS[] = {
     {"DTYPE_F32", PN_DTYPE_F32},
     {"DTYPE_F16", PN_DTYPE_F16},
     {"DTYPE_BF16", PN_DTYPE_BF16},
+    {"DTYPE_FP8_E4M3", PN_DTYPE_FP8_E4M3},
+    {"DTYPE_FP8_E5M2", PN_DTYPE_FP8_E5M2},
     {"OK", PN_OK},
     {"ERR_ARG", PN_ERR_ARG},
     {"ERR_NOMEM", PN_ERR_NOMEM},

@@ -5,7 +5,7 @@
  * Layouts (see pagedllm/attention/cpu.py for the why):
  *   query / out      [num_tokens, num_heads, head_dim]            float32, last dim contiguous
  *   key / value      [num_tokens, num_kv_heads, head_dim]         cache dtype, last dim contiguous
- *   key/value_cache  [num_blocks, num_kv_heads, block_size, head_dim]  contiguous, f32/f16/bf16
+ *   key/value_cache  [num_blocks, num_kv_heads, block_size, head_dim]  contiguous, f32/f16/bf16/fp8
  *   block_tables     [num_reqs, max_blocks] int32, query_start_loc [num_reqs + 1] int32,
  *   seq_lens         [num_reqs] int32 (context length including this step's tokens),
  *   slot_mapping     [num_tokens] int64 (negative = padding token, not written).
@@ -33,10 +33,10 @@
 
 #include "pagedllm_native.h"
 
-static size_t dtype_size(int dtype) { return dtype == PN_DTYPE_F32 ? 4 : 2; }
+static size_t dtype_size(int dtype) { return dtype == PN_DTYPE_F32 ? 4 : dtype >= PN_DTYPE_FP8_E4M3 ? 1 : 2; }
 
 /* ------------------------------------------------------------------------------------------ */
-/* dtype conversion (cache -> float32), used only for f16 / bf16 caches                       */
+/* dtype conversion (cache -> float32), used only for f16 / bf16 / fp8 caches                 */
 /* ------------------------------------------------------------------------------------------ */
 
 static float half_to_float(uint16_t h) {
@@ -86,9 +86,37 @@ static void convert_to_f32(const uint16_t *src, float *dst, int64_t n, int dtype
     for (; i < n; i++) dst[i] = dtype == PN_DTYPE_BF16 ? bf16_to_float(src[i]) : half_to_float(src[i]);
 }
 
+/* Converts n fp8 values to float32 (their per-tensor scales are folded in by the caller,
+ * attention/kv_quant.py): e4m3 through the table of fp8_linear.c; e5m2 is the high byte of a
+ * float16 with the same exponent bias, so it widens as one. */
+static void convert_fp8_to_f32(const uint8_t *src, float *dst, int64_t n, int dtype) {
+    int64_t i = 0;
+    if (dtype == PN_DTYPE_FP8_E4M3) {
+#if PN_AVX2
+        for (; i + 8 <= n; i += 8) {
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+            _mm256_storeu_ps(dst + i, _mm256_i32gather_ps(pn_fp8_e4m3_lut, idx, 4));
+        }
+#endif
+        for (; i < n; i++) dst[i] = pn_fp8_e4m3_lut[src[i]];
+        return;
+    }
+#if PN_AVX2 && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i))), 8);
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; i++) dst[i] = half_to_float((uint16_t)(src[i] << 8));
+}
+
 /* Returns a float32 view of n cache elements: the cache itself for f32, else scratch. */
 static const float *load_f32(const void *src, int64_t n, int dtype, float *scratch) {
     if (dtype == PN_DTYPE_F32) return (const float *)src;
+    if (dtype >= PN_DTYPE_FP8_E4M3) {
+        convert_fp8_to_f32((const uint8_t *)src, scratch, n, dtype);
+        return scratch;
+    }
     convert_to_f32((const uint16_t *)src, scratch, n, dtype);
     return scratch;
 }
@@ -293,7 +321,7 @@ int pa_write_kv(const void *key, const void *value, void *key_cache, void *value
                 int num_kv_heads, int head_dim, int block_size, int64_t k_stride_tok,
                 int64_t k_stride_head, int64_t v_stride_tok, int64_t v_stride_head, int dtype,
                 int num_threads) {
-    if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_BF16)
+    if (num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2)
         return PN_ERR_ARG;
     for (int64_t t = 0; t < num_tokens; t++) /* validate first: fail without a partial write */
         if (slot_mapping[t] >= num_blocks * block_size) return PN_ERR_META;
@@ -576,7 +604,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
                  int window, int dtype, int num_threads, int64_t parallel_work) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
-        block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_BF16 || num_threads <= 0 || window < 0)
+        block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2 || num_threads <= 0 || window < 0)
         return PN_ERR_ARG;
     const Problem P = {
         .query = query, .out = out, .key_cache = key_cache, .value_cache = value_cache,

@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
- * The library is the four kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c) plus
+ * The library is the five kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
+ * quant_linear.c, fp8_linear.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -27,8 +27,9 @@
  * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
 #define LD_MAX_TOKENS 64
 
-/* KV cache dtypes (the math is float32 whatever the cache holds). */
-enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2 };
+/* KV cache dtypes (the math is float32 whatever the cache holds; fp8 caches' scales are folded
+ * into the softmax scale and the output by the caller). */
+enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2, PN_DTYPE_FP8_E4M3 = 3, PN_DTYPE_FP8_E5M2 = 4 };
 
 /* Return codes of every exported function. */
 enum {
@@ -135,6 +136,18 @@ PN_EXPORT int qg_linear(const float *x, int64_t T, const uint8_t *q, const float
                         int threads);
 PN_EXPORT int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows,
                          int64_t in, int64_t group, int bits, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* FP8 (e4m3fn) weight matmuls (fp8_linear.c; layout in that file's comment)                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/* pn_fp8_e4m3_lut[b] = the float8_e4m3fn byte b as float32 (filled when the library loads). */
+extern float pn_fp8_e4m3_lut[256];
+
+PN_EXPORT int fp8_linear(const float *x, int64_t T, const uint8_t *w, const float *scale, const float *bias,
+                         int64_t in, int64_t out, int64_t group, float *y, int threads);
+PN_EXPORT int fp8_dequant(const uint8_t *w, const float *scale, float *out, int64_t rows, int64_t in,
+                          int64_t group, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */
