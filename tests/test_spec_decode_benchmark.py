@@ -15,7 +15,8 @@ def test_ngram_share():
 
 def test_quick_run_end_to_end(llama_dir, tmp_path):
     out = tmp_path / "spec.json"
-    bench.main(["--model", llama_dir, "--quick", "--num-threads", "1", "--kv-cache-memory", "16MiB",
+    bench.main(["--model", llama_dir, "--quick", "--input-len", "96", "--lead-len", "80", "--output-len", "24",
+                "--num-threads", "1", "--kv-cache-memory", "16MiB",
                 "--output", str(out)])
     res = json.loads(out.read_text())["results"]
     assert list(res) == ["copy", "random"]

@@ -284,7 +284,7 @@ class Scheduler:
         if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
             return
         req.num_computed_tokens = req.num_tokens - 1
-        self.kv.free_tail(req)
+        self.kv.rollback(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the victim's blocks out when asked and possible, else recompute it later."""

@@ -314,22 +314,25 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_hashed_blocks.pop(rid, None)
 
-    def free_tail(self, req) -> None:
-        """Frees the blocks past the request's ``num_computed_tokens`` (the K/V of rejected
-        speculative tokens)::
+    def rollback(self, req) -> None:
+        """After speculative tokens were verified: frees the blocks past the request's
+        ``num_computed_tokens`` (K/V of rejected drafts only) and registers the blocks that
+        accepted drafts filled in the prefix cache::
 
-            table:  [ full | full | partial (computed ... rejected) | rejected only ] -> freed
-                                    kept: rejected slots are overwritten next step
+            table:  [ full | full (accepted) | partial (accepted ... rejected) | rejected only ]
+                              hashed now       kept: rejected slots are overwritten   freed
         """
         rid = req.request_id
         table = self.tables.get(rid)
-        keep = cdiv(req.num_computed_tokens, self.block_size)
-        if table is None or len(table) <= keep:
+        if table is None:
             return
-        tail = table[keep:]
-        del table[keep:]
-        self._mark_dirty(rid, keep)
-        self.pool.free(reversed(tail))
+        keep = cdiv(req.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self._mark_dirty(rid, keep)
+            self.pool.free(reversed(tail))
+        self._cache_full_blocks(req, req.num_computed_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the device pool's and the CPU tier's cached prefixes; refused while blocks are in use."""

@@ -96,7 +96,7 @@ class DraftModelProposer:
         seq.all_token_ids = list(req.all_token_ids)
         seq.num_computed_tokens = same
         seq.drafts, seq.probs = [], []
-        self.kv.free_tail(seq)
+        self.kv.rollback(seq)
         return seq
 
     def _allocate(self, seq: DraftSequence, req: Request) -> bool:

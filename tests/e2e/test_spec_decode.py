@@ -75,13 +75,13 @@ class _StepSpy:
 def _count_tail_frees(llm) -> list[int]:
     """Counts rollbacks that freed blocks (a rejected run that had crossed into a new block)."""
     kv, freed = llm.llm_engine.scheduler.kv, [0]
-    original = kv.free_tail
+    original = kv.rollback
 
     def counting(req):
         before = kv.num_free_blocks
         original(req)
         freed[0] += kv.num_free_blocks > before
-    kv.free_tail = counting
+    kv.rollback = counting
     return freed
 
 
