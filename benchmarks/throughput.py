@@ -612,7 +612,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
                                                                  MODEL_CONFIGS[args.model_size])
-    vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm else None  # before anything else runs
+    vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm and workloads else None  # before anything else
     llm = make_llm(model_dir, args)
     hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
