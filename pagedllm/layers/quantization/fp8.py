@@ -42,7 +42,7 @@ import torch
 
 from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
-from pagedllm.layers.quantization.config import require, require_choice
+from pagedllm.layers.quantization.config import require
 from pagedllm.native import bindings
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -84,7 +84,8 @@ class Fp8Method(QuantMethod):
         """``quant_method: fp8`` (vLLM / transformers)."""
         fmt = cfg.get("fmt", "e4m3")
         require(fmt == "e4m3", "fmt", fmt, "'e4m3' (float8_e4m3fn weights)")
-        act = str(require_choice(cfg, "activation_scheme", ("dynamic", "static")))
+        act = cfg.get("activation_scheme", "dynamic")  # transformers' and vLLM's default
+        require(act in ("dynamic", "static"), "activation_scheme", act, "one of ('dynamic', 'static')")
         require(cfg.get("scale_fmt", "float") == "float", "scale_fmt", cfg.get("scale_fmt"), "'float'")
         block = cfg.get("weight_block_size")
         require(block is None or (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)),
