@@ -97,6 +97,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I64, _I64, _I64, _VP, _I32,  # in, out, group, y, threads
     ]),
     "fp8_dequant": (_I32, [_VP, _VP, _VP, _I64, _I64, _I64, _I32]),
+    "fp8_act_quant": (_I32, [_VP, _I64, _I64, _I64, _F32, _VP, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -299,6 +300,15 @@ class NativeLibrary:
         rc = self._lib.fp8_dequant(_ptr(w), _ptr(scale), _ptr(out), rows, in_features, group, num_threads)
         if rc != 0:
             self._raise(rc, "fp8_dequant", f": out {tuple(out.shape)}, group {group}")
+
+    def fp8_quantize_activations(self, x: torch.Tensor, group: int, static_scale: float, out: torch.Tensor,
+                                 num_threads: int) -> None:
+        """``out [T, in]`` = ``x`` (float32, contiguous) rounded to e4m3 per row and group of
+        ``group`` inputs with scale amax / 448, or with ``static_scale`` if > 0, and scaled back."""
+        rows, in_features = x.shape
+        rc = self._lib.fp8_act_quant(_ptr(x), rows, in_features, group, static_scale, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "fp8_act_quant", f": x {tuple(x.shape)}, group {group}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

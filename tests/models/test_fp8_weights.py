@@ -41,16 +41,25 @@ FIXTURES = Path(__file__).parent / "fixtures" / "quant_layers.safetensors"
 
 # --- the kernel ------------------------------------------------------------------------------------
 
-def test_e4m3_table_is_torch_conversion_for_every_byte():
-    codes = torch.arange(256, dtype=torch.uint8)
-    got = fp8.dequantize(codes.view(torch.float8_e4m3fn)[None], torch.ones(1, 1))
+def test_c_widening_is_torch_conversion_for_every_byte():
+    """Every non-NaN e4m3 byte (subnormals, zero and -0 included), through the vector path (whole
+    rows of 8) and the scalar tail (a row of 7)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 bytes
     lib = bindings.library()
-    out = torch.empty(1, 256)
-    lib.dequantize_fp8(codes[None].contiguous(), torch.ones(1, 1), out, 256, 1)
-    want = codes.view(torch.float8_e4m3fn).float()[None]
-    finite = ~want.isnan()
-    assert torch.equal(out[finite], want[finite]) and out[~finite].isnan().all()
-    assert torch.equal(got[finite], want[finite])
+    for width in (127, 7):
+        rows = codes[: codes.numel() // width * width].view(-1, width).contiguous()
+        out = torch.empty(rows.shape)
+        lib.dequantize_fp8(rows, torch.ones(rows.shape[0], 1), out, width, 1)
+        want = rows.view(torch.float8_e4m3fn).float()
+        assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit())
+
+
+def test_nan_weights_are_refused_at_load():
+    from pagedllm.layers.linear import ReplicatedLinear
+    w = torch.zeros(4, 16, dtype=torch.uint8)
+    w[2, 5] = 0xFF
+    with pytest.raises(ValueError, match="NaN"):
+        fp8.install(ReplicatedLinear(16, 4, bias=False), w.view(torch.float8_e4m3fn), torch.ones(4, 1), "none", None)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64])
@@ -62,6 +71,7 @@ def test_fp8_matmul_matches_float64(rows, out_features, in_features, group):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = (torch.randn(out_features, in_features, generator=g) * 40).to(torch.float8_e4m3fn)
     w.view(torch.uint8)[0, :3] = torch.tensor([0x01, 0x83, 0x00], dtype=torch.uint8)  # subnormals, zero
+    w.view(torch.uint8)[w.view(torch.uint8) & 0x7F == 0x7F] = 0x7E  # NaN: refused at load
     scale = torch.rand(out_features, in_features // group, generator=g) + 0.25
     x = torch.randn(rows, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
@@ -98,6 +108,24 @@ def test_compressed_tensors_fp8_layer_matches_the_tool(prefix):
     torch.testing.assert_close(fp8.dequantize(layer.weight, layer.weight_scale), t["dequantized"], atol=0, rtol=0)
     xq = fp8.quantize_activations(t["x"], layer.fp8_act, layer.fp8_group, layer.input_scale)
     torch.testing.assert_close(xq, t["x_quantized"], atol=0, rtol=0)
+    xq_c = torch.empty_like(t["x"])  # the C pass the CPU engine takes
+    group = layer.fp8_group if act == "group" else t["x"].shape[1]
+    bindings.library().fp8_quantize_activations(t["x"], group, float(layer.input_scale or 0), xq_c, 1)
+    torch.testing.assert_close(xq_c, t["x_quantized"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("act,group", [("token", 40), ("group", 8), ("static", 40)])
+def test_c_activation_rounding_is_bit_identical_to_torch(act, group):
+    """Ties, subnormals, saturation, an all-zero row: the C pass equals quantize_activations."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 40, generator=g) * torch.logspace(-6, 2, 7)[:, None]
+    x[2] = 0
+    x[3, :4] = torch.tensor([448.0, -1e4, 2.0**-10, 3 * 2.0**-10])
+    static = torch.tensor([0.05]) if act == "static" else None
+    want = fp8.quantize_activations(x, act, group, static)
+    got = torch.empty_like(x)
+    bindings.library().fp8_quantize_activations(x, group if act == "group" else 40, float(static or 0), got, 1)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
 def _load_single_layer(method: fp8.Fp8Method, tensors: dict) -> torch.nn.Module:

@@ -234,11 +234,11 @@ def _with_config(src: str, dst: Path, qcfg: dict | None) -> str:
 
 
 @pytest.mark.parametrize("qcfg, match", [
-    ({"quant_method": "fp8"}, "quant_method='fp8'"),
+    ({"quant_method": "fp4"}, "quant_method='fp4'"),  # (fp8 is read since: tests/models/test_fp8_weights.py)
     (gptq_config(3, 32, True, False, "gptq"), "bits=3"),
     (gptq_config(4, 32, True, False, "marlin"), "checkpoint_format='marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version='gemv'"),
-    ({**ct_config(4, 32, True, "float-quantized")}, "format='float-quantized'"),
+    ({**ct_config(4, 32, True, "float-quantized")}, r"weights.\(type, num_bits\)=\('int', 4\)"),
     ({**ct_config(4, 32, True, "pack-quantized"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
 ])
 def test_unsupported_quantization_config_is_refused_naming_the_field(qcfg, match, llama_dir, tmp_path):

@@ -42,7 +42,7 @@ import torch
 
 from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
-from pagedllm.layers.quantization.config import require, require_choice
+from pagedllm.layers.quantization.config import require
 from pagedllm.native import bindings
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -84,7 +84,8 @@ class Fp8Method(QuantMethod):
         """``quant_method: fp8`` (vLLM / transformers)."""
         fmt = cfg.get("fmt", "e4m3")
         require(fmt == "e4m3", "fmt", fmt, "'e4m3' (float8_e4m3fn weights)")
-        act = str(require_choice(cfg, "activation_scheme", ("dynamic", "static")))
+        act = cfg.get("activation_scheme", "dynamic")  # transformers' and vLLM's default
+        require(act in ("dynamic", "static"), "activation_scheme", act, "one of ('dynamic', 'static')")
         require(cfg.get("scale_fmt", "float") == "float", "scale_fmt", cfg.get("scale_fmt"), "'float'")
         block = cfg.get("weight_block_size")
         require(block is None or (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)),
@@ -199,6 +200,8 @@ class Fp8Method(QuantMethod):
         if not found:
             raise ValueError(f"activation_scheme static needs one of {self.scheme.input_scale_names} per layer in "
                              "the checkpoint; none found")
+        if not bool((found[0].data > 0).all()):
+            raise ValueError(f"checkpoint input scale {found[0].data.tolist()}: a static activation scale must be > 0")
         return found[0].data.clone()
 
 
@@ -229,6 +232,8 @@ def install(layer: torch.nn.Module, weight: torch.Tensor, scale: torch.Tensor, a
     groups = scale.shape[1]
     if scale.shape[0] != out_features or in_features % groups:
         raise ValueError(f"fp8 weight scale {tuple(scale.shape)} does not fit a weight {tuple(weight.shape)}")
+    if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():  # the C kernel's widening has no NaN
+        raise ValueError("the checkpoint's fp8 weight holds NaN (bytes 0x7f / 0xff); refusing to compute with it")
     layer.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
     layer.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
     layer.register_buffer("input_scale", None if input_scale is None else input_scale.float(), persistent=False)
@@ -269,15 +274,34 @@ def fp8_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W^T + bias`` for a layer in the runtime layout (what ``LinearBase.forward`` calls)."""
     if x.device.type == "cuda" and _scaled_mm_applies(layer, x):
         return _scaled_mm_linear(layer, x)
-    xq = quantize_activations(x, layer.fp8_act, layer.fp8_group, layer.input_scale)
-    return fp8_matmul(xq, layer.weight, layer.weight_scale, layer.bias)
+    if layer.fp8_act != "none" and _native_f32(x) is not None:
+        x = _c_quantize_activations(_native_f32(x), x, layer)
+    else:
+        x = quantize_activations(x, layer.fp8_act, layer.fp8_group, layer.input_scale)
+    return fp8_matmul(x, layer.weight, layer.weight_scale, layer.bias)
+
+
+def _native_f32(x: torch.Tensor) -> bindings.NativeLibrary | None:
+    """The C library for float32 CPU inputs (not under torch.compile), else None."""
+    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    return bindings.library() if cpu_f32 and bindings.is_available() else None
+
+
+def _c_quantize_activations(native: bindings.NativeLibrary, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``quantize_activations`` in one C pass (bit-identical; torch's seven ops per call were as
+    slow as the batch-1 matmul itself)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
+    out = torch.empty_like(x2)
+    group = layer.fp8_group if layer.fp8_act == "group" else x2.shape[1]
+    static = float(layer.input_scale) if layer.fp8_act == "static" else 0.0
+    native.fp8_quantize_activations(x2, group, static, out, torch.get_num_threads())
+    return out.view(x.shape)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The C kernel for small float32 CPU batches, else the weight widened (in C into a reused
     buffer on the CPU, in torch elsewhere) for one GEMM."""
-    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-    native = bindings.library() if cpu_f32 and bindings.is_available() else None
+    native = _native_f32(x)
     if native is None:
         return torch.nn.functional.linear(x, dequantize(weight, scale, x.dtype), bias)
     lead, in_features = x.shape[:-1], x.shape[-1]

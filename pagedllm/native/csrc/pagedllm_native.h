@@ -148,6 +148,8 @@ PN_EXPORT int fp8_linear(const float *x, int64_t T, const uint8_t *w, const floa
                          int64_t in, int64_t out, int64_t group, float *y, int threads);
 PN_EXPORT int fp8_dequant(const uint8_t *w, const float *scale, float *out, int64_t rows, int64_t in,
                           int64_t group, int threads);
+PN_EXPORT int fp8_act_quant(const float *x, int64_t T, int64_t in, int64_t group, float static_scale, float *out,
+                            int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */
