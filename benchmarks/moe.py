@@ -13,8 +13,6 @@ Layer timing (``--layer-tokens``, default 64 tokens, one MoE layer of the model'
                 them, scatter back (transformers' MixtralExperts loop)
   loop-dense    per expert over all experts: every token through every expert, routing weights
                 zero outside its top-k (the loop without any routing)
-The loops use the experts' matrices as transformers holds them (contiguous ``[out, in]``, what
-``nn.Linear`` keeps); FusedMoE keeps its own layout (transposed, layers/fused_moe.py).
 End to end: output tok/s of both systems on ``--num-prompts`` prompts, greedy, EOS ignored, and
 the share of pagedllm's generate time spent inside the MoE layers.
 """
@@ -67,29 +65,22 @@ def build_model(cfg: dict, path: Path) -> Path:
 # --------------------------------------------------------------------------- the layer alone
 
 
-def hf_layout(moe: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts' (w13, w2) as contiguous ``[experts, out, in]`` tensors: nn.Linear's layout."""
-    return moe.w13.contiguous(), moe.w2.contiguous()
-
-
-def loop_routed(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
+def loop_routed(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     weights, ids = route(logits, moe.top_k, moe.renormalize)
     y = torch.zeros_like(x)
     for e in range(moe.num_experts):
         token, slot = torch.where(ids == e)
-        h = F.linear(moe.act_and_mul(F.linear(x[token], w13[e])), w2[e])
+        h = F.linear(moe.act_and_mul(F.linear(x[token], moe.w13[e])), moe.w2[e])
         y.index_add_(0, token, h * weights[token, slot, None])
     return y
 
 
-def loop_dense(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor) -> torch.Tensor:
+def loop_dense(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     weights, ids = route(logits, moe.top_k, moe.renormalize)
     dense = torch.zeros(x.shape[0], moe.num_experts).scatter_(1, ids, weights)  # [tokens, experts]
     y = torch.zeros_like(x)
     for e in range(moe.num_experts):
-        y += F.linear(moe.act_and_mul(F.linear(x, w13[e])), w2[e]) * dense[:, e:e + 1]
+        y += F.linear(moe.act_and_mul(F.linear(x, moe.w13[e])), moe.w2[e]) * dense[:, e:e + 1]
     return y
 
 
@@ -99,9 +90,8 @@ def time_layer(cfg: dict, tokens: int, repeats: int) -> dict:
     moe = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
     moe.w13.normal_(std=0.05), moe.w2.normal_(std=0.05)
     x, logits = torch.randn(tokens, h), torch.randn(tokens, experts)
-    w13, w2 = hf_layout(moe)
-    fns = {"fused": moe, "loop-routed": lambda a, b: loop_routed(moe, a, b, w13, w2),
-           "loop-dense": lambda a, b: loop_dense(moe, a, b, w13, w2)}
+    fns = {"fused": moe, "loop-routed": lambda a, b: loop_routed(moe, a, b),
+           "loop-dense": lambda a, b: loop_dense(moe, a, b)}
     with torch.inference_mode():
         ref = moe(x, logits)
         for name, fn in fns.items():

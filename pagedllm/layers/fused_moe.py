@@ -2,10 +2,7 @@
 over all of its tokens, and sum the weighted outputs.
 
 All experts' weights live in two stacked tensors, ``w13 [experts, 2 * inter, hidden]`` (gate and
-up) and ``w2 [experts, hidden, inter]``, filled expert by expert at load. Each is stored
-transposed (``w13[e].t()`` is a contiguous ``[hidden, 2 * inter]`` matrix): a GEMM of the few
-rows an expert gets then reads its weight without a transposed operand, which MKL runs about
-twice as fast at 16 rows (benchmarks/moe.py, benchmarks/RESULTS.md). Tensor parallelism
+up) and ``w2 [experts, hidden, inter]``, filled expert by expert at load. Tensor parallelism
 splits every expert's intermediate dimension (like a column- then row-parallel MLP), so each
 rank's partial output is summed with one all-reduce.
 
@@ -17,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
@@ -51,10 +49,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.inter = intermediate_size // self.tp_size  # this rank's share of each expert
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gated_activation(act, act_field, ops)
-        # logical [experts, out, in] as in the checkpoint, laid out [experts, in, out] (see the module docstring)
-        self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * self.inter).transpose(1, 2),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, self.inter, hidden_size).transpose(1, 2), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
 
@@ -74,21 +70,19 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
         token_of = order // self.top_k  # [tokens * k]
-        grouped = x.index_select(0, token_of)  # [tokens * k, hidden], in sorted order
-        gate_up = self._grouped_mm(grouped, self.w13, counts)  # [tokens * k, 2 * inter]
-        out = self._grouped_mm(self.act_and_mul(gate_up), self.w2, counts)  # [tokens * k, hidden]
+        out = self._run_experts(x[token_of], counts)  # [tokens * k, hidden], in sorted order
         out.mul_(weights.flatten()[order].to(out.dtype).unsqueeze(1))
         y = torch.zeros_like(x).index_add_(0, token_of, out)  # [tokens, hidden]
         return self.tp.all_reduce(y)
 
-    @staticmethod
-    def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows[group e] . weight[e]^T`` for each expert e with rows, written in place into one
-        output: one GEMM per active expert over its contiguous rows (``counts[e]`` of them)."""
-        out = rows.new_empty(rows.shape[0], weight.shape[1])  # [tokens * k, out]
+    def _run_experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One gate/up and one down GEMM per expert that has tokens, over its contiguous rows."""
+        out = torch.empty_like(grouped)
         start = 0
         for expert, n in enumerate(counts):
-            if n:
-                torch.mm(rows[start:start + n], weight[expert].t(), out=out[start:start + n])
-                start += n
+            if n == 0:
+                continue
+            rows = grouped[start:start + n]  # [n, hidden]
+            out[start:start + n] = F.linear(self.act_and_mul(F.linear(rows, self.w13[expert])), self.w2[expert])
+            start += n
         return out

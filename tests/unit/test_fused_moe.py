@@ -59,11 +59,3 @@ def test_loaded_parts_land_in_the_stacked_tensors():
 def test_bad_top_k_is_refused():
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         FusedMoE(8, 9, HIDDEN, INTER, renormalize=True, tp=TensorParallelGroup())
-
-
-def test_expert_weights_are_stored_transposed_for_the_grouped_gemm():
-    """Each expert's matrix is read as a contiguous [in, out] operand (the fast MKL case for a few
-    rows); the logical shapes stay the checkpoint's, so loading and references are unchanged."""
-    moe = _layer(renormalize=True)
-    assert moe.w13.shape[1:] == (2 * INTER, HIDDEN) and moe.w2.shape[1:] == (HIDDEN, INTER)
-    assert all(moe.w13[e].t().is_contiguous() and moe.w2[e].t().is_contiguous() for e in range(moe.num_experts))
