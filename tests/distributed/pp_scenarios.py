@@ -14,18 +14,11 @@ import subprocess
 import sys
 import time
 
+from tp_scenarios import ENGINE, MAX_NEW, greedy  # same directory: the script's own path
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.executor import RankCall
 from pagedllm.worker.model_runner import ModelRunner
-
-MAX_NEW = 6
-ENGINE = dict(num_gpu_blocks_override=64, max_model_len=128, num_threads=1)
-
-
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[dict]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import hf_greedy, random_prompts
-from test_tp_server import _alive, _live_server_helpers, _wait_for
+from test_tp_lifecycle import _run
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("pp_scenarios.py")
@@ -24,19 +24,9 @@ MAX_NEW = 6  # pp_scenarios.MAX_NEW
 
 
 def scenario(name: str, model: str, prompts: list[list[int]], *args: int, timeout: float = 300) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PAGEDLLM_TP_TIMEOUT="60", PAGEDLLM_TP_STARTUP_TIMEOUT="120")
-    env.pop("PAGEDLLM_PORT", None)
-    proc = subprocess.Popen([sys.executable, str(SCENARIOS), name, model, json.dumps(prompts), *map(str, args)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"scenario {name} hung for {timeout} s:\n{err[-3000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario {name} failed ({proc.returncode}):\n{err[-4000:]}"
+    done = _run([str(SCENARIOS), name, model, json.dumps(prompts), *map(str, args)], timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"scenario {name} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -101,31 +91,6 @@ def test_tp2_across_two_launches(llama_dir, prompts, expected):
     assert "does not match the engine on node 0" in result["mismatch"]
     assert "tensor_parallel_size=1 here but 2 on node 0" in result["mismatch"]
     assert result["wrong_exit"] != 0 and "does not match" in result["wrong_stderr"]
-
-
-def test_dead_stage_fails_in_flight_request_and_health(llama_dir):
-    srv = _live_server_helpers().start_server(llama_dir, pipeline_parallel_size=2, num_threads=1, max_num_seqs=4)
-    engine = srv.engine.engine
-    pid = engine.executor.worker_pids()[0]
-    replies = []
-    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 100, "ignore_eos": True}
-    request = threading.Thread(target=lambda: replies.append(
-        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)))
-    try:
-        assert httpx.get(f"{srv.url}/health").status_code == 200
-        request.start()
-        _wait_for(lambda: engine.counters.generation_tokens >= 3, 60, "the request to decode")
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        request.join(15)
-        assert replies, "the in-flight request did not finish after the last stage died"
-        assert time.monotonic() - killed < 10
-        assert replies[0].status_code == 500 and "SIGKILL" in replies[0].json()["error"]["message"]
-        health = httpx.get(f"{srv.url}/health")
-        assert health.status_code == 503 and "worker rank 1" in health.json()["error"]["message"]
-    finally:
-        srv.stop()
-    assert not _alive(pid)
 
 
 def test_a_node_that_never_joins_is_named_with_its_command(llama_dir, monkeypatch):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,8 +49,10 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def test_dead_worker_fails_in_flight_request_and_health(llama_dir):
-    srv = _live_server_helpers().start_server(llama_dir, tensor_parallel_size=2, num_threads=1, max_num_seqs=4)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_dead_worker_fails_in_flight_request_and_health(llama_dir, layout):
+    """Rank 1 (TP: the other shard; PP: the last stage) killed mid-request."""
+    srv = _live_server_helpers().start_server(llama_dir, num_threads=1, max_num_seqs=4, **layout)
     engine = srv.engine.engine
     pid = engine.executor.worker_pids()[0]
     replies = []
@@ -63,7 +66,7 @@ def test_dead_worker_fails_in_flight_request_and_health(llama_dir):
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         request.join(15)
-        assert replies, "the in-flight request did not finish after its worker died"
+        assert replies, "the in-flight request did not finish after rank 1 died"
         assert time.monotonic() - killed < 10
         assert replies[0].status_code == 500 and "SIGKILL" in replies[0].json()["error"]["message"]
         health = httpx.get(f"{srv.url}/health")
