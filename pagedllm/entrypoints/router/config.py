@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pagedllm.config import ALLOWED_BLOCK_SIZES
+from pagedllm.config import check_block_size
 
 # prefix: longest cached prefix, balanced against load; least_loaded: fewest requests in flight;
 # round_robin: in turn (the baseline the prefix policy is measured against)
@@ -48,9 +48,7 @@ class RouterConfig:
         if self.policy == "prefix" and not self.tokenizer:
             raise ValueError("routing_policy='prefix' needs the replicas' tokenizer (--tokenizer or --model) to hash "
                              "prompts as they do; use --routing-policy least_loaded or round_robin without one")
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(f"block_size={self.block_size!r} is invalid: must be one of {ALLOWED_BLOCK_SIZES} "
-                             "(the replicas' --block-size)")
+        check_block_size(self.block_size)  # the replicas' --block-size: the engine's own rule
         _check_int("prefix_table_size", self.prefix_table_size, 1)
         _check_int("balance_threshold", self.balance_threshold, 0)
         for name in ("health_check_interval", "startup_timeout", "request_timeout"):
