@@ -1,6 +1,7 @@
 """The router's options, validated once."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -51,8 +52,21 @@ class RouterConfig:
         check_block_size(self.block_size)  # the replicas' --block-size: the engine's own rule
         _check_int("prefix_table_size", self.prefix_table_size, 1)
         _check_int("balance_threshold", self.balance_threshold, 0)
+        self._check_prefix_only_options()
         for name in ("health_check_interval", "startup_timeout", "request_timeout"):
             _check_seconds(name, getattr(self, name))
+
+
+    def _check_prefix_only_options(self) -> None:
+        """The prefix table and its load balance exist only under the prefix policy: set with
+        another policy they would be accepted and ignored."""
+        if self.policy == "prefix":
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("prefix_table_size", "balance_threshold"):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} applies only to routing_policy='prefix', not "
+                                 f"{self.policy!r}; leave it unset")
 
 
 def check_backend_url(url: str) -> str:
