@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 
 import torch
@@ -99,6 +100,26 @@ def iterate_safetensors(model_dir: str):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def checkpoint_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes the checkpoint's tensors take once loaded: floating tensors in ``dtype``, others
+    (packed quantized codes, indices) as stored. Reads the safetensors headers only."""
+    total = 0
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                stored = _SAFETENSORS_DTYPES[tensor.get_dtype()]
+                itemsize = dtype.itemsize if stored.is_floating_point else stored.itemsize
+                total += math.prod(tensor.get_shape()) * itemsize
+    return total
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:

@@ -278,3 +278,29 @@ def test_speculative_sampling_matches_the_targets_distribution(small_vocab_dirs)
     m = _spec_metrics(llm)
     assert m["num_draft_tokens"] >= len(outs) and 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_draft_model_kv_pool_is_counted_in_the_kv_budget(llama_dir, draft_dir):
+    """The draft holds as many blocks as the target: with the same KV memory, a draft of the
+    target's shape halves the target's blocks (both pools together fit the budget)."""
+    plain = LLM(llama_dir, kv_cache_memory="1MiB", block_size=16, max_model_len=256)
+    spec = LLM(llama_dir, kv_cache_memory="1MiB", block_size=16, max_model_len=256,
+               speculative_config={"model": draft_dir, "num_speculative_tokens": 2})
+    # tiny llama: 512 bytes/token (test_api.py); the draft has the same shape
+    assert plain.get_kv_cache_stats().num_blocks == 1024 * 1024 // (512 * 16)
+    assert spec.get_kv_cache_stats().num_blocks == 1024 * 1024 // (2 * 512 * 16)
+    _generate(spec, prompts=PROMPTS[:2])
+    _assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_weights_are_counted_from_the_checkpoint(llama_dir, dtype):
+    """draft_memory's weight bytes are the checkpoint's parameters in the draft's dtype."""
+    import transformers as tf
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.spec_decode.memory import draft_memory
+    config = EngineArgs(llama_dir, dtype=dtype, speculative_config={"model": llama_dir, "num_speculative_tokens": 2}
+                        ).create_engine_config()
+    hf = tf.AutoModelForCausalLM.from_pretrained(llama_dir)
+    assert draft_memory(config).weight_bytes == hf.num_parameters() * dtype.itemsize

@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache import sizing
 from pagedllm.platform import available_ram, peak_rss, physical_cores
+from pagedllm.spec_decode.memory import draft_memory
 from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -122,12 +123,18 @@ class Executor(ABC):
     # ------------------------------------------------------------------ sizing
     def _size_cache(self) -> sizing.KVCacheSize:
         cache, sched = self.config.cache, self.config.scheduler
-        nbytes = self.runner.block_bytes()
+        draft = draft_memory(self.config)
+        # a draft model's pool has as many blocks as the target's: each block costs both
+        nbytes = self.runner.block_bytes() + draft.block_bytes
         budget = None
-        if not cache.num_gpu_blocks_override:
-            budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else self._profiled_budget()
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif not cache.num_gpu_blocks_override:
+            # the draft loads after this measurement: its weights come out of what is left
+            budget = max(0, self._profiled_budget() - draft.weight_bytes)
         size = sizing.plan_cache(cache, sched, nbytes, budget)
-        logger.info(sizing.describe(size.num_blocks, nbytes, cache.block_size, sched.max_model_len))
+        logger.info(sizing.describe(size.num_blocks, nbytes, cache.block_size, sched.max_model_len)
+                    + (" (target and draft KV)" if draft.block_bytes else ""))
         return size
 
     def _profiled_budget(self) -> int:
