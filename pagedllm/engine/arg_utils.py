@@ -258,9 +258,6 @@ class EngineArgs:
                              f"{self.pipeline_parallel_size}; speculative decoding needs pipeline_parallel_size=1")
         if spec is None or spec.method != "draft_model":
             return spec
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config.model (a draft model) cannot be combined with tensor_parallel_size="
-                             f"{self.tensor_parallel_size}; use method='ngram' or one rank")
         args = dataclasses.replace(self, model=spec.model, tokenizer=None, quantization=None,
                                    max_model_len=target.max_model_len, speculative_config=None)
         try:

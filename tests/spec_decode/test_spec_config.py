@@ -78,9 +78,3 @@ def test_beam_search_is_refused_with_speculation(llama_dir):
     llm = LLM(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config"):
         llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=4))
-
-
-def test_draft_model_with_tensor_parallelism_is_refused(llama_dir):
-    with pytest.raises(ValueError, match="speculative_config.model.*tensor_parallel_size=2"):
-        EngineArgs(model=llama_dir, tensor_parallel_size=2,
-                   speculative_config={"model": llama_dir, "num_speculative_tokens": 2}).create_engine_config()
