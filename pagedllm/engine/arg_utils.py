@@ -252,10 +252,6 @@ class EngineArgs:
     def _speculative_config(self, device: torch.device, target: ModelConfig) -> SpeculativeConfig | None:
         """Parsed and checked; a draft model is resolved like the target (same dtype, context)."""
         spec = parse_speculative_config(self.speculative_config)
-        if spec is not None and self.pipeline_parallel_size > 1:
-            # the pipeline reassembles sampling and prompt-logprob rows only, not verify rows
-            raise ValueError(f"speculative_config cannot be combined with pipeline_parallel_size="
-                             f"{self.pipeline_parallel_size}; speculative decoding needs pipeline_parallel_size=1")
         if spec is None or spec.method != "draft_model":
             return spec
         args = dataclasses.replace(self, model=spec.model, tokenizer=None, quantization=None,

@@ -91,10 +91,14 @@ class StagePipeline:
         return [(self.pp.send_logits(logits), logits)]
 
     def _collect(self, batches: list[SchedulerOutput]) -> torch.Tensor:
-        samples, prompt_rows = [], []
+        """The micro-batches' logits in one forward's row order: every sampling row, then every
+        prompt-logprob row, then every speculative verify row (each micro-batch sends its own
+        rows in that order)."""
+        kinds = ([], [], [])  # sampling, prompt-logprob, verify rows
         for batch in batches:
-            rows = batch.num_sample_rows + sum(c.num_prompt_logprob_rows for c in batch.chunks)
-            logits = self.pp.recv_logits(torch.empty(rows, self.vocab_size, dtype=self.dtype, device=self.device))
-            samples.append(logits[:batch.num_sample_rows])
-            prompt_rows.append(logits[batch.num_sample_rows:])
-        return torch.cat(samples + prompt_rows)
+            counts = (batch.num_sample_rows, batch.num_prompt_logprob_rows, batch.num_verify_rows)
+            logits = self.pp.recv_logits(torch.empty(sum(counts), self.vocab_size, dtype=self.dtype,
+                                                     device=self.device))
+            for rows, part in zip(kinds, logits.split(counts), strict=True):
+                rows.append(part)
+        return torch.cat([part for rows in kinds for part in rows])

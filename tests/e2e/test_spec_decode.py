@@ -153,10 +153,12 @@ def test_structured_outputs_and_forks_beside_speculation(llama_dir, reference):
     _assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 @pytest.mark.parametrize("name", ["ngram", "draft"])
-def test_tensor_parallelism(llama_dir, draft_dir, reference, name):
-    """The target's verify forward runs on both ranks; a draft model runs on rank 0 alone."""
-    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=400, tensor_parallel_size=2, num_threads=1,
+def test_model_parallelism(llama_dir, draft_dir, reference, name, layout):
+    """The target's verify forward runs on every rank (under PP its micro-batches' verify rows
+    come back after their sampling rows); a draft model runs on rank 0 alone."""
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=400, num_threads=1, **layout,
               speculative_config=_configs(llama_dir, draft_dir)[name])
     try:
         assert _tokens(_generate(llm)) == reference

@@ -139,8 +139,6 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
     ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
     ({"kv_offload_cpu_gb": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-    ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}', "pipeline_parallel_size": 2},
-     "pipeline_parallel_size=2"),
     ({"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "kv_offload_dir": "/tmp/x"}, "calculate_kv_scales"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
