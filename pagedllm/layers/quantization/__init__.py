@@ -14,8 +14,8 @@ Read from a pre-quantized checkpoint (detected from ``quantization_config`` in c
     fp8                 FP8 e4m3 weights, per-tensor or block-wise scales, static or dynamic
                         FP8 activations (fp8.py)
 
-Not here yet: GPU dequant-in-GEMM kernels for 4/8-bit codes (on a GPU the weight is
-dequantized per call).
+On CUDA the group-wise 4/8-bit layout runs the Triton dequant-in-GEMM
+(``layers/triton_ops/grouped_gemm.py``), int8 its own Triton GEMM, FP8 ``torch._scaled_mm``.
 """
 from __future__ import annotations
 
