@@ -48,11 +48,15 @@ def _grouped_gemm_specs(dt: str):
     signature = dict(x_ptr=f"*{dt}", q_ptr="*u8", scale_ptr="*fp32", szero_ptr="*fp32", bias_ptr=f"*{dt}",
                      y_ptr=f"*{dt}", M="i32", N="i32", K="i32", G="i32", group="i32", x_stride="i32",
                      q_stride="i32", y_stride="i32")
-    return [(grouped_gemm._grouped_gemm_kernel, signature,
-             dict(BITS=bits, ONE_GROUP=one_group, HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), warps)
-            for bits in (4, 8) for bm, bn, bk, warps in (grouped_gemm.tiles(1), grouped_gemm.tiles(4096))
-            for one_group in (True, False)]
+    specs = [(grouped_gemm._grouped_gemm_kernel, signature,
+              dict(BITS=bits, ONE_GROUP=one_group, HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), warps)
+             for bits in (4, 8) for bm, bn, bk, warps in (grouped_gemm.tiles(1), grouped_gemm.tiles(4096))
+             for one_group in (True, False)]
+    # batch-1 decode of a channel-wise layer: the JIT compiles runtime ints equal to 1 (M, G) in
+    # as constants, a variant of its own
+    kernel, _, constexprs, warps = specs[0]
+    return [*specs, (kernel, signature, {**constexprs, "M": 1, "G": 1}, warps)]
 
 
 def compile_all(arch: int) -> list[str]:
