@@ -15,7 +15,9 @@ of ``k_proj`` / ``v_proj`` instead (``k_proj.output_scale``, renamed by vLLM's `
 """
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,34 @@ def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_model
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
+    """A kv_cache_scheme and no config_groups: only the KV cache is quantized."""
+    dst = tmp_path / "kv_only"
+    shutil.copytree(llama_dir, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for i, (k, v) in enumerate(zip(K_SCALES, V_SCALES)):
+        state[f"model.layers.{i}.self_attn.k_scale"], state[f"model.layers.{i}.self_attn.v_scale"] = (
+            torch.tensor([k]), torch.tensor([v]))
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": KV_CACHE_SCHEME, "ignore": []}
+    (dst / "config.json").write_text(json.dumps(config))
+    llm = _llm(str(dst), kv_cache_dtype="fp8")
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))
+    hf = fp8_kv_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, K_SCALES, V_SCALES)
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    config["quantization_config"]["kv_cache_scheme"] = {**KV_CACHE_SCHEME, "num_bits": 4}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"kv_cache_scheme\.num_bits=4"):
+        _llm(str(dst), kv_cache_dtype="fp8")
+
+
 def test_auto_cache_dtype_keeps_the_model_dtype_as_vllm_does(model_dirs, hf_models, tmp_path):
     """vLLM resolves kv_cache_dtype="auto" to fp8 only for ModelOpt checkpoints; for this one it
     keeps the model's dtype and leaves the scales unused: so do we (the float run, exactly)."""
@@ -127,3 +157,14 @@ def test_other_kv_cache_schemes_are_refused_naming_the_field(field, value):
             CompressedTensorsMethod.from_config(cfg)
     else:
         assert CompressedTensorsMethod.from_config(cfg).bits == 4
+
+
+def test_kv_cache_scheme_beside_fp8_weights_is_read():
+    """llm-compressor's usual FP8 recipe: float-quantized weights and activations plus the KV scheme."""
+    scheme = {"targets": ["Linear"], "format": "float-quantized",
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                    "dynamic": True}}
+    method = CompressedTensorsMethod.from_config({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                                  "kv_cache_scheme": KV_CACHE_SCHEME, "config_groups": {"g": scheme}})
+    assert method.name == "fp8"

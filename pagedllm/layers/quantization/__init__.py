@@ -58,7 +58,8 @@ def _quant_config(hf_config) -> dict | None:
 
 
 def checkpoint_method_name(hf_config) -> str | None:
-    """The checkpoint's ``quantization_config.quant_method`` (normalized), None if unquantized;
+    """The checkpoint's ``quantization_config.quant_method`` (normalized), None if its weights are
+    not quantized (none of it is, or only its KV cache: the attention layers read those scales);
     refuses methods that are not supported."""
     cfg = _quant_config(hf_config)
     if cfg is None:
@@ -67,6 +68,8 @@ def checkpoint_method_name(hf_config) -> str | None:
     if name not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config.quant_method={cfg.get('quant_method')!r} is not supported; "
                          f"allowed: {tuple(CHECKPOINT_METHODS)}")
+    if name == "compressed-tensors" and CompressedTensorsMethod.kv_cache_only(cfg):
+        return None
     return name
 
 

@@ -28,9 +28,11 @@ with one scale per attention layer for its keys and one for its values, ``k = fp
 registers them on the attention module (``initialize_attn_qparams``: ``self_attn.k_scale`` /
 ``v_scale``, shape ``[1]``); older releases quantized the outputs of ``k_proj`` / ``v_proj``
 (``self_attn.k_proj.output_scale``), which ``kv_quant.checkpoint_scale_name`` renames as vLLM's
-``get_cache_scale`` does. As in vLLM the scales take effect with ``kv_cache_dtype="fp8"``; the
-default "auto" keeps the model's dtype for the cache and leaves them unused. Any other KV scheme
-(integer, other widths, per-head or per-token, asymmetric, dynamic) is refused.
+``get_cache_scale`` does. A checkpoint with a ``kv_cache_scheme`` and no ``config_groups`` has
+float weights (:meth:`CompressedTensorsMethod.kv_cache_only`). As in vLLM the scales take
+effect with ``kv_cache_dtype="fp8"``; the default "auto" keeps the model's dtype for the cache
+and leaves them unused. Any other KV scheme (integer, other widths, per-head or per-token,
+asymmetric, dynamic) is refused.
 """
 from __future__ import annotations
 
@@ -88,6 +90,16 @@ class CompressedTensorsMethod(CheckpointMethod):
         require(scheme.get("input_activations") is None, "input_activations", scheme.get("input_activations"),
                 "null (weight-only integer schemes: W4A16, W8A16)")
         return cls._from_weights(scheme.get("weights") or {}, packed=fmt == "pack-quantized")
+
+    @staticmethod
+    def kv_cache_only(cfg: dict) -> bool:
+        """Whether only the KV cache is quantized (a ``kv_cache_scheme``, no ``config_groups``): the
+        weights are float, and the attention layers read the K/V scales."""
+        if cfg.get("config_groups") or cfg.get("kv_cache_scheme") is None:
+            return False
+        check_kv_cache_scheme(cfg["kv_cache_scheme"])
+        require(not cfg.get("sparsity_config"), "sparsity_config", cfg.get("sparsity_config"), "empty")
+        return True
 
     @classmethod
     def _from_weights(cls, w: dict, packed: bool) -> CompressedTensorsMethod:
