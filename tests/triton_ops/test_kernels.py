@@ -84,7 +84,7 @@ def test_int8_gemm(device, dtype, rows, with_bias):
 # group -> K: each with a partial last K tile under the decode (128) or prefill (64) tile; groups
 # 32 and 64 put several groups in one K tile, 128 and channel-wise (-1) one group per tile
 GROUPED_K = {32: 160, 64: 192, 128: 384, -1: 200}
-GROUPED_N = 72  # a partial N tile (64-wide under the decode tile)
+GROUPED_N = 72  # a partial last N tile under both tiles (32 and 128 wide)
 
 
 def _grouped_layout(bits: int, group: int, n: int, k: int, seed: int):

@@ -70,10 +70,11 @@ DECODE_MAX_M = 16  # up to this many rows: the decode tiles
 
 def tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Decode batches read every weight once and are
-    bandwidth bound: one 16-row M tile (``tl.dot``'s smallest) and narrow N tiles spread the
-    weight over many programs; prefill gets the usual square-ish GEMM tiles."""
+    bandwidth bound: one 16-row M tile (``tl.dot``'s smallest) and narrow N tiles (int8_gemm's
+    decode tile) spread the weight over many programs; prefill gets the usual square-ish GEMM
+    tiles. Not tuned on a GPU yet."""
     if m <= DECODE_MAX_M:
-        return 16, 64, 128, 4
+        return 16, 32, 128, 4
     return 64, 128, 64, 8
 
 
