@@ -12,7 +12,9 @@ when it reads (the C kernel in registers, the torch and Triton kernels with a ca
 are tensors, read by pointer, so CUDA graphs captured before they change stay right.
 
 Where the scales come from: the checkpoint (``model.layers.N.self_attn.k_scale`` / ``v_scale``,
-as vLLM, AutoFP8 and llm-compressor write them), else 1.0, or, with ``calculate_kv_scales``,
+as vLLM, AutoFP8 and llm-compressor write them; older llm-compressor releases wrote
+``self_attn.k_proj.output_scale`` / ``v_proj.output_scale``, renamed by
+:func:`checkpoint_scale_name`), else 1.0, or, with ``calculate_kv_scales``,
 from the first real batch as vLLM does: ``k_scale = max|k| / 200``, ``v_scale = max|v| / 100``
 (vLLM's K_SCALE_CONSTANT / V_SCALE_CONSTANT), per layer and rank, once. The profiling forward and
 CUDA-graph capture run on dummy tokens and do not count (``calibration_paused``).
@@ -49,6 +51,19 @@ def add_scales(attn: nn.Module) -> None:
         param.optional_in_checkpoint = True
         attn.register_parameter(name, param)
     attn.calibrate_kv_scales = False
+
+
+# older llm-compressor's names for the K/V scales -> the attention layer's (vLLM's get_cache_scale)
+_LEGACY_SCALE_NAMES = {".self_attn.k_proj.output_scale": ".self_attn.k_scale",
+                       ".self_attn.v_proj.output_scale": ".self_attn.v_scale"}
+
+
+def checkpoint_scale_name(name: str) -> str:
+    """The attention layer's name for a checkpoint's K/V scale tensor (other names unchanged)."""
+    for legacy, current in _LEGACY_SCALE_NAMES.items():
+        if name.endswith(legacy):
+            return name[: -len(legacy)] + current
+    return name
 
 
 def _load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedllm.attention import kv_quant
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineStage
 from pagedllm.layers import quantization
@@ -141,6 +142,7 @@ def _load_tensors(model: nn.Module, model_dir: str) -> None:
     for name, tensor in iterate_safetensors(model_dir):
         if "rotary_emb.inv_freq" in name:
             continue
+        name = kv_quant.checkpoint_scale_name(name)  # (older llm-compressor K/V scale names)
         for target, part, shard in model.checkpoint_weights(name, tensor):  # split / renamed per family
             target = model.stage_weight_name(target)  # pipeline parallelism: another stage's, or renamed
             if target is None:

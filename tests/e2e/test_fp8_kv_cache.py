@@ -207,16 +207,3 @@ def test_saturating_write_never_stores_nan():
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         stored = kv_quant.to_cache_dtype(x, dtype).float()
         assert torch.equal(stored, torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max, 3.0]))
-
-
-def test_config_json_kv_scheme_is_refused_until_read(llama_dir, tmp_path):
-    """compressed-tensors' kv_cache_scheme is not read yet: refused, not ignored."""
-    dst = tmp_path / "ct"
-    shutil.copytree(llama_dir, dst)
-    cfg = json.loads((Path(dst) / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                  "kv_cache_scheme": {"num_bits": 8, "type": "float"}, "config_groups": {
-                                      "g": {"targets": ["Linear"], "format": "float-quantized"}}}
-    (Path(dst) / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="kv_cache_scheme"):
-        _llm(str(dst), kv_cache_dtype="fp8")

@@ -192,6 +192,24 @@ def test_tensor_parallel_shards_codes_scales_and_zeros(case_id, model_dirs, hf_m
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case_id", ["gptq-v1-w4-g32-act_order", "ct-packed-w8a16-channel", "awq-w4-g32"])
+def test_checkpoint_on_cuda_takes_the_triton_gemm(case_id, model_dirs, hf_models, tmp_path, monkeypatch):
+    """On a GPU every projection is the Triton dequant-in-GEMM (float32 model: IEEE dots), and
+    the outputs are transformers' on the dequantized weights as on the CPU."""
+    from pagedllm.layers.triton_ops import grouped_gemm
+    calls = []
+    kernel = grouped_gemm.grouped_gemm
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm", lambda *a: calls.append(a[-1]) or kernel(*a))
+    case = CASES[case_id]
+    path, reference = write_checkpoint(model_dirs[case[0]], tmp_path / case_id, case, hf_models[case[0]])
+    llm = LLM(path, device="cuda", dtype="float32", block_size=16, num_gpu_blocks_override=300, enforce_eager=True,
+              max_num_batched_tokens=32)
+    check_against_reference(llm, reference)
+    assert calls and set(calls) == {case[1]}
+
+
 # --- our own int4 ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

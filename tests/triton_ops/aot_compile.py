@@ -11,7 +11,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
-from pagedllm.layers.triton_ops import activation, int8_gemm, norm, rotary, sampling
+from pagedllm.attention.triton.aot import MAX_SHARED_MEMORY
+from pagedllm.layers.triton_ops import activation, grouped_gemm, int8_gemm, norm, rotary, sampling
 
 
 def _specs(dt: str):
@@ -37,19 +38,41 @@ def _specs(dt: str):
            dict(HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_K=bk), 4)
           for bm, bn, bk in (int8_gemm._tiles(1), int8_gemm._tiles(4096))],  # decode and prefill tiles
+        *_grouped_gemm_specs(dt),
     ]
+
+
+def _grouped_gemm_specs(dt: str):
+    """The 4/8-bit GEMM: both code widths, decode and prefill tiles, one group per K tile (group
+    >= tile, channel-wise) and several (group 32 under the 64-wide prefill tile)."""
+    signature = dict(x_ptr=f"*{dt}", q_ptr="*u8", scale_ptr="*fp32", szero_ptr="*fp32", bias_ptr=f"*{dt}",
+                     y_ptr=f"*{dt}", M="i32", N="i32", K="i32", G="i32", group="i32", x_stride="i32",
+                     q_stride="i32", y_stride="i32")
+    specs = [(grouped_gemm._grouped_gemm_kernel, signature,
+              dict(BITS=bits, ONE_GROUP=one_group, HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), warps)
+             for bits in (4, 8) for bm, bn, bk, warps in (grouped_gemm.tiles(1), grouped_gemm.tiles(4096))
+             for one_group in (True, False)]
+    # batch-1 decode of a channel-wise layer: the JIT compiles runtime ints equal to 1 (M, G) in
+    # as constants, a variant of its own
+    kernel, _, constexprs, warps = specs[0]
+    return [*specs, (kernel, signature, {**constexprs, "M": 1, "G": 1}, warps)]
 
 
 def compile_all(arch: int) -> list[str]:
     """bfloat16 (the GPU dtype) for every kernel and GEMM tile shape, and on sm_90 also the
-    float32 GEMM (IEEE dot); float16 compiles like bfloat16, left out to keep the test short."""
+    float32 GEMMs' prefill tiles (IEEE dot); float16 compiles like bfloat16, left out to keep the
+    test short."""
     done = []
-    for dt, specs in (("bf16", _specs("bf16")), ("fp32", _specs("fp32")[-1:] if arch >= 90 else [])):
+    fp32 = [spec for spec in _specs("fp32") if spec[2].get("BLOCK_M") == 64] if arch >= 90 else []
+    for dt, specs in (("bf16", _specs("bf16")), ("fp32", fp32)):
         for kernel, signature, constexprs, num_warps in specs:
             signature = {**signature, **{name: "constexpr" for name in constexprs}}
             src = ASTSource(kernel, signature=signature, constexprs=constexprs)
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
             assert compiled.asm["cubin"], f"{kernel.__name__} produced no cubin"
+            shared = compiled.metadata.shared  # (a launch over the limit fails only on the GPU)
+            assert shared <= MAX_SHARED_MEMORY[arch], f"{kernel.__name__} {constexprs}: {shared} bytes shared"
             done.append(f"sm_{arch} {dt} {kernel.__name__}")
     return done
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from triton_devices import DEVICES
 
-from pagedllm.layers.quantization import quantize_int8
-from pagedllm.layers.triton_ops import activation, int8_gemm, norm, rotary, sampling
+from pagedllm.layers.quantization import grouped, quantize_int8
+from pagedllm.layers.triton_ops import activation, grouped_gemm, int8_gemm, norm, rotary, sampling
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # one rounding of the result in the dtype (plus float32 reduction-order noise)
@@ -81,6 +81,76 @@ def test_int8_gemm(device, dtype, rows, with_bias):
     torch.testing.assert_close(out, ref, **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOL[dtype]))
 
 
+# group -> K: each with a partial last K tile under the decode (128) or prefill (64) tile; groups
+# 32 and 64 put several groups in one K tile, 128 and channel-wise (-1) one group per tile
+GROUPED_K = {32: 160, 64: 192, 128: 384, -1: 200}
+GROUPED_N = 72  # a partial last N tile under both tiles (32 and 128 wide)
+
+
+def _grouped_layout(bits: int, group: int, n: int, k: int, seed: int):
+    """Random codes, scales and zero points in the runtime layout: (q, scale, szero, group)."""
+    g = torch.Generator().manual_seed(seed)
+    group = k if group == -1 else group
+    codes = torch.randint(0, 2**bits, (n, k), generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.002
+    zero = torch.randint(0, 2**bits, (n, k // group), generator=g).float()
+    return grouped.pack_codes(codes, bits), scale, (zero * scale).contiguous(), group
+
+
+def _close_to_float64(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: reduction-order noise; float16: the weight widened to float16 before the dot
+    (2^-11 relative per weight) and the result rounded once, both relative to the output's size."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+@pytest.mark.parametrize("rows", [1, 3, 17])  # decode tiles (1, 3) and the prefill tile (17)
+@pytest.mark.parametrize("group", list(GROUPED_K), ids=lambda g: "channel" if g == -1 else f"g{g}")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_gemm_equals_dequantize_then_matmul_in_float64(device, bits, group, rows, dtype):
+    k = GROUPED_K[group]
+    q, scale, szero, group = _grouped_layout(bits, group, GROUPED_N, k, seed=bits * 1000 + k + rows)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=g).to(dtype), torch.randn(GROUPED_N, generator=g).to(dtype)
+    ref = x.double() @ grouped.dequantize(q, scale, szero, group, bits, torch.float64).T + bias.double()
+    out = grouped_gemm.grouped_gemm(*(t.to(device) for t in (x, q, scale, szero, bias)), group, bits)
+    assert out.dtype == dtype and out.shape == (rows, GROUPED_N)
+    _close_to_float64(out.cpu(), ref, dtype)
+    no_bias = grouped_gemm.grouped_gemm(*(t.to(device) for t in (x, q, scale, szero)), None, group, bits)
+    _close_to_float64(no_bias.cpu(), ref - bias.double(), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_gemm_with_act_order_gathers_the_activations(device, bits, rows):
+    """A desc_act layer (g_idx a permutation of the input columns): ``install`` sorts the columns
+    by group, the activations are gathered with ``act_perm``; the product equals the checkpoint's
+    own W (codes and groups in the original column order) in float64."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    out_features, in_features, group = 40, 128, 32
+    g = torch.Generator().manual_seed(bits + rows)
+    codes = torch.randint(0, 2**bits, (out_features, in_features), generator=g)
+    scale = torch.rand(out_features, in_features // group, generator=g) * 0.02 + 0.002
+    zero = torch.randint(0, 2**bits, scale.shape, generator=g).float()
+    g_idx = (torch.randperm(in_features, generator=g) // group).int()  # every group 32 columns, shuffled
+    layer = ReplicatedLinear(in_features, out_features, bias=False)
+    grouped.install(layer, codes, scale, zero, g_idx, bits)
+    assert layer.act_perm is not None
+    x = torch.randn(rows, in_features, generator=g)
+    want = x.double() @ ((codes.double() - zero.double()[:, g_idx.long()]) * scale.double()[:, g_idx.long()]).T
+    if device == "cuda":  # the layer's own forward: grouped_linear takes the Triton GEMM on CUDA
+        out = grouped.grouped_linear(layer.cuda(), x.cuda()).cpu()
+    else:
+        out = grouped_gemm.grouped_gemm(x.index_select(-1, layer.act_perm), layer.weight, layer.weight_scale,
+                                        layer.weight_szero, None, layer.quant_group, bits)
+    _close_to_float64(out, want, torch.float32)
+
+
 def _filter_inputs(device, rows=6, vocab=300):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(rows, vocab, generator=g) * 3  # distinct values: no ties at a threshold
@@ -125,6 +195,6 @@ def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = proc.stdout.split("\n")
     for kernel in ("_add_rms_norm_kernel", "_rotary_neox_kernel", "_silu_and_mul_kernel",
-                   "_top_k_top_p_min_p_kernel", "_int8_gemm_kernel"):
+                   "_top_k_top_p_min_p_kernel", "_int8_gemm_kernel", "_grouped_gemm_kernel"):
         for arch in ("sm_80", "sm_90"):
             assert any(line.startswith(arch) and line.endswith(kernel) for line in compiled), (arch, kernel)

@@ -14,8 +14,8 @@ Read from a pre-quantized checkpoint (detected from ``quantization_config`` in c
     fp8                 FP8 e4m3 weights, per-tensor or block-wise scales, static or dynamic
                         FP8 activations (fp8.py)
 
-Not here yet: GPU dequant-in-GEMM kernels for 4/8-bit codes (on a GPU the weight is
-dequantized per call).
+On CUDA the group-wise 4/8-bit layout runs the Triton dequant-in-GEMM
+(``layers/triton_ops/grouped_gemm.py``), int8 its own Triton GEMM, FP8 ``torch._scaled_mm``.
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _quant_config(hf_config) -> dict | None:
 
 
 def checkpoint_method_name(hf_config) -> str | None:
-    """The checkpoint's ``quantization_config.quant_method`` (normalized), None if unquantized;
+    """The checkpoint's ``quantization_config.quant_method`` (normalized), None if its weights are
+    not quantized (none of it is, or only its KV cache: the attention layers read those scales);
     refuses methods that are not supported."""
     cfg = _quant_config(hf_config)
     if cfg is None:
@@ -67,6 +68,8 @@ def checkpoint_method_name(hf_config) -> str | None:
     if name not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config.quant_method={cfg.get('quant_method')!r} is not supported; "
                          f"allowed: {tuple(CHECKPOINT_METHODS)}")
+    if name == "compressed-tensors" and CompressedTensorsMethod.kv_cache_only(cfg):
+        return None
     return name
 
 

@@ -18,6 +18,21 @@ Per linear layer (compressed_tensors/compressors/pack_quantized/helpers.py, ``pa
 Signed codes and zero points are moved to unsigned by adding 2^(bits-1) to both, which leaves
 W unchanged. ``float-quantized`` (FP8 weights, FP8 or float activations) is read by ``fp8.py``;
 integer activation quantization and sparsity are refused.
+
+``kv_cache_scheme`` (llm-compressor's FP8 KV cache): static per-tensor symmetric float8,
+
+    {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": true, "dynamic": false, ...}
+
+with one scale per attention layer for its keys and one for its values, ``k = fp8(k / k_scale)``
+(after rotary) as the FP8 KV cache of ``attention/kv_quant.py`` stores them. compressed-tensors
+registers them on the attention module (``initialize_attn_qparams``: ``self_attn.k_scale`` /
+``v_scale``, shape ``[1]``); older releases quantized the outputs of ``k_proj`` / ``v_proj``
+(``self_attn.k_proj.output_scale``), which ``kv_quant.checkpoint_scale_name`` renames as vLLM's
+``get_cache_scale`` does. A checkpoint with a ``kv_cache_scheme`` and no ``config_groups`` has
+float weights (:meth:`CompressedTensorsMethod.kv_cache_only`). As in vLLM the scales take
+effect with ``kv_cache_dtype="fp8"``; the default "auto" keeps the model's dtype for the cache
+and leaves them unused. Any other KV scheme (integer, other widths, per-head or per-token,
+asymmetric, dynamic) is refused.
 """
 from __future__ import annotations
 
@@ -32,6 +47,23 @@ FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
 STRATEGIES = ("group", "channel")
 # modules outside pagedllm's quantized projections that a checkpoint may leave unquantized
 IGNORABLE = ("lm_head",)
+# the one kv_cache_scheme read (module docstring); a missing field takes compressed-tensors'
+# QuantizationArgs default (a missing strategy without groups resolves to "tensor" there)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
+                   "group_size": None}
+KV_CACHE_DEFAULTS = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False,
+                     "group_size": None}
+
+
+def check_kv_cache_scheme(scheme: dict | None) -> None:
+    """Refuses a ``kv_cache_scheme`` other than per-tensor FP8, naming the field."""
+    if scheme is None:
+        return
+    require(isinstance(scheme, dict), "kv_cache_scheme", scheme, "null or an FP8 per-tensor scheme")
+    for field, allowed in KV_CACHE_SCHEME.items():
+        value = scheme.get(field, KV_CACHE_DEFAULTS[field])
+        require(value == allowed, f"kv_cache_scheme.{field}", value,
+                f"{allowed!r} (only static per-tensor symmetric FP8 KV caches: {KV_CACHE_SCHEME})")
 
 
 class CompressedTensorsMethod(CheckpointMethod):
@@ -48,7 +80,7 @@ class CompressedTensorsMethod(CheckpointMethod):
         scheme = next(iter(groups.values()))
         fmt = scheme.get("format") or cfg.get("format")
         require(fmt in FORMATS, "format", fmt, f"one of {FORMATS}")
-        require(not cfg.get("kv_cache_scheme"), "kv_cache_scheme", cfg.get("kv_cache_scheme"), "null")
+        check_kv_cache_scheme(cfg.get("kv_cache_scheme"))
         require(not cfg.get("sparsity_config"), "sparsity_config", cfg.get("sparsity_config"), "empty")
         ignored = [m for m in cfg.get("ignore") or [] if m not in IGNORABLE]
         require(not ignored, "ignore", ignored, f"only {IGNORABLE} (every projection quantized)")
@@ -58,6 +90,16 @@ class CompressedTensorsMethod(CheckpointMethod):
         require(scheme.get("input_activations") is None, "input_activations", scheme.get("input_activations"),
                 "null (weight-only integer schemes: W4A16, W8A16)")
         return cls._from_weights(scheme.get("weights") or {}, packed=fmt == "pack-quantized")
+
+    @staticmethod
+    def kv_cache_only(cfg: dict) -> bool:
+        """Whether only the KV cache is quantized (a ``kv_cache_scheme``, no ``config_groups``): the
+        weights are float, and the attention layers read the K/V scales."""
+        if cfg.get("config_groups") or cfg.get("kv_cache_scheme") is None:
+            return False
+        check_kv_cache_scheme(cfg["kv_cache_scheme"])
+        require(not cfg.get("sparsity_config"), "sparsity_config", cfg.get("sparsity_config"), "empty")
+        return True
 
     @classmethod
     def _from_weights(cls, w: dict, packed: bool) -> CompressedTensorsMethod:

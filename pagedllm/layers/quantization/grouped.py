@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import scratch_buffer
 from pagedllm.native import bindings
 
@@ -108,7 +109,10 @@ def grouped_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
                    bias: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
     """The C kernel for small float32 CPU batches, else the weight widened (in C into a reused
-    buffer on the CPU, in torch elsewhere) for one GEMM."""
+    buffer on the CPU, in torch elsewhere) for one GEMM; on CUDA the Triton GEMM, which widens
+    the codes in registers (``layers/triton_ops/grouped_gemm.py``)."""
+    if x.device.type == "cuda" and triton_available():
+        return _triton_matmul(x, q, scale, szero, bias, group, bits)
     cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
     native = bindings.library() if cpu_f32 and bindings.is_available() else None
     if native is None:
@@ -124,3 +128,12 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
         native.dequantize_grouped(q, scale, szero, w, group, bits, torch.get_num_threads())
         y = torch.nn.functional.linear(x2, w, bias)
     return y.view(*lead, q.shape[0])
+
+
+def _triton_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
+                   bias: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
+    from pagedllm.layers.triton_ops.grouped_gemm import grouped_gemm
+    rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return grouped_gemm(rows, q, scale, szero, bias, group, bits).view(*x.shape[:-1], q.shape[0])  # [..., out]

@@ -8,6 +8,8 @@ the tests compare it with:
 - ``activation``: SiLU-and-mul of a fused gate/up projection
 - ``sampling``: per-row top-k / top-p / min-p filtering of the sampler's logits
 - ``int8_gemm``: weight-only int8 GEMM, weights widened and scaled in registers
+- ``grouped_gemm``: weight-only 4/8-bit group-wise GEMM (GPTQ/AWQ/compressed-tensors/int4 layout),
+  nibbles unpacked and group scales applied in registers
 
 Nothing here is imported unless a model is built for the Triton ops (``layers/ops.py``):
 Triton decides at decoration time whether a kernel is interpreted, and importing it is not

@@ -1,0 +1,170 @@
+"""compressed-tensors checkpoints with a ``kv_cache_scheme`` (llm-compressor's FP8 KV cache):
+the per-layer K/V scales read into the FP8 KV cache, against transformers running the same
+dequantized weights with K (after rotary) and V rounded to e4m3 at those scales.
+
+Not made by the tool: llm-compressor is not installed here, and compressed-tensors 0.20.1 (in
+/work/wt/quant-venv) attaches its KV-cache hooks only to attention modules whose ``forward``
+takes ``past_key_value(s)`` (``is_cached_attention_module``); transformers 5's attention takes
+``cache``, so ``apply_quantization_config`` silently skips the KV scheme. The checkpoint is
+written to the format as that source defines it: the ``kv_cache_scheme`` below is what
+``QuantizationConfig(kv_cache_scheme=QuantizationArgs(num_bits=8, type="float",
+strategy="tensor", dynamic=False, symmetric=True)).model_dump(mode="json")`` serializes, and
+``initialize_qparams(attn, "k"/"v", ...)`` registers ``<attention>.k_scale`` / ``v_scale`` of
+shape ``[1]`` (per-tensor strategy) in the model's dtype; older releases quantized the outputs
+of ``k_proj`` / ``v_proj`` instead (``k_proj.output_scale``, renamed by vLLM's ``get_cache_scale``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+from safetensors.torch import load_file, save_file
+from test_quantized_checkpoints import CASES, PROMPTS, check_against_reference, write_checkpoint
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMethod
+
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
+                   "dynamic": False}  # as compressed-tensors 0.20.1 serializes it
+K_SCALES, V_SCALES = [0.03, 0.05], [0.02, 0.04]  # per layer (a misplaced scale changes the tokens)
+SCALE_NAMES = {"current": "model.layers.{i}.self_attn.{kv}_scale",
+               "legacy": "model.layers.{i}.self_attn.{kv}_proj.output_scale"}
+MAX_NEW = 8
+
+
+def write_kv_checkpoint(model_dirs, hf_models, dst: Path, naming: str = "current"):
+    """A W4A16 compressed-tensors checkpoint plus the FP8 kv_cache_scheme and per-layer scales;
+    returns its path and transformers' model on the dequantized weights."""
+    case = CASES["ct-packed-w4a16-g64-asym"]
+    path, reference = write_checkpoint(model_dirs[case[0]], dst, case, hf_models[case[0]])
+    state = load_file(str(dst / "model.safetensors"))
+    for i, (k, v) in enumerate(zip(K_SCALES, V_SCALES)):
+        state[SCALE_NAMES[naming].format(i=i, kv="k")] = torch.tensor([k])
+        state[SCALE_NAMES[naming].format(i=i, kv="v")] = torch.tensor([v])
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = KV_CACHE_SCHEME
+    (dst / "config.json").write_text(json.dumps(config))
+    return path, reference
+
+
+def fp8_kv_transformers(hf, monkeypatch, k_scales: list[float], v_scales: list[float]):
+    """``hf`` (a Llama) with each layer's K rounded to e4m3 after rotary and V after v_proj, at
+    that layer's scales, saturating: the K/V the cache holds, written out independently."""
+    from transformers.models.llama import modeling_llama
+    limit, current = torch.finfo(torch.float8_e4m3fn).max, {}
+
+    def rounded(x, scale):
+        return (x / scale).clamp(-limit, limit).to(torch.float8_e4m3fn).float() * scale
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rotary_then_round(q, k, cos, sin, *args, **kwargs):
+        q, k = rotary(q, k, cos, sin, *args, **kwargs)
+        return q, rounded(k, current["k_scale"])
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary_then_round)
+    for layer, k_scale, v_scale in zip(hf.model.layers, k_scales, v_scales):
+        layer.self_attn.register_forward_pre_hook(lambda m, a, s=k_scale: current.__setitem__("k_scale", s))
+        layer.self_attn.v_proj.register_forward_hook(lambda m, a, out, s=v_scale: rounded(out, s))
+    return hf
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(path, block_size=8, num_gpu_blocks_override=200, max_num_batched_tokens=32, **kwargs)
+
+
+def _attention_scales(llm: LLM) -> tuple[list[float], list[float]]:
+    layers = [layer.self_attn for layer in llm.llm_engine.executor.runner.model.model.layers]
+    return [float(a.k_scale) for a in layers], [float(a.v_scale) for a in layers]
+
+
+@pytest.mark.parametrize("naming", list(SCALE_NAMES))
+def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_models, tmp_path, monkeypatch):
+    path, reference = write_kv_checkpoint(model_dirs, hf_models, tmp_path / naming, naming)
+    llm = _llm(path, kv_cache_dtype="fp8")
+    assert llm.llm_engine.executor.runner.cache.kv.dtype == torch.float8_e4m3fn
+    assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))  # read, not 1.0
+    hf = fp8_kv_transformers(reference, monkeypatch, K_SCALES, V_SCALES)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    for prompt, out in list(zip(PROMPTS, outs))[:4]:
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + gen])).logits[0]
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
+    """A kv_cache_scheme and no config_groups: only the KV cache is quantized."""
+    dst = tmp_path / "kv_only"
+    shutil.copytree(llama_dir, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for i, (k, v) in enumerate(zip(K_SCALES, V_SCALES)):
+        state[f"model.layers.{i}.self_attn.k_scale"], state[f"model.layers.{i}.self_attn.v_scale"] = (
+            torch.tensor([k]), torch.tensor([v]))
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": KV_CACHE_SCHEME, "ignore": []}
+    (dst / "config.json").write_text(json.dumps(config))
+    llm = _llm(str(dst), kv_cache_dtype="fp8")
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))
+    hf = fp8_kv_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, K_SCALES, V_SCALES)
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    config["quantization_config"]["kv_cache_scheme"] = {**KV_CACHE_SCHEME, "num_bits": 4}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"kv_cache_scheme\.num_bits=4"):
+        _llm(str(dst), kv_cache_dtype="fp8")
+
+
+def test_auto_cache_dtype_keeps_the_model_dtype_as_vllm_does(model_dirs, hf_models, tmp_path):
+    """vLLM resolves kv_cache_dtype="auto" to fp8 only for ModelOpt checkpoints; for this one it
+    keeps the model's dtype and leaves the scales unused: so do we (the float run, exactly)."""
+    path, reference = write_kv_checkpoint(model_dirs, hf_models, tmp_path / "auto")
+    llm = _llm(path)
+    assert llm.llm_engine.executor.runner.cache.kv.dtype == torch.float32
+    check_against_reference(llm, reference, PROMPTS[:4])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("type", "int"), ("num_bits", 4), ("strategy", "attn_head"), ("strategy", "channel"), ("symmetric", False),
+    ("dynamic", True), ("group_size", 64),
+])
+def test_other_kv_cache_schemes_are_refused_naming_the_field(field, value):
+    cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "kv_cache_scheme": {**KV_CACHE_SCHEME, field: value}, "config_groups": {"group_0": {
+               "targets": ["Linear"], "format": "pack-quantized", "input_activations": None,
+               "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    with pytest.raises(ValueError, match=rf"kv_cache_scheme\.{field}={value!r} is not supported"):
+        CompressedTensorsMethod.from_config(cfg)
+    del cfg["kv_cache_scheme"][field]  # absent: compressed-tensors' default (only type's is refused)
+    if field == "type":
+        with pytest.raises(ValueError, match=r"kv_cache_scheme\.type='int'"):
+            CompressedTensorsMethod.from_config(cfg)
+    else:
+        assert CompressedTensorsMethod.from_config(cfg).bits == 4
+
+
+def test_kv_cache_scheme_beside_fp8_weights_is_read():
+    """llm-compressor's usual FP8 recipe: float-quantized weights and activations plus the KV scheme."""
+    scheme = {"targets": ["Linear"], "format": "float-quantized",
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                    "dynamic": True}}
+    method = CompressedTensorsMethod.from_config({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                                  "kv_cache_scheme": KV_CACHE_SCHEME, "config_groups": {"g": scheme}})
+    assert method.name == "fp8"
