@@ -108,3 +108,35 @@ def test_bitmask_applied_with_tensor_ops_equals_xgrammar():
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
     apply_token_bitmask(ours, bitmask, vocab)
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ops", ["native", "triton"])
+def test_a_mixed_sampling_step_syncs_once_on_the_device(ops, monkeypatch):
+    """torch's sync debug mode set to "error" raises on any synchronising CUDA call (pageable
+    copies included) except inside ``to_host``'s one wait, which this test lets through and counts."""
+    from pagedllm.worker import device_to_host
+    waits, wait = [], device_to_host._wait
+
+    def counted_wait(device):
+        waits.append(device)
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            wait(device)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    monkeypatch.setattr(device_to_host, "_wait", counted_wait)
+    logits = torch.randn(6, VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    sampler = Sampler(ops)
+    sampler(logits.clone(), mixed_rows())  # warm-up: Triton compiles, the pinned-memory cache fills
+    torch.cuda.synchronize()
+    waits.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits.clone(), mixed_rows())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(waits) == 1
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[5] in (4, 5, 6)
