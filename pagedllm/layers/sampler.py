@@ -103,7 +103,7 @@ class Sampler:
         probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()  # [rows, vocab]
         if not inputs.flags.all_greedy:
             weights = _random_probs(logits, inputs)
-            probs = torch.where(inputs.t["greedy"][:, None], probs, weights / weights.sum(dim=-1, keepdim=True))
+            probs = torch.where(inputs.tensors["greedy"][:, None], probs, weights / weights.sum(dim=-1, keepdim=True))
         return probs, raw_logprobs
 
     @staticmethod
@@ -131,13 +131,13 @@ class Sampler:
         if inputs.flags.all_greedy:
             return tokens
         sampled = _sample_random(logits, inputs) if self.ops == "native" else _sample_random_triton(logits, inputs)
-        return torch.where(inputs.t["greedy"], tokens, sampled)
+        return torch.where(inputs.tensors["greedy"], tokens, sampled)
 
 
 def _process(logits: torch.Tensor, inputs: SamplingInputs, grammar_vocab: int | None) -> torch.Tensor:
     """Every logit rule before the draw (grammar, allowed ids and bias, bad words and banned ids,
     penalties), each only when some row uses it."""
-    f, t = inputs.flags, inputs.t
+    f, t = inputs.flags, inputs.tensors
     if f.grammar:
         apply_token_bitmask(logits, t["bitmask"], grammar_vocab)
     if f.allowed:
@@ -180,7 +180,7 @@ def _sample_random(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor
 
 def _random_probs(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p: each row's weights to draw from (not normalised after min-p)."""
-    t = inputs.t
+    t = inputs.tensors
     logits = logits / t["temperature"][:, None]
     if inputs.flags.top_k_top_p:
         logits = _top_k_top_p(logits, t["top_k"], t["top_p"])
@@ -194,7 +194,7 @@ def _random_probs(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
 def _sample_random_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     """``_sample_random`` with the top-k/top-p/min-p filter in one kernel (no sort)."""
     from pagedllm.layers.triton_ops.sampling import top_k_top_p_min_p_
-    t = inputs.t
+    t = inputs.tensors
     logits = (logits / t["temperature"][:, None]).contiguous()
     top_k = t["top_k"].to(torch.int32)  # >= vocab: off, like 0
     top_k_top_p_min_p_(logits, top_k, t["top_p"], t["min_p"])
@@ -216,7 +216,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def _exponential_noise(probs: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     q = torch.empty_like(probs).exponential_()
     if inputs.flags.seeded:  # drawn on the host from each row's own generator (sampling_inputs)
-        q.index_copy_(0, inputs.t["seeded_rows"], inputs.t["seeded_noise"])
+        q.index_copy_(0, inputs.tensors["seeded_rows"], inputs.tensors["seeded_noise"])
     return q
 
 

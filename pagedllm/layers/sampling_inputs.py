@@ -37,10 +37,10 @@ class SamplingFlags:
 
 @dataclass
 class SamplingInputs:
-    """``flags`` plus the device tensors (names in ``build_host_arrays``)."""
+    """``flags`` plus the device tensors, by the names of ``build_host_arrays``."""
 
     flags: SamplingFlags
-    t: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.ndarray | None = None,
