@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one run that fits in 8 minutes on one H200 (nothing is downloaded):
-#   1. the tests marked `gpu` (Triton kernels on the device, CUDA-graph replay == eager)
+#   1. the tests marked `gpu` (Triton kernels on the device, CUDA-graph replay == eager, one host
+#      sync per sampling step under torch's sync debug mode; with two GPUs also the TP=2 graphs
+#      captured over NCCL, replay == eager: marked `multi_gpu`, skipped with one device)
 #   2. a random ~1.1B Llama (benchmarks/gpu_check.py: hidden 2048, 16 layers, 32 heads, 8 KV heads,
 #      vocab 32000) built on the GPU and saved in bfloat16 to a temporary directory
 #   3. benchmarks/attention.py: decode attention at batch 1 and 64, context 4096, that model's heads
@@ -52,7 +54,8 @@ cat "$OUT/gpu.txt"
 
 # the files holding gpu tests, named: collecting all of tests/ would need the server's packages too
 step gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/gpu-tests.xml" \
-    tests/triton_ops tests/attention/test_triton_attention.py tests/e2e/test_cuda_graph_replay.py
+    tests/triton_ops tests/attention/test_triton_attention.py tests/e2e/test_cuda_graph_replay.py \
+    tests/unit/test_sampler_syncs.py tests/distributed/test_tp_cuda_graphs.py
 step build-model 40 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device cuda
 step attention 50 "$PY" benchmarks/attention.py --device cuda --cache-dtype bfloat16 --num-heads 32 \
     --num-kv-heads 8 --head-dim 64 --contexts 4096 --cases decode-bs1-ctx4096,decode-bs64-ctx4096 --skip-ref \

@@ -85,6 +85,9 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_TP_STARTUP_TIMEOUT": EnvVar(
         _float("PAGEDLLM_TP_STARTUP_TIMEOUT", 600.0),
         "seconds tensor-parallel workers may take to start and load weights (a worker that exits fails at once)"),
+    "PAGEDLLM_TP_CUDA_GRAPHS": EnvVar(
+        _flag("PAGEDLLM_TP_CUDA_GRAPHS", False),
+        "1 captures CUDA graphs for decode under tensor parallelism too (off: not yet verified on GPUs)"),
     # torch.distributed's standard launch variables (torchrun sets them): a multi-node launch
     "MASTER_ADDR": EnvVar(_str("MASTER_ADDR"), "rank 0's host for a multi-node launch when --master-addr is not given"),
     "MASTER_PORT": EnvVar(_parsed("MASTER_PORT", None, int, "a port number"),

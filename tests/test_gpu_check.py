@@ -23,7 +23,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def test_script_parses_and_names_the_gpu_test_files():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
     text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
-    for path in ("tests/triton_ops", "tests/attention/test_triton_attention.py", "tests/e2e/test_cuda_graph_replay.py"):
+    for path in ("tests/triton_ops", "tests/attention/test_triton_attention.py", "tests/e2e/test_cuda_graph_replay.py",
+                 "tests/unit/test_sampler_syncs.py", "tests/distributed/test_tp_cuda_graphs.py"):
         assert (ROOT / path).exists() and path in text
 
 

@@ -47,7 +47,14 @@ class TensorParallelGroup:
         return self.size > 1 and self._backend is None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` across the ranks in place (no-op on one rank)."""
+        """Sums ``x`` across the ranks in place (no-op on one rank).
+
+        Capturable in a CUDA graph on NCCL: ProcessGroupNCCL runs the collective on its own
+        stream after an event wait on the current one, and ``wait()`` makes the current stream
+        wait for it, so nothing blocks the host (unless TORCH_NCCL_BLOCKING_WAIT is set); torch
+        keeps work issued during a capture away from its watchdog (pytorch#103503) and flushes
+        the watchdog's pending work before a capture starts (#104487). The communicator must
+        exist before the capture: the eager warm-up runs create it."""
         if self.size > 1:
             self._live().allreduce([x]).wait()
         return x
@@ -59,6 +66,12 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._live().allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+    def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` in rank order (a start-up check, not a per-step collective: it
+        reads the result on the host). Every rank must pass as many values."""
+        mine = torch.tensor([values], dtype=torch.int64, device=device)  # [1, n]
+        return self.all_gather_last_dim(mine).view(self.size, len(values)).tolist()  # [size, n]
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -22,6 +23,7 @@ from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator, split_rounds
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.worker.device_to_host import to_host
 from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -205,53 +207,35 @@ class LLMEngine:
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         num_sample_rows, num_prompt_rows = sched_out.num_sample_rows, sched_out.num_prompt_logprob_rows
-        self._record_prompt_logprobs(sched_out, logits[num_sample_rows:num_sample_rows + num_prompt_rows])
-        sampled = self._sample(sched_out, logits[:num_sample_rows])
+        prompt_rows = logits[num_sample_rows:num_sample_rows + num_prompt_rows]
+        sampled = self._sample(sched_out, logits[:num_sample_rows], prompt_rows)
         if sched_out.num_verify_rows:
             verify = logits[num_sample_rows + num_prompt_rows:]  # [sum of k + 1 per speculative chunk, vocab]
             sampled += self.speculator.verify(sched_out.chunks, verify, self.scheduler.requests)
         self.step_times.add(sample=time.perf_counter() - t1)
         return sampled
 
-    def _sample(self, sched_out: SchedulerOutput, logits: torch.Tensor) -> list[SampledTokens]:
+    def _sample(self, sched_out: SchedulerOutput, logits: torch.Tensor,
+                prompt_logits: torch.Tensor) -> list[SampledTokens]:
+        """Samples the step's rows and records its prompt logprobs, fetching both results in one
+        device->host transfer."""
         rows, owners = self._sampling_rows(sched_out)
+        prompt = prompt_logprobs.plan(sched_out, self.scheduler.requests)
+        pending = prompt_logprobs.device_tensors(prompt_logits, prompt) if prompt else {}
+        if rows:
+            pending.update(self.sampler.sample(logits, rows))
+        host = to_host(pending)
+        if prompt:
+            prompt_logprobs.store(prompt, host)
         if not rows:
             return []
-        result = self.sampler(logits, rows)
+        result = self.sampler.finish(host, rows)
         sampled, i = [], 0
         for rid, n in owners:
             tops = result.top_logprobs[i:i + n] if result.top_logprobs else None
             sampled.append(SampledTokens(rid, result.token_ids[i:i + n], result.logprobs[i:i + n], tops))
             i += n
         return sampled
-
-    def _record_prompt_logprobs(self, sched_out: SchedulerOutput, logits: torch.Tensor) -> None:
-        """prompt_logprobs: row j of a chunk (position start + j) scores prompt token start + j + 1;
-        stores its logprob and vocabulary rank plus the request's top-k (raw logits, like vLLM)."""
-        if logits.shape[0] == 0:
-            return
-        owners, targets = [], []
-        for chunk in sched_out.chunks:
-            if chunk.num_prompt_logprob_rows:
-                req = self.scheduler.requests[chunk.request_id]
-                first = chunk.start + 1
-                owners.append((req, first, chunk.num_prompt_logprob_rows))
-                targets += req.all_token_ids[first:first + chunk.num_prompt_logprob_rows]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
-        chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])  # [rows, 1]
-        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-        top_k = max(req.params.prompt_logprobs for req, _, _ in owners)
-        top_v, top_i = logprobs.topk(top_k, dim=-1) if top_k else (logprobs[:, :0], logprobs[:, :0].long())
-        chosen, top_v, top_i = chosen.squeeze(1).tolist(), top_v.tolist(), top_i.tolist()
-        row = 0
-        for req, first, count in owners:
-            k = req.params.prompt_logprobs
-            for pos in range(first, first + count):
-                entry = {targets[row]: (chosen[row], ranks[row])}
-                for r in range(k):
-                    entry.setdefault(top_i[row][r], (top_v[row][r], r + 1))
-                req.prompt_logprobs[pos] = entry
-                row += 1
 
     def _sampling_rows(self, sched_out: SchedulerOutput):
         rows, owners = [], []

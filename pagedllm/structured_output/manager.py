@@ -3,7 +3,8 @@
     add request ──> StructuredOutputManager.grammar_for(params) ──> GrammarState (a future)
                         │ cache hit: the same future      │ miss: compile on the pool
     schedule: a request waits (others run) until GrammarState.is_ready()
-    sample:   fill the bitmask of the constrained rows (one batched xgrammar call) and apply it
+    sample:   fill the bitmask of the constrained rows (one batched xgrammar call); the sampler
+              uploads it with its other inputs and applies it on the device (apply_token_bitmask)
     update:   Request.append_token -> GrammarState.accept(token); a terminated matcher ends the sequence
 
 xgrammar is imported on first use, so engines that never see a constraint do not pay for it.
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -92,7 +94,7 @@ class StructuredOutputManager:
 
     One per engine. The xgrammar tokenizer info is built once, by the first compilation job; it
     only reads the tokenizer's vocabulary, which the engine thread never changes. ``grammar_for``
-    and ``apply_bitmask`` run on the engine thread.
+    and ``fill_bitmask`` run on the engine thread.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
@@ -104,7 +106,6 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused across steps
         self._batch_matcher = None
         self.stats = StructuredOutputStats()
 
@@ -151,29 +152,35 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ sampling
-    def apply_bitmask(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
-        """Masks, in place, every token the grammar forbids in the constrained rows of ``logits``
-        ``[rows, vocab]``; unconstrained rows are not touched."""
+    def fill_bitmask(self, grammars: list[GrammarState | None]) -> np.ndarray | None:
+        """The step's token bitmask on the host, int32 ``[rows, ceil(vocab / 32)]`` (bit ``j % 32``
+        of word ``j // 32`` set: token ``j`` allowed), every bit set in unconstrained rows; None
+        when no row is constrained. ``apply_token_bitmask`` applies it on the device."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
-            return
+            return None
         import xgrammar as xgr
         t0 = time.perf_counter()
-        bitmask = self._bitmask_rows(len(grammars))
+        bitmask = np.full((len(grammars), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
-        self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher() for i in rows], bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=rows)
+        self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher() for i in rows],
+                                                          torch.from_numpy(bitmask), rows)
         self.stats.num_bitmask_steps += 1
         self.stats.bitmask_seconds += time.perf_counter() - t0
-
-    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
-        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            import xgrammar as xgr
-            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
-        return self._bitmask[:num_rows]
+        return bitmask
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """Sets to -inf, in place, every logit ``[rows, >= vocab_size]`` whose bit in ``bitmask``
+    (int32 ``[rows, ceil(vocab_size / 32)]``, on the logits' device) is clear; columns past
+    ``vocab_size`` (a padded LM head) are left alone, as xgrammar does. Pure tensor ops: no
+    index list, no host sync."""
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [rows, vocab_size]
+    logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))

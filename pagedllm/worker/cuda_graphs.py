@@ -20,6 +20,14 @@ writes into them. Padding rows must not touch any sequence's KV, so they point a
     block_tables:  real (stale past the end)   [pad_block, ...]
     slot_mapping:  real                        pad_block * block_size
 
+Under tensor parallelism (``PAGEDLLM_TP_CUDA_GRAPHS=1``) every rank captures its own graphs,
+with the all-reduces of its row-parallel layers inside them. Each rank receives the same
+SchedulerOutput and fills its own buffers from it, outside the graph (there is no tensor
+broadcast to capture), so the replay decision and the padding are the same pure function of the
+step on every rank; ``agree_on_schedule`` checks at start-up that every rank will capture the
+same sizes in the same order, since a rank replaying a different graph would pair its collectives
+with the wrong ones. The LM head's all-gather runs eagerly after the replay.
+
 The captured metadata says ``max_seq_len = max_model_len`` and ``max_query_len = 1``: a
 graph-safe backend (``AttentionBackend.supports_cuda_graphs``) reads lengths from the tensors and
 uses the host maxima only as upper bounds, and never synchronises with the host.
@@ -61,6 +69,19 @@ def replay_size(sizes: list[int], host: dict[str, np.ndarray]) -> int | None:
     if num_reqs < 1 or num_reqs > sizes[-1] or not np.all(np.diff(qsl) == 1):
         return None
     return sizes[bisect.bisect_left(sizes, num_reqs)]
+
+
+def agree_on_schedule(tp, schedule: list[int], device: torch.device) -> None:
+    """Raises RuntimeError on every rank of ``tp`` unless all passed the same ``schedule``
+    (``DecodeGraphs.schedule()``, or [] for a rank that captures nothing). Collective: every rank
+    calls it at the same point of start-up."""
+    if tp.size == 1:
+        return
+    lengths = [row[0] for row in tp.gather_ints([len(schedule)], device)]
+    rows = tp.gather_ints(schedule, device) if len(set(lengths)) == 1 else [[n] for n in lengths]
+    if any(row != rows[0] for row in rows):
+        raise RuntimeError(f"tensor-parallel ranks disagree on the CUDA-graph capture schedule "
+                           f"([pad_block, max_blocks_per_seq, sizes in capture order] per rank): {rows}")
 
 
 def pad_decode_inputs(host: dict[str, np.ndarray], size: int, pad_block: int, block_size: int) -> dict[str, np.ndarray]:
@@ -112,12 +133,20 @@ class DecodeGraphs:
             block_tables=b["block_tables"][:size], slot_mapping=b["slot_mapping"][:size],
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
 
+    def capture_order(self) -> list[int]:
+        """Largest first: the smaller graphs fit in its pool."""
+        return list(reversed(self.sizes))
+
+    def schedule(self) -> list[int]:
+        """What every tensor-parallel rank must capture identically (``agree_on_schedule``)."""
+        return [self.pad_block, self.buffers["block_tables"].shape[1], *self.capture_order()]
+
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, kv_caches: list) -> None:
         """Captures every size; logs (and keeps in ``memory_bytes``) the time and memory taken."""
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
+        for size in self.capture_order():
             self.memory_bytes += self._capture_one(model, kv_caches, size, pool)
         logger.info("CUDA graphs: %d decode batch sizes (1..%d) captured in %.2f s, %s of device memory",
                     len(self.sizes), self.sizes[-1], time.perf_counter() - t0, human_bytes(self.memory_bytes))

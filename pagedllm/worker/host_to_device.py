@@ -50,3 +50,29 @@ def _into(dst: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
     if dst.shape != src.shape:
         raise ValueError(f"out tensor of shape {tuple(dst.shape)} cannot take an array of shape {tuple(src.shape)}")
     return dst.copy_(src)  # casts to dst's dtype on the device
+
+
+def to_device_bytes(arrays: dict[str, np.ndarray], device: torch.device | str,
+                    pack: bool | None = None) -> dict[str, torch.Tensor]:
+    """``to_device`` for arrays of any numeric or bool dtype (the sampler's floats, masks and
+    ids): packed as raw bytes into one pinned buffer, copied once (non-blocking), and viewed back
+    on the device as each array's dtype and shape, so nothing is cast or rounded.
+
+    Parts go in by decreasing item size, so each starts at a multiple of its own item size and
+    the device-side ``view(dtype)`` is legal. ``pack`` as in ``to_device``.
+    """
+    device = torch.device(device)
+    if pack is None:
+        pack = device.type != "cpu"
+    if not pack:
+        return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in arrays.items()}
+    order = sorted(arrays, key=lambda k: -arrays[k].dtype.itemsize)
+    sizes = [arrays[k].nbytes for k in order]
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf, offset = host.numpy(), 0
+    for k, n in zip(order, sizes):
+        buf[offset:offset + n] = np.ascontiguousarray(arrays[k]).reshape(-1).view(np.uint8)
+        offset += n
+    flat = host.to(device, non_blocking=True)
+    return {k: part.view(torch.from_numpy(np.empty(0, arrays[k].dtype)).dtype).view(arrays[k].shape)
+            for k, part in zip(order, flat.split(sizes))}

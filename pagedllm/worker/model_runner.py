@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import backend_for_soft_cap, get_attention_backend
@@ -26,7 +27,7 @@ from pagedllm.platform import available_ram
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
-from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, replay_size
+from pagedllm.worker.cuda_graphs import DecodeGraphs, agree_on_schedule, capture_sizes, replay_size
 from pagedllm.worker.host_to_device import to_device
 from pagedllm.worker.pipeline_execute import StagePipeline
 
@@ -97,12 +98,17 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0, with_tiers: bool = True) -> None:
         mc = self.config.model
-        graphs = self._cuda_graphs_apply()
+        capture = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(graphs), self.block_size, self.cache_dtype,
+        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(capture), self.block_size, self.cache_dtype,
                                  self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
-        with kv_quant.calibration_paused(self.model):  # capture runs dummy tokens
-            self.decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        graphs = self._decode_graphs(num_blocks) if capture else None
+        if self.device.type == "cuda" and self.tp.size > 1:  # every CUDA rank, capturing or not
+            agree_on_schedule(self.tp, graphs.schedule() if graphs else [], self.device)
+        if graphs is not None:
+            with kv_quant.calibration_paused(self.model):  # capture runs dummy tokens
+                graphs.capture(self.model, self.cache.layer_caches)
+        self.decode_graphs = graphs
         if with_tiers:
             self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
 
@@ -246,24 +252,27 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs (worker/cuda_graphs.py)
     def cuda_graph_memory(self) -> int:
-        """Device memory the decode graphs take (measured by ``profile_run``), for the KV budget."""
-        return self.cuda_graph_bytes
+        """Device memory the decode graphs take (measured by ``profile_run``), for the KV budget:
+        the most any tensor-parallel rank's took, since every rank gets the same block count."""
+        if self.tp.size == 1:
+            return self.cuda_graph_bytes
+        return max(row[0] for row in self.tp.gather_ints([self.cuda_graph_bytes], self.device))
 
     def _cuda_graphs_apply(self) -> bool:
         c = self.config
         if not c.cuda_graphs:  # not CUDA, or enforce_eager
             return False
         reason = self.backend.cuda_graph_blocker(c.model.dtype, self.cache_dtype, c.model.head_dim, self.block_size)
-        if reason is None and (c.parallel.world_size > 1 or c.compile_model):
-            reason = "tensor / pipeline parallelism and compile_model run eagerly"
+        if reason is None and (c.parallel.pipeline_parallel_size > 1 or c.compile_model):
+            reason = "pipeline parallelism and compile_model run eagerly"
+        if reason is None and c.parallel.tensor_parallel_size > 1 and not envs.PAGEDLLM_TP_CUDA_GRAPHS:
+            reason = "tensor parallelism captures only with PAGEDLLM_TP_CUDA_GRAPHS=1 (not yet run on GPUs)"
         if reason:
             logger.info("CUDA graphs off: %s", reason)
         return reason is None
 
-    def _capture_decode_graphs(self, pad_block: int) -> DecodeGraphs:
+    def _decode_graphs(self, pad_block: int) -> DecodeGraphs:
         mc = self.config.model
         max_blocks_per_seq = blocks_per_sequence(mc.max_model_len, self.block_size)
-        graphs = DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
-                              mc.max_model_len, pad_block, self.device)
-        graphs.capture(self.model, self.cache.layer_caches)
-        return graphs
+        return DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
+                            mc.max_model_len, pad_block, self.device)

@@ -1,0 +1,110 @@
+"""Counts host synchronisations on the CPU, where CUDA cannot report them.
+
+On a GPU every device->host read (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, a tensor in
+an ``if``, ``nonzero``, a boolean-mask index, whose result shape depends on the data) and every
+host->device copy from pageable memory without ``non_blocking`` (``torch.tensor(..., device=)``,
+``.to(device)``) makes the host wait for the stream. ``HostSyncs`` patches each of them to record
+its call site, except inside the two sanctioned transfers: ``to_device_bytes`` (one pinned,
+non-blocking upload) and ``to_host`` (the step's one fetch), which are counted by name instead,
+with the reads they make themselves. A test then asserts "one fetch, no stray sync" for the code
+it runs on CPU tensors exactly as it would run on CUDA ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+
+_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__", "unique")
+_FUNCTIONS = ("nonzero", "masked_select", "unique", "argwhere")
+
+
+class HostSyncs:
+    """``stray``: call sites of syncs outside the sanctioned transfers; ``fetches`` / ``uploads``
+    / ``kernels``: calls of ``to_host`` / ``to_device_bytes`` / a Triton kernel launch (the
+    interpreter reads its CPU tensors; a compiled launch does not); ``fetch_reads``: the reads
+    ``to_host`` made. With ``armed`` False nothing is recorded outside ``arm_within``'s calls."""
+
+    def __init__(self, armed: bool = True):
+        self.stray: list[str] = []
+        self.fetches = self.uploads = self.kernels = self.fetch_reads = self.armed_calls = 0
+        self.armed = armed
+        self._inside: str | None = None
+
+    def arm_within(self, monkeypatch, owner, name: str) -> None:
+        """Records only during calls of ``owner.name`` (counted in ``armed_calls``)."""
+        original = getattr(owner, name)
+
+        def armed(*args, **kwargs):
+            self.armed, self.armed_calls = True, self.armed_calls + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.armed = False
+        monkeypatch.setattr(owner, name, armed)
+
+    def record(self, what: str) -> None:
+        if not self.armed:
+            return
+        if self._inside == "fetch":
+            self.fetch_reads += 1
+        elif self._inside is None:
+            self.stray.append(f"{what} at {traceback.format_stack(limit=3)[0].strip()}")
+
+    def sanctioned(self, kind: str, fn):
+        def wrapper(*args, **kwargs):
+            if self._inside is not None:  # nested: counted by the outer one
+                return fn(*args, **kwargs)
+            self._inside = kind
+            counter = {"fetch": "fetches", "upload": "uploads", "kernel": "kernels"}[kind]
+            setattr(self, counter, getattr(self, counter) + 1)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside = None
+        return wrapper
+
+
+def _is_mask(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _has_device(args, kwargs) -> bool:
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+
+
+@contextlib.contextmanager
+def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_sites: tuple = (),
+                     armed: bool = True):
+    """Patches the sync points; ``fetch_sites`` / ``upload_sites`` / ``kernel_sites``: ``(module,
+    name)`` pairs bound to ``to_host`` / ``to_device_bytes`` / a kernel launcher in the code under test."""
+    syncs = HostSyncs(armed)
+
+    def watch(owner, name, what, when=lambda *a, **k: True):
+        original = getattr(owner, name)
+
+        def patched(*args, **kwargs):
+            if when(*args, **kwargs):
+                syncs.record(what)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, patched)
+
+    for name in _READS:
+        watch(torch.Tensor, name, f"Tensor.{name}")
+    for name in _FUNCTIONS:
+        watch(torch, name, f"torch.{name}")
+    watch(torch.Tensor, "__getitem__", "boolean-mask index", lambda self, index: _is_mask(index))
+    watch(torch.Tensor, "__setitem__", "boolean-mask write", lambda self, index, value: _is_mask(index))
+    watch(torch.Tensor, "to", "Tensor.to(device)", lambda self, *a, **k: _has_device(a, k))
+    watch(torch.Tensor, "cuda", "Tensor.cuda")
+    for name in ("tensor", "as_tensor"):
+        watch(torch, name, f"torch.{name}(device=)", lambda *a, **k: "device" in k)
+    for module, name in fetch_sites:
+        monkeypatch.setattr(module, name, syncs.sanctioned("fetch", getattr(module, name)))
+    for module, name in upload_sites:
+        monkeypatch.setattr(module, name, syncs.sanctioned("upload", getattr(module, name)))
+    for module, name in kernel_sites:
+        monkeypatch.setattr(module, name, syncs.sanctioned("kernel", getattr(module, name)))
+    yield syncs
