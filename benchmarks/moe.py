@@ -8,7 +8,9 @@ embeddings, LM head) are ~30M, about the benchmark Llama of benchmarks/common.py
     python benchmarks/moe.py             # the sizes above (results/moe.json)
 
 Layer timing (``--layer-tokens``, default 64 tokens, one MoE layer of the model's shape):
-  fused         FusedMoE: sort tokens by expert, one GEMM pair per active expert
+  fused         FusedMoE as the engine runs it: sort tokens by expert, one GEMM pair per active
+                expert, through the oneDNN-packed expert weights (cpu_ops.pack_model)
+  fused-plain   the same FusedMoE without the packed copies (F.linear on the stacked tensors)
   loop-routed   per expert in a Python loop over all experts: find its tokens (torch.where), run
                 them, scatter back (transformers' MixtralExperts loop)
   loop-dense    per expert over all experts: every token through every expert, routing weights
@@ -34,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup  # noqa: E402
 from pagedllm.entrypoints.plan import count_params, model_shape  # noqa: E402
+from pagedllm.layers import cpu_ops  # noqa: E402
 from pagedllm.layers.fused_moe import FusedMoE, route  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -89,8 +92,11 @@ def time_layer(cfg: dict, tokens: int, repeats: int) -> dict:
     h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     moe = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
     moe.w13.normal_(std=0.05), moe.w2.normal_(std=0.05)
+    plain = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
+    plain.w13, plain.w2 = moe.w13, moe.w2  # shared, not copied: the packed copies are the only extra bytes
+    cpu_ops.pack_model(moe)  # what the model runner does once a CPU model is loaded
     x, logits = torch.randn(tokens, h), torch.randn(tokens, experts)
-    fns = {"fused": moe, "loop-routed": lambda a, b: loop_routed(moe, a, b),
+    fns = {"fused": moe, "fused-plain": plain, "loop-routed": lambda a, b: loop_routed(moe, a, b),
            "loop-dense": lambda a, b: loop_dense(moe, a, b)}
     with torch.inference_mode():
         ref = moe(x, logits)
