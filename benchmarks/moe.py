@@ -8,9 +8,11 @@ embeddings, LM head) are ~30M, about the benchmark Llama of benchmarks/common.py
     python benchmarks/moe.py             # the sizes above (results/moe.json)
 
 Layer timing (``--layer-tokens``, default 64 tokens, one MoE layer of the model's shape):
-  fused         FusedMoE as the engine runs it: sort tokens by expert, one GEMM pair per active
-                expert, through the oneDNN-packed expert weights (cpu_ops.pack_model)
-  fused-plain   the same FusedMoE without the packed copies (F.linear on the stacked tensors)
+  fused         FusedMoE as the engine runs it on the CPU: the C kernel over packed expert panels
+                (layers/moe_cpu.py), packed by cpu_ops.pack_model as the model runner does
+  fused-onednn  FusedMoE's torch path (sort tokens by expert, one GEMM pair per active expert)
+                through oneDNN-packed expert weights: the fallback where the kernel does not apply
+  fused-plain   the torch path on the stacked tensors (F.linear, no packed copies)
   loop-routed   per expert in a Python loop over all experts: find its tokens (torch.where), run
                 them, scatter back (transformers' MixtralExperts loop)
   loop-dense    per expert over all experts: every token through every expert, routing weights
@@ -92,12 +94,14 @@ def time_layer(cfg: dict, tokens: int, repeats: int) -> dict:
     h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     moe = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
     moe.w13.normal_(std=0.05), moe.w2.normal_(std=0.05)
-    plain = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
-    plain.w13, plain.w2 = moe.w13, moe.w2  # shared, not copied: the packed copies are the only extra bytes
+    onednn, plain = (FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True,
+                              tp=TensorParallelGroup()) for _ in range(2))
+    onednn.w13, onednn.w2 = plain.w13, plain.w2 = moe.w13, moe.w2  # shared: only the packed copies add bytes
     cpu_ops.pack_model(moe)  # what the model runner does once a CPU model is loaded
+    onednn.pack_weights(kernel=False)
     x, logits = torch.randn(tokens, h), torch.randn(tokens, experts)
-    fns = {"fused": moe, "fused-plain": plain, "loop-routed": lambda a, b: loop_routed(moe, a, b),
-           "loop-dense": lambda a, b: loop_dense(moe, a, b)}
+    fns = {"fused": moe, "fused-onednn": onednn, "fused-plain": plain,
+           "loop-routed": lambda a, b: loop_routed(moe, a, b), "loop-dense": lambda a, b: loop_dense(moe, a, b)}
     with torch.inference_mode():
         ref = moe(x, logits)
         for name, fn in fns.items():
