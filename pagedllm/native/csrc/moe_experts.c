@@ -38,6 +38,10 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 #define MOE_ROWS 2 /* 8 ymm accumulators of the 16 registers */
 #endif
 
+#ifndef MOE_PREFETCH
+#define MOE_PREFETCH 512
+#endif
+
 static inline v16 load16(const float *p) { return *(const v16 *)p; }
 static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 static inline v16 splat(float f) { return (v16){0} + f; }
@@ -73,6 +77,9 @@ static inline __attribute__((always_inline)) void tile(const int M, const float 
         acc[r][0] = acc[r][1] = splat(0.0f);
 #pragma GCC unroll 2
     for (int64_t k = 0; k < K; k++) {
+        /* the panel streams from memory on its first row block: fetch MOE_PREFETCH floats ahead */
+        __builtin_prefetch(b + 32 * k + MOE_PREFETCH, 0, 3);
+        __builtin_prefetch(b + 32 * k + MOE_PREFETCH + 16, 0, 3);
         const v16 b0 = load16(b + 32 * k), b1 = load16(b + 32 * k + 16);
         for (int r = 0; r < M; r++) {
             acc[r][0] += a[r][k] * b0;
