@@ -8,6 +8,10 @@ rank's partial output is summed with one all-reduce.
 
     tokens   t0 t1 t2          top-2 ids   (t0: e3 e0) (t1: e3 e5) (t2: e0 e3)
     sorted by expert:  e0 [t0 t2] | e3 [t0 t1 t2] | e5 [t1]      -> 3 GEMM pairs, not 6 token loops
+
+On the CPU (float32) the loaded experts are packed once (``pack_weights``): for SiLU layers whose
+sizes fit the panels, one C call does all of the above (``moe_cpu.py``); otherwise the GEMMs run
+on oneDNN-packed per-expert copies. Other devices take the torch path on the stacked tensors.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_model_dir
 from test_fused_moe import _reference
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
@@ -73,3 +74,13 @@ def test_expert_id_out_of_range_is_refused():
     ids[1, 0] = 4
     with pytest.raises(ValueError, match="moe_experts: metadata out of range"):
         moe_cpu.run_experts(x, weights, ids, moe.kernel_weights)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_engine_runs_the_families_through_the_kernel(arch, tmp_path):
+    """The tiny MoE configs of the family tests (tests/models/test_families.py, greedy equal to
+    transformers) are packed for the kernel, so those tests cover it."""
+    from pagedllm import LLM
+    llm = LLM(make_model_dir(tmp_path, arch), dtype="float32", kv_cache_memory="16MiB")
+    layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.kernel_weights is not None for m in layers)
