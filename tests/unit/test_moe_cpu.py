@@ -11,6 +11,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers import cpu_ops, moe_cpu
 from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.native import bindings
+from pagedllm.native.bindings import NativeLibrary
 
 pytestmark = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 
@@ -74,6 +75,18 @@ def test_expert_id_out_of_range_is_refused():
     ids[1, 0] = 4
     with pytest.raises(ValueError, match="moe_experts: metadata out of range"):
         moe_cpu.run_experts(x, weights, ids, moe.kernel_weights)
+
+
+@pytest.mark.parametrize("march", [(), ("-march=haswell",)], ids=["portable", "avx2"])
+def test_builds_without_avx512_match(march, tmp_path):
+    """Without AVX-512 the kernel takes 2-row tiles (and plain SSE or scalar code without AVX2)."""
+    lib = NativeLibrary.build(cache_dir=tmp_path, cflags=("-O2", *march, "-fopenmp", "-shared", "-fPIC"))
+    moe, ref = _pair(8, 2)
+    x, logits = torch.randn(37, HIDDEN) * 3, torch.randn(37, 8)
+    weights, ids = route(logits, 2, True)
+    out = torch.empty_like(x)
+    lib.moe_experts(x, ids, weights, moe.kernel_weights.w13, moe.kernel_weights.w2, out, 2)
+    torch.testing.assert_close(out, ref(x, logits), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
