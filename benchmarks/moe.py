@@ -7,8 +7,16 @@ embeddings, LM head) are ~30M, about the benchmark Llama of benchmarks/common.py
     python benchmarks/moe.py --quick     # tiny sizes, seconds
     python benchmarks/moe.py             # the sizes above (results/moe.json)
 
-Layer timing (``--layer-tokens``, default 64 tokens, one MoE layer of the model's shape):
-  fused         FusedMoE: sort tokens by expert, one GEMM pair per active expert
+Layer timing (``--layer-tokens``, default 64 tokens, one MoE layer of the model's shape). Before
+every timed call the caches are flushed by reading a buffer twice the size of the L3
+(``--warm-cache`` skips this): in a model forward the other layers' weights evict this layer's,
+and a variant with its own packed copy of the experts would otherwise be timed against
+baselines that share the stacked tensors and keep them cached for each other:
+  fused         FusedMoE as the engine runs it on the CPU: the C kernel over packed expert panels
+                (layers/moe_cpu.py), packed by cpu_ops.pack_model as the model runner does
+  fused-onednn  FusedMoE's torch path (sort tokens by expert, one GEMM pair per active expert)
+                through oneDNN-packed expert weights: the fallback where the kernel does not apply
+  fused-plain   the torch path on the stacked tensors (F.linear, no packed copies)
   loop-routed   per expert in a Python loop over all experts: find its tokens (torch.where), run
                 them, scatter back (transformers' MixtralExperts loop)
   loop-dense    per expert over all experts: every token through every expert, routing weights
@@ -31,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import common  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from attention import filled, l3_bytes  # noqa: E402
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup  # noqa: E402
 from pagedllm.entrypoints.plan import count_params, model_shape  # noqa: E402
+from pagedllm.layers import cpu_ops  # noqa: E402
 from pagedllm.layers.fused_moe import FusedMoE, route  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -84,27 +94,34 @@ def loop_dense(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Te
     return y
 
 
-def time_layer(cfg: dict, tokens: int, repeats: int) -> dict:
+def time_layer(cfg: dict, tokens: int, repeats: int, flush: torch.Tensor | None = None) -> dict:
     torch.manual_seed(0)
     h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     moe = FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True, tp=TensorParallelGroup())
     moe.w13.normal_(std=0.05), moe.w2.normal_(std=0.05)
+    onednn, plain = (FusedMoE(experts, cfg["num_experts_per_tok"], h, inter, renormalize=True,
+                              tp=TensorParallelGroup()) for _ in range(2))
+    onednn.w13, onednn.w2 = plain.w13, plain.w2 = moe.w13, moe.w2  # shared: only the packed copies add bytes
+    cpu_ops.pack_model(moe)  # what the model runner does once a CPU model is loaded
+    onednn.pack_weights(kernel=False)
     x, logits = torch.randn(tokens, h), torch.randn(tokens, experts)
-    fns = {"fused": moe, "loop-routed": lambda a, b: loop_routed(moe, a, b),
-           "loop-dense": lambda a, b: loop_dense(moe, a, b)}
+    fns = {"fused": moe, "fused-onednn": onednn, "fused-plain": plain,
+           "loop-routed": lambda a, b: loop_routed(moe, a, b), "loop-dense": lambda a, b: loop_dense(moe, a, b)}
     with torch.inference_mode():
         ref = moe(x, logits)
         for name, fn in fns.items():
             assert torch.allclose(fn(x, logits), ref, atol=1e-4, rtol=1e-4), name
-        return _best_ms_interleaved({name: lambda fn=fn: fn(x, logits) for name, fn in fns.items()}, repeats)
+        return _best_ms_interleaved({name: lambda fn=fn: fn(x, logits) for name, fn in fns.items()}, repeats, flush)
 
 
-def _best_ms_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+def _best_ms_interleaved(fns: dict, repeats: int, flush: torch.Tensor | None) -> dict[str, float]:
     """Best-of-``repeats`` wall time of each function, run in turn so load on a shared machine
-    hits them all alike."""
+    hits them all alike; ``flush`` (if given) is read before each call, outside the timing."""
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -158,6 +175,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload")
     ap.add_argument("--layer-tokens", type=int, default=64)
+    ap.add_argument("--warm-cache", action="store_true", help="layer timing: do not flush the caches before each "
+                    "call (always so with --quick)")
     ap.add_argument("--num-prompts", type=int, default=None, help="default 32 (4 with --quick)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     ap.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
@@ -172,7 +191,9 @@ def main(argv=None) -> dict:
     args.vocab_size = cfg["vocab_size"]
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    layer = time_layer(cfg, args.layer_tokens, repeats=5 if args.quick else 30)
+    flush = None if args.quick or args.warm_cache else filled(2 * l3_bytes() // 4)
+    layer = time_layer(cfg, args.layer_tokens, repeats=5 if args.quick else 30, flush=flush)
+    del flush
     name = "mixtral-quick" if args.quick else "mixtral-30m-active"
     key = zlib.crc32(json.dumps({**cfg, **COMMON}, sort_keys=True).encode())  # a changed config builds anew
     path = build_model(cfg, args.model_dir or common.CACHE_DIR / f"{name}-{key:08x}")

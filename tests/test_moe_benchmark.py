@@ -15,7 +15,8 @@ def test_full_config_is_about_30m_active():
 def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "moe.json"
     results = moe.main(["--quick", "--model-dir", str(tmp_path / "model"), "--out", str(out), "--num-threads", "1"])
-    assert set(results["layer_ms"]) == {"fused", "loop-routed", "loop-dense"}  # each checked equal to fused
+    # each checked equal to fused
+    assert set(results["layer_ms"]) == {"fused", "fused-onednn", "fused-plain", "loop-routed", "loop-dense"}
     e2e = results["end_to_end"]
     assert e2e["greedy_agreement"] == 1.0 and 0 < e2e["moe_share"] < 1
     assert json.loads(out.read_text())["end_to_end"] == e2e

@@ -59,11 +59,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 
 def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:
-    """Attaches packed weights to every linear-like module (``packed_weight``); returns how many.
+    """Attaches packed weights to every linear-like module (``packed_weight``) and packs the
+    modules that hold several (``pack_weights()``, FusedMoE); returns how many weights were packed.
 
     Skipped when the second copy would take more than a quarter of the available RAM.
     """
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 2)  # + stacked experts
     if ram_bytes is not None and weight_bytes > ram_bytes // 4:
         return 0
     count = 0
@@ -71,4 +72,6 @@ def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:
         if hasattr(module, "packed_weight"):
             module.packed_weight = pack_weight(module.weight)
             count += module.packed_weight is not None
+        elif hasattr(module, "pack_weights"):  # several weights per module (FusedMoE's experts)
+            count += module.pack_weights()
     return count

@@ -8,16 +8,20 @@ rank's partial output is summed with one all-reduce.
 
     tokens   t0 t1 t2          top-2 ids   (t0: e3 e0) (t1: e3 e5) (t2: e0 e3)
     sorted by expert:  e0 [t0 t2] | e3 [t0 t1 t2] | e5 [t1]      -> 3 GEMM pairs, not 6 token loops
+
+On the CPU (float32) the loaded experts are packed once (``pack_weights``): for SiLU layers whose
+sizes fit the panels, one C call does all of the above (``moe_cpu.py``); otherwise the GEMMs run
+on oneDNN-packed per-expert copies. Other devices take the torch path on the stacked tensors.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.layers import cpu_ops, moe_cpu
 from pagedllm.layers.gated_activation import gated_activation
 
 
@@ -48,11 +52,16 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.inter = intermediate_size // self.tp_size  # this rank's share of each expert
+        self.act = act
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gated_activation(act, act_field, ops)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        # set by pack_weights once loaded (CPU float32): the C kernel's panels (moe_cpu.py), else per
+        # expert oneDNN-packed copies of (w13[e], w2[e])
+        self.kernel_weights: moe_cpu.PackedExperts | None = None
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """``shard_id = (expert, "gate" | "up" | "down")``: one expert's checkpoint matrix, this rank's slice."""
@@ -64,8 +73,25 @@ class FusedMoE(nn.Module):
         offset = 0 if kind == "gate" else self.inter
         param.data[expert].narrow(0, offset, self.inter).copy_(loaded.narrow(0, start, self.inter))
 
+    def pack_weights(self, kernel: bool = True) -> int:
+        """Keeps a packed copy of the experts (``cpu_ops.pack_model`` calls this once the weights
+        are loaded); returns how many matrices were packed, 0 where packing does not apply.
+        Preferred: the C kernel's panels (``moe_cpu``; ``kernel=False`` skips it, for A/B runs);
+        else every expert's two matrices packed for oneDNN, which at ~16 rows per expert (batch
+        64) runs about twice as fast as MKL on the plain layout (benchmarks/RESULTS.md, MoE)."""
+        if kernel and moe_cpu.can_pack(self.w13, self.w2, self.act):
+            self.kernel_weights = moe_cpu.pack_experts(self.w13.detach(), self.w2.detach())
+            return 2 * self.num_experts
+        packed = [(cpu_ops.pack_weight(w13), cpu_ops.pack_weight(w2)) for w13, w2 in zip(self.w13, self.w2)]
+        if any(p13 is None or p2 is None for p13, p2 in packed):
+            return 0
+        self.packed = packed
+        return 2 * self.num_experts
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)  # [tokens, k] each
+        if self.kernel_weights is not None and moe_cpu.usable(x):
+            return self.tp.all_reduce(moe_cpu.run_experts(x, weights, ids, self.kernel_weights))
         flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
@@ -83,6 +109,8 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             rows = grouped[start:start + n]  # [n, hidden]
-            out[start:start + n] = F.linear(self.act_and_mul(F.linear(rows, self.w13[expert])), self.w2[expert])
+            p13, p2 = self.packed[expert] if self.packed else (None, None)
+            h = self.act_and_mul(cpu_ops.linear(rows, self.w13[expert], None, p13))  # [n, inter]
+            out[start:start + n] = cpu_ops.linear(h, self.w2[expert], None, p2)
             start += n
         return out

@@ -98,6 +98,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ]),
     "fp8_dequant": (_I32, [_VP, _VP, _VP, _I64, _I64, _I64, _I32]),
     "fp8_act_quant": (_I32, [_VP, _I64, _I64, _I64, _F32, _VP, _I32]),
+    "moe_experts": (_I32, [
+        _VP, _I64, _VP, _VP, _I64,  # x, T, ids, top-k weights, top_k
+        _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # packed w13 / w2, experts, hidden, inter, y, threads
+    ]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -128,7 +132,8 @@ class NativeLibrary:
     Loading binds every exported function and checks the bindings against the C side; any
     mismatch raises :class:`NativeLibraryError` naming the function, constant or struct field.
     Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
-    of one ``decoder_forward`` / ``linear`` call) and ``has_avx2`` (built with AVX2/FMA paths).
+    of one ``decoder_forward`` / ``linear`` call), ``has_avx2`` (built with AVX2/FMA paths) and
+    ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down).
     """
 
     def __init__(self, path: Path, header: Path = HEADER):
@@ -147,6 +152,7 @@ class NativeLibrary:
             self.check_struct(mirror)
         self.max_decode_tokens = self.constant("MAX_DECODE_TOKENS")
         self.has_avx2 = bool(self.constant("HAS_AVX2"))
+        self.moe_panels = (self.constant("MOE_GATE_PANEL"), self.constant("MOE_DOWN_PANEL"))
         self._dtype_codes = {dt: self.constant(c) for dt, c in _DTYPE_CONSTANTS.items()}
         self._errors = {self.constant(c): err for c, err in _ERROR_CONSTANTS.items()}
 
@@ -309,6 +315,18 @@ class NativeLibrary:
         rc = self._lib.fp8_act_quant(_ptr(x), rows, in_features, group, static_scale, _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "fp8_act_quant", f": x {tuple(x.shape)}, group {group}")
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w13p: torch.Tensor,
+                    w2p: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, hidden]`` = the routed experts of a SiLU MoE layer (``csrc/moe_experts.c``):
+        x float32 ``[T, hidden]``, ids int64 and topk_weights float32 ``[T, top_k]``, w13p / w2p
+        in the packed layout of that file; all contiguous."""
+        rows, hidden = x.shape
+        experts, inter = w13p.shape[0], w13p.shape[1] * self.moe_panels[0]
+        rc = self._lib.moe_experts(_ptr(x), rows, _ptr(ids), _ptr(topk_weights), ids.shape[1], _ptr(w13p),
+                                   _ptr(w2p), experts, hidden, inter, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "moe_experts", f": x {tuple(x.shape)}, experts {experts}, inter {inter}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.layers import cpu_ops
 from pagedllm.layers.fused_moe import FusedMoE, route
 
 HIDDEN, INTER, EXPERTS = 16, 12, 8
@@ -45,6 +46,15 @@ def test_matches_per_token_reference(renormalize, num_tokens):
         assert len(ids.unique()) < EXPERTS
     expected = _reference(x, logits, moe.w13, moe.w2, 2, renormalize)
     assert torch.allclose(moe(x, logits), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_packed_experts_match_the_reference(num_tokens):
+    moe = _layer(renormalize=True)
+    assert cpu_ops.pack_model(moe) == 2 * EXPERTS  # what the model runner does on CPU once loaded
+    x, logits = torch.randn(num_tokens, HIDDEN), torch.randn(num_tokens, EXPERTS)
+    expected = _reference(x, logits, moe.w13, moe.w2, 2, True)
+    torch.testing.assert_close(moe(x, logits), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_loaded_parts_land_in_the_stacked_tensors():

@@ -28,6 +28,8 @@ static const Constant CONSTANTS[] = {
     {"ERR_ARG", PN_ERR_ARG},
     {"ERR_NOMEM", PN_ERR_NOMEM},
     {"ERR_META", PN_ERR_META},
+    {"MOE_GATE_PANEL", MOE_GATE_PANEL},
+    {"MOE_DOWN_PANEL", MOE_DOWN_PANEL},
 };
 
 typedef struct {

@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
- * The library is the five kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, fp8_linear.c) plus
+ * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
+ * quant_linear.c, fp8_linear.c, moe_experts.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -150,6 +150,20 @@ PN_EXPORT int fp8_dequant(const uint8_t *w, const float *scale, float *out, int6
                           int64_t group, int threads);
 PN_EXPORT int fp8_act_quant(const float *x, int64_t T, int64_t in, int64_t group, float static_scale, float *out,
                             int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* the routed experts of a float32 MoE layer (moe_experts.c; packed layout in that file)     */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Columns per packed weight panel: gate/up panels hold this many gate and as many up rows,
+ * down panels this many hidden rows; inter and hidden must be multiples of them. */
+#define MOE_GATE_PANEL 16
+#define MOE_DOWN_PANEL 32
+
+/* y [T, hidden] = sum over k of topk_w[t, k] * expert ids[t, k] (x[t]); ids int64 [T, top_k]. */
+PN_EXPORT int moe_experts(const float *x, int64_t T, const int64_t *ids, const float *topk_w, int64_t top_k,
+                          const float *w13p, const float *w2p, int64_t E, int64_t hidden, int64_t inter,
+                          float *y, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */
