@@ -19,8 +19,9 @@
  * Causality needs no mask: positions inside the context are contiguous, so a row at position
  * p sees exactly the first min(n, p - block_start + 1) keys of a block (a prefix).
  *
- * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available (the dot
- * products are reductions gcc will not vectorize without -ffast-math), with scalar fallbacks.
+ * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available, AVX-512
+ * for q.k and p.v where the build targets it (the dot products are reductions gcc will not
+ * vectorize without -ffast-math), with scalar fallbacks.
  */
 #include <math.h>
 #include <stdint.h>
