@@ -18,8 +18,9 @@ gather copy), processes the query heads of a GQA group together so each K/V tile
 for the whole group (and, for prefill chunks, once for a tile of query tokens), folds 64 keys
 at a time into each row's online softmax, and runs items in parallel with OpenMP. Decode tokens
 and prefill chunks (causal inside the chunk, possibly starting mid-context) go in the same
-call. Hot loops are AVX2/FMA intrinsics with scalar fallbacks; metadata that would index
-outside the tensors is rejected (ValueError) rather than crashing the process.
+call. Hot loops are AVX2/FMA intrinsics (q.k and p.v: AVX-512 where built for it) with scalar
+fallbacks; metadata that would index outside the tensors is rejected (ValueError) rather than
+crashing the process.
 
 Dtypes: the cache may be float32, float16, bfloat16 or fp8 e4m3 / e5m2 (converted to float32
 per tile, in a per-thread scratch buffer, when read; fp8 scales are folded in by the model,

@@ -241,6 +241,19 @@ def test_portable_scalar_build_matches_dense(tmp_path):
         check_against_oracles(batch, backend)
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs an AVX2 CPU")
+def test_avx2_build_without_avx512_matches_dense(tmp_path):
+    """On an AVX-512 host the default build takes the 512-bit loops: the AVX2-only loops
+    (8 accumulators, two-row p.v in 32-column slabs) are checked by a build without AVX-512."""
+    lib = NativeLibrary.build(cache_dir=tmp_path, cflags=("-O2", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared",
+                                                          "-fPIC"))
+    assert lib.has_avx2
+    backend = CpuAttentionBackend(num_threads=2, parallel_work=0, library=lib)
+    for head_dim, group, window in ((64, 2, None), (128, 1, None), (80, 4, 9), (12, 2, None)):
+        batch = make_paged_batch(MIXED, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=8)
+        check_against_oracles(batch, backend, window=window)
+
+
 def test_missing_compiler_raises(tmp_path):
     with pytest.raises(RuntimeError):
         NativeLibrary.build(cc=str(tmp_path / "no-such-cc"), cache_dir=tmp_path)

@@ -19,8 +19,9 @@
  * Causality needs no mask: positions inside the context are contiguous, so a row at position
  * p sees exactly the first min(n, p - block_start + 1) keys of a block (a prefix).
  *
- * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available (the dot
- * products are reductions gcc will not vectorize without -ffast-math), with scalar fallbacks.
+ * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available, AVX-512
+ * for q.k and p.v where the build targets it (the dot products are reductions gcc will not
+ * vectorize without -ffast-math), with scalar fallbacks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -161,6 +162,23 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
+/* AVX-512 (where the build targets it): a 64-float head row is four zmm registers instead of
+ * eight ymm, which halves the FMA and load instructions of the q.k and p.v loops. */
+#if PN_AVX2 && defined(__AVX512F__)
+#define PA_AVX512 1
+static inline __m256 fold512(__m512 v) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+}
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)] */
+static inline __m128 hsum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    return hsum4x256(fold512(a0), fold512(a1), fold512(a2), fold512(a3));
+}
+#else
+#define PA_AVX512 0
+#endif
+
 static inline float dot(const float *a, const float *b, int D) {
     int d = 0;
     float s = 0.0f;
@@ -181,6 +199,23 @@ static inline float dot(const float *a, const float *b, int D) {
 /* s[j] = q . k[j] for j < n (k rows are D apart). */
 static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
     int j = 0;
+#if PA_AVX512
+    if (D % 16 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (int64_t)j * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + D + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * D + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * D + d), a3);
+            }
+            _mm_storeu_ps(s + j, hsum4x512(a0, a1, a2, a3));
+        }
+    }
+#endif
 #if PN_AVX2
     if (D % 8 == 0) {
         /* four keys at a time: one q load feeds four independent FMA chains */
@@ -206,6 +241,34 @@ static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
 static void qk_scores2(const float *q0, const float *q1, const float *k, int n, int D, float *s0,
                        float *s1) {
     int j = 0;
+#if PA_AVX512
+    if (D % 16 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (int64_t)j * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+            __m512 b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                const __m512 x = _mm512_loadu_ps(q0 + d), y = _mm512_loadu_ps(q1 + d);
+                __m512 kv = _mm512_loadu_ps(k0 + d);
+                a0 = _mm512_fmadd_ps(x, kv, a0);
+                b0 = _mm512_fmadd_ps(y, kv, b0);
+                kv = _mm512_loadu_ps(k0 + D + d);
+                a1 = _mm512_fmadd_ps(x, kv, a1);
+                b1 = _mm512_fmadd_ps(y, kv, b1);
+                kv = _mm512_loadu_ps(k0 + 2 * D + d);
+                a2 = _mm512_fmadd_ps(x, kv, a2);
+                b2 = _mm512_fmadd_ps(y, kv, b2);
+                kv = _mm512_loadu_ps(k0 + 3 * D + d);
+                a3 = _mm512_fmadd_ps(x, kv, a3);
+                b3 = _mm512_fmadd_ps(y, kv, b3);
+            }
+            _mm_storeu_ps(s0 + j, hsum4x512(a0, a1, a2, a3));
+            _mm_storeu_ps(s1 + j, hsum4x512(b0, b1, b2, b3));
+        }
+    }
+#endif
 #if PN_AVX2
     if (D % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
@@ -279,15 +342,42 @@ static float exp_shift_sum(float *s, int n, float m) {
     return sum;
 }
 
-/* acc = acc * corr + sum_j p[j] * v[j] over j < n (v rows are D apart). */
-static void pv_accumulate(float *acc, float corr, const float *p, const float *v, int n, int D) {
+/* acc[0..D) *= f */
+static void scale_row(float *acc, float f, int D) {
+    for (int d = 0; d < D; d++) acc[d] *= f;
+}
+
+/* acc += sum_j p[j] * v[j] over j < n (v rows are D apart), one row. FMA latency is several
+ * cycles and two units issue per cycle, so the vector loops keep eight independent
+ * accumulator chains: even and odd keys go to separate sets, summed at the end. */
+static void pv_row(float *acc, const float *p, const float *v, int n, int D) {
     int d = 0;
+#if PA_AVX512
+    for (; d + 64 <= D; d += 64) {
+        __m512 a[4], b[4];
+        for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc + d + 16 * u), b[u] = _mm512_setzero_ps();
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+            const float *v0 = v + (int64_t)j * D + d, *v1 = v0 + D;
+            for (int u = 0; u < 4; u++) {
+                a[u] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * u), a[u]);
+                b[u] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * u), b[u]);
+            }
+        }
+        if (j < n) {
+            const __m512 p0 = _mm512_set1_ps(p[j]);
+            for (int u = 0; u < 4; u++)
+                a[u] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + (int64_t)j * D + d + 16 * u), a[u]);
+        }
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc + d + 16 * u, _mm512_add_ps(a[u], b[u]));
+    }
+#endif
 #if PN_AVX2
-    const __m256 vc = _mm256_set1_ps(corr);
     /* 64 columns at a time: eight accumulators stay in registers across all n keys */
     for (; d + 64 <= D; d += 64) {
         __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * u), vc);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + d + 8 * u);
         for (int j = 0; j < n; j++) {
             const __m256 pj = _mm256_set1_ps(p[j]);
             const float *vj = v + (int64_t)j * D + d;
@@ -297,16 +387,77 @@ static void pv_accumulate(float *acc, float corr, const float *p, const float *v
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, a[u]);
     }
     for (; d + 8 <= D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), vc);
+        __m256 a = _mm256_loadu_ps(acc + d);
         for (int j = 0; j < n; j++)
             a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (int64_t)j * D + d), a);
         _mm256_storeu_ps(acc + d, a);
     }
 #endif
     for (; d < D; d++) {
-        float a = acc[d] * corr;
+        float a = acc[d];
         for (int j = 0; j < n; j++) a += p[j] * v[(int64_t)j * D + d];
         acc[d] = a;
+    }
+}
+
+/* pv_row for two rows over the same n keys: each V row is loaded once for both, and the two
+ * rows' accumulators are the independent FMA chains. */
+static void pv_rows2(float *acc0, const float *p0, float *acc1, const float *p1, const float *v, int n,
+                     int D) {
+    int d = 0;
+#if PA_AVX512
+    for (; d + 64 <= D; d += 64) {
+        __m512 a[4], b[4];
+        for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc0 + d + 16 * u), b[u] = _mm512_loadu_ps(acc1 + d + 16 * u);
+        for (int j = 0; j < n; j++) {
+            const __m512 x = _mm512_set1_ps(p0[j]), y = _mm512_set1_ps(p1[j]);
+            const float *vj = v + (int64_t)j * D + d;
+            for (int u = 0; u < 4; u++) {
+                const __m512 vv = _mm512_loadu_ps(vj + 16 * u);
+                a[u] = _mm512_fmadd_ps(x, vv, a[u]);
+                b[u] = _mm512_fmadd_ps(y, vv, b[u]);
+            }
+        }
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc0 + d + 16 * u, a[u]), _mm512_storeu_ps(acc1 + d + 16 * u, b[u]);
+    }
+#elif PN_AVX2
+    /* 32 columns: eight accumulators, within the 16 ymm registers plain AVX2 has */
+    for (; d + 32 <= D; d += 32) {
+        __m256 a[4], b[4];
+        for (int u = 0; u < 4; u++) a[u] = _mm256_loadu_ps(acc0 + d + 8 * u), b[u] = _mm256_loadu_ps(acc1 + d + 8 * u);
+        for (int j = 0; j < n; j++) {
+            const __m256 x = _mm256_set1_ps(p0[j]), y = _mm256_set1_ps(p1[j]);
+            const float *vj = v + (int64_t)j * D + d;
+            for (int u = 0; u < 4; u++) {
+                const __m256 vv = _mm256_loadu_ps(vj + 8 * u);
+                a[u] = _mm256_fmadd_ps(x, vv, a[u]);
+                b[u] = _mm256_fmadd_ps(y, vv, b[u]);
+            }
+        }
+        for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc0 + d + 8 * u, a[u]), _mm256_storeu_ps(acc1 + d + 8 * u, b[u]);
+    }
+#endif
+#if PN_AVX2
+    for (; d + 8 <= D; d += 8) {
+        __m256 a = _mm256_loadu_ps(acc0 + d), b = _mm256_loadu_ps(acc1 + d);
+        for (int j = 0; j < n; j++) {
+            const __m256 vv = _mm256_loadu_ps(v + (int64_t)j * D + d);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p0[j]), vv, a);
+            b = _mm256_fmadd_ps(_mm256_set1_ps(p1[j]), vv, b);
+        }
+        _mm256_storeu_ps(acc0 + d, a);
+        _mm256_storeu_ps(acc1 + d, b);
+    }
+#endif
+    for (; d < D; d++) {
+        float a = acc0[d], b = acc1[d];
+        for (int j = 0; j < n; j++) {
+            const float vv = v[(int64_t)j * D + d];
+            a += p0[j] * vv;
+            b += p1[j] * vv;
+        }
+        acc0[d] = a;
+        acc1[d] = b;
     }
 }
 
@@ -488,23 +639,55 @@ static void chunk_scores(const Chunk *c, const float *q0, const float *q1, int n
     }
 }
 
-/* Folds scores s[0..nv) of the chunk's keys into row r's online-softmax state: new max,
- * rescale of the old sum/accumulator by exp(m_old - m_new), then acc += sum_j p_j v_j. */
-static void online_softmax_pv(Scratch *S, int r, float *s, int nv, const Chunk *c, int D) {
-    const float m_old = S->m[r], m_new = max_with(s, nv, m_old);
-    /* 0 on the first chunk (m = -inf); skip the exp when the max did not move */
-    const float corr = m_new == m_old ? 1.0f : expf(m_old - m_new);
-    S->l[r] = S->l[r] * corr + exp_shift_sum(s, nv, m_new);
-    S->m[r] = m_new;
-    float *acc = S->acc + (int64_t)r * D;
-    for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++)
-        pv_accumulate(acc, b == 0 ? corr : 1.0f, s + off, c->v[b], imin(c->n[b], nv - off), D);
-}
-
 /* s[0..lo) = -inf (lo <= 0: nothing); returns s. */
 static float *mask_before(float *s, int lo) {
     for (int j = 0; j < lo; j++) s[j] = -INFINITY;
     return s;
+}
+
+/* Folds scores s[0..nv) of the chunk's keys into row r's online-softmax state: new max, the
+ * old sum and accumulator rescaled by exp(m_old - m_new); s becomes p_j = exp(s_j - m_new),
+ * which the caller then adds into the row's accumulator (chunk_pv). */
+static void softmax_update(Scratch *S, int r, float *s, int nv, int D) {
+    const float m_old = S->m[r], m_new = max_with(s, nv, m_old);
+    /* skip the exp when the max did not move; on the first chunk (m = -inf) acc is still 0 */
+    const float corr = m_new == m_old ? 1.0f : expf(m_old - m_new);
+    S->l[r] = S->l[r] * corr + exp_shift_sum(s, nv, m_new);
+    S->m[r] = m_new;
+    if (corr != 1.0f && m_old != -INFINITY) scale_row(S->acc + (int64_t)r * D, corr, D);
+}
+
+/* acc0 += sum_j p0[j] v_j over the chunk's keys j in [from, to) (p indexed by key within the
+ * chunk), and the same for acc1 / p1 in the same pass unless acc1 is NULL. */
+static void chunk_pv(const Chunk *c, float *acc0, const float *p0, float *acc1, const float *p1, int from,
+                     int to, int D) {
+    for (int b = 0, off = 0; b < c->nblocks && off < to; off += c->n[b], b++) {
+        const int lo = from > off ? from : off, hi = imin(off + c->n[b], to);
+        if (lo >= hi) continue;
+        const float *v = c->v[b] + (int64_t)(lo - off) * D;
+        if (acc1)
+            pv_rows2(acc0, p0 + lo, acc1, p1 + lo, v, hi - lo, D);
+        else
+            pv_row(acc0, p0 + lo, v, hi - lo, D);
+    }
+}
+
+/* Rows r and r + 1 (if pair) after their scores are in s0 / s1: softmax state updates, then
+ * p.v with V read once for the keys both rows see (row r + 1 sees at least row r's keys). */
+static void pair_softmax_pv(Scratch *S, const Chunk *c, int r, float *s0, int nv0, int lo0, float *s1,
+                            int nv1, int lo1, int D) {
+    const int do0 = nv0 > 0 && lo0 < nv0, do1 = nv1 > 0 && lo1 < nv1;
+    float *acc0 = S->acc + (int64_t)r * D, *acc1 = acc0 + D;
+    if (do0) softmax_update(S, r, mask_before(s0, lo0), nv0, D);
+    if (do1) softmax_update(S, r + 1, mask_before(s1, lo1), nv1, D);
+    if (do0 && do1) {
+        chunk_pv(c, acc0, s0, acc1, s1, 0, nv0, D);
+        chunk_pv(c, acc1, s1, NULL, NULL, nv0, nv1, D);
+    } else if (do0) {
+        chunk_pv(c, acc0, s0, NULL, NULL, 0, nv0, D);
+    } else if (do1) {
+        chunk_pv(c, acc1, s1, NULL, NULL, 0, nv1, D);
+    }
 }
 
 /* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
@@ -556,8 +739,7 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
             /* sliding window: keys before a row's window start drop out of its softmax */
             const int lo0 = P->window ? first_visible + r / group - P->window : 0;
             const int lo1 = P->window && pair ? first_visible + (r + 1) / group - P->window : 0;
-            if (nv0 > 0 && lo0 < nv0) online_softmax_pv(S, r, mask_before(S->s, lo0), nv0, &c, D);
-            if (nv1 > 0 && lo1 < nv1) online_softmax_pv(S, r + 1, mask_before(S->s + smax, lo1), nv1, &c, D);
+            pair_softmax_pv(S, &c, r, S->s, nv0, lo0, S->s + smax, nv1, lo1, D);
         }
     }
 
