@@ -10,12 +10,15 @@
  *
  * Why: decoding small batches streams every weight once per step, at memory bandwidth on a
  * CPU; 4-bit codes are an eighth of float32's bytes. The codes are widened to float32 in
- * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask) and
- * multiplied into fp32 accumulators; the group's scale and zero are applied once per group
- * (qtile4). Threads
+ * registers and multiplied into fp32 accumulators; the group's scale and zero are applied once
+ * per group. With AVX-512 (qtile4_512) a step is 16 lanes from one 128-bit load per row, and a
+ * software prefetch keeps the next work units' codes streaming in while this one computes:
+ * without it the kernel ran at ~ (compute time + read time), ~2.4x the read time at batch 1;
+ * with it ~1.2x (benchmarks/RESULTS.md, "4-bit, 8-bit and FP8 weights"). With AVX2 only
+ * (qtile4) a step is 8 lanes (4 bytes of nibbles: broadcast, per-lane shift, mask). Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
- * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
- * weight into a float32 buffer (qg_dequant) for one MKL GEMM.
+ * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger
+ * batches widen the weight into a float32 buffer (qg_dequant) for one MKL GEMM.
  */
 #include <stdint.h>
 #include <stdlib.h>
