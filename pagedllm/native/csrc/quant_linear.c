@@ -256,6 +256,32 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
     return PN_OK;
 }
 
+#if QG_AVX512
+/* dst[i .. i + group) = the codes of one group times s minus z, 16 lanes at a time. (Streaming
+ * stores measured slower: the GEMM right after reads a layer's widened matrix back from cache.) */
+static inline void dequant_group512(const uint8_t *src, float *dst, int64_t i, int64_t group, float s, float z,
+                                    int bits) {
+    const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+    __m512 w[2];
+    /* the 4-bit lanes (even columns, odd columns) back in column order */
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t end = i + group; i < end; i += QG_STEP(bits)) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + (bits == 4 ? i / 2 : i))));
+        int nw = 1;
+        if (bits == 4) {
+            const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+            w[0] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi));
+            w[1] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi));
+            nw = 2;
+        } else {
+            w[0] = _mm512_cvtepi32_ps(v);
+        }
+        for (int j = 0; j < nw; j++) _mm512_storeu_ps(dst + i + 16 * j, _mm512_fmsub_ps(w[j], sv, zv));
+    }
+}
+#endif
+
 /* out [rows, in] float32 = the dequantized matrix, for batches where one MKL GEMM on it wins. */
 int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows, int64_t in,
                int64_t group, int bits, int threads) {
@@ -268,6 +294,12 @@ int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *
         for (int64_t g = 0; g < groups; g++) {
             const float s = scale[r * groups + g], z = szero[r * groups + g];
             int64_t i = g * group;
+#if QG_AVX512
+            if (qg_wide(group, bits)) {
+                dequant_group512(src, dst, i, group, s, z, bits);
+                continue;
+            }
+#endif
 #if PN_AVX2
             const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
             for (; i < (g + 1) * group; i += 8)
