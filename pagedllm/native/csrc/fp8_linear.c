@@ -16,7 +16,9 @@
  * included, and F16C widens 8 of them to float32 in one instruction; the 2^8 is applied with the
  * group's scale. Measured per decoder layer of the 34M benchmark model at batch 1 (2 threads):
  * int8's kernel 84 us, this one 170 us, a 256-entry table gather 308 us (16 bytes per step
- * instead of 8 gained nothing). The NaN bytes 0x7f / 0xff would read as +-480 this way: the loader refuses weights
+ * instead of 8 gained nothing). With AVX-512 (load_fp8x16: sign extension saves two of the
+ * steps) and a software prefetch of later rows, FP8 runs at int8's speed: 9.7 vs 9.4 ms for the
+ * ~200M model's projections at batch 1, ~1.2x the time reading them takes (RESULTS.md). The NaN bytes 0x7f / 0xff would read as +-480 this way: the loader refuses weights
  * holding them (layers/quantization/fp8.py), and the scalar paths read the exact table.
  * Threads split the output rows; a work unit reads 4 weight rows once for up to 3 tokens per
  * pass, like quant_linear.c. Larger batches widen the weight into a float32 buffer
