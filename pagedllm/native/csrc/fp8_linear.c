@@ -74,14 +74,14 @@ static inline __attribute__((always_inline)) __m512 load_fp8x16(const uint8_t *r
 #define FP8_AVX512 0
 #endif
 
-/* how many work units ahead the AVX-512 loop fetches weight bytes (quant_linear.c: why) */
+/* how many work units ahead the vector loops fetch weight bytes (quant_linear.c: why) */
 #define FP8_PREFETCH_UNITS 4
 
 /* The 4 weight rows and their scale rows that one work unit reads. */
 typedef struct {
     const uint8_t *w[4];
     const float *s[4];
-    const char *prefetch; /* bytes of a later work unit, fetched a line per 16 columns */
+    const char *prefetch; /* bytes of a later work unit, fetched as fast as this one's are read */
 } Fp8Rows4;
 
 /* Partial dot products of 4 rows with NT tokens over columns [lo, hi): part[t][k]. */
@@ -114,6 +114,7 @@ static inline __attribute__((always_inline)) void fp8_group_dots(const Fp8Rows4 
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) acc8[t][k] = _mm256_setzero_ps();
     for (; i + 8 <= hi; i += 8) {
+        _mm_prefetch(r->prefetch + i / 8 * 32, _MM_HINT_T0); /* 4 x 8 bytes a step */
         __m256 xv[3];
         for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
         for (int k = 0; k < 4; k++) {
