@@ -30,6 +30,15 @@ loaded; its process group is killed before anything else is timed. Ratio = paged
 ``--model-size 200m``: the random ~205M Llama (hidden 1024, 16 layers, 16 heads / 8 KV heads,
 intermediate 2816) instead of the 34M one; its default workloads are single and batch64.
 
+Every run also measures this machine's read bandwidth (``torch.sum`` over a 512 MiB buffer,
+median of 5) and the bytes of weights a decode step streams (every projection's weight and its
+scales, plus the LM head; not the embedding table, of which a step reads one row per token), and
+prints the batch-1 step against the time reading those bytes once takes ("x of read time": 1.0
+is the memory-bandwidth bound). Compare quantizations with one run each::
+
+    for q in none int8 int4; do python benchmarks/throughput.py --model-size 200m --skip-hf \
+        --repeats 3 --quantization $q --output results/throughput-200m-$q.json; done
+
 ``--sweep`` adds a concurrency sweep: for each c in ``--concurrency`` (default 1,8,16,32,64,128),
 c requests of 128 -> 128 through both systems (transformers: one static batch of c), printed as
 a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
@@ -53,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from attention import measure_bandwidth  # noqa: E402
 from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)
     MODEL_CONFIGS,
     RESULTS_DIR,
@@ -619,12 +629,14 @@ def main(argv=None) -> dict:
     results = run_workloads(workloads, llm, hf, vocab, args, vllm)
     sweep_results = run_workloads(sweep, llm, hf, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
+    meta["weight_read"] = weight_read(llm, results)
     if vllm is not None:
         meta["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
     data = dict(meta=meta, engine=info, results=results)
     print_header(meta)
     if results:
         print_report(results, info)
+    print_weight_read(meta["weight_read"])
     if sweep:
         data["sweep"] = finish_sweep(sweep_results, args, meta)
         print_sweep(data["sweep"], info)
@@ -659,6 +671,36 @@ def run_workloads(workloads: list[Workload], llm, hf, vocab: int, args, vllm: di
         results[wl.name] = bench_workload(wl, llm, hf, vocab, args, vllm_run)
         print(f"[{wl.name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
     return results
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads from the weights: every parameter and weight buffer (codes,
+    scales, scaled zeros) but the input embedding, of which it reads one row per token."""
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("weight"))
+    return sum(t.numel() * t.element_size() for n, t in tensors.items() if "embed_tokens" not in n)
+
+
+def weight_read(llm, results: dict) -> dict:
+    """Read bandwidth (median of 5 sums of 512 MiB), the weight bytes a decode step streams, the
+    time reading them once takes, and the single workload's step / forward against that time."""
+    bw = measure_bandwidth(512, 5)["read_gbs"]
+    nbytes = decode_weight_bytes(llm.llm_engine.executor.runner.model)
+    read_ms = nbytes / bw / 1e6
+    out = dict(read_gbs=bw, weight_mb=nbytes / 1e6, read_ms=read_ms)
+    if "single" in results:
+        ms = results["single"]["pagedllm"]["engine"]["step_ms"]
+        out.update(single_step_ms=ms["step"], single_forward_ms=ms["forward"], step_x_read=ms["step"] / read_ms)
+    return out
+
+
+def print_weight_read(w: dict) -> None:
+    line = (f"\nread bandwidth {w['read_gbs']:.1f} GB/s (sum of 512 MiB, median of 5); a decode step reads "
+            f"{w['weight_mb']:.1f} MB of weights: {w['read_ms']:.2f} ms at that bandwidth")
+    if "step_x_read" in w:
+        line += (f"; single: step {w['single_step_ms']:.2f} ms (forward {w['single_forward_ms']:.2f}) = "
+                 f"{w['step_x_read']:.2f}x of read time")
+    print(line)
 
 
 def run_meta(args, model_dir: Path, llm) -> dict:

@@ -72,6 +72,14 @@ def _projection_mix_reason(model) -> str | None:
     return None
 
 
+def _quantized_max_tokens(model) -> int:
+    """Group-wise 4/8-bit projections: their C kernel's crossover with dequantize + GEMM
+    (grouped.C_MAX_ROWS), past which the module path is faster; no limit otherwise."""
+    from pagedllm.layers.quantization import grouped
+    bits = getattr(_projections(model)[0], "quant_bits", None)
+    return grouped.C_MAX_ROWS[bits] if bits in grouped.C_MAX_ROWS else DEFAULT_MAX_TOKENS
+
+
 class FusedCpuDecoder:
     """Runs a ``LlamaModel`` forward (embedding through final norm) in one ``ld_forward`` call.
 
@@ -82,7 +90,7 @@ class FusedCpuDecoder:
 
     def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
         self._native = bindings.library()
-        self.max_tokens = min(max_tokens, self._native.max_decode_tokens)
+        self.max_tokens = min(max_tokens, self._native.max_decode_tokens, _quantized_max_tokens(model))
         self.parallel_work = backend.parallel_work
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None

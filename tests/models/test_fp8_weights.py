@@ -54,6 +54,19 @@ def test_c_widening_is_torch_conversion_for_every_byte():
         assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit())
 
 
+def test_c_matmul_widens_every_byte_exactly():
+    """The matmul kernel's own widening (16 columns a step, then 8, then scalar) on every
+    non-NaN byte: one-hot inputs pick single weights out of rows of 127 bytes."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    rows = codes.view(2, 127).contiguous()
+    want = rows.view(torch.float8_e4m3fn).float()
+    lib, out = bindings.library(), torch.empty(16, 2)
+    for start in range(0, 127, 16):
+        x = torch.eye(127)[start:start + 16].contiguous()  # token t picks column start + t
+        lib.fp8_linear(x, rows, torch.ones(2, 1), None, 127, out[: x.shape[0]], 2)
+        assert torch.equal(out[: x.shape[0]].t(), want[:, start:start + 16])  # (a dot product's -0 is +0)
+
+
 def test_nan_weights_are_refused_at_load():
     from pagedllm.layers.linear import ReplicatedLinear
     w = torch.zeros(4, 16, dtype=torch.uint8)

@@ -48,8 +48,9 @@ def _layer(codes, scale, zero, bits, g_idx=None, bias=None):
 
 @needs_c
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 48, 49, 130])  # every token tail; > 48: dequantize + GEMM
+@pytest.mark.parametrize("group", [8, 16, 32, 64, 128])  # 8, 16: groups the 16-lane steps do not fill
+# every token tail; past grouped.C_MAX_ROWS (24 for 8 bits, 32 for 4): dequantize + GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 24, 25, 32, 33, 130])
 def test_grouped_linear_matches_float64_reference(bits, group, rows):
     out_features, in_features = 70, 2 * 128  # 70 rows: a 2-row tail in the 4-row work units
     codes, scale, zero = _random_layout(out_features, in_features, group, bits, seed=rows + group + bits)
@@ -58,6 +59,47 @@ def test_grouped_linear_matches_float64_reference(bits, group, rows):
     got = _layer(codes, scale, zero, bits, bias=bias)(x)
     want = x.double() @ _reference64(codes, scale, zero, group).t() + bias.double()
     torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The kernels built for AVX2/FMA/F16C without AVX-512 (the 8-lane paths, which a
+    -march=native build on an AVX-512 machine does not run)."""
+    from pagedllm.native.bindings import NativeLibrary
+    if not cpu_ops.usable(torch.zeros(1)):
+        pytest.skip("no C compiler")
+    flags = ("-O2", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+    lib = NativeLibrary.build(cache_dir=tmp_path_factory.mktemp("avx2"), cflags=flags)
+    assert lib.has_avx2
+    return lib
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 128), (8, 16), (8, 128)])
+def test_avx2_build_matches_float64_reference(avx2_library, bits, group):
+    out_features, in_features = 70, 256
+    codes, scale, zero = _random_layout(out_features, in_features, group, bits, seed=group + bits)
+    layer = _layer(codes, scale, zero, bits)
+    want64 = _reference64(codes, scale, zero, group)
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, in_features)
+        got = torch.empty(rows, out_features)
+        avx2_library.grouped_linear(x, layer.weight, layer.weight_scale, layer.weight_szero, None, group, bits, got, 2)
+        torch.testing.assert_close(got.double(), x.double() @ want64.t(), atol=2e-4, rtol=2e-4)
+    widened = torch.empty(out_features, in_features)
+    avx2_library.dequantize_grouped(layer.weight, layer.weight_scale, layer.weight_szero, widened, group, bits, 2)
+    torch.testing.assert_close(widened.double(), want64, atol=1e-5, rtol=1e-6)
+
+
+def test_avx2_build_fp8_matches_float64_reference(avx2_library):
+    from pagedllm.layers.quantization import fp8
+    w = (torch.randn(9, 40) * 40).to(torch.float8_e4m3fn)
+    w.view(torch.uint8)[w.view(torch.uint8) & 0x7F == 0x7F] = 0x7E  # no NaN (refused at load)
+    scale = torch.rand(9, 2) + 0.25
+    x = torch.randn(3, 40)
+    got = torch.empty(3, 9)
+    avx2_library.fp8_linear(x, w.view(torch.uint8), scale, None, 20, got, 2)
+    want = x.double() @ fp8.dequantize(w, scale, torch.float64).t()
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=1e-5)
 
 
 @needs_c

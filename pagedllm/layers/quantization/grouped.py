@@ -24,10 +24,12 @@ from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import scratch_buffer
 from pagedllm.native import bindings
 
-# up to this many rows the C kernel (codes widened in registers), beyond them dequantize + MKL:
-# int8's measured crossover (int8.C_MAX_ROWS) reused, not yet measured for 4/8-bit codes
-# (capped at run time by the library's own limit, NativeLibrary.max_decode_tokens)
-C_MAX_ROWS = 48
+# up to this many rows (by bits) the C kernel (codes widened in registers), beyond them
+# dequantize + MKL: the crossover measured on the ~200M benchmark model's projections (AVX-512,
+# 2 threads, benchmarks/RESULTS.md "4-bit, 8-bit and FP8 weights"); capped at run time by the
+# library's own limit, NativeLibrary.max_decode_tokens. The one-call decoder takes no more
+# tokens than this either (models/cpu_decode.py): it has no MKL path.
+C_MAX_ROWS = {4: 32, 8: 24}
 BITS = (4, 8)
 
 
@@ -119,7 +121,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
         return torch.nn.functional.linear(x, dequantize(q, scale, szero, group, bits, x.dtype), bias)
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()  # [tokens, in]
-    if 0 < x2.shape[0] <= min(C_MAX_ROWS, native.max_decode_tokens):
+    if 0 < x2.shape[0] <= min(C_MAX_ROWS[bits], native.max_decode_tokens):
         y = torch.empty(x2.shape[0], q.shape[0], dtype=torch.float32)
         b = None if bias is None else bias.float().contiguous()
         native.grouped_linear(x2, q, scale, szero, b, group, bits, y, torch.get_num_threads())

@@ -10,12 +10,16 @@
  *
  * Why: decoding small batches streams every weight once per step, at memory bandwidth on a
  * CPU; 4-bit codes are an eighth of float32's bytes. The codes are widened to float32 in
- * registers, 8 lanes per load (4 bytes of nibbles: broadcast, per-lane shift, mask) and
- * multiplied into fp32 accumulators; the group's scale and zero are applied once per group
- * (qtile4). Threads
+ * registers and multiplied into fp32 accumulators; the group's scale and zero are applied once
+ * per group. With AVX-512 (qtile4_512) a step is 16 lanes from one 128-bit load per row, and a
+ * software prefetch keeps the next work units' codes streaming in while this one computes:
+ * without it the kernel ran at ~ (compute time + read time), ~2.4x the read time at batch 1;
+ * with it ~1.2x (benchmarks/RESULTS.md, "4-bit, 8-bit and FP8 weights"). With AVX2 only
+ * (qtile4) a step is 8 lanes (4 bytes of nibbles: broadcast, per-lane shift, mask), with the
+ * same prefetch (~1.6x the read time for 4 bits). Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
- * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger batches widen the
- * weight into a float32 buffer (qg_dequant) for one MKL GEMM.
+ * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger
+ * batches widen the weight into a float32 buffer (qg_dequant) for one MKL GEMM.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,6 +50,7 @@ static inline __attribute__((always_inline)) float load_code1(const uint8_t *row
 typedef struct {
     const uint8_t *q[4];
     const float *s[4], *z[4];
+    const char *prefetch; /* codes of a later work unit, fetched a line per step (qtile4_512) */
 } Rows4;
 
 /* dots[t][k] = W_k . x_t for 4 rows and NT <= 3 tokens, each weight chunk widened once in
@@ -67,6 +72,8 @@ static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const f
         for (int t = 0; t < NT; t++)
             for (int k = 0; k < 4; k++) acc[t][k] = _mm256_setzero_ps();
         for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+            /* a step reads 4 x BITS bytes: fetch as many of a later unit (see qtile4_512) */
+            _mm_prefetch(r->prefetch + i / 8 * 4 * BITS, _MM_HINT_T0);
             __m256 xv[3];
             for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
             for (int k = 0; k < 4; k++) {
@@ -89,11 +96,103 @@ static inline __attribute__((always_inline)) void qtile4(const Rows4 *r, const f
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QG_AVX512 1
+/* The AVX-512 path: 16 lanes, one 128-bit load of codes per row and step (32 columns of
+ * 4-bit codes, 16 of 8-bit ones), zero-extended to 16 dword lanes in one instruction. A 4-bit
+ * step's 16 bytes hold columns 2j (low nibble) and 2j+1 (high nibble): a mask gives the even
+ * columns, a shift the odd ones, so no shuffle is needed if x comes de-interleaved
+ * (deinterleave_x: per 32 columns, the 16 even ones then the 16 odd ones, once per call).
+ * Each group's codes . x accumulates in vector registers and is folded into the row's total
+ * with one FMA by the group's scale; the zero term (szero * group sum of x) is scalar, once
+ * per group; one horizontal sum per row and token at the end. */
+#define QG_STEP(BITS) ((BITS) == 4 ? 32 : 16)
+static inline __attribute__((always_inline)) void qtile4_512(const Rows4 *r, const float *x, const float *xsum,
+                                                             int64_t n, int64_t group, const int NT, const int BITS,
+                                                             float dots[3][4]) {
+    const int64_t groups = n / group;
+    __m512 tot[3][4];
+    float zsum[3][4];
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++) tot[t][k] = _mm512_setzero_ps(), zsum[t][k] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[3][4];
+        for (int t = 0; t < NT; t++)
+            for (int k = 0; k < 4; k++) acc[t][k] = _mm512_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += QG_STEP(BITS)) {
+            /* a step reads 4 x 16 bytes, one cache line's worth: fetch the same amount of a
+             * later unit, so memory streams while this one computes (the hardware prefetcher
+             * alone left the loads and the math serialised: ~ the sum of both times) */
+            _mm_prefetch(r->prefetch + i / QG_STEP(BITS) * 64, _MM_HINT_T0);
+            if (BITS == 4) {
+                __m512 xe[3], xo[3]; /* x of the even / odd columns of i..i+31 */
+                for (int t = 0; t < NT; t++) xe[t] = _mm512_loadu_ps(x + t * n + i), xo[t] = _mm512_loadu_ps(x + t * n + i + 16);
+                for (int k = 0; k < 4; k++) {
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->q[k] + i / 2)));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                    for (int t = 0; t < NT; t++)
+                        acc[t][k] = _mm512_fmadd_ps(hi, xo[t], _mm512_fmadd_ps(lo, xe[t], acc[t][k]));
+                }
+            } else {
+                __m512 xv[3];
+                for (int t = 0; t < NT; t++) xv[t] = _mm512_loadu_ps(x + t * n + i);
+                for (int k = 0; k < 4; k++) {
+                    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->q[k] + i))));
+                    for (int t = 0; t < NT; t++) acc[t][k] = _mm512_fmadd_ps(w, xv[t], acc[t][k]);
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            const __m512 s = _mm512_set1_ps(r->s[k][g]);
+            for (int t = 0; t < NT; t++) {
+                tot[t][k] = _mm512_fmadd_ps(acc[t][k], s, tot[t][k]);
+                zsum[t][k] += r->z[k][g] * xsum[t * groups + g];
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++) dots[t][k] = _mm512_reduce_add_ps(tot[t][k]) - zsum[t][k];
+}
+
+/* Whether qtile4_512 takes this group size: whole steps per group. */
+static inline int qg_wide(int64_t group, int bits) { return group % QG_STEP(bits) == 0; }
+
+/* xd = x with each run of 32 columns reordered as its 16 even columns then its 16 odd ones
+ * (the order of a 4-bit step's lanes, see above); [T, in], in a multiple of 32. */
+static void deinterleave_x(const float *x, int64_t T, int64_t in, float *xd) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < in; i += 32)
+            for (int j = 0; j < 16; j++) {
+                xd[t * in + i + j] = x[t * in + i + 2 * j];
+                xd[t * in + i + 16 + j] = x[t * in + i + 2 * j + 1];
+            }
+}
+#else
+#define QG_AVX512 0
+static inline int qg_wide(int64_t group, int bits) { return (void)group, (void)bits, 0; }
+#endif
+
 /* dots[t][k] for all T tokens, three at a time. */
 static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsum, int64_t T, int64_t n,
                       int64_t group, float (*dots)[4]) {
     const int64_t groups = n / group;
     int64_t t = 0;
+#if QG_AVX512
+    if (qg_wide(group, bits)) { /* x is de-interleaved for 4 bits (qg_linear) */
+#define QTILE512(NT, BITS) qtile4_512(r, x + t * n, xsum + t * groups, n, group, NT, BITS, dots + t)
+        if (bits == 4) {
+            for (; t + 2 <= T; t += 2) QTILE512(2, 4);
+            if (T - t == 1) QTILE512(1, 4);
+        } else {
+            for (; t + 3 <= T; t += 3) QTILE512(3, 8);
+            if (T - t == 2) QTILE512(2, 8);
+            if (T - t == 1) QTILE512(1, 8);
+        }
+#undef QTILE512
+        return;
+    }
+#endif
 #define QTILE(NT, BITS) qtile4(r, x + t * n, xsum + t * groups, n, group, NT, BITS, dots + t)
     if (bits == 4) { /* two tokens a pass: the nibble unpacking needs registers of its own */
         for (; t + 2 <= T; t += 2) QTILE(2, 4);
@@ -117,6 +216,9 @@ static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, flo
         }
 }
 
+/* how many work units ahead qtile4_512 fetches codes */
+#define QG_PREFETCH_UNITS 4
+
 static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
     return in <= 0 || out <= 0 || threads <= 0 || (bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 ||
            in % group != 0;
@@ -127,14 +229,23 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
-    float *xsum = malloc(sizeof(float) * T * groups);
+    const int shuffled = bits == 4 && qg_wide(group, bits);
+    float *xsum = malloc(sizeof(float) * T * (groups + (shuffled ? in : 0)));
     if (!xsum) return PN_ERR_NOMEM;
     group_sums(x, T, in, group, xsum);
+#if QG_AVX512
+    if (shuffled) { /* the kernel reads x in the lane order of the nibbles (deinterleave_x) */
+        deinterleave_x(x, T, in, xsum + T * groups);
+        x = xsum + T * groups;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         const int64_t o = u * 4;
         const int nr = out - o < 4 ? (int)(out - o) : 4;
         Rows4 r;
+        const int64_t ahead = o + 4 * QG_PREFETCH_UNITS < out - 3 ? o + 4 * QG_PREFETCH_UNITS : o;
+        r.prefetch = (const char *)(q + ahead * row_bytes);
         for (int k = 0; k < 4; k++) {
             const int64_t row = o + (k < nr ? k : 0); /* missing rows repeat a valid one */
             r.q[k] = q + row * row_bytes, r.s[k] = scale + row * groups, r.z[k] = szero + row * groups;
@@ -148,6 +259,32 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
     return PN_OK;
 }
 
+#if QG_AVX512
+/* dst[i .. i + group) = the codes of one group times s minus z, 16 lanes at a time. (Streaming
+ * stores measured slower: the GEMM right after reads a layer's widened matrix back from cache.) */
+static inline void dequant_group512(const uint8_t *src, float *dst, int64_t i, int64_t group, float s, float z,
+                                    int bits) {
+    const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+    __m512 w[2];
+    /* the 4-bit lanes (even columns, odd columns) back in column order */
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t end = i + group; i < end; i += QG_STEP(bits)) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + (bits == 4 ? i / 2 : i))));
+        int nw = 1;
+        if (bits == 4) {
+            const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+            w[0] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi));
+            w[1] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi));
+            nw = 2;
+        } else {
+            w[0] = _mm512_cvtepi32_ps(v);
+        }
+        for (int j = 0; j < nw; j++) _mm512_storeu_ps(dst + i + 16 * j, _mm512_fmsub_ps(w[j], sv, zv));
+    }
+}
+#endif
+
 /* out [rows, in] float32 = the dequantized matrix, for batches where one MKL GEMM on it wins. */
 int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows, int64_t in,
                int64_t group, int bits, int threads) {
@@ -160,6 +297,12 @@ int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *
         for (int64_t g = 0; g < groups; g++) {
             const float s = scale[r * groups + g], z = szero[r * groups + g];
             int64_t i = g * group;
+#if QG_AVX512
+            if (qg_wide(group, bits)) {
+                dequant_group512(src, dst, i, group, s, z, bits);
+                continue;
+            }
+#endif
 #if PN_AVX2
             const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
             for (; i < (g + 1) * group; i += 8)

@@ -1,0 +1,109 @@
+"""The projections of one decode step of the ~200M benchmark Llama (16 layers of qkv, o, gate_up
+and down; distinct random weights per layer, so they stream from memory as in the engine),
+through each CPU weight kernel alone, against the time reading their bytes once takes::
+
+    python benchmarks/quant_kernels.py                      # batch 1: f32,int8,int4,fp8
+    python benchmarks/quant_kernels.py --tokens 32 --kinds int4,int4-gemm,int8,int8-gemm
+
+Kinds: ``f32`` (the register-tile kernel up to 48 tokens, else torch's GEMM), ``int4`` / ``int8``
+(group-wise codes, group 128: quant_linear.c's kernel), ``int4-gemm`` / ``int8-gemm`` (the same
+weights widened into a float32 buffer + torch's GEMM, the path past grouped.C_MAX_ROWS), ``fp8``
+(e4m3 with per-row scales: fp8_linear.c). Read bandwidth: ``torch.sum`` over 512 MiB, median of
+5 (benchmarks/attention.py). Times: median of 7 steps after one warm-up, ``--threads`` threads.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
+
+from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
+from pagedllm.native import bindings  # noqa: E402
+
+HIDDEN, INTER, LAYERS, GROUP = 1024, 2816, 16, 128
+SHAPES = [(2048, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in]: qkv, o, gate_up, down
+
+
+def make_weight(kind: str, out_f: int, in_f: int) -> tuple[tuple, int]:
+    """One projection's tensors for ``kind`` and the bytes a step reads from them."""
+    if kind == "f32":
+        w = torch.randn(out_f, in_f)
+        return (w,), w.numel() * 4
+    if kind == "fp8":
+        w = (torch.randn(out_f, in_f) * 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
+        return (w, torch.rand(out_f, 1)), w.numel() + 4 * out_f
+    bits = 4 if kind.startswith("int4") else 8
+    q = torch.randint(0, 256, (out_f, in_f * bits // 8), dtype=torch.uint8)
+    scale, szero = torch.rand(out_f, in_f // GROUP), torch.rand(out_f, in_f // GROUP)
+    return (q, scale, szero, bits), q.numel() + 8 * scale.numel()
+
+
+def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    """y = x . W^T through the kernel of ``kind``."""
+    tokens = x.shape[0]
+    if kind == "f32":
+        if tokens <= 48:
+            lib.linear(x, tensors[0], None, None, y, threads)
+        else:
+            torch.nn.functional.linear(x, tensors[0])
+    elif kind == "fp8":
+        lib.fp8_linear(x, tensors[0], tensors[1], None, x.shape[1], y, threads)
+    elif kind.endswith("-gemm"):
+        q, scale, szero, bits = tensors
+        w = scratch_buffer(q.shape[0] * x.shape[1]).view(q.shape[0], x.shape[1])  # [out, in]
+        lib.dequantize_grouped(q, scale, szero, w, GROUP, bits, threads)
+        torch.nn.functional.linear(x, w)
+    else:
+        q, scale, szero, bits = tensors
+        lib.grouped_linear(x, q, scale, szero, None, GROUP, bits, y, threads)
+
+
+def time_kind(lib, kind: str, tokens: int, threads: int) -> tuple[float, int]:
+    """Median seconds of one step's projections and the bytes they read."""
+    layers, nbytes = [], 0
+    for _ in range(LAYERS):
+        for out_f, in_f in SHAPES:
+            tensors, n = make_weight(kind, out_f, in_f)
+            layers.append((tensors, in_f, out_f))
+            nbytes += n
+    xs = {in_f: torch.randn(tokens, in_f) for _, in_f in SHAPES}
+    ys = {out_f: torch.empty(tokens, out_f) for out_f, _ in SHAPES}
+
+    def step():
+        for tensors, in_f, out_f in layers:
+            apply(lib, kind, tensors, xs[in_f], ys[out_f], threads)
+
+    times = []
+    for i in range(8):
+        t0 = time.perf_counter()
+        step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), nbytes
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--kinds", default="f32,int8,int4,fp8")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    lib = bindings.library()
+    bw = measure_bandwidth(512, 5)["read_gbs"]
+    print(f"read bandwidth {bw:.1f} GB/s; {args.tokens} token(s), {args.threads} threads")
+    print(f"{'kind':10s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'x read':>7s}")
+    for kind in args.kinds.split(","):
+        sec, nbytes = time_kind(lib, kind, args.tokens, args.threads)
+        x_read = sec / (nbytes / bw / 1e9)
+        print(f"{kind:10s} {1e3 * sec:8.2f} {nbytes / 1e6:7.1f} {nbytes / sec / 1e9:6.1f} {x_read:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
