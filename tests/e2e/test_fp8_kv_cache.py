@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_greedy, make_model_dir, random_prompts
+from fp8_kv_reference import assert_matches_reference, fp8_rounded_transformers
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -57,24 +58,6 @@ def check_tracks_transformers(got: list[list[int]], hf, cache_dtype: str, prompt
     return exact
 
 
-def fp8_rounded_transformers(hf, monkeypatch, dtype: torch.dtype, k_scale: float, v_scale: float):
-    """``hf`` (a Llama) with K rounded to ``dtype`` after rotary and V after v_proj, at the given
-    per-tensor scales, saturating: the K/V an fp8 cache holds, written out independently."""
-    from transformers.models.llama import modeling_llama
-    limit = torch.finfo(dtype).max
-
-    def rounded(x, scale):
-        return (x / scale).clamp(-limit, limit).to(dtype).float() * scale
-
-    rotary = modeling_llama.apply_rotary_pos_emb
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",
-                        lambda q, k, cos, sin, *a, **kw: (lambda qk: (qk[0], rounded(qk[1], k_scale)))(
-                            rotary(q, k, cos, sin, *a, **kw)))
-    for layer in hf.model.layers:
-        layer.self_attn.v_proj.register_forward_hook(lambda m, args, out: rounded(out, v_scale))
-    return hf
-
-
 def _with_kv_scales(model_dir: str, dst: Path, k_scales: list[float], v_scales: list[float]) -> str:
     """A copy of the checkpoint with per-layer ``self_attn.k_scale`` / ``v_scale`` (as vLLM and
     llm-compressor write them)."""
@@ -94,17 +77,8 @@ def test_fp8_cache_equals_transformers_on_fp8_rounded_kv(llama_dir, hf_models, b
     path = _with_kv_scales(llama_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015])
     llm = _llm(path, kv_cache_dtype=cache_dtype, attention_backend=backend, max_num_batched_tokens=32)
     hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch,
-                                  FP8_KV_CACHE_DTYPES[cache_dtype], 0.02, 0.015)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
-    for prompt, out in zip(PROMPTS[:4], outs):
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + gen])).logits[0]
-        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
-        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+                                  FP8_KV_CACHE_DTYPES[cache_dtype], [0.02, 0.02], [0.015, 0.015])
+    assert_matches_reference(llm, hf, PROMPTS, MAX_NEW)
 
 
 def _llm(model_dir, **kw):
@@ -137,7 +111,7 @@ def test_fp8_cache_with_the_triton_kernels(cache_dtype, tmp_path, monkeypatch):
                                num_key_value_heads=1, head_dim=64)
     path = _with_kv_scales(model_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015])
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    hf = fp8_rounded_transformers(hf, monkeypatch, FP8_KV_CACHE_DTYPES[cache_dtype], 0.02, 0.015)
+    hf = fp8_rounded_transformers(hf, monkeypatch, FP8_KV_CACHE_DTYPES[cache_dtype], [0.02, 0.02], [0.015, 0.015])
     llm = _llm(path, kv_cache_dtype=cache_dtype, attention_backend="triton", max_num_batched_tokens=16,
                num_gpu_blocks_override=32)
     prompts = PROMPTS[:3]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy
+from fp8_kv_reference import assert_matches_reference, fp8_rounded_transformers
 from safetensors.torch import load_file, save_file
 from test_quantized_checkpoints import CASES, PROMPTS, check_against_reference, write_checkpoint
 
@@ -53,28 +53,6 @@ def write_kv_checkpoint(model_dirs, hf_models, dst: Path, naming: str = "current
     return path, reference
 
 
-def fp8_kv_transformers(hf, monkeypatch, k_scales: list[float], v_scales: list[float]):
-    """``hf`` (a Llama) with each layer's K rounded to e4m3 after rotary and V after v_proj, at
-    that layer's scales, saturating: the K/V the cache holds, written out independently."""
-    from transformers.models.llama import modeling_llama
-    limit, current = torch.finfo(torch.float8_e4m3fn).max, {}
-
-    def rounded(x, scale):
-        return (x / scale).clamp(-limit, limit).to(torch.float8_e4m3fn).float() * scale
-
-    rotary = modeling_llama.apply_rotary_pos_emb
-
-    def rotary_then_round(q, k, cos, sin, *args, **kwargs):
-        q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        return q, rounded(k, current["k_scale"])
-
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary_then_round)
-    for layer, k_scale, v_scale in zip(hf.model.layers, k_scales, v_scales):
-        layer.self_attn.register_forward_pre_hook(lambda m, a, s=k_scale: current.__setitem__("k_scale", s))
-        layer.self_attn.v_proj.register_forward_hook(lambda m, a, out, s=v_scale: rounded(out, s))
-    return hf
-
-
 def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, block_size=8, num_gpu_blocks_override=200, max_num_batched_tokens=32, **kwargs)
 
@@ -90,17 +68,8 @@ def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_model
     llm = _llm(path, kv_cache_dtype="fp8")
     assert llm.llm_engine.executor.runner.cache.kv.dtype == torch.float8_e4m3fn
     assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))  # read, not 1.0
-    hf = fp8_kv_transformers(reference, monkeypatch, K_SCALES, V_SCALES)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
-    for prompt, out in list(zip(PROMPTS, outs))[:4]:
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + gen])).logits[0]
-        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
-        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    hf = fp8_rounded_transformers(reference, monkeypatch, torch.float8_e4m3fn, K_SCALES, V_SCALES)
+    assert_matches_reference(llm, hf, PROMPTS, MAX_NEW)
 
 
 def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
@@ -120,11 +89,9 @@ def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_pa
     runner = llm.llm_engine.executor.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))
-    hf = fp8_kv_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, K_SCALES, V_SCALES)
-    prompts = PROMPTS[:6]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, torch.float8_e4m3fn,
+                                  K_SCALES, V_SCALES)
+    assert_matches_reference(llm, hf, PROMPTS[:6], MAX_NEW)
     config["quantization_config"]["kv_cache_scheme"] = {**KV_CACHE_SCHEME, "num_bits": 4}
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"kv_cache_scheme\.num_bits=4"):
