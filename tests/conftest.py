@@ -125,6 +125,28 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def token_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
+    """``model``'s (transformers) logprob of each token of ``gen`` after ``prompt``: ``[len(gen)]``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
+
+
+def check_greedy_against(llm, reference, prompts: list[list[int]], max_new: int, logprob_prompts: int = 4,
+                         atol: float = 1e-4) -> None:
+    """Greedy tokens of ``llm`` equal transformers' ``reference`` on every prompt; with
+    ``logprob_prompts`` > 0 the chosen tokens' logprobs on that many prompts within ``atol``."""
+    from pagedllm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True,
+                            logprobs=0 if logprob_prompts else None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, max_new) for p in prompts]
+    for prompt, out in list(zip(prompts, outs))[:logprob_prompts]:
+        gen = out.outputs[0].token_ids
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
+        torch.testing.assert_close(got, token_logprobs(reference, prompt, gen), atol=atol, rtol=0)
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60, vocab: int = 512) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model_dir, random_prompts
-from fp8_kv_reference import assert_matches_reference, fp8_rounded_transformers
+from conftest import check_greedy_against, hf_greedy, make_model_dir, random_prompts
+from fp8_kv_reference import fp8_rounded_transformers
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -78,7 +78,7 @@ def test_fp8_cache_equals_transformers_on_fp8_rounded_kv(llama_dir, hf_models, b
     llm = _llm(path, kv_cache_dtype=cache_dtype, attention_backend=backend, max_num_batched_tokens=32)
     hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch,
                                   FP8_KV_CACHE_DTYPES[cache_dtype], [0.02, 0.02], [0.015, 0.015])
-    assert_matches_reference(llm, hf, PROMPTS, MAX_NEW)
+    check_greedy_against(llm, hf, PROMPTS, MAX_NEW)
 
 
 def _llm(model_dir, **kw):

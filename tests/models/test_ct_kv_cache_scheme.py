@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_kv_reference import assert_matches_reference, fp8_rounded_transformers
+from conftest import check_greedy_against
+from fp8_kv_reference import fp8_rounded_transformers
 from safetensors.torch import load_file, save_file
 from test_quantized_checkpoints import CASES, PROMPTS, check_against_reference, write_checkpoint
 
@@ -69,7 +70,7 @@ def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_model
     assert llm.llm_engine.executor.runner.cache.kv.dtype == torch.float8_e4m3fn
     assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))  # read, not 1.0
     hf = fp8_rounded_transformers(reference, monkeypatch, torch.float8_e4m3fn, K_SCALES, V_SCALES)
-    assert_matches_reference(llm, hf, PROMPTS, MAX_NEW)
+    check_greedy_against(llm, hf, PROMPTS, MAX_NEW)
 
 
 def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
@@ -91,7 +92,7 @@ def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_pa
     assert _attention_scales(llm) == (pytest.approx(K_SCALES), pytest.approx(V_SCALES))
     hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, torch.float8_e4m3fn,
                                   K_SCALES, V_SCALES)
-    assert_matches_reference(llm, hf, PROMPTS[:6], MAX_NEW)
+    check_greedy_against(llm, hf, PROMPTS[:6], MAX_NEW)
     config["quantization_config"]["kv_cache_scheme"] = {**KV_CACHE_SCHEME, "num_bits": 4}
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"kv_cache_scheme\.num_bits=4"):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import check_greedy_against, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -269,9 +269,7 @@ def _hook_activations(reference, act: str, group: int) -> None:
 
 
 def check_against_reference(llm, reference, prompts=PROMPTS):
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    check_greedy_against(llm, reference, prompts, MAX_NEW, logprob_prompts=0)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts, token_logprobs
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_ops, quantization
@@ -36,12 +36,6 @@ def _dequantized_reference(hf_model, tp: int = 1):
                 parts = tp if short in ROW_PARALLEL else 1
                 module.weight.copy_(torch.cat([_fake_quant(c) for c in module.weight.chunk(parts, dim=1)], dim=1))
     return model
-
-
-def _token_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + gen])).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
 
 
 def test_quantize_int8_round_trip():
@@ -81,7 +75,7 @@ def test_greedy_matches_transformers_on_dequantized_weights(arch, engine_kwargs,
     for prompt, out in list(zip(PROMPTS, outs))[:3]:
         gen = out.outputs[0].token_ids
         got_lp = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
-        torch.testing.assert_close(got_lp, _token_logprobs(reference, prompt, gen), atol=1e-4, rtol=0)
+        torch.testing.assert_close(got_lp, token_logprobs(reference, prompt, gen), atol=1e-4, rtol=0)
     assert llm.get_kv_cache_stats().num_used_blocks == 0
 
 
@@ -116,7 +110,7 @@ def test_tensor_parallel_ranks_quantize_their_own_shards(llama_dir, hf_models):
     for prompt, out in zip(prompts, outs):
         gen = out.outputs[0].token_ids
         got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
-        torch.testing.assert_close(got, _token_logprobs(reference, prompt, gen), atol=1e-3, rtol=0)
+        torch.testing.assert_close(got, token_logprobs(reference, prompt, gen), atol=1e-3, rtol=0)
 
 
 def test_load_time_quantization_is_refused_for_moe_models(tmp_path):

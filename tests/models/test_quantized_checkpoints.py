@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model_dir, random_prompts
+from conftest import check_greedy_against, hf_greedy, make_model_dir, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -147,20 +147,8 @@ def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
     return str(dst), reference
 
 
-def _logprobs(model, prompt, gen):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + gen])).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(gen)[:, None]).squeeze(1)
-
-
 def check_against_reference(llm, reference, prompts=PROMPTS):
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
-    for prompt, out in list(zip(prompts, outs))[:4]:
-        gen = out.outputs[0].token_ids
-        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
-        torch.testing.assert_close(got, _logprobs(reference, prompt, gen), atol=1e-4, rtol=0)
+    check_greedy_against(llm, reference, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
