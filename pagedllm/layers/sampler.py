@@ -97,7 +97,7 @@ class Sampler:
         ``__call__`` draws each row's token from (a greedy row: one-hot at its argmax) and the
         raw log-probs it reports. Speculative decoding verifies drafts against these."""
         logits = logits.float()
-        inputs = self._inputs(logits, rows)
+        inputs = self._inputs(logits, rows, noise=False)  # the caller draws from ``probs`` itself
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = _process(logits, inputs, self._vocab_size())
         probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()  # [rows, vocab]
@@ -112,8 +112,8 @@ class Sampler:
         k = max((r.params.logprobs or 0 for r in rows), default=0)
         return _top_logprobs_from(to_host(_top_logprob_tensors(raw_logprobs, k)), rows)
 
-    def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplingInputs:
-        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows))
+    def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow], noise: bool = True) -> SamplingInputs:
+        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise)
 
     def _bitmask(self, rows: list[SamplingRow]) -> np.ndarray | None:
         grammars = [r.grammar for r in rows]
@@ -196,8 +196,9 @@ def _sample_random_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch
     from pagedllm.layers.triton_ops.sampling import top_k_top_p_min_p_
     t = inputs.tensors
     logits = (logits / t["temperature"][:, None]).contiguous()
-    top_k = t["top_k"].to(torch.int32)  # >= vocab: off, like 0
-    top_k_top_p_min_p_(logits, top_k, t["top_p"], t["min_p"])
+    if inputs.flags.top_k_top_p or inputs.flags.min_p:
+        top_k = t["top_k"].to(torch.int32)  # >= vocab: off, like 0
+        top_k_top_p_min_p_(logits, top_k, t["top_p"], t["min_p"])
     probs = torch.softmax(logits, dim=-1)
     return (probs / _exponential_noise(probs, inputs)).argmax(dim=-1)
 

@@ -44,16 +44,18 @@ class SamplingInputs:
 
 
 def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.ndarray | None = None,
-                   pack: bool | None = None) -> SamplingInputs:
-    """``rows``: the sampler's ``SamplingRow``s; ``bitmask``: the grammar's (``fill_bitmask``)."""
-    flags = sampling_flags(rows, vocab, bitmask is not None)
+                   noise: bool = True) -> SamplingInputs:
+    """``rows``: the sampler's ``SamplingRow``s; ``bitmask``: the grammar's (``fill_bitmask``);
+    ``noise``: draw seeded rows' sampling noise from their generators (False when nothing is
+    drawn from these inputs: the generators must not advance)."""
+    flags = sampling_flags(rows, vocab, bitmask is not None, noise)
     arrays = build_host_arrays(rows, vocab, flags)
     if bitmask is not None:
         arrays["bitmask"] = bitmask
-    return SamplingInputs(flags, to_device_bytes(arrays, device, pack))
+    return SamplingInputs(flags, to_device_bytes(arrays, device))
 
 
-def sampling_flags(rows: list, vocab: int, grammar: bool) -> SamplingFlags:
+def sampling_flags(rows: list, vocab: int, grammar: bool, noise: bool = True) -> SamplingFlags:
     p = [r.params for r in rows]
     ks = [x.logprobs or 0 for x in p]
     return SamplingFlags(
@@ -66,7 +68,7 @@ def sampling_flags(rows: list, vocab: int, grammar: bool) -> SamplingFlags:
         repetition=any(x.repetition_penalty != 1 for x in p),
         top_k_top_p=any(0 < x.top_k < vocab or x.top_p < 1 for x in p),
         min_p=any(x.min_p > 0 for x in p), grammar=grammar,
-        seeded=not all(x.greedy for x in p) and any(r.generator is not None for r in rows))
+        seeded=noise and not all(x.greedy for x in p) and any(r.generator is not None for r in rows))
 
 
 def build_host_arrays(rows: list, vocab: int, flags: SamplingFlags) -> dict[str, np.ndarray]:

@@ -140,3 +140,14 @@ def test_a_mixed_sampling_step_syncs_once_on_the_device(ops, monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     assert len(waits) == 1
     assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[5] in (4, 5, 6)
+
+
+def test_distributions_leave_the_generators_alone():
+    """Speculative verification draws from ``distributions``' probs with the request's generator
+    itself: computing them must not advance it (nor make sampling noise it never uses)."""
+    rows = mixed_rows()
+    before = [r.generator.get_state() for r in rows if r.generator is not None]
+    probs, _ = Sampler().distributions(torch.randn(len(rows), VOCAB), rows)
+    after = [r.generator.get_state() for r in rows if r.generator is not None]
+    assert before and all(torch.equal(a, b) for a, b in zip(before, after))
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(len(rows)))
