@@ -104,15 +104,16 @@ def iterate_safetensors(model_dir: str):
 
 
 def checkpoint_bytes(model_dir: str, dtype: torch.dtype) -> int:
-    """Bytes the checkpoint's tensors take once loaded: floating tensors in ``dtype``, others
-    (packed quantized codes, indices) as stored. Reads the safetensors headers only."""
+    """Bytes the checkpoint's tensors take once loaded: floating tensors of 2+ bytes in ``dtype``,
+    others (FP8 weights, packed quantized codes, indices) as stored. Reads the safetensors headers only."""
     total = 0
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_slice(name)
                 stored = _SAFETENSORS_DTYPES[tensor.get_dtype()]
-                itemsize = dtype.itemsize if stored.is_floating_point else stored.itemsize
+                widened = stored.is_floating_point and stored.itemsize > 1  # FP8 weights stay 1 byte
+                itemsize = dtype.itemsize if widened else stored.itemsize
                 total += math.prod(tensor.get_shape()) * itemsize
     return total
 

@@ -308,3 +308,13 @@ def test_draft_weights_are_counted_from_the_checkpoint(llama_dir, dtype):
                         ).create_engine_config()
     hf = tf.AutoModelForCausalLM.from_pretrained(llama_dir)
     assert draft_memory(config).weight_bytes == hf.num_parameters() * dtype.itemsize
+
+
+def test_fp8_weights_are_counted_at_one_byte(tmp_path):
+    """FP8 weights stay one byte once loaded (raw_checkpoint_tensor); wider floats take the dtype."""
+    from safetensors.torch import save_file
+
+    from pagedllm.models.loader import checkpoint_bytes
+    save_file({"w": torch.zeros(4, 8, dtype=torch.float8_e4m3fn), "s": torch.ones(4, dtype=torch.float32),
+               "codes": torch.zeros(4, 2, dtype=torch.int32)}, str(tmp_path / "model.safetensors"))
+    assert checkpoint_bytes(str(tmp_path), torch.bfloat16) == 32 * 1 + 4 * 2 + 8 * 4

@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm.entrypoints.router.backends import Backend, queue_depth
 from pagedllm.entrypoints.router.config import RouterConfig
-from pagedllm.entrypoints.router.data_parallel import wants_data_parallel
+from pagedllm.entrypoints.router.data_parallel import plan_replicas, wants_data_parallel
 from pagedllm.entrypoints.router.policy import Picker
 from pagedllm.entrypoints.router.prefix_table import PrefixTable
 from pagedllm.entrypoints.router.proxy import sse_events
@@ -171,3 +171,27 @@ def test_data_parallel_launch_checks_flags_before_starting_replicas(capsys, tmp_
     assert f"model={missing!r} does not exist" in capsys.readouterr().err
     assert main(["serve", missing, "--data-parallel-size", "0"]) == 2
     assert "data_parallel_size=0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp, pp, threads", [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1)])
+def test_cpu_replicas_share_the_cores_between_all_their_ranks(monkeypatch, tp, pp, threads):
+    """8 cores, 2 replicas: each rank (tensor x pipeline) of each replica gets 8 / (2 * ranks) threads."""
+    import torch
+
+    from pagedllm.config import ParallelConfig
+    monkeypatch.setattr("pagedllm.platform.physical_cores", lambda: 8)
+    args = argparse.Namespace(data_parallel_size=2, num_threads=None, device="cpu", gpu_memory_utilization=0.8)
+    config = argparse.Namespace(parallel=ParallelConfig(tp, pipeline_parallel_size=pp), device=torch.device("cpu"))
+    plans = plan_replicas(args, config)
+    assert [p.num_threads for p in plans] == [threads, threads]
+
+
+def test_cuda_replicas_with_pipeline_ranks_are_refused():
+    import torch
+
+    from pagedllm.config import ParallelConfig
+    args = argparse.Namespace(data_parallel_size=2, num_threads=None, device="cuda", gpu_memory_utilization=0.8)
+    config = argparse.Namespace(parallel=ParallelConfig(1, pipeline_parallel_size=2),
+                                device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        plan_replicas(args, config)

@@ -72,24 +72,27 @@ def wants_data_parallel(args: argparse.Namespace) -> bool:
 
 def plan_replicas(args: argparse.Namespace, config) -> list[ReplicaPlan]:
     """One plan per replica, from the parsed flags and the EngineConfig they make (validated)."""
-    n, tp = args.data_parallel_size, config.parallel.tensor_parallel_size
+    # every rank of a replica (tensor x pipeline) takes cores, or a GPU
+    n, ranks = args.data_parallel_size, config.parallel.world_size
     if config.device.type == "cuda":
-        return _cuda_plans(args, config, n, tp)
+        return _cuda_plans(args, config, n, ranks)
     from pagedllm.platform import physical_cores
-    threads = args.num_threads or max(1, physical_cores() // (n * tp))
-    if args.num_threads is None and physical_cores() < n * tp:
+    threads = args.num_threads or max(1, physical_cores() // (n * ranks))
+    if args.num_threads is None and physical_cores() < n * ranks:
         logger.warning("%d replicas x %d ranks on %d physical cores: each rank gets 1 thread (oversubscribed)",
-                       n, tp, physical_cores())
+                       n, ranks, physical_cores())
     share = args.gpu_memory_utilization / n  # the replicas share this host's RAM
     return [ReplicaPlan(i, free_port(), threads, args.device, share) for i in range(n)]
 
 
-def _cuda_plans(args: argparse.Namespace, config, n: int, tp: int) -> list[ReplicaPlan]:
+def _cuda_plans(args: argparse.Namespace, config, n: int, ranks: int) -> list[ReplicaPlan]:
     import torch
-    if tp > 1:
-        raise ValueError(f"data_parallel_size={n} with tensor_parallel_size={tp} on CUDA is not supported: "
-                         "tensor-parallel rank r takes cuda:r in every replica; run one server per GPU group "
-                         "(CUDA_VISIBLE_DEVICES) behind `pagedllm router` instead")
+    if ranks > 1:
+        p = config.parallel
+        raise ValueError(f"data_parallel_size={n} with tensor_parallel_size={p.tensor_parallel_size} x "
+                         f"pipeline_parallel_size={p.pipeline_parallel_size} on CUDA is not supported: rank r takes "
+                         "cuda:r in every replica; run one server per GPU group (CUDA_VISIBLE_DEVICES) behind "
+                         "`pagedllm router` instead")
     if config.device.index is not None:
         raise ValueError(f"device={args.device!r} names one GPU; data_parallel_size={n} gives replica i cuda:i: "
                          "use --device cuda or auto")
