@@ -48,12 +48,15 @@ _HEARTBEAT_S, _SILENCE_S = 1.0, 10.0
 
 
 def signature(config: EngineConfig) -> dict:
-    """What every node must agree on: the parallel layout and the model's shape."""
-    p, m = config.parallel, config.model
+    """What every node must agree on: the parallel layout, the model's shape and weights format,
+    and what its KV pool holds (dtype, scales, CPU-tier slots rank 0 schedules moves into)."""
+    p, m, c = config.parallel, config.model, config.cache
     return dict(tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
                 world_size=p.world_size, nnodes=p.nnodes, architecture=m.architecture, num_layers=m.num_layers,
-                hidden_size=m.hidden_size, vocab_size=m.vocab_size, dtype=str(m.dtype),
-                block_size=config.cache.block_size, max_model_len=m.max_model_len)
+                hidden_size=m.hidden_size, vocab_size=m.vocab_size, dtype=str(m.dtype), quantization=m.quantization,
+                block_size=c.block_size, max_model_len=m.max_model_len, cache_dtype=str(c.cache_dtype),
+                calculate_kv_scales=c.calculate_kv_scales, kv_offload_cpu_bytes=c.kv_offload_cpu_bytes,
+                kv_disk_tier=c.kv_offload_dir is not None)
 
 
 def node_of(rank: int, config: EngineConfig) -> int:
