@@ -1,6 +1,7 @@
 """Typed, frozen engine configuration. Validation raises ValueError naming the parameter."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,17 +224,23 @@ def resolve_kv_cache_dtype(value: str) -> torch.dtype | None:
     return KV_CACHE_DTYPES[value]
 
 
-def parse_swap_space(value: int | float | str) -> int:
-    """``swap_space`` is GiB as a number (vLLM's convention) or a size string like '16GiB'."""
+def parse_gib(value: int | float | str, name: str) -> int:
+    """A size in GiB as a number (vLLM's convention for ``swap_space`` and the KV-offload sizes)
+    or a size string like '16GiB', as bytes; ``name`` is the parameter named in errors."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"swap_space={value!r} must be >= 0 GiB")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a finite number of GiB >= 0")
         return int(value * 1024**3)
     try:
         gib = float(value)
     except (TypeError, ValueError):
-        return parse_size(value, "swap_space")
-    return parse_swap_space(gib)
+        return parse_size(value, name)
+    return parse_gib(gib, name)
+
+
+def parse_swap_space(value: int | float | str) -> int:
+    """``swap_space`` is GiB as a number (vLLM's convention) or a size string like '16GiB'."""
+    return parse_gib(value, "swap_space")
 
 
 def default_device() -> torch.device:

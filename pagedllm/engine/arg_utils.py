@@ -31,6 +31,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     default_device,
+    parse_gib,
     parse_swap_space,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -68,13 +69,6 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
 
 
 DEFAULT_DISK_GB = 10.0  # the disk tier's budget when --kv-offload-dir comes without --kv-offload-disk-gb
-
-
-def gib_to_bytes(value: float, name: str) -> int:
-    """A size in GiB (a number >= 0) as bytes."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a number of GiB >= 0")
-    return int(value * 1024**3)
 
 
 def cli_option(f: Field) -> CliOption:
@@ -197,7 +191,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 watermark=self.watermark,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
-                kv_offload_cpu_bytes=gib_to_bytes(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
+                kv_offload_cpu_bytes=parse_gib(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
                 kv_offload_dir=self.kv_offload_dir,
                 kv_offload_disk_bytes=self._disk_tier_bytes(),
                 calculate_kv_scales=self.calculate_kv_scales,
@@ -247,7 +241,7 @@ class EngineArgs:
         gib = DEFAULT_DISK_GB if self.kv_offload_disk_gb is None else self.kv_offload_disk_gb
         if gib == 0:
             raise ValueError("kv_offload_disk_gb=0 leaves the disk tier no room; leave kv_offload_dir unset instead")
-        return gib_to_bytes(gib, "kv_offload_disk_gb")
+        return parse_gib(gib, "kv_offload_disk_gb")
 
     def _speculative_config(self, device: torch.device, target: ModelConfig) -> SpeculativeConfig | None:
         """Parsed and checked; a draft model is resolved like the target (same dtype, context)."""

@@ -135,6 +135,8 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"tokenizer_mode": "fast"}, "tokenizer_mode"),
     ({"disable_log_stats": False, "log_stats_interval": 0}, "log_stats_interval"),
     ({"kv_offload_cpu_gb": -1}, "kv_offload_cpu_gb"),
+    ({"kv_offload_cpu_gb": float("nan")}, "kv_offload_cpu_gb"),
+    ({"swap_space": float("inf")}, "swap_space"),
     ({"kv_offload_disk_gb": 1}, "kv_offload_disk_gb"),
     ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
     ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
