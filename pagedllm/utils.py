@@ -102,3 +102,15 @@ human_bytes = format_size
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
+
+
+def check_int(name: str, value: object, low: int) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+def check_seconds(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid: must be a positive number of seconds")

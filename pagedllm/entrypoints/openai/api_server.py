@@ -32,6 +32,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
+from pagedllm.utils import check_int
 
 from .chat_features import ChatOptions
 from .protocol import (
@@ -220,9 +221,7 @@ class ServerLimits:
     shutdown_timeout: float = 20.0
 
     def __post_init__(self):
-        size = self.max_request_body_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"max_request_body_bytes={size!r} is invalid: must be an integer >= 1")
+        check_int("max_request_body_bytes", self.max_request_body_bytes, 1)
         for name in ("request_body_timeout", "shutdown_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pagedllm.config import check_block_size
+from pagedllm.utils import check_int, check_seconds
 
 # prefix: longest cached prefix, balanced against load; least_loaded: fewest requests in flight;
 # round_robin: in turn (the baseline the prefix policy is measured against)
@@ -50,11 +50,11 @@ class RouterConfig:
             raise ValueError("routing_policy='prefix' needs the replicas' tokenizer (--tokenizer or --model) to hash "
                              "prompts as they do; use --routing-policy least_loaded or round_robin without one")
         check_block_size(self.block_size)  # the replicas' --block-size: the engine's own rule
-        _check_int("prefix_table_size", self.prefix_table_size, 1)
-        _check_int("balance_threshold", self.balance_threshold, 0)
+        check_int("prefix_table_size", self.prefix_table_size, 1)
+        check_int("balance_threshold", self.balance_threshold, 0)
         self._check_prefix_only_options()
         for name in ("health_check_interval", "startup_timeout", "request_timeout"):
-            _check_seconds(name, getattr(self, name))
+            check_seconds(name, getattr(self, name))
 
 
     def _check_prefix_only_options(self) -> None:
@@ -80,13 +80,3 @@ def check_backend_url(url: str) -> str:
     except ValueError:
         raise ValueError(f"backend={url!r} is invalid: its port must be 0-65535") from None
     return url
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
-
-
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid: must be a positive number of seconds")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagedllm.utils import check_int
+
 from .cli import ROUTING_DEFAULTS, add_routing_args, config_from_cli, serve_router
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,7 @@ def wants_data_parallel(args: argparse.Namespace) -> bool:
     """True for ``--data-parallel-size`` > 1; ValueError for a size < 1, or for routing flags
     given to a single replica (a single replica is served directly: they would be ignored)."""
     size = args.data_parallel_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"data_parallel_size={size!r} is invalid: must be an integer >= 1")
+    check_int("data_parallel_size", size, 1)
     if size == 1:
         given = [f"--{name.replace('_', '-')}" for name, default in ROUTING_DEFAULTS.items()
                  if getattr(args, name) != default]
