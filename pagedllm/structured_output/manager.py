@@ -178,8 +178,13 @@ class StructuredOutputManager:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
     """Sets to -inf, in place, every logit ``[rows, >= vocab_size]`` whose bit in ``bitmask``
     (int32 ``[rows, ceil(vocab_size / 32)]``, on the logits' device) is clear; columns past
-    ``vocab_size`` (a padded LM head) are left alone, as xgrammar does. Pure tensor ops: no
-    index list, no host sync."""
+    ``vocab_size`` (a padded LM head) are left alone, as xgrammar does. No index list, no host
+    sync: on CUDA xgrammar's own kernel (``indices=None``: nothing uploaded or read back), on the
+    CPU (and for a logits view whose columns are strided) tensor ops."""
+    if logits.is_cuda and logits.stride(-1) == 1 and bitmask.is_contiguous():
+        import xgrammar as xgr
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
+        return
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [rows, vocab_size]
