@@ -107,6 +107,7 @@ class StructuredOutputManager:
         self._stats_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._batch_matcher = None
+        self._bitmask = np.empty((8, (vocab_size + 31) // 32), dtype=np.int32)  # fill_bitmask's buffer
         self.stats = StructuredOutputStats()
 
     # ------------------------------------------------------------------ compilation
@@ -155,13 +156,18 @@ class StructuredOutputManager:
     def fill_bitmask(self, grammars: list[GrammarState | None]) -> np.ndarray | None:
         """The step's token bitmask on the host, int32 ``[rows, ceil(vocab / 32)]`` (bit ``j % 32``
         of word ``j // 32`` set: token ``j`` allowed), every bit set in unconstrained rows; None
-        when no row is constrained. ``apply_token_bitmask`` applies it on the device."""
+        when no row is constrained. ``apply_token_bitmask`` applies it on the device. A view of
+        one buffer reused across steps: valid until the next call."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
         import xgrammar as xgr
         t0 = time.perf_counter()
-        bitmask = np.full((len(grammars), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        if self._bitmask.shape[0] < len(grammars):  # grown to capacity, reused across steps
+            self._bitmask = np.empty((max(len(grammars), 2 * self._bitmask.shape[0]), self._bitmask.shape[1]),
+                                     dtype=np.int32)
+        bitmask = self._bitmask[:len(grammars)]
+        bitmask.fill(-1)
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher() for i in rows],
