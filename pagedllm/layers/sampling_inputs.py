@@ -10,6 +10,7 @@ uses gets no arrays and costs no kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -111,16 +112,29 @@ def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
 
 
+def _row_pairs(lists: list) -> np.ndarray:
+    """``[2, n]`` int64 (row, item) pairs of per-row id collections (None or empty: none),
+    built without a per-item tuple: each row index repeated by its length, the items chained."""
+    lengths = np.fromiter((len(x) if x else 0 for x in lists), dtype=np.int64, count=len(lists))
+    total = int(lengths.sum())
+    pairs = np.empty((2, total), dtype=np.int64)
+    pairs[0] = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
+    pairs[1] = np.fromiter(chain.from_iterable(x for x in lists if x), dtype=np.int64, count=total)
+    return pairs
+
+
 def _allowed(rows: list) -> dict[str, np.ndarray]:
     ids = [r.params.allowed_token_ids for r in rows]
     return dict(allowed_rows=np.array([bool(x) for x in ids], dtype=np.bool_),
-                allowed_pairs=_pairs([(i, t) for i, x in enumerate(ids) if x for t in x]))
+                allowed_pairs=_row_pairs(ids))
 
 
 def _bias(rows: list) -> dict[str, np.ndarray]:
-    entries = [(i, t, v) for i, r in enumerate(rows) if r.params.logit_bias for t, v in r.params.logit_bias.items()]
-    return dict(bias_pairs=_pairs([(i, t) for i, t, _ in entries]),
-                bias_values=np.array([v for _, _, v in entries], dtype=np.float32))
+    biases = [r.params.logit_bias for r in rows]
+    total = sum(len(b) for b in biases if b)
+    return dict(bias_pairs=_row_pairs(biases),  # a dict iterates its keys: the token ids
+                bias_values=np.fromiter(chain.from_iterable(b.values() for b in biases if b),
+                                        dtype=np.float32, count=total))
 
 
 def _masked_tokens(rows: list) -> list[tuple[int, int]]:

@@ -107,6 +107,7 @@ class StructuredOutputManager:
         self._stats_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._batch_matcher = None
+        self._bitmask = np.empty((8, (vocab_size + 31) // 32), dtype=np.int32)  # fill_bitmask's buffer
         self.stats = StructuredOutputStats()
 
     # ------------------------------------------------------------------ compilation
@@ -155,13 +156,18 @@ class StructuredOutputManager:
     def fill_bitmask(self, grammars: list[GrammarState | None]) -> np.ndarray | None:
         """The step's token bitmask on the host, int32 ``[rows, ceil(vocab / 32)]`` (bit ``j % 32``
         of word ``j // 32`` set: token ``j`` allowed), every bit set in unconstrained rows; None
-        when no row is constrained. ``apply_token_bitmask`` applies it on the device."""
+        when no row is constrained. ``apply_token_bitmask`` applies it on the device. A view of
+        one buffer reused across steps: valid until the next call."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
         import xgrammar as xgr
         t0 = time.perf_counter()
-        bitmask = np.full((len(grammars), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        if self._bitmask.shape[0] < len(grammars):  # grown to capacity, reused across steps
+            self._bitmask = np.empty((max(len(grammars), 2 * self._bitmask.shape[0]), self._bitmask.shape[1]),
+                                     dtype=np.int32)
+        bitmask = self._bitmask[:len(grammars)]
+        bitmask.fill(-1)
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher() for i in rows],
@@ -178,8 +184,13 @@ class StructuredOutputManager:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
     """Sets to -inf, in place, every logit ``[rows, >= vocab_size]`` whose bit in ``bitmask``
     (int32 ``[rows, ceil(vocab_size / 32)]``, on the logits' device) is clear; columns past
-    ``vocab_size`` (a padded LM head) are left alone, as xgrammar does. Pure tensor ops: no
-    index list, no host sync."""
+    ``vocab_size`` (a padded LM head) are left alone, as xgrammar does. No index list, no host
+    sync: on CUDA xgrammar's own kernel (``indices=None``: nothing uploaded or read back), on the
+    CPU (and for a logits view whose columns are strided) tensor ops."""
+    if logits.is_cuda and logits.stride(-1) == 1 and bitmask.is_contiguous():
+        import xgrammar as xgr
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
+        return
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [rows, vocab_size]

@@ -112,6 +112,28 @@ def test_bitmask_applied_with_tensor_ops_equals_xgrammar():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bitmask_on_cuda_equals_the_cpu_version_without_a_sync():
+    """On CUDA ``apply_token_bitmask`` calls xgrammar's kernel: same result, no host sync."""
+    pytest.importorskip("xgrammar")
+    from pagedllm.structured_output.manager import apply_token_bitmask
+    vocab = 70
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(0))
+    cpu = torch.randn(3, vocab + 5)
+    gpu, gpu_mask = cpu.cuda(), bitmask.cuda()
+    apply_token_bitmask(gpu, gpu_mask, vocab)  # warm-up: Triton compiles
+    gpu = cpu.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_token_bitmask(gpu, gpu_mask, vocab)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    apply_token_bitmask(cpu, bitmask, vocab)
+    assert torch.equal(gpu.cpu(), cpu) and torch.isinf(cpu).any()
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("ops", ["native", "triton"])
 def test_a_mixed_sampling_step_syncs_once_on_the_device(ops, monkeypatch):
     """torch's sync debug mode set to "error" raises on any synchronising CUDA call (pageable
