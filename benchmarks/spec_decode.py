@@ -128,7 +128,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", type=Path, default=None,
-                    help="JSON path (default results/spec_decode.json, or results/spec_decode-quick.json)")
+                    help="JSON path (default results/spec_decode[-MODEL].json, -quick before .json with --quick)")
     common.add_engine_args(ap)
     args = ap.parse_args(argv)
     q = QUICK_DIV if args.quick else 1
@@ -139,7 +139,9 @@ def parse_args(argv=None):
     args.output_len = args.output_len or 128 // q
     args.num_prompts = args.num_prompts or (2 if args.quick else 4)
     args.repeats = args.repeats or (2 if args.quick else 3)
-    name = "spec_decode-quick.json" if args.quick else "spec_decode.json"
+    # one file per model: the demo model's run and the random Llama's must not overwrite each other
+    stem = "spec_decode" if args.model is None else f"spec_decode-{Path(args.model).name}"
+    name = f"{stem}-quick.json" if args.quick else f"{stem}.json"
     args.output = args.output or common.RESULTS_DIR / name
     return args
 
