@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from pagedllm.native import bindings
+
 
 class QuantMethod:
     """One weight-only format: what a linear layer holds and how it gets there."""
@@ -70,3 +72,10 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int, order: list[int] | None
         c = c[..., torch.argsort(torch.tensor(order))]
     words = (c << torch.arange(0, 32, bits, dtype=torch.int64)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def native_f32(x: torch.Tensor) -> bindings.NativeLibrary | None:
+    """The C library when ``x`` is a float32 CPU input (and not under torch.compile), else None:
+    the quantized projections' C kernels apply (without it they widen the weight in torch)."""
+    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    return bindings.library() if cpu_f32 and bindings.is_available() else None

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
+from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
 from pagedllm.layers.quantization.config import require
 from pagedllm.native import bindings
@@ -274,17 +274,12 @@ def fp8_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W^T + bias`` for a layer in the runtime layout (what ``LinearBase.forward`` calls)."""
     if x.device.type == "cuda" and _scaled_mm_applies(layer, x):
         return _scaled_mm_linear(layer, x)
-    if layer.fp8_act != "none" and _native_f32(x) is not None:
-        x = _c_quantize_activations(_native_f32(x), x, layer)
+    native = native_f32(x)
+    if layer.fp8_act != "none" and native is not None:
+        x = _c_quantize_activations(native, x, layer)
     else:
         x = quantize_activations(x, layer.fp8_act, layer.fp8_group, layer.input_scale)
-    return fp8_matmul(x, layer.weight, layer.weight_scale, layer.bias)
-
-
-def _native_f32(x: torch.Tensor) -> bindings.NativeLibrary | None:
-    """The C library for float32 CPU inputs (not under torch.compile), else None."""
-    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-    return bindings.library() if cpu_f32 and bindings.is_available() else None
+    return fp8_matmul(x, layer.weight, layer.weight_scale, layer.bias, native)
 
 
 def _c_quantize_activations(native: bindings.NativeLibrary, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
@@ -298,10 +293,12 @@ def _c_quantize_activations(native: bindings.NativeLibrary, x: torch.Tensor, lay
     return out.view(x.shape)
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               native: bindings.NativeLibrary | None = None) -> torch.Tensor:
     """The C kernel for small float32 CPU batches, else the weight widened (in C into a reused
-    buffer on the CPU, in torch elsewhere) for one GEMM."""
-    native = _native_f32(x)
+    buffer on the CPU, in torch elsewhere) for one GEMM; ``native``: ``native_f32(x)`` when the
+    caller has it already."""
+    native = native or native_f32(x)
     if native is None:
         return torch.nn.functional.linear(x, dequantize(weight, scale, x.dtype), bias)
     lead, in_features = x.shape[:-1], x.shape[-1]

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.ops import triton_available
-from pagedllm.layers.quantization.base import scratch_buffer
-from pagedllm.native import bindings
+from pagedllm.layers.quantization.base import native_f32, scratch_buffer
 
 # up to this many rows (by bits) the C kernel (codes widened in registers), beyond them
 # dequantize + MKL: the crossover measured on the ~200M benchmark model's projections (AVX-512,
@@ -115,8 +114,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
     the codes in registers (``layers/triton_ops/grouped_gemm.py``)."""
     if x.device.type == "cuda" and triton_available():
         return _triton_matmul(x, q, scale, szero, bias, group, bits)
-    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-    native = bindings.library() if cpu_f32 and bindings.is_available() else None
+    native = native_f32(x)
     if native is None:
         return torch.nn.functional.linear(x, dequantize(q, scale, szero, group, bits, x.dtype), bias)
     lead, in_features = x.shape[:-1], x.shape[-1]

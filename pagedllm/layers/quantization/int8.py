@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.ops import triton_available
-from pagedllm.layers.quantization.base import QuantMethod, scratch_buffer
+from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.native import bindings
 
 # up to this many rows the C kernel (weights widened in registers) beats dequantize + MKL
@@ -55,8 +55,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     widened (in C, into a reused buffer, on the CPU) for one GEMM."""
     if x.device.type == "cuda" and triton_available():
         return _triton_linear(x, q, scale, bias)
-    cpu_f32 = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-    native = bindings.library() if cpu_f32 and bindings.is_available() else None
+    native = native_f32(x)
     if native is not None and x.dim() == 2 and x.shape[0] <= min(C_MAX_ROWS, native.max_decode_tokens):
         return _c_linear(native, x.contiguous(), q, scale, bias)
     if native is not None:
