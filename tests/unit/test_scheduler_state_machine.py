@@ -254,3 +254,22 @@ TieredSchedulerMachine.TestCase.settings = SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSwapSchedulerMachine = SwapSchedulerMachine.TestCase
 TestTieredSchedulerMachine = TieredSchedulerMachine.TestCase
+
+
+def test_request_waiting_several_steps_counts_its_tier_miss_once(tmp_path):
+    """A request that waits at the head of the queue walks its prefix every step; its CPU and
+    disk misses count once, when it is admitted."""
+    offload = OffloadManager(4, [DiskTier(tmp_path, "ab" * 16, 1 << 20)], block_bytes=1)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96, max_model_len=96),
+                      CacheConfig(block_size=BLOCK, watermark=0.0), 8, 0, offload)
+    rng, table = random.Random(0), PersistentBlockTable(max_blocks_per_seq=8, num_rows=2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0)
+    sched.add_request(Request("a", [3] * 48, params, frozenset()))  # 6 of the 8 blocks, 7 once decoding
+    sched.add_request(Request("b", [4] * 24, params, frozenset()))  # 3 blocks: waits for "a"
+    waited = 0
+    while "b" not in sched.kv.tables:
+        fake_step(sched, rng, table)
+        waited += "b" not in sched.kv.tables
+    assert waited >= 3
+    stats = offload.stats
+    assert (stats[TIER_CPU].misses, stats[TIER_DISK].misses) == (2, 2)  # one walk each for "a" and "b"

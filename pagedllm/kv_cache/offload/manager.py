@@ -34,7 +34,7 @@ class TierStats:
     """One tier's counters (blocks, bytes, seconds), cumulative."""
 
     hits: int = 0  # blocks found here and loaded intact
-    misses: int = 0  # blocks looked up here and not found (or found corrupt)
+    misses: int = 0  # blocks looked up here and not found (once per admitted request) or found corrupt
     stored_blocks: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
@@ -100,18 +100,25 @@ class OffloadManager:
     def on_disk(self, block_hash: bytes) -> bool:
         return bool(self.disk_tiers) and all(t.contains(block_hash) for t in self.disk_tiers)
 
-    def lookup(self, block_hash: bytes) -> tuple[str, int] | None:
-        """``(tier, CPU slot or -1)`` holding the block, or None; counts misses per tier."""
+    def lookup(self, block_hash: bytes, misses: dict[str, int]) -> tuple[str, int] | None:
+        """``(tier, CPU slot or -1)`` holding the block, or None; adds the tiers it missed in to
+        ``misses`` (counted by :meth:`count_misses` once the request is admitted: a request
+        waiting at the head of the queue looks its prefix up again every step)."""
         slot = self.cpu.get(block_hash)
         if slot is not None:
             return TIER_CPU, slot
         if self.cpu.num_slots:
-            self.stats[TIER_CPU].misses += 1
+            misses[TIER_CPU] = misses.get(TIER_CPU, 0) + 1
         if self.on_disk(block_hash):
             return TIER_DISK, -1
         if self.has_disk:
-            self.stats[TIER_DISK].misses += 1
+            misses[TIER_DISK] = misses.get(TIER_DISK, 0) + 1
         return None
+
+    def count_misses(self, misses: dict[str, int]) -> None:
+        """Counts the tier misses of an admitted request's prefix walk (see :meth:`lookup`)."""
+        for tier, n in misses.items():
+            self.stats[tier].misses += n
 
     def pin(self, slot: int) -> None:
         """Keeps a CPU slot a load will read from (call before allocating the load's blocks)."""
