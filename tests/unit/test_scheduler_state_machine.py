@@ -62,6 +62,7 @@ class FakeTierWorker:
         self.dev: dict[int, bytes] = {}
         self.cpu: dict[int, bytes] = {}
         self.swap: dict[int, bytes] = {}
+        self.damaged: set[str] = set()  # disk files a rule damaged: they read as misses
 
     def execute(self, sched: Scheduler, out) -> None:
         ops = out.tier_ops
@@ -112,9 +113,14 @@ class FakeTierWorker:
         """Every CPU-tier entry and every disk file holds the block its hash names."""
         for block_hash, slot in offload.cpu.entries.items():
             assert self.cpu[slot] == block_hash
-        for path in self.disk.dir.iterdir() if self.disk else ():
+        for path in sorted(self.disk.dir.iterdir()) if self.disk else ():
+            assert path.suffix == ".kv", f"stray file in the disk tier: {path.name}"
             block = self.disk.read(bytes.fromhex(path.stem), (32,), torch.uint8)
-            assert block is None or bytes(block.tolist()) == bytes.fromhex(path.stem)
+            if block is None:  # only a damaged file is a miss (reading it deleted it)
+                assert path.name in self.damaged, f"{path.name} does not read back"
+            else:
+                assert bytes(block.tolist()) == bytes.fromhex(path.stem)
+            self.damaged.discard(path.name)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -233,6 +239,7 @@ class TieredSchedulerMachine(SwapSchedulerMachine):
             blob = bytearray(path.read_bytes())
             blob[data.draw(st.integers(0, len(blob) - 1))] ^= 0x40
             path.write_bytes(bytes(blob[:data.draw(st.integers(0, len(blob)))]))
+            self.worker.damaged.add(path.name)
 
     @invariant()
     def tiers_hold_what_they_name(self):
