@@ -187,12 +187,14 @@ class Scheduler:
             # a request that wants prompt logprobs needs logits at every prompt position
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
             hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
-            plan = [] if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))
+            # tier misses count once, on admission: a waiting request walks its prefix every step
+            plan, misses = ([], {}) if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))
             if plan is None:  # its prefix is being loaded for another request: it hits it next step
                 break
             if plan:
                 if not self.kv.start_load(req, hits, plan, reserve=self.watermark_blocks):
                     break
+                self.kv.count_tier_misses(misses)
                 self.loading[req.request_id] = self.waiting.popleft()
                 seats += 1 + req.num_forks_pending
                 continue
@@ -200,6 +202,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
                                           reserve_tokens=self._preallocation(req)):
                 break
+            self.kv.count_tier_misses(misses)
             self.waiting.popleft()
             req.num_computed_tokens += num_hit
             req.num_cached_tokens = num_hit

@@ -141,23 +141,31 @@ class KVCacheManager:
         return hashes
 
     # ----------------------------------------------------------------- tier hits (kv_cache/offload)
-    def get_tier_hits(self, req, num_device_hits: int) -> list[KVBlock | tuple[bytes, str, int]] | None:
+    def get_tier_hits(self, req, num_device_hits: int) -> tuple[list[KVBlock | tuple[bytes, str, int]] | None,
+                                                                dict[str, int]]:
         """Past a fresh request's ``num_device_hits`` leading hits: the next consecutive blocks
         found in the device pool (a block) or in a tier (``(hash, tier, CPU slot)``); [] if no tier
         holds any; None if another request is loading one of them this step (wait for it, then
-        hit it in the device pool). Like ``get_computed_blocks``, never the block of the last token."""
+        hit it in the device pool). Like ``get_computed_blocks``, never the block of the last token.
+        Also the walk's tier misses, for :meth:`count_tier_misses` once the request is admitted."""
+        misses: dict[str, int] = {}
         if self.offload is None or req.num_computed_tokens > 0:
-            return []
+            return [], misses
         max_blocks = (req.num_tokens - 1) // self.block_size
         plan: list[KVBlock | tuple[bytes, str, int]] = []
         for block_hash in self._request_hashes(req)[num_device_hits:max_blocks]:
             if self.offload.is_loading(block_hash):
-                return None
-            found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash)
+                return None, {}
+            found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash, misses)
             if found is None:
                 break
             plan.append(found if isinstance(found, KVBlock) else (block_hash, *found))
-        return plan if any(not isinstance(p, KVBlock) for p in plan) else []
+        return (plan if any(not isinstance(p, KVBlock) for p in plan) else []), misses
+
+    def count_tier_misses(self, misses: dict[str, int]) -> None:
+        """Counts the tier misses ``get_tier_hits`` found for a request just admitted."""
+        if self.offload is not None:
+            self.offload.count_misses(misses)
 
     def start_load(self, req, hits: list[KVBlock], plan: list, reserve: int = 0) -> bool:
         """Gives ``req`` its device ``hits`` and the ``plan`` of ``get_tier_hits``: planned device

@@ -62,6 +62,7 @@ class FakeTierWorker:
         self.dev: dict[int, bytes] = {}
         self.cpu: dict[int, bytes] = {}
         self.swap: dict[int, bytes] = {}
+        self.damaged: set[str] = set()  # disk files a rule damaged: they read as misses
 
     def execute(self, sched: Scheduler, out) -> None:
         ops = out.tier_ops
@@ -112,9 +113,14 @@ class FakeTierWorker:
         """Every CPU-tier entry and every disk file holds the block its hash names."""
         for block_hash, slot in offload.cpu.entries.items():
             assert self.cpu[slot] == block_hash
-        for path in self.disk.dir.iterdir() if self.disk else ():
+        for path in sorted(self.disk.dir.iterdir()) if self.disk else ():
+            assert path.suffix == ".kv", f"stray file in the disk tier: {path.name}"
             block = self.disk.read(bytes.fromhex(path.stem), (32,), torch.uint8)
-            assert block is None or bytes(block.tolist()) == bytes.fromhex(path.stem)
+            if block is None:  # only a damaged file is a miss (reading it deleted it)
+                assert path.name in self.damaged, f"{path.name} does not read back"
+            else:
+                assert bytes(block.tolist()) == bytes.fromhex(path.stem)
+            self.damaged.discard(path.name)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -233,6 +239,7 @@ class TieredSchedulerMachine(SwapSchedulerMachine):
             blob = bytearray(path.read_bytes())
             blob[data.draw(st.integers(0, len(blob) - 1))] ^= 0x40
             path.write_bytes(bytes(blob[:data.draw(st.integers(0, len(blob)))]))
+            self.worker.damaged.add(path.name)
 
     @invariant()
     def tiers_hold_what_they_name(self):
@@ -254,3 +261,22 @@ TieredSchedulerMachine.TestCase.settings = SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSwapSchedulerMachine = SwapSchedulerMachine.TestCase
 TestTieredSchedulerMachine = TieredSchedulerMachine.TestCase
+
+
+def test_request_waiting_several_steps_counts_its_tier_miss_once(tmp_path):
+    """A request that waits at the head of the queue walks its prefix every step; its CPU and
+    disk misses count once, when it is admitted."""
+    offload = OffloadManager(4, [DiskTier(tmp_path, "ab" * 16, 1 << 20)], block_bytes=1)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96, max_model_len=96),
+                      CacheConfig(block_size=BLOCK, watermark=0.0), 8, 0, offload)
+    rng, table = random.Random(0), PersistentBlockTable(max_blocks_per_seq=8, num_rows=2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0)
+    sched.add_request(Request("a", [3] * 48, params, frozenset()))  # 6 of the 8 blocks, 7 once decoding
+    sched.add_request(Request("b", [4] * 24, params, frozenset()))  # 3 blocks: waits for "a"
+    waited = 0
+    while "b" not in sched.kv.tables:
+        fake_step(sched, rng, table)
+        waited += "b" not in sched.kv.tables
+    assert waited >= 3
+    stats = offload.stats
+    assert (stats[TIER_CPU].misses, stats[TIER_DISK].misses) == (2, 2)  # one walk each for "a" and "b"

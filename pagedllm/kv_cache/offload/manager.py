@@ -34,7 +34,7 @@ class TierStats:
     """One tier's counters (blocks, bytes, seconds), cumulative."""
 
     hits: int = 0  # blocks found here and loaded intact
-    misses: int = 0  # blocks looked up here and not found (or found corrupt)
+    misses: int = 0  # blocks looked up here and not found (once per admitted request) or found corrupt
     stored_blocks: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
@@ -60,6 +60,10 @@ class OffloadManager:
         self._ops = TierOps()
         self._jobs: dict[str, LoadJob] = {}
         self._in_flight: set[bytes] = set()  # hashes some request is loading this step
+        # hashes this engine queued for disk or found there: spares the filesystem checks on every
+        # rank per evicted block and per lookup; a file deleted since (budget, another engine) is
+        # a load miss, which drops its hash
+        self._disk_known: set[bytes] = set()
 
     @property
     def has_disk(self) -> bool:
@@ -73,23 +77,23 @@ class OffloadManager:
             return
         if self.cpu.num_slots:
             self._store_cpu(block_id, block_hash)
-        if self.has_disk:  # write-through: what the CPU tier holds at shutdown survives too
-            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)
+        if self.has_disk and block_hash not in self._disk_known:  # write-through: what the CPU
+            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)  # tier holds at shutdown survives too
 
     def _store_cpu(self, block_id: int, block_hash: bytes) -> None:
         placed = self.cpu.insert(block_hash)
         if placed is None:  # every slot is being loaded from: only the disk tier (if any) keeps it
             return
         slot, evicted = placed
-        if evicted is not None and self.has_disk:
-            self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])
+        if evicted is not None and self.has_disk and not self._on_disk_now(evicted[0]):
+            self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])  # its write-through did not land
         self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
         self._count_store(TIER_CPU)
 
     def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
-        if not self.on_disk(block_hash):
-            self._ops.moves.append((kind, source, block_hash))
-            self._count_store(TIER_DISK)
+        self._ops.moves.append((kind, source, block_hash))
+        self._disk_known.add(block_hash)
+        self._count_store(TIER_DISK)
 
     def _count_store(self, tier: str) -> None:
         s = self.stats[tier]
@@ -98,20 +102,37 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ lookup and loads
     def on_disk(self, block_hash: bytes) -> bool:
+        """Queued for disk by this engine, or (checked once, then remembered) on every rank's disk."""
+        if block_hash in self._disk_known:
+            return True
+        if self._on_disk_now(block_hash):
+            self._disk_known.add(block_hash)
+            return True
+        return False
+
+    def _on_disk_now(self, block_hash: bytes) -> bool:
+        """Every rank's file is there now (a filesystem check per rank)."""
         return bool(self.disk_tiers) and all(t.contains(block_hash) for t in self.disk_tiers)
 
-    def lookup(self, block_hash: bytes) -> tuple[str, int] | None:
-        """``(tier, CPU slot or -1)`` holding the block, or None; counts misses per tier."""
+    def lookup(self, block_hash: bytes, misses: dict[str, int]) -> tuple[str, int] | None:
+        """``(tier, CPU slot or -1)`` holding the block, or None; adds the tiers it missed in to
+        ``misses`` (counted by :meth:`count_misses` once the request is admitted: a request
+        waiting at the head of the queue looks its prefix up again every step)."""
         slot = self.cpu.get(block_hash)
         if slot is not None:
             return TIER_CPU, slot
         if self.cpu.num_slots:
-            self.stats[TIER_CPU].misses += 1
+            misses[TIER_CPU] = misses.get(TIER_CPU, 0) + 1
         if self.on_disk(block_hash):
             return TIER_DISK, -1
         if self.has_disk:
-            self.stats[TIER_DISK].misses += 1
+            misses[TIER_DISK] = misses.get(TIER_DISK, 0) + 1
         return None
+
+    def count_misses(self, misses: dict[str, int]) -> None:
+        """Counts the tier misses of an admitted request's prefix walk (see :meth:`lookup`)."""
+        for tier, n in misses.items():
+            self.stats[tier].misses += n
 
     def pin(self, slot: int) -> None:
         """Keeps a CPU slot a load will read from (call before allocating the load's blocks)."""
@@ -145,7 +166,10 @@ class OffloadManager:
             self.stats[item.tier].hits += 1
             self.stats[item.tier].bytes_loaded += self.block_bytes
         if num_ok < len(job.items):
-            self.stats[job.items[num_ok].tier].misses += 1
+            failed = job.items[num_ok]
+            self.stats[failed.tier].misses += 1
+            if failed.tier == TIER_DISK:
+                self._disk_known.discard(failed.block_hash)  # deleted or damaged since
         return job
 
     def add_load_seconds(self, seconds: dict[str, float]) -> None:
@@ -161,14 +185,15 @@ class OffloadManager:
         CPU tier's entries that are not on disk yet, so a restart finds every prefix it can."""
         ops = TierOps()
         if self.has_disk:
-            ops.moves += [(DEVICE_TO_DISK, b, h) for b, h in device_blocks if not self.on_disk(h)]
-            ops.moves += [(CPU_TO_DISK, s, h) for h, s in self.cpu.entries.items() if not self.on_disk(h)]
+            ops.moves += [(DEVICE_TO_DISK, b, h) for b, h in device_blocks if not self._on_disk_now(h)]
+            ops.moves += [(CPU_TO_DISK, s, h) for h, s in self.cpu.entries.items() if not self._on_disk_now(h)]
         return ops
 
     # ------------------------------------------------------------------ reset and stats
     def reset(self) -> None:
         """Forgets the CPU tier (only with no load in flight); the disk tier is cleared by the ranks."""
         self.cpu.clear()
+        self._disk_known.clear()  # the ranks may clear the disk tier; lookups re-seed it
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         out = {tier: s.as_dict() for tier, s in self.stats.items()}

@@ -64,20 +64,50 @@ class TierStore:
             self._start_load(job)
 
     def _apply_moves(self, moves: list[tuple[str, int, object]]) -> None:
-        """In order, batching runs of device -> CPU copies into one gather each."""
-        run: list[tuple[int, int]] = []
-        writes: list[tuple[bytes, torch.Tensor]] = []
+        """In order, batching runs of device -> CPU copies into one gather each.
+
+        A block bound for disk that also went to the CPU tier in the current run is written from
+        its CPU copy (one device -> host copy per block); the other device -> disk blocks are
+        gathered in one copy after the loop (moves only read device blocks, and the loads that
+        write them run after every move). A CPU -> disk move ends the run: it reads a CPU slot,
+        which a later device -> CPU copy may reuse.
+        """
+        run: dict[int, int] = {}  # device block -> CPU slot, the current run of device -> CPU copies
+        from_cpu: list[tuple[int, int]] = []  # (write index, CPU slot) filled when the run lands
+        from_device: list[tuple[int, int]] = []  # (write index, device block) filled after the loop
+        writes: list[list] = []  # [hash, block [num_layers, 2, heads, block_size, head_dim]]
+
+        def flush() -> None:
+            self._to_cpu(list(run.items()))
+            run.clear()
+            if from_cpu:
+                blocks = self.cpu[:, :, [slot for _, slot in from_cpu]]  # indexing copies
+                for k, (i, _) in enumerate(from_cpu):
+                    writes[i][1] = blocks[:, :, k]
+                from_cpu.clear()
+
         for kind, src, dst in moves:
             if kind == DEVICE_TO_CPU:
-                run.append((src, dst))
-                continue
-            self._to_cpu(run)
-            run = []
-            block = self.cpu[:, :, src] if kind == CPU_TO_DISK else self.kv[:, :, src]
-            writes.append((dst, block.to("cpu", copy=True)))  # [num_layers, 2, heads, block_size, head_dim]
-        self._to_cpu(run)
+                if dst in run.values():  # a slot written twice in one gather: land the first
+                    flush()
+                run[src] = dst
+            elif kind == CPU_TO_DISK:
+                flush()
+                writes.append([dst, self.cpu[:, :, src].clone()])
+            else:  # DEVICE_TO_DISK
+                writes.append([dst, None])
+                if src in run:
+                    from_cpu.append((len(writes) - 1, run[src]))
+                else:
+                    from_device.append((len(writes) - 1, src))
+        flush()
+        if from_device:
+            index = torch.tensor([b for _, b in from_device], device=self.kv.device)
+            blocks = self.kv[:, :, index].to("cpu")
+            for k, (i, _) in enumerate(from_device):
+                writes[i][1] = blocks[:, :, k]
         if writes:
-            self._writer.submit(self._write, writes)
+            self._writer.submit(self._write, [(h, b) for h, b in writes])
 
     def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
