@@ -1,9 +1,27 @@
 """The reference for an fp8 KV cache: transformers' Llama with K rounded to fp8 after rotary and V
 after v_proj, at each layer's scale, saturating (the K/V an fp8 cache holds, written out
-independently of the engine)."""
+independently of the engine), and checkpoints carrying such per-layer scales."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
+
+
+def with_kv_scales(model_dir: str, dst: Path, k_scales: list[float], v_scales: list[float],
+                   scalar_k: bool = False) -> str:
+    """A copy of the checkpoint at ``dst`` with per-layer ``self_attn.k_scale`` / ``v_scale`` of
+    shape ``[1]`` (as compressed-tensors and llm-compressor write them); ``scalar_k``: K's 0-d,
+    as some vLLM checkpoints have it."""
+    shutil.copytree(model_dir, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k) if scalar_k else torch.tensor([k])
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(state, str(dst / "model.safetensors"))
+    return str(dst)
 
 
 def fp8_rounded_transformers(hf, monkeypatch, dtype: torch.dtype, k_scales: list[float], v_scales: list[float]):

@@ -3,7 +3,6 @@ rendezvous over loopback). Each scenario runs in a subprocess with a time limit
 (pp_scenarios.py); the server test kills a pipeline stage under a live server."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,18 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import hf_greedy, random_prompts
-from test_tp_lifecycle import _run
+from test_tp_lifecycle import scenario
+from tp_scenarios import MAX_NEW  # pp_scenarios uses it too
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("pp_scenarios.py")
-MAX_NEW = 6  # pp_scenarios.MAX_NEW
-
-
-def scenario(name: str, model: str, prompts: list[list[int]], *args: int, timeout: float = 300) -> dict:
-    done = _run([str(SCENARIOS), name, model, json.dumps(prompts), *map(str, args)], timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"scenario {name} failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def _free_ports(n: int) -> int:
@@ -60,7 +52,7 @@ def expected(hf_models, prompts) -> list[list[int]]:
 
 
 def test_pp2_and_tp2_x_pp2_equal_transformers_with_per_stage_kv(llama_dir, prompts, expected):
-    result = scenario("pipeline", llama_dir, prompts)
+    result = scenario("pipeline", llama_dir, prompts, script=SCENARIOS, timeout=300)
     single, pp2, tp2pp2 = result["single"], result["pp2"], result["tp2pp2"]
     assert single["outputs"] == expected
     assert pp2["outputs"] == expected and tp2pp2["outputs"] == expected
@@ -83,7 +75,7 @@ def test_tp2_across_two_launches(llama_dir, prompts, expected):
     """Node 0 (the engine) and node 1 (``pagedllm serve --headless``) rendezvous like two hosts;
     killing node 1 turns the idle engine unhealthy within seconds and fails the next call; a node
     with another layout is refused."""
-    result = scenario("multinode", llama_dir, prompts, _free_ports(2))
+    result = scenario("multinode", llama_dir, prompts, _free_ports(2), script=SCENARIOS, timeout=300)
     assert result["outputs"] == [expected, expected]
     assert "rank 1 (node 1) sent no heartbeat" in result["health"]
     assert result["seconds"] < 20  # the watchdog's 10 s of silence, plus a loaded machine's slack

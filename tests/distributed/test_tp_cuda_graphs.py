@@ -7,6 +7,8 @@ that do not. The real capture and replay under NCCL is ``test_tp_graph_replay_eq
 (marked ``gpu`` and ``multi_gpu``: skipped without two CUDA devices)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
@@ -92,9 +94,16 @@ def test_tp_graphs_are_opt_in_and_enforce_eager_still_wins(llama_dir, monkeypatc
     assert cuda.cuda_graphs is True  # the engine-level switch; the runner adds the TP opt-in
     assert EngineArgs(llama_dir, device="cuda", tensor_parallel_size=2,
                       enforce_eager=True).create_engine_config().cuda_graphs is False
+    monkeypatch.delenv("PAGEDLLM_TP_CUDA_GRAPHS", raising=False)
     assert envs.PAGEDLLM_TP_CUDA_GRAPHS is False
+    # the runner's own decision, on a stand-in with the fields it reads: no backend blocker, so only
+    # the TP opt-in stands between the TP=2 CUDA config and a capture
+    runner = SimpleNamespace(config=cuda, cache_dtype=torch.float32, block_size=16,
+                             backend=SimpleNamespace(cuda_graph_blocker=lambda *args: None))
+    assert ModelRunner._cuda_graphs_apply(runner) is False
     monkeypatch.setenv("PAGEDLLM_TP_CUDA_GRAPHS", "1")
     assert envs.PAGEDLLM_TP_CUDA_GRAPHS is True
+    assert ModelRunner._cuda_graphs_apply(runner) is True
 
 
 @pytest.mark.gpu

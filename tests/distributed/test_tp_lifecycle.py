@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import hf_greedy, random_prompts
+from tp_scenarios import MAX_NEW
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("tp_scenarios.py")
-MAX_NEW = 6  # tp_scenarios.MAX_NEW
 
 
 def _env(**extra: str) -> dict:
@@ -40,8 +40,10 @@ def _run(args: list[str], timeout: float, **env: str) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def scenario(name: str, model: str, prompts: list[list[int]], timeout: float = 240, **env: str) -> dict:
-    done = _run([str(SCENARIOS), name, model, json.dumps(prompts)], timeout, **env)
+def scenario(name: str, model: str, prompts: list[list[int]], *args: int, timeout: float = 240,
+             script: Path = SCENARIOS, **env: str) -> dict:
+    """Runs ``script name model prompts *args`` (tp_scenarios.py unless told) and returns its RESULT."""
+    done = _run([str(script), name, model, json.dumps(prompts), *map(str, args)], timeout, **env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"scenario {name} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])

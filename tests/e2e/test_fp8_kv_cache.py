@@ -19,12 +19,11 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import check_greedy_against, hf_greedy, make_model_dir, random_prompts
-from fp8_kv_reference import fp8_rounded_transformers
+from fp8_kv_reference import fp8_rounded_transformers, with_kv_scales
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -58,23 +57,11 @@ def check_tracks_transformers(got: list[list[int]], hf, cache_dtype: str, prompt
     return exact
 
 
-def _with_kv_scales(model_dir: str, dst: Path, k_scales: list[float], v_scales: list[float]) -> str:
-    """A copy of the checkpoint with per-layer ``self_attn.k_scale`` / ``v_scale`` (as vLLM and
-    llm-compressor write them)."""
-    shutil.copytree(model_dir, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
-        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
-        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
-    save_file(state, str(dst / "model.safetensors"))
-    return str(dst)
-
-
 @pytest.mark.parametrize("backend, cache_dtype", [("auto", "fp8"), ("sdpa", "fp8_e5m2"), ("torch", "fp8_e4m3"),
                                                   ("auto", "fp8_e5m2")])
 def test_fp8_cache_equals_transformers_on_fp8_rounded_kv(llama_dir, hf_models, backend, cache_dtype, tmp_path,
                                                          monkeypatch):
-    path = _with_kv_scales(llama_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015])
+    path = with_kv_scales(llama_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015], scalar_k=True)
     llm = _llm(path, kv_cache_dtype=cache_dtype, attention_backend=backend, max_num_batched_tokens=32)
     hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch,
                                   FP8_KV_CACHE_DTYPES[cache_dtype], [0.02, 0.02], [0.015, 0.015])
@@ -109,7 +96,7 @@ def test_fp8_cache_with_the_triton_kernels(cache_dtype, tmp_path, monkeypatch):
     import transformers as tf
     model_dir = make_model_dir(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=2,
                                num_key_value_heads=1, head_dim=64)
-    path = _with_kv_scales(model_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015])
+    path = with_kv_scales(model_dir, tmp_path / "scaled", [0.02, 0.02], [0.015, 0.015], scalar_k=True)
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     hf = fp8_rounded_transformers(hf, monkeypatch, FP8_KV_CACHE_DTYPES[cache_dtype], [0.02, 0.02], [0.015, 0.015])
     llm = _llm(path, kv_cache_dtype=cache_dtype, attention_backend="triton", max_num_batched_tokens=16,
@@ -132,7 +119,8 @@ def test_calibration_skips_the_profiling_forward_and_runs_once(llama_dir):
 
 def test_checkpoint_kv_scales_are_loaded(llama_dir, hf_models, tmp_path):
     """``self_attn.k_scale`` / ``v_scale`` as vLLM and llm-compressor write them."""
-    llm = _llm(_with_kv_scales(llama_dir, tmp_path / "scaled", [0.01, 0.02], [0.01, 0.01]), kv_cache_dtype="fp8")
+    path = with_kv_scales(llama_dir, tmp_path / "scaled", [0.01, 0.02], [0.01, 0.01], scalar_k=True)
+    llm = _llm(path, kv_cache_dtype="fp8")
     layers = [layer.self_attn for layer in llm.llm_engine.executor.runner.model.model.layers]
     assert [float(a.k_scale) for a in layers] == pytest.approx([0.01, 0.02])
     assert [float(a.v_scale) for a in layers] == pytest.approx([0.01, 0.01])

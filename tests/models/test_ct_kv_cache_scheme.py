@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import check_greedy_against
-from fp8_kv_reference import fp8_rounded_transformers
+from fp8_kv_reference import fp8_rounded_transformers, with_kv_scales
 from safetensors.torch import load_file, save_file
 from test_quantized_checkpoints import CASES, PROMPTS, check_against_reference, write_checkpoint
 
@@ -76,12 +75,7 @@ def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_model
 def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
     """A kv_cache_scheme and no config_groups: only the KV cache is quantized."""
     dst = tmp_path / "kv_only"
-    shutil.copytree(llama_dir, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    for i, (k, v) in enumerate(zip(K_SCALES, V_SCALES)):
-        state[f"model.layers.{i}.self_attn.k_scale"], state[f"model.layers.{i}.self_attn.v_scale"] = (
-            torch.tensor([k]), torch.tensor([v]))
-    save_file(state, str(dst / "model.safetensors"))
+    with_kv_scales(llama_dir, dst, K_SCALES, V_SCALES)
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
                                      "kv_cache_scheme": KV_CACHE_SCHEME, "ignore": []}

@@ -18,22 +18,20 @@ per token and block, or the static input scale).
 """
 from __future__ import annotations
 
-import copy
 import json
-import shutil
 import types
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import check_greedy_against, hf_greedy, random_prompts
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from test_quantized_checkpoints import PROJECTIONS, finish_checkpoint, projection_weights, start_checkpoint, tp2_llm
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import fp8
 from pagedllm.native import bindings
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = random_prompts(12, seed=7, lo=2, hi=40)
 MAX_NEW = 8
 FIXTURES = Path(__file__).parent / "fixtures" / "quant_layers.safetensors"
@@ -233,13 +231,9 @@ def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
     """The FP8 checkpoint at ``dst`` and transformers' model on the weights it dequantizes to,
     with the activation rounding of the format hooked in."""
     arch, fmt, layout, act = case
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in Path(src).iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    state, reference = load_file(str(Path(src) / "model.safetensors")), copy.deepcopy(hf_model)
+    state, reference = start_checkpoint(src, dst, hf_model)
     params = dict(reference.named_parameters())
-    for name in [n for n in state if n.rsplit(".", 2)[-2] in PROJECTIONS and n.endswith(".weight")]:
+    for name in projection_weights(state):
         w, prefix = state.pop(name), name[: -len(".weight")]
         if fmt == "fp8":
             q, scale, deq = transformers_quantize(w, layout)
@@ -253,11 +247,8 @@ def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
         with torch.no_grad():
             params[name].copy_(deq)
     _hook_activations(reference, act, 32)
-    save_file(state, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
     qcfg = fp8_config(layout, act == "static") if fmt == "fp8" else ct_config(layout, None if act == "none" else act)
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
-    return str(dst), reference
+    return finish_checkpoint(dst, state, qcfg), reference
 
 
 def _hook_activations(reference, act: str, group: int) -> None:
@@ -290,11 +281,8 @@ def test_tensor_parallel_shards_fp8_weights_and_scales(case_id, model_dirs, hf_m
     scales; row-parallel layers whole input blocks (per-tensor scales replicated)."""
     case = CASES[case_id]
     path, reference = write_checkpoint(model_dirs[case[0]], tmp_path / case_id, case, hf_models[case[0]])
-    llm = LLM(path, num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1)
-    try:
+    with tp2_llm(path) as llm:
         check_against_reference(llm, reference, PROMPTS[:4])
-    finally:
-        llm.llm_engine.shutdown()
 
 
 # --- refusals -----------------------------------------------------------------------------------------

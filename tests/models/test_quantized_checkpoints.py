@@ -8,6 +8,7 @@ dequantized by compressed-tensors and AutoAWQ (GPTQ: against its spec, no tool i
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -116,17 +117,48 @@ CASES = {
 }
 
 
-def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
-    """The packed checkpoint at ``dst`` and transformers' model on its dequantized weights."""
-    arch, bits, group, sym, act_order, writer, flag, qcfg = case
+# --- shared by the quantized-checkpoint tests (test_fp8_weights imports these) ----------------------
+
+def start_checkpoint(src: str, dst: Path, hf_model):
+    """``dst`` gets ``src``'s files but its weights; returns those weights (to quantize and write
+    with ``finish_checkpoint``) and a copy of ``hf_model`` (to take the weights they dequantize to)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
-    state, reference = load_file(str(Path(src) / "model.safetensors")), copy.deepcopy(hf_model)
+    return load_file(str(Path(src) / "model.safetensors")), copy.deepcopy(hf_model)
+
+
+def projection_weights(state: dict) -> list[str]:
+    """The names of the attention and MLP projection weights in ``state``."""
+    return [n for n in state if n.rsplit(".", 2)[-2] in PROJECTIONS and n.endswith(".weight")]
+
+
+def finish_checkpoint(dst: Path, state: dict, qcfg: dict) -> str:
+    """Writes ``state`` and ``qcfg`` (as config.json's quantization_config) into ``dst``."""
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
+    return str(dst)
+
+
+@contextlib.contextmanager
+def tp2_llm(path: str):
+    """The checkpoint at ``path`` under TP=2 (gloo ranks), shut down after the block."""
+    llm = LLM(path, num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
+    """The packed checkpoint at ``dst`` and transformers' model on its dequantized weights."""
+    arch, bits, group, sym, act_order, writer, flag, qcfg = case
+    state, reference = start_checkpoint(src, dst, hf_model)
     ref_params = dict(reference.named_parameters())
     perms = {}
-    for name in [n for n in state if n.rsplit(".", 2)[-2] in PROJECTIONS and n.endswith(".weight")]:
+    for name in projection_weights(state):
         w = state.pop(name)
         prefix, proj = name[: -len(".weight")], name.rsplit(".", 2)[-2]
         if act_order:
@@ -141,10 +173,7 @@ def write_checkpoint(src: str, dst: Path, case: tuple, hf_model):
         state.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
         with torch.no_grad():
             ref_params[name].copy_(dequantize(codes, scale, zero, g_idx))
-    save_file(state, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
-    return str(dst), reference
+    return finish_checkpoint(dst, state, qcfg), reference
 
 
 def check_against_reference(llm, reference, prompts=PROMPTS):
@@ -173,11 +202,8 @@ def test_tensor_parallel_shards_codes_scales_and_zeros(case_id, model_dirs, hf_m
     layers split input columns, g_idx and whole groups (one group: replicated)."""
     case = CASES[case_id]
     path, reference = write_checkpoint(model_dirs[case[0]], tmp_path / case_id, case, hf_models[case[0]])
-    llm = LLM(path, num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1)
-    try:
+    with tp2_llm(path) as llm:
         check_against_reference(llm, reference, PROMPTS[:4])
-    finally:
-        llm.llm_engine.shutdown()
 
 
 @pytest.mark.gpu
