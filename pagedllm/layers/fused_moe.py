@@ -90,7 +90,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)  # [tokens, k] each
-        if self.kernel_weights is not None and moe_cpu.usable(x):
+        if self.kernel_weights is not None and cpu_ops.usable(x):
             return self.tp.all_reduce(moe_cpu.run_experts(x, weights, ids, self.kernel_weights))
         flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert

@@ -51,11 +51,6 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
     return PackedExperts(w13p, w2p)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """The call applies to these activations (float32 CPU, not inside torch.compile)."""
-    return cpu_ops.usable(x)
-
-
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
     """``[tokens, hidden]``: sum over k of ``weights[t, k] * expert ids[t, k] (x[t])``."""
     out = torch.empty_like(x)

@@ -51,8 +51,7 @@ IGNORABLE = ("lm_head",)
 # QuantizationArgs default (a missing strategy without groups resolves to "tensor" there)
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
                    "group_size": None}
-KV_CACHE_DEFAULTS = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False,
-                     "group_size": None}
+KV_CACHE_DEFAULTS = {**KV_CACHE_SCHEME, "type": "int"}
 
 
 def check_kv_cache_scheme(scheme: dict | None) -> None:

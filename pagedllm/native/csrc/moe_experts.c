@@ -88,17 +88,23 @@ static inline __attribute__((always_inline)) void tile(const int M, const float 
     }
 }
 
-/* act[r][0:16] = silu(gate) * up of one gate panel for m <= MOE_ROWS rows. */
-static void gate_up_rows(int m, const float *const *a, const float *panel, int64_t hidden, float *const *act) {
-    v16 acc[MOE_ROWS][2];
+/* tile() with the row count m <= MOE_ROWS as a literal in each case, so its loops unroll. */
+static inline __attribute__((always_inline)) void tile_rows(int m, const float *const *a, const float *panel,
+                                                            int64_t K, v16 acc[][2]) {
     switch (m) {
-#define CASE(M) case M: tile(M, a, panel, hidden, acc); break;
+#define CASE(M) case M: tile(M, a, panel, K, acc); break;
         CASE(1) CASE(2)
 #if MOE_ROWS > 2
         CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #endif
 #undef CASE
     }
+}
+
+/* act[r][0:16] = silu(gate) * up of one gate panel for m <= MOE_ROWS rows. */
+static void gate_up_rows(int m, const float *const *a, const float *panel, int64_t hidden, float *const *act) {
+    v16 acc[MOE_ROWS][2];
+    tile_rows(m, a, panel, hidden, acc);
     for (int r = 0; r < m; r++)
         store16(act[r], silu16(acc[r][0]) * acc[r][1]);
 }
@@ -107,14 +113,7 @@ static void gate_up_rows(int m, const float *const *a, const float *panel, int64
 static void down_rows(int m, const float *const *a, const float *panel, int64_t inter, const float *weight,
                       float *const *y) {
     v16 acc[MOE_ROWS][2];
-    switch (m) {
-#define CASE(M) case M: tile(M, a, panel, inter, acc); break;
-        CASE(1) CASE(2)
-#if MOE_ROWS > 2
-        CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#endif
-#undef CASE
-    }
+    tile_rows(m, a, panel, inter, acc);
     for (int r = 0; r < m; r++) {
         store16(y[r], load16(y[r]) + weight[r] * acc[r][0]);
         store16(y[r] + 16, load16(y[r] + 16) + weight[r] * acc[r][1]);
