@@ -107,10 +107,16 @@ class Sampler:
         return probs, raw_logprobs
 
     @staticmethod
-    def top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float]] | None:
-        """Per row, its ``params.logprobs`` most likely tokens -> raw logprob (None if no row asks)."""
+    def chosen_logprobs(raw_logprobs: torch.Tensor, index: list[int], tokens: list[int],
+                        rows: list[SamplingRow]) -> tuple[list[float], list[dict[int, float]] | None]:
+        """For the rows ``index`` of ``raw_logprobs`` (``rows`` their SamplingRows): the raw logprob
+        of ``tokens[j]`` at row ``index[j]``, and per row its ``params.logprobs`` most likely
+        tokens -> raw logprob (None if no row asks), in one device->host transfer."""
+        picked = raw_logprobs[torch.tensor(index, device=raw_logprobs.device)]  # [len(index), vocab]
+        chosen = picked.gather(1, torch.tensor(tokens, device=picked.device)[:, None]).squeeze(1)  # [len(index)]
         k = max((r.params.logprobs or 0 for r in rows), default=0)
-        return _top_logprobs_from(to_host(_top_logprob_tensors(raw_logprobs, k)), rows)
+        host = to_host({"chosen": chosen, **_top_logprob_tensors(picked, k)})
+        return host["chosen"].tolist(), _top_logprobs_from(host, rows)
 
     def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow], noise: bool = True) -> SamplingInputs:
         return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise)

@@ -128,17 +128,23 @@ class Speculator:
                         requests: dict[str, Request]) -> list[SampledTokens]:
         rows = [row for c in spec for row in self._rows(requests[c.request_id], _drafts(c))]
         probs, raw = self.sampler.distributions(logits, rows)
-        out, i = [], 0
+        accepted, i = [], 0  # per chunk: (first row, accepted tokens)
         for c in spec:
             req, drafts, rows_c = requests[c.request_id], _drafts(c), slice(i, i + c.num_verify_rows)
             proposal = self.proposals.get(c.request_id)
             q = proposal.probs[:len(drafts)] if proposal is not None and proposal.probs is not None else None
-            tokens = rejection_sample(probs[rows_c], drafts, q, req.generator)
-            n = len(tokens)
-            logprobs = raw[torch.arange(i, i + n), torch.tensor(tokens)].tolist()
-            tops = self.sampler.top_logprobs(raw[i:i + n], rows[i:i + n])
-            out.append(SampledTokens(c.request_id, tokens, logprobs, tops, consecutive=True))
+            accepted.append((i, rejection_sample(probs[rows_c], drafts, q, req.generator)))
             i += c.num_verify_rows
+        # every accepted token's logprob and its row's top logprobs: one fetch for the step
+        index = [first + j for first, tokens in accepted for j in range(len(tokens))]
+        logprobs, tops = self.sampler.chosen_logprobs(raw, index, [t for _, tokens in accepted for t in tokens],
+                                                      [rows[r] for r in index])
+        out, at = [], 0
+        for c, (_, tokens) in zip(spec, accepted, strict=True):
+            n = len(tokens)
+            out.append(SampledTokens(c.request_id, tokens, logprobs[at:at + n], tops[at:at + n] if tops else None,
+                                     consecutive=True))
+            at += n
         return out
 
     def _rows(self, req: Request, drafts: list[int]) -> list[SamplingRow]:
