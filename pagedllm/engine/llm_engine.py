@@ -224,7 +224,7 @@ class LLMEngine:
         pending = prompt_logprobs.device_tensors(prompt_logits, prompt) if prompt else {}
         if rows:
             pending.update(self.sampler.sample(logits, rows))
-        host = to_host(pending)
+        host = to_host(pending) if pending else {}  # a step with nothing to sample fetches nothing
         if prompt:
             prompt_logprobs.store(prompt, host)
         if not rows:

@@ -77,7 +77,9 @@ def test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer(llama_di
         syncs.arm_within(monkeypatch, llm_engine.LLMEngine, "_sample")
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert syncs.stray == []
-    assert syncs.armed_calls >= 4 and syncs.fetches == syncs.armed_calls == syncs.fetch_reads
+    # one read per fetch, at most one fetch per step (a step whose chunks sample nothing, e.g. while
+    # a grammar compiles, fetches nothing)
+    assert 4 <= syncs.fetches == syncs.fetch_reads <= syncs.armed_calls
     assert len(outs[0].prompt_logprobs) == 4 and all(len(o.outputs[0].token_ids) == 4 for o in outs[:2])
     assert set(outs[2].outputs[0].text) <= {"a", "b"}
 
