@@ -5,10 +5,13 @@ through each CPU weight kernel alone, against the time reading their bytes once 
     python benchmarks/quant_kernels.py                      # batch 1: f32,int8,int4,fp8
     python benchmarks/quant_kernels.py --tokens 32 --kinds int4,int4-gemm,int8,int8-gemm
 
-Kinds: ``f32`` (the register-tile kernel up to 48 tokens, else torch's GEMM), ``int4`` / ``int8``
-(group-wise codes, group 128: quant_linear.c's kernel), ``int4-gemm`` / ``int8-gemm`` (the same
-weights widened into a float32 buffer + torch's GEMM, the path past grouped.C_MAX_ROWS), ``fp8``
-(e4m3 with per-row scales: fp8_linear.c). Read bandwidth: ``torch.sum`` over 512 MiB, median of
+Kinds: ``f32`` (the register-tile kernel up to 48 tokens, else torch's GEMM), ``f32-packed``
+(oneDNN's prepacked GEMM, what the engine's float32 linears run for 4..512 rows:
+cpu_ops.linear), ``int4`` / ``int8`` (group-wise codes, group 128: quant_linear.c's kernel),
+``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + torch's GEMM),
+``int4-panel`` / ``int8-panel`` (the panel GEMM of quant_gemm.c on grouped.pack_panels'
+layout), ``int4-auto`` / ``int8-auto`` (whichever of these grouped.grouped_matmul routes the
+row count to), ``fp8`` (e4m3 with per-row scales: fp8_linear.c). Read bandwidth: ``torch.sum`` over 512 MiB, median of
 5 (benchmarks/attention.py). Times: median of 7 steps after one warm-up, ``--threads`` threads.
 """
 from __future__ import annotations
@@ -24,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 
+from pagedllm.layers import cpu_ops  # noqa: E402
+from pagedllm.layers.quantization import grouped  # noqa: E402
 from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
 from pagedllm.native import bindings  # noqa: E402
 
@@ -33,35 +38,45 @@ SHAPES = [(2048, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)
 
 def make_weight(kind: str, out_f: int, in_f: int) -> tuple[tuple, int]:
     """One projection's tensors for ``kind`` and the bytes a step reads from them."""
-    if kind == "f32":
+    if kind.startswith("f32"):
         w = torch.randn(out_f, in_f)
-        return (w,), w.numel() * 4
+        return (w, cpu_ops.pack_weight(w) if kind == "f32-packed" else None), w.numel() * 4
     if kind == "fp8":
         w = (torch.randn(out_f, in_f) * 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
         return (w, torch.rand(out_f, 1)), w.numel() + 4 * out_f
     bits = 4 if kind.startswith("int4") else 8
-    q = torch.randint(0, 256, (out_f, in_f * bits // 8), dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (out_f, in_f), dtype=torch.uint8)
     scale, szero = torch.rand(out_f, in_f // GROUP), torch.rand(out_f, in_f // GROUP)
-    return (q, scale, szero, bits), q.numel() + 8 * scale.numel()
+    q = grouped.pack_codes(codes, bits)
+    panels = None
+    if kind.endswith(("-panel", "-auto")):
+        panels = grouped.pack_panels(codes, scale, szero, bits, bindings.library().qg_panel)
+    return (q, scale, szero, bits, panels), q.numel() + 8 * scale.numel()
 
 
 def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
     """y = x . W^T through the kernel of ``kind``."""
     tokens = x.shape[0]
-    if kind == "f32":
+    if kind == "f32-packed":
+        cpu_ops.linear(x, tensors[0], None, tensors[1])
+    elif kind == "f32":
         if tokens <= 48:
             lib.linear(x, tensors[0], None, None, y, threads)
         else:
             torch.nn.functional.linear(x, tensors[0])
     elif kind == "fp8":
         lib.fp8_linear(x, tensors[0], tensors[1], None, x.shape[1], y, threads)
+    elif kind.endswith("-auto"):
+        grouped.grouped_matmul(x, *tensors[:3], None, GROUP, tensors[3], tensors[4])
+    elif kind.endswith("-panel"):
+        lib.grouped_gemm(x, *tensors[4], None, GROUP, tensors[3], y, threads)
     elif kind.endswith("-gemm"):
-        q, scale, szero, bits = tensors
+        q, scale, szero, bits, _ = tensors
         w = scratch_buffer(q.shape[0] * x.shape[1]).view(q.shape[0], x.shape[1])  # [out, in]
         lib.dequantize_grouped(q, scale, szero, w, GROUP, bits, threads)
         torch.nn.functional.linear(x, w)
     else:
-        q, scale, szero, bits = tensors
+        q, scale, szero, bits, _ = tensors
         lib.grouped_linear(x, q, scale, szero, None, GROUP, bits, y, threads)
 
 
@@ -95,6 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", default="f32,int8,int4,fp8")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)  # MKL / oneDNN kinds: as many threads as the C kernels
     lib = bindings.library()
     bw = measure_bandwidth(512, 5)["read_gbs"]
     print(f"read bandwidth {bw:.1f} GB/s; {args.tokens} token(s), {args.threads} threads")

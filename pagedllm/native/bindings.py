@@ -92,6 +92,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I64, _I64, _I64, _I32, _VP, _I32,  # in, out, group, bits, y, threads
     ]),
     "qg_dequant": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I32, _I32]),
+    "qg_gemm": (_I32, [
+        _VP, _I64, _VP, _VP, _VP, _VP,  # x, T, panel codes, panel scale, panel scaled zero, bias
+        _I64, _I64, _I64, _I32, _VP, _I32,  # in, out, group, bits, y, threads
+    ]),
     "fp8_linear": (_I32, [
         _VP, _I64, _VP, _VP, _VP,  # x, T, fp8 weight bytes, scale, bias
         _I64, _I64, _I64, _VP, _I32,  # in, out, group, y, threads
@@ -133,7 +137,8 @@ class NativeLibrary:
     mismatch raises :class:`NativeLibraryError` naming the function, constant or struct field.
     Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
     of one ``decoder_forward`` / ``linear`` call), ``has_avx2`` (built with AVX2/FMA paths) and
-    ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down).
+    ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down) and
+    ``qg_panel`` (the output columns per panel of ``grouped_gemm``'s packed weights).
     """
 
     def __init__(self, path: Path, header: Path = HEADER):
@@ -153,6 +158,7 @@ class NativeLibrary:
         self.max_decode_tokens = self.constant("MAX_DECODE_TOKENS")
         self.has_avx2 = bool(self.constant("HAS_AVX2"))
         self.moe_panels = (self.constant("MOE_GATE_PANEL"), self.constant("MOE_DOWN_PANEL"))
+        self.qg_panel = self.constant("QG_PANEL")
         self._dtype_codes = {dt: self.constant(c) for dt, c in _DTYPE_CONSTANTS.items()}
         self._errors = {self.constant(c): err for c, err in _ERROR_CONSTANTS.items()}
 
@@ -287,6 +293,17 @@ class NativeLibrary:
                                   num_threads)
         if rc != 0:
             self._raise(rc, "qg_dequant", f": out {tuple(out.shape)}, group {group}, bits {bits}")
+
+    def grouped_gemm(self, x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, zp: torch.Tensor,
+                     bias: torch.Tensor | None, group: int, bits: int, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` for any T, with W group-quantized in the panel
+        layout of ``csrc/quant_gemm.c`` (``grouped.pack_panels``): qp uint8, sp / zp float32
+        ``[panels, in / group, qg_panel]``; all contiguous."""
+        rows, in_features = x.shape
+        rc = self._lib.qg_gemm(_ptr(x), rows, _ptr(qp), _ptr(sp), _ptr(zp), _ptr(bias), in_features, out.shape[1],
+                               group, bits, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "qg_gemm", f": x {tuple(x.shape)}, panels {tuple(qp.shape)}, group {group}, bits {bits}")
 
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                    group: int, out: torch.Tensor, num_threads: int) -> None:

@@ -15,6 +15,22 @@ and :func:`install` turns that into what the kernels read (``native/csrc/quant_l
 one FMA away from its code. Act-order checkpoints number groups by a permutation of the input
 columns; we sort the columns by group once here (groups become contiguous) and gather the
 activations with ``act_perm`` per call, as exllama does.
+
+On the CPU (with the C library) :func:`install` also keeps a second copy of the same numbers in
+the panel layout of ``native/csrc/quant_gemm.c`` (:func:`pack_panels`), which the GEMM for
+batches past ``C_MAX_ROWS`` reads: per panel of ``QG_PANEL`` (32) output rows, the codes of
+the 32 rows at input k are one run of 16 bytes (4 bits: row j in the low nibble of byte j,
+row 16 + j in its high nibble) or 32 bytes (8 bits), then input k + 1, and so on:
+
+    panel_codes  uint8   [P, in, 16] (4 bits) or [P, in, 32] (8 bits), P = ceil(out / 32)
+    panel_scale  float32 [P, G, 32]   panel_scale[p, g, j] = weight_scale[32 p + j, g]
+    panel_szero  float32 [P, G, 32]   the same for weight_szero
+
+(the last panel's rows past ``out`` are zeros). The batch-1 kernels and the one-call decoder
+read the row-major ``weight``; the GEMM needs whole columns of 32 rows at each input, which
+the row-major bytes do not give without a transpose per call. The copy costs as much memory
+again as the codes, scales and zeros (106 MB on the ~200M benchmark model's 140 MB; float32
+keeps a oneDNN-packed second copy of its 755 MB the same way, ``cpu_ops.pack_model``).
 """
 from __future__ import annotations
 
@@ -22,6 +38,7 @@ import torch
 
 from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import native_f32, scratch_buffer
+from pagedllm.native import bindings
 
 # up to this many rows (by bits) the C kernel (codes widened in registers), beyond them
 # dequantize + MKL: the crossover measured on the ~200M benchmark model's projections (AVX-512,
@@ -29,6 +46,9 @@ from pagedllm.layers.quantization.base import native_f32, scratch_buffer
 # library's own limit, NativeLibrary.max_decode_tokens. The one-call decoder takes no more
 # tokens than this either (models/cpu_decode.py): it has no MKL path.
 C_MAX_ROWS = {4: 32, 8: 24}
+# past C_MAX_ROWS and up to this many rows the panel GEMM (quant_gemm.c), beyond them dequantize
+# + MKL (prefill chunks): measured on the same projections (RESULTS.md, same section)
+GEMM_MAX_ROWS = {4: 512, 8: 512}
 BITS = (4, 8)
 
 
@@ -70,6 +90,23 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return pairs.reshape(packed.shape[0], -1).to(torch.int32)
 
 
+def pack_panels(codes: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor, bits: int,
+                panel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[out, in]`` codes and ``[out, G]`` scales / scaled zeros -> the panel layout (module
+    docstring): ``[P, in, panel / 2 or panel]`` uint8 codes, ``[P, G, panel]`` float32 twice."""
+    out_features, in_features = codes.shape
+    pad = -out_features % panel
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))  # [P * panel, in]
+    c = c.view(-1, panel, in_features).transpose(1, 2)  # [P, in, panel]
+    if bits == 4:
+        c = c[..., : panel // 2] | (c[..., panel // 2:] << 4)  # [P, in, panel / 2]
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))  # [P * panel, G]
+        return t.view(-1, panel, t.shape[1]).transpose(1, 2).contiguous()  # [P, G, panel]
+    return c.contiguous(), by_panel(scale), by_panel(szero)
+
+
 def install(layer: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             g_idx: torch.Tensor | None, bits: int, what: str = "group_size") -> None:
     """Sets the runtime tensors of ``layer`` from the logical form (module docstring)."""
@@ -88,6 +125,11 @@ def install(layer: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor, ze
     layer.register_buffer("weight_szero", (zero.float() * scale).contiguous(), persistent=False)
     layer.register_buffer("act_perm", None if perm is None else perm.to(device), persistent=False)
     layer.quant_bits, layer.quant_group = bits, in_features // groups
+    panels = (None,) * 3
+    if device.type == "cpu" and bindings.is_available():
+        panels = pack_panels(codes, scale, layer.weight_szero, bits, bindings.library().qg_panel)
+    for name, t in zip(("panel_codes", "panel_scale", "panel_szero"), panels):
+        layer.register_buffer(name, t, persistent=False)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor, group: int, bits: int,
@@ -103,15 +145,19 @@ def grouped_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W^T + bias`` for a layer in the runtime layout (what ``LinearBase.forward`` calls)."""
     if layer.act_perm is not None:
         x = x.index_select(-1, layer.act_perm)
+    panels = None if layer.panel_codes is None else (layer.panel_codes, layer.panel_scale, layer.panel_szero)
     return grouped_matmul(x, layer.weight, layer.weight_scale, layer.weight_szero, layer.bias,
-                          layer.quant_group, layer.quant_bits)
+                          layer.quant_group, layer.quant_bits, panels)
 
 
 def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
-                   bias: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
-    """The C kernel for small float32 CPU batches, else the weight widened (in C into a reused
-    buffer on the CPU, in torch elsewhere) for one GEMM; on CUDA the Triton GEMM, which widens
-    the codes in registers (``layers/triton_ops/grouped_gemm.py``)."""
+                   bias: torch.Tensor | None, group: int, bits: int,
+                   panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """On float32 CPU batches: the small-batch C kernel up to ``C_MAX_ROWS`` rows, the panel GEMM
+    (``panels``: :func:`pack_panels` of the same weight) up to ``GEMM_MAX_ROWS``, else the weight
+    widened in C into a reused buffer for one MKL GEMM. Elsewhere the weight widened in torch;
+    on CUDA the Triton GEMM, which widens the codes in registers
+    (``layers/triton_ops/grouped_gemm.py``)."""
     if x.device.type == "cuda" and triton_available():
         return _triton_matmul(x, q, scale, szero, bias, group, bits)
     native = native_f32(x)
@@ -119,10 +165,13 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
         return torch.nn.functional.linear(x, dequantize(q, scale, szero, group, bits, x.dtype), bias)
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()  # [tokens, in]
-    if 0 < x2.shape[0] <= min(C_MAX_ROWS[bits], native.max_decode_tokens):
-        y = torch.empty(x2.shape[0], q.shape[0], dtype=torch.float32)
-        b = None if bias is None else bias.float().contiguous()
+    rows, b = x2.shape[0], None if bias is None else bias.float().contiguous()
+    if 0 < rows <= min(C_MAX_ROWS[bits], native.max_decode_tokens):
+        y = torch.empty(rows, q.shape[0], dtype=torch.float32)
         native.grouped_linear(x2, q, scale, szero, b, group, bits, y, torch.get_num_threads())
+    elif panels is not None and 0 < rows <= GEMM_MAX_ROWS[bits]:
+        y = torch.empty(rows, q.shape[0], dtype=torch.float32)
+        native.grouped_gemm(x2, *panels, b, group, bits, y, torch.get_num_threads())
     else:
         w = scratch_buffer(q.shape[0] * in_features).view(q.shape[0], in_features)  # [out, in]
         native.dequantize_grouped(q, scale, szero, w, group, bits, torch.get_num_threads())

@@ -30,6 +30,7 @@ static const Constant CONSTANTS[] = {
     {"ERR_META", PN_ERR_META},
     {"MOE_GATE_PANEL", MOE_GATE_PANEL},
     {"MOE_DOWN_PANEL", MOE_DOWN_PANEL},
+    {"QG_PANEL", QG_PANEL},
 };
 
 typedef struct {

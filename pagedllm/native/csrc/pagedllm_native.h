@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, fp8_linear.c, moe_experts.c) plus
+ * quant_linear.c, quant_gemm.c, fp8_linear.c, moe_experts.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -136,6 +136,13 @@ PN_EXPORT int qg_linear(const float *x, int64_t T, const uint8_t *q, const float
                         int threads);
 PN_EXPORT int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows,
                          int64_t in, int64_t group, int bits, int threads);
+
+/* Output columns per panel of qg_gemm's packed layout (quant_gemm.c; grouped.py builds it). */
+#define QG_PANEL 32
+
+/* y [T, out] = x [T, in] . W^T (+ bias) for any T, W in the panel layout of quant_gemm.c. */
+PN_EXPORT int qg_gemm(const float *x, int64_t T, const uint8_t *qp, const float *sp, const float *zp,
+                      const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* FP8 (e4m3fn) weight matmuls (fp8_linear.c; layout in that file's comment)                  */

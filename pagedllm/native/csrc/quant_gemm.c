@@ -1,0 +1,162 @@
+/* Group-wise 4/8-bit weight-only GEMM for batches past the small-batch kernel of quant_linear.c
+ * (layers/quantization/grouped.py routes by row count).
+ *
+ * Why: past ~32 rows a matmul is compute-bound, and the small-batch kernel, which widens every
+ * weight once per pair of tokens, loses to widening the whole matrix into a float32 buffer for
+ * MKL's GEMM. That buffer is the cost (a 200M model writes ~750 MB per step and the GEMM reads
+ * it back). Here the weight is widened one column panel and one k-block at a time into a small
+ * float32 scratch that stays in L1, and a register tile (QG_ROWS rows x 32 columns of
+ * accumulators, as in moe_experts.c) runs every row of x against it: the codes are read from
+ * memory once per call and each is widened once, whatever the number of rows.
+ *
+ * Panel layout (built at load by grouped.py: pack_panels), P = ceil(out / QG_PANEL):
+ *   qp  uint8 [P, in, 16] for 4 bits: byte j of (p, k) = code of row p*32+j at input k in the
+ *       low nibble, of row p*32+16+j in the high nibble (so one 16-byte load widens to the
+ *       panel's 32 columns: mask -> columns 0..15, shift -> 16..31);
+ *       uint8 [P, in, 32] for 8 bits: byte j of (p, k) = code of row p*32+j at input k;
+ *   sp  float32 [P, in / group, 32]: the scale of row p*32+j in group g;
+ *   zp  float32 [P, in / group, 32]: its zero point * scale;
+ * rows past `out` (the last panel's tail) hold code 0, scale 0 and zero 0. Panels are stored
+ * one after the other, so the codes a thread reads are one sequential stream.
+ *
+ * Threads split the panels: no two write the same output column.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "pagedllm_native.h"
+
+/* 16 float lanes: one zmm with AVX-512, two ymm with AVX2, scalar code elsewhere. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+typedef uint8_t v16b __attribute__((vector_size(16), aligned(1)));
+
+#ifndef QG_ROWS
+#if defined(__AVX512F__)
+#define QG_ROWS 8 /* 16 zmm accumulators of the 32 registers */
+#else
+#define QG_ROWS 2 /* 8 ymm accumulators of the 16 registers */
+#endif
+#endif
+
+/* inputs per k-block: the scratch (QG_KC x 32 floats, 32 KiB) stays in a 48 KiB L1 */
+#ifndef QG_KC
+#define QG_KC 256
+#endif
+
+static inline v16 load16(const float *p) { return *(const v16 *)p; }
+static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
+
+/* bytes of one panel per input index */
+static inline int64_t panel_bytes(int bits) { return bits == 4 ? QG_PANEL / 2 : QG_PANEL; }
+
+/* b[k - k0][0:32] = the float32 weights of one panel's 32 columns at inputs k0 .. k1 - 1. The
+ * codes of the next k-block (the next panel's first one at the end: panels are contiguous) are
+ * prefetched meanwhile, a cache line per 64 bytes read. */
+static void widen_block(const uint8_t *qp, const float *sp, const float *zp, int64_t k0, int64_t k1, int64_t group,
+                        int bits, float *b) {
+    const int64_t kb = panel_bytes(bits);
+    for (int64_t k = k0; k < k1;) {
+        const int64_t g = k / group, end = (g + 1) * group < k1 ? (g + 1) * group : k1;
+        const v16 s0 = load16(sp + g * QG_PANEL), s1 = load16(sp + g * QG_PANEL + 16);
+        const v16 z0 = load16(zp + g * QG_PANEL), z1 = load16(zp + g * QG_PANEL + 16);
+        for (; k < end; k++) {
+            const uint8_t *src = qp + k * kb;
+            __builtin_prefetch(src + (k1 - k0) * kb, 0, 3);
+            v16 c0, c1;
+            if (bits == 4) {
+                const v16i v = __builtin_convertvector(*(const v16b *)src, v16i);
+                c0 = __builtin_convertvector(v & 15, v16), c1 = __builtin_convertvector(v >> 4, v16);
+            } else {
+                c0 = __builtin_convertvector(*(const v16b *)src, v16);
+                c1 = __builtin_convertvector(*(const v16b *)(src + 16), v16);
+            }
+            store16(b + (k - k0) * QG_PANEL, c0 * s0 - z0);
+            store16(b + (k - k0) * QG_PANEL + 16, c1 * s1 - z1);
+        }
+    }
+}
+
+/* c[r][0:32] (+)= sum_k a[r * lda + k] * b[k][0:32] for M rows (a literal at every call site,
+ * so the row loops unroll and the accumulators live in registers); `first` starts from zero. */
+static inline __attribute__((always_inline)) void tile(const int M, const float *a, int64_t lda, const float *b,
+                                                       int64_t kc, float *c, int first) {
+    v16 acc[QG_ROWS][2];
+    for (int r = 0; r < M; r++) {
+        acc[r][0] = first ? (v16){0} : load16(c + r * QG_PANEL);
+        acc[r][1] = first ? (v16){0} : load16(c + r * QG_PANEL + 16);
+    }
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kc; k++) {
+        const v16 b0 = load16(b + k * QG_PANEL), b1 = load16(b + k * QG_PANEL + 16);
+        for (int r = 0; r < M; r++) {
+            acc[r][0] += a[r * lda + k] * b0;
+            acc[r][1] += a[r * lda + k] * b1;
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        store16(c + r * QG_PANEL, acc[r][0]);
+        store16(c + r * QG_PANEL + 16, acc[r][1]);
+    }
+}
+
+/* tile() over all T rows of x, QG_ROWS at a time, the tail with its row count as a literal. */
+static void tile_all_rows(const float *x, int64_t T, int64_t in, int64_t k0, const float *b, int64_t kc, float *c,
+                          int first) {
+    int64_t t = 0;
+    for (; t + QG_ROWS <= T; t += QG_ROWS) tile(QG_ROWS, x + t * in + k0, in, b, kc, c + t * QG_PANEL, first);
+    const float *a = x + t * in + k0;
+    float *ct = c + t * QG_PANEL;
+    switch (T - t) {
+#define CASE(M) case M: tile(M, a, in, b, kc, ct, first); break;
+        CASE(1)
+#if QG_ROWS > 2
+        CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+#endif
+#if QG_ROWS > 8
+        CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+#endif
+#undef CASE
+    }
+}
+
+/* Shapes of one call. */
+typedef struct {
+    int64_t T, in, out, group;
+    int bits;
+} QgDims;
+
+/* y[:, p*32 ..] = x . panel p^T (+ bias), with b (QG_KC x 32) and c (T x 32) the thread's scratch. */
+static void panel_gemm(const float *x, const uint8_t *qp, const float *sp, const float *zp, const float *bias,
+                       const QgDims *d, int64_t p, float *y, float *b, float *c) {
+    const int64_t groups = d->in / d->group;
+    const uint8_t *q = qp + p * d->in * panel_bytes(d->bits);
+    const float *s = sp + p * groups * QG_PANEL, *z = zp + p * groups * QG_PANEL;
+    for (int64_t k0 = 0; k0 < d->in; k0 += QG_KC) {
+        const int64_t kc = d->in - k0 < QG_KC ? d->in - k0 : QG_KC;
+        widen_block(q, s, z, k0, k0 + kc, d->group, d->bits, b);
+        tile_all_rows(x, d->T, d->in, k0, b, kc, c, k0 == 0);
+    }
+    const int64_t col = p * QG_PANEL, n = d->out - col < QG_PANEL ? d->out - col : QG_PANEL;
+    for (int64_t t = 0; t < d->T; t++)
+        for (int64_t j = 0; j < n; j++) y[t * d->out + col + j] = c[t * QG_PANEL + j] + (bias ? bias[col + j] : 0.0f);
+}
+
+int qg_gemm(const float *x, int64_t T, const uint8_t *qp, const float *sp, const float *zp, const float *bias,
+            int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
+    if (T <= 0 || in <= 0 || out <= 0 || threads <= 0 || (bits != 4 && bits != 8) || group <= 0 || in % group)
+        return PN_ERR_ARG;
+    const QgDims d = {T, in, out, group, bits};
+    const int64_t panels = (out + QG_PANEL - 1) / QG_PANEL, per_thread = (QG_KC + T) * QG_PANEL;
+    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(per_thread * threads));
+    if (!scratch) return PN_ERR_NOMEM;
+#pragma omp parallel num_threads(threads)
+    {
+        float *b = scratch + (int64_t)omp_get_thread_num() * per_thread;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) panel_gemm(x, qp, sp, zp, bias, &d, p, y, b, b + QG_KC * QG_PANEL);
+    }
+    free(scratch);
+    return PN_OK;
+}
