@@ -49,7 +49,7 @@ def _layer(codes, scale, zero, bits, g_idx=None, bias=None):
 @needs_c
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [8, 16, 32, 64, 128])  # 8, 16: groups the 16-lane steps do not fill
-# every token tail; past grouped.C_MAX_ROWS (24 for 8 bits, 32 for 4): dequantize + GEMM
+# every token tail; past grouped.SMALL_MAX_ROWS (3 for 8 bits, 2 for 4): the panel GEMM (test_quant_gemm.py)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 24, 25, 32, 33, 130])
 def test_grouped_linear_matches_float64_reference(bits, group, rows):
     out_features, in_features = 70, 2 * 128  # 70 rows: a 2-row tail in the 4-row work units

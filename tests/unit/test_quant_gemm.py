@@ -49,7 +49,7 @@ def _check(got, x, codes, scale, zero, group, bias=None, g_idx=None):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group, in_features", [(32, 96), (64, 320), (128, 384), (384, 384)])
-@pytest.mark.parametrize("rows", [1, 7, 33, 45])
+@pytest.mark.parametrize("rows", [1, 7, 33, 45, 261])  # 261: three 128-row passes, the last of 5
 def test_gemm_matches_float64_reference(bits, group, in_features, rows):
     out_features = 70  # two full 32-column panels and a 6-column tail
     codes, scale, zero = _layout(out_features, in_features, group, bits, sym=False, seed=rows + group + bits)
@@ -66,8 +66,9 @@ def test_symmetric_zeros_and_a_single_short_panel(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_layer_routes_past_c_max_rows_to_the_gemm(bits, monkeypatch):
-    """Rows in (C_MAX_ROWS, GEMM_MAX_ROWS] take the panel GEMM; the result is the reference's."""
+def test_layer_routes_rows_between_the_limits_to_the_gemm(bits, monkeypatch):
+    """Rows in (SMALL_MAX_ROWS, GEMM_MAX_ROWS] take the panel GEMM, others the small-batch kernel
+    or dequantize + GEMM; every route gives the reference's result."""
     codes, scale, zero = _layout(40, 128, 64, bits, sym=False, seed=3)
     layer = ReplicatedLinear(128, 40, bias=False)
     grouped.install(layer, codes, scale, zero, None, bits)
@@ -77,17 +78,18 @@ def test_layer_routes_past_c_max_rows_to_the_gemm(bits, monkeypatch):
         calls.append(x.shape[0])
         return real(self, x, *args)
     monkeypatch.setattr(NativeLibrary, "grouped_gemm", spy)
-    for rows in (grouped.C_MAX_ROWS[bits], grouped.C_MAX_ROWS[bits] + 1, grouped.GEMM_MAX_ROWS[bits]):
+    small, big = grouped.SMALL_MAX_ROWS[bits], grouped.GEMM_MAX_ROWS[bits]
+    for rows in (small, small + 1, big, big + 1):
         x = torch.randn(rows, 128)
         _check(layer(x), x, codes, scale, zero, 64)
-    assert calls == [grouped.C_MAX_ROWS[bits] + 1, grouped.GEMM_MAX_ROWS[bits]]
+    assert calls == [small + 1, big]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_act_order_layer_through_the_gemm(bits):
     """desc_act: groups numbered along a permutation of the input columns; install sorts the
     columns (and the panels follow) and the layer gathers x to match."""
-    group, in_features, rows = 32, 128, grouped.C_MAX_ROWS[bits] + 9
+    group, in_features, rows = 32, 128, grouped.SMALL_MAX_ROWS[bits] + 9
     codes, scale, zero = _layout(36, in_features, group, bits, sym=False, seed=11)
     perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(2))
     g_idx = torch.empty(in_features, dtype=torch.int32)

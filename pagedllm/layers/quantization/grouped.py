@@ -18,7 +18,7 @@ activations with ``act_perm`` per call, as exllama does.
 
 On the CPU (with the C library) :func:`install` also keeps a second copy of the same numbers in
 the panel layout of ``native/csrc/quant_gemm.c`` (:func:`pack_panels`), which the GEMM for
-batches past ``C_MAX_ROWS`` reads: per panel of ``QG_PANEL`` (32) output rows, the codes of
+batches past ``SMALL_MAX_ROWS`` reads: per panel of ``QG_PANEL`` (32) output rows, the codes of
 the 32 rows at input k are one run of 16 bytes (4 bits: row j in the low nibble of byte j,
 row 16 + j in its high nibble) or 32 bytes (8 bits), then input k + 1, and so on:
 
@@ -40,15 +40,17 @@ from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import native_f32, scratch_buffer
 from pagedllm.native import bindings
 
-# up to this many rows (by bits) the C kernel (codes widened in registers), beyond them
-# dequantize + MKL: the crossover measured on the ~200M benchmark model's projections (AVX-512,
-# 2 threads, benchmarks/RESULTS.md "4-bit, 8-bit and FP8 weights"); capped at run time by the
-# library's own limit, NativeLibrary.max_decode_tokens. The one-call decoder takes no more
-# tokens than this either (models/cpu_decode.py): it has no MKL path.
+# Routing by row count (by bits), measured on the ~200M benchmark model's 64 projections
+# (AVX-512, 2 threads, benchmarks/RESULTS.md "4-bit, 8-bit and FP8 weights"):
+# up to SMALL_MAX_ROWS the small-batch kernel (quant_linear.c: codes widened in registers per
+# pair / triple of tokens), up to GEMM_MAX_ROWS the panel GEMM (quant_gemm.c: each code widened
+# once per call), beyond them (prefill chunks) dequantize + MKL's GEMM.
+SMALL_MAX_ROWS = {4: 2, 8: 3}
+GEMM_MAX_ROWS = {4: 384, 8: 384}
+# the most tokens the one-call decoder takes with these weights (models/cpu_decode.py), capped
+# at run time by the library's NativeLibrary.max_decode_tokens: it runs the small-batch kernel
+# with no Python between layers, which wins over the module path's panel GEMM up to here.
 C_MAX_ROWS = {4: 32, 8: 24}
-# past C_MAX_ROWS and up to this many rows the panel GEMM (quant_gemm.c), beyond them dequantize
-# + MKL (prefill chunks): measured on the same projections (RESULTS.md, same section)
-GEMM_MAX_ROWS = {4: 512, 8: 512}
 BITS = (4, 8)
 
 
@@ -153,7 +155,7 @@ def grouped_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
                    bias: torch.Tensor | None, group: int, bits: int,
                    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """On float32 CPU batches: the small-batch C kernel up to ``C_MAX_ROWS`` rows, the panel GEMM
+    """On float32 CPU batches: the small-batch C kernel up to ``SMALL_MAX_ROWS`` rows, the panel GEMM
     (``panels``: :func:`pack_panels` of the same weight) up to ``GEMM_MAX_ROWS``, else the weight
     widened in C into a reused buffer for one MKL GEMM. Elsewhere the weight widened in torch;
     on CUDA the Triton GEMM, which widens the codes in registers
@@ -166,7 +168,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()  # [tokens, in]
     rows, b = x2.shape[0], None if bias is None else bias.float().contiguous()
-    if 0 < rows <= min(C_MAX_ROWS[bits], native.max_decode_tokens):
+    if 0 < rows <= SMALL_MAX_ROWS[bits]:
         y = torch.empty(rows, q.shape[0], dtype=torch.float32)
         native.grouped_linear(x2, q, scale, szero, b, group, bits, y, torch.get_num_threads())
     elif panels is not None and 0 < rows <= GEMM_MAX_ROWS[bits]:
