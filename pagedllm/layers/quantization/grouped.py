@@ -29,8 +29,8 @@ row 16 + j in its high nibble) or 32 bytes (8 bits), then input k + 1, and so on
 (the last panel's rows past ``out`` are zeros). The batch-1 kernels and the one-call decoder
 read the row-major ``weight``; the GEMM needs whole columns of 32 rows at each input, which
 the row-major bytes do not give without a transpose per call. The copy costs as much memory
-again as the codes, scales and zeros (106 MB on the ~200M benchmark model's 140 MB; float32
-keeps a oneDNN-packed second copy of its 755 MB the same way, ``cpu_ops.pack_model``).
+again as the codes, scales and zeros (+106 MB on the ~200M benchmark model; float32 keeps a
+oneDNN-packed second copy of its 755 MB the same way, ``cpu_ops.pack_model``).
 """
 from __future__ import annotations
 
