@@ -1,13 +1,13 @@
 /* Group-wise 4/8-bit weight-only GEMM for batches past the small-batch kernel of quant_linear.c
  * (layers/quantization/grouped.py routes by row count).
  *
- * Why: past ~32 rows a matmul is compute-bound, and the small-batch kernel, which widens every
- * weight once per pair of tokens, loses to widening the whole matrix into a float32 buffer for
- * MKL's GEMM. That buffer is the cost (a 200M model writes ~750 MB per step and the GEMM reads
- * it back). Here the weight is widened one column panel and one k-block at a time into a small
- * float32 scratch that stays in L1, and a register tile (QG_ROWS rows x 32 columns of
- * accumulators, as in moe_experts.c) runs every row of x against it: the codes are read from
- * memory once per call and each is widened once, whatever the number of rows.
+ * Why: the small-batch kernel widens every code once per pair (4 bits) or triple (8 bits) of
+ * tokens, so past a few rows the widening dominates; widening the whole matrix into a float32
+ * buffer for MKL's GEMM instead costs the buffer (a 200M model writes ~750 MB per step and the
+ * GEMM reads it back). Here the weight is widened one column panel and one k-block at a time
+ * into a small float32 scratch that stays in L1, and a register tile (QG_ROWS rows x 32 columns
+ * of accumulators, as in moe_experts.c) runs every row of x against it: the codes are read from
+ * memory once per call and each is widened once per QG_MC rows.
  *
  * Panel layout (built at load by grouped.py: pack_panels), P = ceil(out / QG_PANEL):
  *   qp  uint8 [P, in, 16] for 4 bits: byte j of (p, k) = code of row p*32+j at input k in the
@@ -53,10 +53,11 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 static inline v16 load16(const float *p) { return *(const v16 *)p; }
 static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 
-/* 16 bytes zero-extended to 16 int32 lanes (GCC's __builtin_convertvector does this byte by
- * byte, ~10x slower: intrinsics where the ISA has the instruction). */
+/* 16 bytes zero-extended to 16 int32 lanes. GCC's __builtin_convertvector compiles this to 16
+ * scalar loads and inserts, which made the whole GEMM ~30% slower at 64 rows: intrinsics where
+ * the ISA has the instruction. */
 static inline v16i widen16(const uint8_t *src) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && PN_AVX2
     return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
 #elif PN_AVX2
     union {
