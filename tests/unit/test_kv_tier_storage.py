@@ -175,3 +175,16 @@ def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
     mgr.on_evict(5, _hash(3))  # slot 0's entry leaves the CPU tier: its disk write never landed, so it spills
     assert mgr.take_ops().moves == [(CPU_TO_DISK, 0, _hash(1)), (DEVICE_TO_CPU, 5, 0), (DEVICE_TO_DISK, 5, _hash(3))]
     assert mgr.stats["cpu"].stored_blocks == 2 and mgr.stats["disk"].bytes_stored == 40
+
+
+def test_an_engine_reads_the_weights_for_its_fingerprints_once(llama_dir, tmp_path, monkeypatch):
+    """The executor computes every rank's disk-tier fingerprint once and hands them to the ranks
+    and the scheduler (which used to recompute them: one read of the weights each)."""
+    from pagedllm import LLM
+    from pagedllm.kv_cache.offload import fingerprint
+    reads, real = [], fingerprint.weights_identity
+    monkeypatch.setattr(fingerprint, "weights_identity", lambda d: reads.append(d) or real(d))
+    llm = LLM(llama_dir, block_size=8, max_model_len=64, num_gpu_blocks_override=16, kv_offload_dir=str(tmp_path))
+    assert reads == [llm.llm_engine.config.model.model]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [fingerprint.kv_fingerprint(llm.llm_engine.config, 0)]
+    llm.llm_engine.shutdown()

@@ -192,12 +192,14 @@ class TierStore:
 
 
 def build_tier_store(config: EngineConfig, kv: torch.Tensor, tp: TensorParallelGroup,
-                     block_bytes: int) -> TierStore | None:
-    """This rank's tiers as ``config.cache`` asks (None without any)."""
+                     block_bytes: int, fingerprint: str | None = None) -> TierStore | None:
+    """This rank's tiers as ``config.cache`` asks (None without any); ``fingerprint``: this
+    rank's disk-tier fingerprint as the executor computed it (None: computed here)."""
     cache = config.cache
     if not tiers_enabled(cache):
         return None
     disk = None
     if cache.kv_offload_dir:
-        disk = DiskTier(cache.kv_offload_dir, kv_fingerprint(config, tp.rank), cache.kv_offload_disk_bytes)
+        fingerprint = fingerprint or kv_fingerprint(config, tp.rank)
+        disk = DiskTier(cache.kv_offload_dir, fingerprint, cache.kv_offload_disk_bytes)
     return TierStore(kv, num_cpu_tier_blocks(cache, block_bytes), disk, tp)
