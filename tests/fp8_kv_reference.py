@@ -1,6 +1,7 @@
 """The reference for an fp8 KV cache: transformers' Llama with K rounded to fp8 after rotary and V
 after v_proj, at each layer's scale, saturating (the K/V an fp8 cache holds, written out
-independently of the engine), and checkpoints carrying such per-layer scales."""
+independently of the engine), checkpoints carrying such per-layer scales, and the test model
+whose logits are led by the residual stream rather than by one attention output."""
 from __future__ import annotations
 
 import shutil
@@ -20,6 +21,17 @@ def with_kv_scales(model_dir: str, dst: Path, k_scales: list[float], v_scales: l
     for i, (k, v) in enumerate(zip(k_scales, v_scales)):
         state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k) if scalar_k else torch.tensor([k])
         state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(state, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def with_scaled_embeddings(model_dir: str, dst: Path, factor: float) -> str:
+    """A copy of the checkpoint at ``dst`` with ``embed_tokens`` multiplied by ``factor``: the
+    residual stream, not one attention output, then carries the logits (why and how much:
+    tests/e2e/test_fp8_kv_cache.py's docstring)."""
+    shutil.copytree(model_dir, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * factor
     save_file(state, str(dst / "model.safetensors"))
     return str(dst)
 

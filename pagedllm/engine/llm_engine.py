@@ -49,7 +49,8 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks,
-                                   build_offload_manager(config, self.executor.block_bytes()))
+                                   build_offload_manager(config, self.executor.block_bytes(),
+                                                         self.executor.tier_fingerprints))
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.layer_ops, self.structured_output)

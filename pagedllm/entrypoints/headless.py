@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import EngineConfig
 from pagedllm.worker.executor.multiproc import Timeouts
 from pagedllm.worker.executor.remote import run_node
 
 logger = logging.getLogger(__name__)
 
 
-def is_headless(engine_args: EngineArgs, headless_flag: bool) -> bool:
+def is_headless(config: EngineConfig, headless_flag: bool) -> bool:
     """``--headless``, or a launch that is not node 0 (torchrun's RANK > 0)."""
-    return headless_flag or engine_args.create_engine_config().parallel.node_rank != 0
+    return headless_flag or config.parallel.node_rank != 0
 
 
-def run_headless(engine_args: EngineArgs) -> int:
+def run_headless(config: EngineConfig) -> int:
     """Runs this node's ranks until node 0 stops them; the exit status (1 when a rank failed)."""
-    config = engine_args.create_engine_config()
     p = config.parallel
     if p.node_rank == 0:
         raise ValueError(f"node_rank=0 with --headless: node 0 hosts the engine and the API; give a headless launch "

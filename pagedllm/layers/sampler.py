@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.ops import check_layer_ops
+from pagedllm.layers.penalty_history import PenaltyHistory
 from pagedllm.layers.sampling_inputs import SamplingInputs, prepare_inputs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState, StructuredOutputManager
@@ -63,6 +64,7 @@ class Sampler:
     def __init__(self, ops: str = "native", structured_output: StructuredOutputManager | None = None):
         self.ops = check_layer_ops(ops)
         self.structured_output = structured_output
+        self.penalty_history = PenaltyHistory()  # on the device between steps; new tokens only
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``sample``, fetched and finished: one device->host transfer."""
@@ -119,7 +121,7 @@ class Sampler:
         return host["chosen"].tolist(), _top_logprobs_from(host, rows)
 
     def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow], noise: bool = True) -> SamplingInputs:
-        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise)
+        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise, self.penalty_history)
 
     def _bitmask(self, rows: list[SamplingRow]) -> np.ndarray | None:
         grammars = [r.grammar for r in rows]

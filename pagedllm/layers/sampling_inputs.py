@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagedllm.layers.penalty_history import PenaltyHistory
 from pagedllm.worker.host_to_device import to_device_bytes
 
 
@@ -45,15 +46,22 @@ class SamplingInputs:
 
 
 def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.ndarray | None = None,
-                   noise: bool = True) -> SamplingInputs:
+                   noise: bool = True, history: PenaltyHistory | None = None) -> SamplingInputs:
     """``rows``: the sampler's ``SamplingRow``s; ``bitmask``: the grammar's (``fill_bitmask``);
     ``noise``: draw seeded rows' sampling noise from their generators (False when nothing is
-    drawn from these inputs: the generators must not advance)."""
+    drawn from these inputs: the generators must not advance); ``history``: the penalties' token
+    histories kept on the device between steps (None: every history uploaded whole)."""
     flags = sampling_flags(rows, vocab, bitmask is not None, noise)
-    arrays = build_host_arrays(rows, vocab, flags)
+    with_history = flags.penalties and history is not None
+    arrays = build_host_arrays(rows, vocab, flags, histories=not with_history)
     if bitmask is not None:
         arrays["bitmask"] = bitmask
-    return SamplingInputs(flags, to_device_bytes(arrays, device))
+    if with_history:  # the new tokens (or a rebuild) travel in the step's one upload
+        arrays.update(history.host_arrays(rows, flags.repetition))
+    tensors = to_device_bytes(arrays, device)
+    if with_history:
+        tensors.update(history.device_tensors(tensors))
+    return SamplingInputs(flags, tensors)
 
 
 def sampling_flags(rows: list, vocab: int, grammar: bool, noise: bool = True) -> SamplingFlags:
@@ -72,8 +80,9 @@ def sampling_flags(rows: list, vocab: int, grammar: bool, noise: bool = True) ->
         seeded=noise and not all(x.greedy for x in p) and any(r.generator is not None for r in rows))
 
 
-def build_host_arrays(rows: list, vocab: int, flags: SamplingFlags) -> dict[str, np.ndarray]:
-    """The arrays of the rules ``flags`` turns on::
+def build_host_arrays(rows: list, vocab: int, flags: SamplingFlags, histories: bool = True) -> dict[str, np.ndarray]:
+    """The arrays of the rules ``flags`` turns on (the penalties' token histories only with
+    ``histories``; otherwise a ``PenaltyHistory`` supplies them)::
 
         temperature, top_k, top_p, min_p, greedy        [rows]     (random rows only)
         allowed_rows [rows] bool, allowed_pairs [2, n]  (row, token) a row may sample
@@ -92,7 +101,7 @@ def build_host_arrays(rows: list, vocab: int, flags: SamplingFlags) -> dict[str,
     if flags.masked:
         arrays["masked_pairs"] = _pairs(_masked_tokens(rows))
     if flags.penalties:
-        arrays.update(_penalties(rows, flags.repetition))
+        arrays.update(_penalties(rows, flags.repetition, histories))
     if flags.seeded:
         arrays.update(_seeded_noise(rows, vocab))
     return arrays
@@ -168,13 +177,15 @@ def _pad(lists: list[list[int]], prefix: str) -> dict[str, np.ndarray]:
     return {f"{prefix}_ids": ids, f"{prefix}_mask": mask}
 
 
-def _penalties(rows: list, repetition: bool) -> dict[str, np.ndarray]:
+def _penalties(rows: list, repetition: bool, histories: bool) -> dict[str, np.ndarray]:
     p = [r.params for r in rows]
     arrays = dict(frequency=np.array([x.frequency_penalty for x in p], dtype=np.float32),
-                  presence=np.array([x.presence_penalty for x in p], dtype=np.float32),
-                  **_pad([r.output_token_ids for r in rows], "output"))
+                  presence=np.array([x.presence_penalty for x in p], dtype=np.float32))
+    if histories:
+        arrays.update(_pad([r.output_token_ids for r in rows], "output"))
     if repetition:
         arrays["repetition"] = np.array([x.repetition_penalty for x in p], dtype=np.float32)
+    if repetition and histories:
         arrays.update(_pad([r.prompt_token_ids for r in rows], "prompt"))
     return arrays
 

@@ -96,7 +96,10 @@ class ModelRunner:
         for i in range(self.stage.start, self.stage.end):
             layers[i] = torch.compile(layers[i], dynamic=True)
 
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0, with_tiers: bool = True) -> None:
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int = 0, with_tiers: bool = True,
+                   tier_fingerprints: tuple[str, ...] = ()) -> None:
+        """Allocates the KV pool (and the KV tiers with ``with_tiers``; ``tier_fingerprints``: every
+        rank's disk-tier fingerprint, computed once by the executor, else computed here)."""
         mc = self.config.model
         capture = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
@@ -110,7 +113,8 @@ class ModelRunner:
                 graphs.capture(self.model, self.cache.layer_caches)
         self.decode_graphs = graphs
         if with_tiers:
-            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes())
+            fingerprint = tier_fingerprints[self.tp.rank] if tier_fingerprints else None
+            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes(), fingerprint)
 
     def persist_kv_tiers(self, ops: TierOps) -> None:
         """Writes the blocks of ``ops.moves`` to this rank's disk tier; returns once every rank's are there."""

@@ -175,3 +175,55 @@ def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
     mgr.on_evict(5, _hash(3))  # slot 0's entry leaves the CPU tier: its disk write never landed, so it spills
     assert mgr.take_ops().moves == [(CPU_TO_DISK, 0, _hash(1)), (DEVICE_TO_CPU, 5, 0), (DEVICE_TO_DISK, 5, _hash(3))]
     assert mgr.stats["cpu"].stored_blocks == 2 and mgr.stats["disk"].bytes_stored == 40
+
+
+def test_an_engine_reads_the_weights_for_its_fingerprints_once(llama_dir, tmp_path, monkeypatch):
+    """The executor computes every rank's disk-tier fingerprint once and hands them to the ranks
+    and the scheduler (which used to recompute them: one read of the weights each)."""
+    from pagedllm import LLM
+    from pagedllm.kv_cache.offload import fingerprint
+    reads, real = [], fingerprint.weights_identity
+    monkeypatch.setattr(fingerprint, "weights_identity", lambda d: reads.append(d) or real(d))
+    llm = LLM(llama_dir, block_size=8, max_model_len=64, num_gpu_blocks_override=16, kv_offload_dir=str(tmp_path))
+    assert reads == [llm.llm_engine.config.model.model]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [fingerprint.kv_fingerprint(llm.llm_engine.config, 0)]
+    llm.llm_engine.shutdown()
+
+
+def _store(num_slots: int = 8):
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
+    from pagedllm.kv_cache.offload.worker_store import TierStore
+    kv = torch.randn(2, 2, 16, 2, 8, 16)  # [layers, K/V, blocks, kv heads, block_size, head_dim]
+    return TierStore(kv, num_slots, None, TensorParallelGroup())
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation any op made while ``fn`` ran (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_cpu_tier_round_trip_copies_without_temporaries():
+    """Blocks evicted to CPU slots (runs and gaps) come back bit-exact into other device blocks;
+    on a CPU pool both directions copy block to slot directly: no gathered temporary (the old
+    path allocated one for every batch of evictions)."""
+    from pagedllm.kv_cache.offload.ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
+    store = _store()
+    pairs = [(7, 3), (2, 4), (5, 5), (1, 0)]  # (device block, CPU slot): a run of three, then slot 0
+    expected = {slot: store.kv[:, :, block].clone() for block, slot in pairs}
+    evict = TierOps(moves=[(DEVICE_TO_CPU, b, s) for b, s in pairs])
+    assert _largest_allocation(lambda: store.apply(evict)) < store.kv[:, :, 0].nbytes
+    load = TierOps(loads=[LoadJob("r", tuple(LoadItem(b, TIER_CPU, b"h", s) for b, s in
+                                            [(12, 3), (13, 4), (14, 5), (15, 0)]))])
+    assert _largest_allocation(lambda: store.apply(load)) < store.kv[:, :, 0].nbytes
+    assert store.collect().num_ok == {"r": 4}
+    for block, slot in [(12, 3), (13, 4), (14, 5), (15, 0)]:
+        assert torch.equal(store.kv[:, :, block], expected[slot])
+
+
+def test_consecutive_runs():
+    from pagedllm.kv_cache.offload.worker_store import consecutive_runs
+    assert consecutive_runs([3, 4, 5, 0, 1, 7]) == [(0, 3, 3), (3, 0, 2), (5, 7, 1)]
+    assert consecutive_runs([]) == []

@@ -195,3 +195,39 @@ def test_cuda_replicas_with_pipeline_ranks_are_refused():
                                 device=torch.device("cuda"))
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         plan_replicas(args, config)
+
+
+# ---------------------------------------------------------------------- forwarding
+class _CharTokenizer:
+    """One token per character: enough for the hasher's completion path."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_forward_parses_the_body_once(monkeypatch):
+    """The stream check and the prompt hasher share one ``json.loads`` of the request body."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from pagedllm.entrypoints.router.prompt_hasher import PromptHasher
+    from pagedllm.entrypoints.router.proxy import Router
+
+    body = json.dumps({"model": "m", "prompt": "x" * 40, "stream": False}).encode()
+    parses, real_loads = [], json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **k: (parses.append(s), real_loads(s, *a, **k))[1])
+
+    config = RouterConfig((A,), policy="prefix", tokenizer="chars", block_size=8)
+    router = Router(config, PromptHasher(_CharTokenizer(), 8))
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, json={})))
+
+    async def run() -> int:
+        try:
+            return (await router.forward("POST", "/v1/completions", {}, body)).status_code
+        finally:
+            await router.close()
+    assert asyncio.run(run()) == 200
+    assert router.describe()["prefix_table_entries"] == 5  # the prompt's 40 characters, hashed in blocks of 8
+    assert parses.count(body) == 1

@@ -424,10 +424,12 @@ def run_server(args: argparse.Namespace) -> int:
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
         return run_data_parallel(args)
     engine_args = engine_args_from_cli(args)
+    config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
     from pagedllm.entrypoints.headless import is_headless, run_headless
-    if is_headless(engine_args, args.headless):
-        return run_headless(engine_args)
-    app = build_app(engine_args, chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
+    if is_headless(config, args.headless):
+        return run_headless(config)
+    app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
+                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                     limits=limits, chat_options=chat_options)
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine

@@ -8,7 +8,6 @@ its prefix cache looks up; for another server they are a consistent key for the 
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -38,15 +37,16 @@ class PromptHasher:
         return cls(AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code), block_size,
                    chat_template)
 
-    def block_hashes(self, path: str, body: bytes) -> list[bytes]:
-        """The chained hashes of the prompt's full blocks; [] for a body the router cannot key on.
+    def block_hashes(self, path: str, data: Any) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks, from the request's parsed JSON body
+        ``data`` (None when it did not parse); [] for a body the router cannot key on.
 
         Routing is advice: a body that does not parse or render is routed by load, and the replica
         answers it (with the proper 400) as it would without a router."""
-        if path not in HASHED_PATHS:
+        if path not in HASHED_PATHS or data is None:
             return []
         try:
-            ids = self.prompt_ids(path, json.loads(body))
+            ids = self.prompt_ids(path, data)
         except Exception as exc:  # any parse/validation/template error: the replica will judge the request
             logger.debug("no prefix key for a %s body: %s", path, exc)
             return []

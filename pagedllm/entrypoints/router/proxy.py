@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import httpx
@@ -68,11 +68,12 @@ class Router:
         self._tokenizer_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ choosing
-    async def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
+    async def prompt_hashes(self, path: str, data: Any) -> list[bytes]:
+        """The prompt's block hashes from the already parsed body ``data`` (see ``parse_body``)."""
         if self.hasher is None:
             return []
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, body)
+        return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, data)
 
     def choose(self, hashes: list[bytes], tried: set[str]) -> Choice | None:
         """The next backend for a request (None when every healthy one was tried); counts it as in flight."""
@@ -93,8 +94,9 @@ class Router:
     async def forward(self, method: str, path_qs: str, headers: dict[str, str], body: bytes) -> Response:
         """Sends the request to backends in turn until one answers; 503 when none can."""
         path = path_qs.split("?", 1)[0]
-        hashes = await self.prompt_hashes(path, body)
-        stream = wants_stream(body)
+        data = parse_body(body)  # once: the hasher and the stream check both read it
+        hashes = await self.prompt_hashes(path, data)
+        stream = wants_stream(data)
         tried: set[str] = set()
         while (choice := self.choose(hashes, tried)) is not None:
             backend = choice.backend
@@ -204,12 +206,17 @@ async def close_quietly(upstream: httpx.Response) -> None:
         await upstream.aclose()
 
 
-def wants_stream(body: bytes) -> bool:
-    """Whether a JSON body asks for ``"stream": true`` (anything else is relayed whole)."""
+def parse_body(body: bytes) -> Any:
+    """A request body's JSON value; None for an empty body or one that is not JSON (the router
+    relays it unchanged and the backend answers it)."""
     try:
-        data = json.loads(body) if body else None
+        return json.loads(body) if body else None
     except ValueError:
-        return False
+        return None
+
+
+def wants_stream(data: Any) -> bool:
+    """Whether a parsed JSON body asks for ``"stream": true`` (anything else is relayed whole)."""
     return isinstance(data, dict) and data.get("stream") is True
 
 

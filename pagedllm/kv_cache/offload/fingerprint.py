@@ -22,17 +22,35 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE = 1 << 20  # bytes hashed at each end of a weights file
 
 
+def kv_fingerprints(config: EngineConfig) -> tuple[str, ...]:
+    """Hex SHA-256 naming each tensor-parallel rank's K/V layout and contents for this engine,
+    indexed by rank. The weights are read (sampled) and the config serialised once for all
+    ranks: the executor computes this once and hands each rank its own (``ModelRunner.init_cache``)."""
+    return _fingerprints(config, range(config.parallel.tensor_parallel_size))
+
+
 def kv_fingerprint(config: EngineConfig, tp_rank: int) -> str:
-    """Hex SHA-256 naming rank ``tp_rank``'s K/V layout and contents for this engine."""
+    """Rank ``tp_rank``'s fingerprint alone (it reads the weights: use ``kv_fingerprints`` when
+    several ranks' are needed)."""
+    return _fingerprints(config, [tp_rank])[0]
+
+
+def _fingerprints(config: EngineConfig, ranks) -> tuple[str, ...]:
     mc, cache = config.model, config.cache
     kv_dtype = cache.cache_dtype or mc.dtype
+    head = (f"v{FORMAT_VERSION}", mc.architecture, str(mc.dtype), str(kv_dtype), str(mc.quantization),
+            f"block={cache.block_size}", f"len={mc.max_model_len}")
+    model_json = json.dumps(_config_dict(mc.hf_config), sort_keys=True, default=str)
+    weights = weights_identity(mc.model)
+    size = config.parallel.tensor_parallel_size
+    return tuple(_digest((*head, f"tp={rank}/{size}", model_json), weights) for rank in ranks)
+
+
+def _digest(parts: tuple[str, ...], weights: bytes) -> str:
     h = hashlib.sha256()
-    for part in (f"v{FORMAT_VERSION}", mc.architecture, str(mc.dtype), str(kv_dtype), str(mc.quantization),
-                 f"block={cache.block_size}", f"len={mc.max_model_len}",
-                 f"tp={tp_rank}/{config.parallel.tensor_parallel_size}",
-                 json.dumps(_config_dict(mc.hf_config), sort_keys=True, default=str)):
+    for part in parts:
         h.update(part.encode() + b"\0")
-    h.update(weights_identity(mc.model))
+    h.update(weights)
     return h.hexdigest()
 
 

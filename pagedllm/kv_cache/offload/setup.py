@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pagedllm.config import CacheConfig, EngineConfig
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+from pagedllm.kv_cache.offload.fingerprint import kv_fingerprints
 from pagedllm.kv_cache.offload.manager import OffloadManager
 
 
@@ -16,13 +16,21 @@ def num_cpu_tier_blocks(cache: CacheConfig, block_bytes: int) -> int:
     return cache.kv_offload_cpu_bytes // block_bytes
 
 
-def build_offload_manager(config: EngineConfig, block_bytes: int) -> OffloadManager | None:
-    """The scheduler's tier manager (None without tiers), checking disk entries of every rank."""
+def tier_fingerprints(config: EngineConfig) -> tuple[str, ...]:
+    """Every tensor-parallel rank's disk-tier fingerprint (``kv_fingerprints``), or () without a
+    disk tier; computed once, by the executor, and shared with the ranks and the scheduler."""
+    return kv_fingerprints(config) if config.cache.kv_offload_dir is not None else ()
+
+
+def build_offload_manager(config: EngineConfig, block_bytes: int,
+                          fingerprints: tuple[str, ...] | None = None) -> OffloadManager | None:
+    """The scheduler's tier manager (None without tiers), checking disk entries of every rank;
+    ``fingerprints``: ``tier_fingerprints(config)`` when already computed."""
     cache = config.cache
     if not tiers_enabled(cache):
         return None
     disks = []
     if cache.kv_offload_dir is not None:
-        disks = [DiskTier(cache.kv_offload_dir, kv_fingerprint(config, rank), cache.kv_offload_disk_bytes)
-                 for rank in range(config.parallel.tensor_parallel_size)]
+        fingerprints = fingerprints or tier_fingerprints(config)
+        disks = [DiskTier(cache.kv_offload_dir, fp, cache.kv_offload_disk_bytes) for fp in fingerprints]
     return OffloadManager(num_cpu_tier_blocks(cache, block_bytes), disks, block_bytes)

@@ -41,15 +41,17 @@ class TierStore:
     """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA) and a disk tier.
 
     ``kv`` is the device pool ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
-    a block is ``kv[:, :, b]``, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``.
+    a block is ``kv[:, :, b]``, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``. The CPU
+    tier is slot-major, ``[num_slots, num_layers, 2, num_kv_heads, block_size, head_dim]``, so a
+    slot (and a run of consecutive slots) is one contiguous range: a device -> host copy lands
+    in it directly, with no host temporary (a copy into a strided host view goes through one).
     """
 
     def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup):
         self.kv = kv
-        shape = (kv.shape[0], 2, num_slots) + tuple(kv.shape[3:])
-        pin = kv.device.type == "cuda"
-        self.cpu = torch.empty(shape, dtype=kv.dtype, pin_memory=pin) if num_slots else None
         self.block_shape = (kv.shape[0], 2) + tuple(kv.shape[3:])
+        pin = kv.device.type == "cuda"
+        self.cpu = torch.empty((num_slots, *self.block_shape), dtype=kv.dtype, pin_memory=pin) if num_slots else None
         self.disk = disk
         self.tp = tp
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-write") if disk else None
@@ -81,9 +83,9 @@ class TierStore:
             self._to_cpu(list(run.items()))
             run.clear()
             if from_cpu:
-                blocks = self.cpu[:, :, [slot for _, slot in from_cpu]]  # indexing copies
+                blocks = self.cpu[[slot for _, slot in from_cpu]]  # indexing copies
                 for k, (i, _) in enumerate(from_cpu):
-                    writes[i][1] = blocks[:, :, k]
+                    writes[i][1] = blocks[k]
                 from_cpu.clear()
 
         for kind, src, dst in moves:
@@ -93,7 +95,7 @@ class TierStore:
                 run[src] = dst
             elif kind == CPU_TO_DISK:
                 flush()
-                writes.append([dst, self.cpu[:, :, src].clone()])
+                writes.append([dst, self.cpu[src].clone()])
             else:  # DEVICE_TO_DISK
                 writes.append([dst, None])
                 if src in run:
@@ -110,10 +112,29 @@ class TierStore:
             self._writer.submit(self._write, [(h, b) for h, b in writes])
 
     def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU slot) pairs: each block lands in its slot with no host temporary."""
         if not pairs:
             return
-        src, dst = (torch.tensor(x) for x in zip(*pairs))
-        self.cpu[:, :, dst] = self.kv[:, :, src.to(self.kv.device)].to("cpu")
+        if self.kv.device.type == "cpu":  # straight from the pool into the slot: no gather either
+            for block, slot in pairs:
+                self.cpu[slot].copy_(self.kv[:, :, block])
+            return
+        src = torch.tensor([b for b, _ in pairs], device=self.kv.device)
+        blocks = self.kv[:, :, src].movedim(2, 0).contiguous()  # [n, num_layers, 2, heads, block_size, head_dim]
+        for at, slot, n in consecutive_runs([s for _, s in pairs]):
+            self.cpu[slot:slot + n].copy_(blocks[at:at + n])  # device -> pinned slots, one DMA per run
+
+    def _from_cpu(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU slot, device block) pairs: the reverse of ``_to_cpu``, read from the slots in place."""
+        if self.kv.device.type == "cpu":
+            for slot, block in pairs:
+                self.kv[:, :, block].copy_(self.cpu[slot])
+            return
+        blocks = torch.empty((len(pairs), *self.block_shape), dtype=self.kv.dtype, device=self.kv.device)
+        for at, slot, n in consecutive_runs([s for s, _ in pairs]):
+            blocks[at:at + n].copy_(self.cpu[slot:slot + n], non_blocking=True)  # pinned: stream-ordered
+        dst = torch.tensor([b for _, b in pairs], device=self.kv.device)
+        self.kv[:, :, dst] = blocks.movedim(0, 2)  # [num_layers, 2, n, heads, block_size, head_dim]
 
     def _write(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
         try:
@@ -125,8 +146,7 @@ class TierStore:
         t0 = time.perf_counter()
         cpu = [(i.cpu_slot, i.device_block) for i in job.items if i.tier == TIER_CPU]
         if cpu:
-            src, dst = (torch.tensor(x) for x in zip(*cpu))
-            self.kv[:, :, dst.to(self.kv.device)] = self.cpu[:, :, src].to(self.kv.device)
+            self._from_cpu(cpu)
         self._seconds[TIER_CPU] += time.perf_counter() - t0
         disk = [i.block_hash for i in job.items if i.tier == TIER_DISK]
         future = self._reader.submit(self._read, disk, time.perf_counter()) if disk else None
@@ -191,13 +211,27 @@ class TierStore:
         self._reader = self._writer = None
 
 
+def consecutive_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(index into slots, first slot, length)`` of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
+
+
 def build_tier_store(config: EngineConfig, kv: torch.Tensor, tp: TensorParallelGroup,
-                     block_bytes: int) -> TierStore | None:
-    """This rank's tiers as ``config.cache`` asks (None without any)."""
+                     block_bytes: int, fingerprint: str | None = None) -> TierStore | None:
+    """This rank's tiers as ``config.cache`` asks (None without any); ``fingerprint``: this
+    rank's disk-tier fingerprint as the executor computed it (None: computed here)."""
     cache = config.cache
     if not tiers_enabled(cache):
         return None
     disk = None
     if cache.kv_offload_dir:
-        disk = DiskTier(cache.kv_offload_dir, kv_fingerprint(config, tp.rank), cache.kv_offload_disk_bytes)
+        fingerprint = fingerprint or kv_fingerprint(config, tp.rank)
+        disk = DiskTier(cache.kv_offload_dir, fingerprint, cache.kv_offload_disk_bytes)
     return TierStore(kv, num_cpu_tier_blocks(cache, block_bytes), disk, tp)

@@ -14,6 +14,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache import sizing
+from pagedllm.kv_cache.offload.setup import tier_fingerprints
 from pagedllm.platform import available_ram, peak_rss, physical_cores
 from pagedllm.spec_decode.memory import draft_memory
 from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
@@ -42,7 +43,9 @@ class Executor(ABC):
     this process.
 
     Built ready to execute, with the KV cache sized and allocated on every rank
-    (``num_blocks`` / ``num_cpu_blocks``). ``shutdown()`` stops the ranks and frees the pool
+    (``num_blocks`` / ``num_cpu_blocks``); ``tier_fingerprints``: every rank's KV disk-tier
+    fingerprint, computed once here and shared with the ranks and the scheduler (() without a
+    disk tier). ``shutdown()`` stops the ranks and frees the pool
     and the weights; after it (or after a rank failed) every call raises RuntimeError.
     """
 
@@ -53,7 +56,10 @@ class Executor(ABC):
         try:
             size = self._size_cache()
             self.num_blocks, self.num_cpu_blocks = size.num_blocks, size.num_cpu_blocks
-            self.run_on_all_ranks(RankCall(ModelRunner.init_cache, (self.num_blocks, self.num_cpu_blocks)))
+            # read once here (it samples every weights file) and handed to each rank and the scheduler
+            self.tier_fingerprints = tier_fingerprints(config)
+            self.run_on_all_ranks(RankCall(ModelRunner.init_cache, (self.num_blocks, self.num_cpu_blocks, True,
+                                                                    self.tier_fingerprints)))
         except BaseException:
             self.shutdown()
             raise
