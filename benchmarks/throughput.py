@@ -33,8 +33,8 @@ intermediate 2816) instead of the 34M one; its default workloads are single and 
 Every run also measures this machine's read bandwidth (``torch.sum`` over a 512 MiB buffer,
 median of 5) and the bytes of weights a decode step streams (every projection's weight and its
 scales, plus the LM head; not the embedding table, of which a step reads one row per token), and
-prints the batch-1 step against the time reading those bytes once takes ("x of read time": 1.0
-is the memory-bandwidth bound).
+prints the batch-1 decode step (the single workload's steps after its prefill step) against the
+time reading those bytes once takes ("x of read time": 1.0 is the memory-bandwidth bound).
 
 ``--quantization`` takes one method or a comma list; a list loads one engine per method side by
 side and times them in the same invocation, alternating run by run (medians of ``--repeats``),
@@ -60,7 +60,7 @@ import sys
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -220,6 +220,36 @@ def _engine_snapshot(engine) -> dict:
                 prefix_hits=engine.get_kv_cache_stats().prefix_cache_hits)
 
 
+@dataclass
+class StepLog(StepTimes):
+    """The engine's StepTimes that also keeps each step's own total and forward seconds (the
+    engine closes a step by adding ``steps=1``), so that decode steps can be told from the
+    prefill step before them."""
+    totals: list[float] = field(default_factory=list)
+    forwards: list[float] = field(default_factory=list)
+    _closed: tuple[float, float] = (0.0, 0.0)  # total and forward when the last step closed
+
+    def add(self, **seconds: float) -> None:
+        super().add(**seconds)
+        if seconds.get("steps"):
+            self.totals.append(self.total - self._closed[0])
+            self.forwards.append(self.forward - self._closed[1])
+            self._closed = (self.total, self.forward)
+
+
+def decode_step_ms(log: StepLog, wl: Workload, max_batched_tokens: int) -> dict[str, float] | None:
+    """Mean step and forward ms of a one-request workload's decode steps: every step after the
+    ones its prompt takes (ceil(prompt / max_num_batched_tokens)); None for other workloads."""
+    if wl.num_requests != 1:
+        return None
+    prefill_steps = -(-wl.prompt_lens[0] // max_batched_tokens)
+    totals, forwards = log.totals[prefill_steps:], log.forwards[prefill_steps:]
+    if not totals:
+        return None
+    return dict(step=1e3 * sum(totals) / len(totals), forward=1e3 * sum(forwards) / len(forwards),
+                steps=len(totals))
+
+
 def per_step_ms(t) -> dict[str, float]:
     """The engine's StepTimes as ms per step. On CUDA, kernels still running after the forward
     call are counted in ``sample`` (its .tolist() is the first synchronisation)."""
@@ -233,7 +263,7 @@ def run_paged(llm, wl: Workload, prompts) -> dict:
     engine = llm.llm_engine
     llm.reset_prefix_cache()  # repeats reuse the prompts: no run may hit an earlier run's blocks
     engine.counters.peak_used_blocks = 0
-    engine.step_times = StepTimes()  # the engine's own per-phase timers
+    engine.step_times = log = StepLog()  # the engine's own per-phase timers, and per step
     before = _engine_snapshot(engine)
     t0 = time.perf_counter()
     outputs = paged_generate(llm, prompts, wl.output_lens)
@@ -242,6 +272,7 @@ def run_paged(llm, wl: Workload, prompts) -> dict:
     stats = {k: after[k] - before[k] for k in after}
     stats["peak_used_blocks"] = engine.counters.peak_used_blocks  # recorded right after scheduling
     stats["step_ms"] = per_step_ms(engine.step_times)
+    stats["decode_step_ms"] = decode_step_ms(log, wl, engine.config.scheduler.max_num_batched_tokens)
     stats["outside_step_ms_total"] = 1e3 * (elapsed - engine.step_times.total)
     return dict(time_s=elapsed, outputs=outputs, engine=stats)
 
@@ -743,24 +774,28 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 def weight_read(llm, results: dict, bw: float, q: str) -> dict:
     """For method ``q``'s engine: the read bandwidth ``bw`` (GB/s, measured once per run), the
     weight bytes a decode step streams, the time reading them once takes, and the single
-    workload's step / forward against that time."""
+    workload's decode step (and its mean step, the prefill step included) against that time."""
     nbytes = decode_weight_bytes(llm.llm_engine.executor.runner.model)
     read_ms = nbytes / bw / 1e6
     out = dict(read_gbs=bw, weight_mb=nbytes / 1e6, read_ms=read_ms)
     if "single" in results:
         single = results["single"]
-        ms = single["quantization"][q]["engine"]["step_ms"] if "quantization" in single else \
-            single["pagedllm"]["engine"]["step_ms"]
+        engine = single["quantization"][q]["engine"] if "quantization" in single else single["pagedllm"]["engine"]
+        ms, dec = engine["step_ms"], engine["decode_step_ms"]
         out.update(single_step_ms=ms["step"], single_forward_ms=ms["forward"], step_x_read=ms["step"] / read_ms)
+        if dec:
+            out.update(single_decode_step_ms=dec["step"], single_decode_forward_ms=dec["forward"],
+                       decode_x_read=dec["step"] / read_ms)
     return out
 
 
 def print_weight_read(w: dict) -> None:
     line = (f"\nread bandwidth {w['read_gbs']:.1f} GB/s (sum of 512 MiB, median of 5); a decode step reads "
             f"{w['weight_mb']:.1f} MB of weights: {w['read_ms']:.2f} ms at that bandwidth")
-    if "step_x_read" in w:
-        line += (f"; single: step {w['single_step_ms']:.2f} ms (forward {w['single_forward_ms']:.2f}) = "
-                 f"{w['step_x_read']:.2f}x of read time")
+    if "decode_x_read" in w:
+        line += (f"; single: decode step {w['single_decode_step_ms']:.2f} ms (forward "
+                 f"{w['single_decode_forward_ms']:.2f}) = {w['decode_x_read']:.2f}x of read time (mean step with "
+                 f"the prefill step: {w['single_step_ms']:.2f} ms = {w['step_x_read']:.2f}x)")
     print(line)
 
 
@@ -778,10 +813,11 @@ def quantization_rows(results: dict, by_q: dict) -> list[list[str]]:
     w = list(by_q.values())
     rows.append(["weights read per step, MB", *(f"{x['weight_mb']:.1f}" for x in w)])
     rows.append(["read time at the bandwidth, ms", *(f"{x['read_ms']:.2f}" for x in w)])
-    if all("step_x_read" in x for x in w):
-        rows.append(["single: step ms", *(f"{x['single_step_ms']:.2f}" for x in w)])
-        rows.append(["single: forward ms", *(f"{x['single_forward_ms']:.2f}" for x in w)])
-        rows.append(["single: step / read time", *(f"{x['step_x_read']:.2f}x" for x in w)])
+    if all("decode_x_read" in x for x in w):
+        rows.append(["single: decode step ms", *(f"{x['single_decode_step_ms']:.2f}" for x in w)])
+        rows.append(["single: decode forward ms", *(f"{x['single_decode_forward_ms']:.2f}" for x in w)])
+        rows.append(["single: decode step / read time", *(f"{x['decode_x_read']:.2f}x" for x in w)])
+        rows.append(["single: mean step with prefill, ms", *(f"{x['single_step_ms']:.2f}" for x in w)])
     return rows
 
 

@@ -90,6 +90,20 @@ def test_left_padded_hf_batch_equals_unpadded_rows(llama_dir):
     assert batched == tp.hf_generate(hf, prompts, lens, 1, "cpu")  # pads change nothing
 
 
+def test_step_log_keeps_each_step_and_decode_steps_follow_the_prefill():
+    log = tp.StepLog()
+    for schedule, forward in ((0.001, 0.050), (0.001, 0.010), (0.002, 0.012)):  # a prefill step, then 2 decode
+        log.add(schedule=schedule)
+        log.add(prepare=0.0, forward=forward)
+        log.add(update=0.001, steps=1)
+    assert log.steps == 3 and log.forwards == pytest.approx([0.050, 0.010, 0.012])
+    assert log.totals == pytest.approx([0.052, 0.012, 0.015])
+    one = tp.Workload("single", [20], [3], [1])
+    assert tp.decode_step_ms(log, one, 2048) == pytest.approx(dict(step=13.5, forward=11.0, steps=2))
+    assert tp.decode_step_ms(log, one, 8) is None  # 3 prefill chunks of 8: no decode step left
+    assert tp.decode_step_ms(log, tp.Workload("two", [20, 20], [3, 3], [2]), 2048) is None
+
+
 def test_quick_lognormal_and_sweep_end_to_end(llama_dir, tmp_path):
     out = tmp_path / "t.json"
     results = tp.main(["--model", llama_dir, "--quick", "--repeats", "1", "--output", str(out),
@@ -182,7 +196,10 @@ def test_quantization_list_end_to_end(wide_llama, tmp_path, monkeypatch):
     by_q = data["meta"]["weight_read_by_quantization"]
     assert by_q["int8"]["weight_mb"] < by_q["none"]["weight_mb"]
     assert by_q["int4"]["read_gbs"] == by_q["none"]["read_gbs"]  # one bandwidth probe per run
-    assert data["meta"]["weight_read"] == by_q["none"] and by_q["int4"]["step_x_read"] > 0
+    assert data["meta"]["weight_read"] == by_q["none"] and by_q["int4"]["decode_x_read"] > 0
+    single = data["results"]["single"]["quantization"]["int4"]["engine"]
+    assert single["decode_step_ms"]["steps"] == single["steps"] - 1  # every step after the prefill
+    assert by_q["int4"]["single_decode_step_ms"] == single["decode_step_ms"]["step"]
     for r in data["results"].values():
         q = r["quantization"]
         assert list(q) == ["none", "int8", "int4", "gptq-w4g128"] and q["none"]["ratio"] == 1.0
