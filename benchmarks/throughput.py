@@ -53,6 +53,8 @@ a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -320,6 +322,29 @@ def run_hf(model, wl: Workload, prompts, batch_size: int, device: str) -> dict:
 # --------------------------------------------------------------------------- measuring
 
 
+class CpuLock:
+    """``--cpu-lock FILE``: a shared flock on FILE for the whole run, made exclusive for each
+    timed repeat and for the bandwidth probe, so that on a machine shared by jobs that take the
+    same lock the timings are quiet and the rest of the run (loading, quantizing, warm-ups) lets
+    the others work. No file: no locking."""
+
+    def __init__(self, path: Path | None):
+        self._file = None if path is None else open(path, "a")  # held (and locked) for the whole run
+        self._flock(fcntl.LOCK_SH)
+
+    def _flock(self, op: int) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, op)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        self._flock(fcntl.LOCK_EX)  # converts the shared lock (others' shared holders finish first)
+        try:
+            yield
+        finally:
+            self._flock(fcntl.LOCK_SH)
+
+
 def _sync_fn(device: str):
     if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return torch.cuda.synchronize
@@ -365,10 +390,11 @@ def bench_workload(wl: Workload, llms: dict, hf, vocab: int, args, vllm_run: dic
     warm(wl, None, hf, vocab, args)
     paged_runs, hf_runs = defaultdict(list), defaultdict(list)
     for _ in range(args.repeats):  # alternate the systems so machine noise hits all alike
-        for q, llm in llms.items():
-            paged_runs[q].append(run_paged(llm, wl, prompts))
-        for bs in ([] if hf is None else wl.hf_batch_sizes):
-            hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
+        with args.timing.exclusive():
+            for q, llm in llms.items():
+                paged_runs[q].append(run_paged(llm, wl, prompts))
+            for bs in ([] if hf is None else wl.hf_batch_sizes):
+                hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
     paged = {q: median_run(runs) for q, runs in paged_runs.items()}
     res = summarize(wl, next(iter(paged.values())), {bs: median_run(r) for bs, r in hf_runs.items()}, vllm_run)
     if len(paged) > 1:
@@ -626,6 +652,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"sizes divided by {QUICK_DIV}; repeats default 3")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median); 3 quick, 1 full")
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
+    ap.add_argument("--cpu-lock", type=Path, default=None, metavar="FILE",
+                    help="hold a shared flock on FILE for the run, exclusive during each timed repeat (all "
+                         "systems of one repeat) and the bandwidth probe; run it outside any flock on FILE")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/throughput.json, or results/throughput-quick.json)")
     sw = ap.add_argument_group("concurrency sweep (off unless --sweep or --concurrency is given)")
@@ -693,6 +722,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     workloads = select_workloads(args)
     sweep = sweep_workloads(args.concurrency, args.sweep_prompt_len, args.sweep_output_len) if args.sweep else []
+    args.timing = CpuLock(args.cpu_lock)
     args.num_threads = args.num_threads or physical_cores()
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
@@ -705,7 +735,8 @@ def main(argv=None) -> dict:
     results = run_workloads(workloads, llms, hf, vocab, args, vllm)
     sweep_results = run_workloads(sweep, {args.quantization[0]: llm}, hf, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
-    read_gbs = measure_bandwidth(512, 5)["read_gbs"]
+    with args.timing.exclusive():
+        read_gbs = measure_bandwidth(512, 5)["read_gbs"]
     by_q = {q: weight_read(engine, results, read_gbs, q) for q, engine in llms.items()}
     meta["weight_read"] = by_q[args.quantization[0]]
     if len(llms) > 1:

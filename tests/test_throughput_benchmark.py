@@ -206,3 +206,19 @@ def test_quantization_list_end_to_end(wide_llama, tmp_path, monkeypatch):
         assert all(len(m["times_s"]) == 2 and m["baseline"] == "none" for m in q.values())
         assert r["pagedllm"]["time_s"] == q["none"]["time_s"] and q["none"]["greedy_agreement"] == 1.0
         assert q["int4"]["engine"]["steps"] > 0
+
+
+def test_cpu_lock_is_shared_for_the_run_and_exclusive_while_timing(tmp_path):
+    import fcntl
+    path = tmp_path / "cpu.lock"
+    lock = tp.CpuLock(path)
+    with open(path) as other:
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another shared holder (a test run) may work
+        fcntl.flock(other, fcntl.LOCK_UN)
+        with lock.exclusive():
+            with pytest.raises(BlockingIOError):  # while timing, nobody else
+                fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        with pytest.raises(BlockingIOError):  # back to shared: another timing run waits
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with tp.CpuLock(None).exclusive():  # no file: no locking
+        pass
