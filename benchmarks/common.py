@@ -103,12 +103,14 @@ def fill_unset(args: argparse.Namespace, quick: dict, full: dict) -> None:
             setattr(args, key, default)
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
+def add_engine_args(ap: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """The pagedllm engine options of throughput.py and latency.py, declared by EngineArgs (read by engine_kwargs).
 
     --device and --num-threads apply to the transformers baseline too; --quantization to pagedllm only.
+    ``exclude``: options the script declares itself (throughput.py: --quantization takes a list).
     """
-    arg_utils.add_engine_args(ap, ENGINE_OPTIONS, title="pagedllm engine (--device and --num-threads: both systems)")
+    names = [n for n in ENGINE_OPTIONS if n not in exclude]
+    arg_utils.add_engine_args(ap, names, title="pagedllm engine (--device and --num-threads: both systems)")
     ap.set_defaults(kv_cache_memory="1GiB", device="cpu", dtype="float32")
 
 

@@ -1,7 +1,8 @@
 """Engine overhead per step: scheduler, input preparation, model, sampler, output processing.
 
 Runs decode-heavy workloads (batch 1 and batch 64 by default, 128-token prompts) on the
-~34M-parameter random Llama and prints where each step's time goes, with the share that is
+~34M-parameter random Llama (``--model-size 200m``: the ~200M one; ``--quantization int4``: its
+projections in 4 bits) and prints where each step's time goes, with the share that is
 not model math ("overhead"). Optionally dumps a torch profiler table.
 
     python benchmarks/profile_step.py [--batches 1,64] [--output-len 64] [--torch-profile]
@@ -21,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import default_model_dir, ensure_model, format_table  # noqa: E402  (the shared ~34M random Llama)
+from common import MODEL_CONFIGS, default_model_dir, ensure_model, format_table  # noqa: E402  (the random Llamas)
 from op_profile import ModuleTimer, best_gemm  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    add_engine_args(ap, ["attention_backend"])
+    ap.add_argument("--model-size", choices=sorted(MODEL_CONFIGS), default="34m")
+    add_engine_args(ap, ["attention_backend", "quantization"])
     ap.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top ops for the last batch")
     ap.add_argument("--ops", action="store_true", help="op-by-op table with GFLOP/s against the best GEMM here")
     ap.add_argument("--ops-batch", type=int, default=64)
@@ -144,7 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--prefill-prompt-len", type=int, default=512)
     args = ap.parse_args(argv)
-    llm = LLM(str(ensure_model(default_model_dir())), kv_cache_memory="1GiB", attention_backend=args.attention_backend)
+    model = ensure_model(default_model_dir(args.model_size), MODEL_CONFIGS[args.model_size])
+    llm = LLM(str(model), kv_cache_memory="1GiB", attention_backend=args.attention_backend,
+              quantization=args.quantization)
     print(f"attention backend: {llm.llm_engine.executor.runner.backend.name}, threads: {torch.get_num_threads()}")
     if args.ops:
         run_ops(llm, args)

@@ -11,8 +11,10 @@ cpu_ops.linear), ``int4`` / ``int8`` (group-wise codes, group 128: quant_linear.
 ``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + torch's GEMM),
 ``int4-panel`` / ``int8-panel`` (the panel GEMM of quant_gemm.c on grouped.pack_panels'
 layout), ``int4-auto`` / ``int8-auto`` (whichever of these grouped.grouped_matmul routes the
-row count to), ``fp8`` (e4m3 with per-row scales: fp8_linear.c). Read bandwidth: ``torch.sum`` over 512 MiB, median of
-5 (benchmarks/attention.py). Times: median of 7 steps after one warm-up, ``--threads`` threads.
+row count to), ``fp8`` (e4m3 with per-row scales: fp8_linear.c), ``fp8-b128`` (block-wise
+scales, one per 128 inputs), ``fp8-gemm`` (fp8 widened + GEMM, the path past fp8.C_MAX_ROWS).
+Read bandwidth: ``torch.sum`` over 512 MiB, median of 5 (benchmarks/attention.py).
+Times: median of 7 steps after one warm-up, ``--threads`` threads.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ def make_weight(kind: str, out_f: int, in_f: int) -> tuple[tuple, int]:
     if kind.startswith("f32"):
         w = torch.randn(out_f, in_f)
         return (w, cpu_ops.pack_weight(w) if kind == "f32-packed" else None), w.numel() * 4
-    if kind == "fp8":
+    if kind.startswith("fp8"):
         w = (torch.randn(out_f, in_f) * 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
-        return (w, torch.rand(out_f, 1)), w.numel() + 4 * out_f
+        groups = in_f // GROUP if kind == "fp8-b128" else 1
+        return (w, torch.rand(out_f, groups)), w.numel() + 4 * out_f * groups
     bits = 4 if kind.startswith("int4") else 8
     codes = torch.randint(0, 2**bits, (out_f, in_f), dtype=torch.uint8)
     scale, szero = torch.rand(out_f, in_f // GROUP), torch.rand(out_f, in_f // GROUP)
@@ -64,8 +67,12 @@ def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, thre
             lib.linear(x, tensors[0], None, None, y, threads)
         else:
             torch.nn.functional.linear(x, tensors[0])
-    elif kind == "fp8":
-        lib.fp8_linear(x, tensors[0], tensors[1], None, x.shape[1], y, threads)
+    elif kind in ("fp8", "fp8-b128"):
+        lib.fp8_linear(x, tensors[0], tensors[1], None, x.shape[1] // tensors[1].shape[1], y, threads)
+    elif kind == "fp8-gemm":
+        w = scratch_buffer(x.shape[1] * y.shape[1]).view(y.shape[1], x.shape[1])  # [out, in]
+        lib.dequantize_fp8(tensors[0], tensors[1], w, x.shape[1], threads)
+        torch.nn.functional.linear(x, w)
     elif kind.endswith("-auto"):
         grouped.grouped_matmul(x, *tensors[:3], None, GROUP, tensors[3], tensors[4])
     elif kind.endswith("-panel"):

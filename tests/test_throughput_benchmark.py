@@ -6,9 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_benchmark
+import torch
+from conftest import check_greedy_against, load_benchmark, make_model_dir, random_prompts
 
 tp = load_benchmark("pagedllm_bench_throughput", "throughput.py")
+import quant_variants as qv  # noqa: E402  (benchmarks/ is on sys.path once throughput.py is loaded)
 
 
 def test_mixed_lengths_cover_the_range_and_are_fixed():
@@ -88,6 +90,20 @@ def test_left_padded_hf_batch_equals_unpadded_rows(llama_dir):
     assert batched == tp.hf_generate(hf, prompts, lens, 1, "cpu")  # pads change nothing
 
 
+def test_step_log_keeps_each_step_and_decode_steps_follow_the_prefill():
+    log = tp.StepLog()
+    for schedule, forward in ((0.001, 0.050), (0.001, 0.010), (0.002, 0.012)):  # a prefill step, then 2 decode
+        log.add(schedule=schedule)
+        log.add(prepare=0.0, forward=forward)
+        log.add(update=0.001, steps=1)
+    assert log.steps == 3 and log.forwards == pytest.approx([0.050, 0.010, 0.012])
+    assert log.totals == pytest.approx([0.052, 0.012, 0.015])
+    one = tp.Workload("single", [20], [3], [1])
+    assert tp.decode_step_ms(log, one, 2048) == pytest.approx(dict(step=13.5, forward=11.0, steps=2))
+    assert tp.decode_step_ms(log, one, 8) is None  # 3 prefill chunks of 8: no decode step left
+    assert tp.decode_step_ms(log, tp.Workload("two", [20, 20], [3, 3], [2]), 2048) is None
+
+
 def test_quick_lognormal_and_sweep_end_to_end(llama_dir, tmp_path):
     out = tmp_path / "t.json"
     results = tp.main(["--model", llama_dir, "--quick", "--repeats", "1", "--output", str(out),
@@ -115,3 +131,94 @@ def test_sweep_is_off_by_default_and_concurrency_is_validated():
     assert tp.parse_args(["--concurrency", "2,8"]).concurrency == [2, 8]
     with pytest.raises(SystemExit):
         tp.parse_args(["--concurrency", "0,4"])
+
+
+# --- --quantization: one method or a list, all measured in one run ------------------------------
+
+def test_quantization_takes_one_method_or_a_list():
+    assert tp.parse_args([]).quantization == ["none"]
+    assert tp.parse_args(["--quantization", "int4"]).quantization == ["int4"]
+    assert tp.parse_args(["-q", "none, int8,int4,gptq-w4g128"]).quantization == ["none", "int8", "int4", "gptq-w4g128"]
+
+
+@pytest.mark.parametrize("text, match", [("int3", "'int3'"), ("none,int4,fp4", "'fp4'"), ("", "no method"),
+                                          ("int4,int4", "named twice")])
+def test_bad_quantization_is_refused_naming_the_value_and_the_allowed_ones(text, match, capsys):
+    with pytest.raises(ValueError, match=match) as e:
+        qv.parse_quantizations(text)
+    assert "none" in str(e.value) and "gptq-w4g128" in str(e.value) and repr(text) in str(e.value)
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--quantization", text])
+    assert match in capsys.readouterr().err
+
+
+def test_compare_vllm_refuses_a_quantization_list(capsys):
+    assert tp.parse_args(["--compare-vllm", "py", "-q", "int8"]).quantization == ["int8"]  # one method: as before
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--compare-vllm", "py", "--quantization", "none,int4"])
+    assert "vLLM-CPU runs float32 only" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """Group 128 needs inputs that are multiples of 128."""
+    return make_model_dir(tmp_path_factory.mktemp("wide"), "llama", hidden_size=128, intermediate_size=256)
+
+
+@pytest.mark.parametrize("variant", qv.VARIANTS)
+def test_variant_copy_loads_as_its_format_and_matches_transformers(variant, wide_llama, tmp_path, monkeypatch):
+    import transformers as tf
+
+    from pagedllm import LLM
+    monkeypatch.setattr(qv, "CACHE_DIR", tmp_path)
+    path = qv.ensure_variant(Path(wide_llama), variant)
+    assert path == tmp_path / f"{Path(wide_llama).name}-{variant}"
+    assert qv.ensure_variant(Path(wide_llama), variant) == path  # written once, reused
+    qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == {"gptq-w4g128": "gptq", "ct-w4a16": "compressed-tensors"}[variant]
+    reference = tf.AutoModelForCausalLM.from_pretrained(wide_llama, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers on the weights the codes stand for: (code - 8) * scale
+        for name, p in reference.named_parameters():
+            if name.rsplit(".", 2)[-2] in qv.PROJECTIONS:
+                codes, scale = qv.quantize_sym4(p)
+                p.copy_(((codes - 8).float().view(p.shape[0], -1, qv.GROUP) * scale[..., None]).view(p.shape))
+    llm = LLM(str(path), block_size=8, num_gpu_blocks_override=64)
+    check_greedy_against(llm, reference, random_prompts(4, seed=3, hi=20), 6)
+
+
+def test_quantization_list_end_to_end(wide_llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(qv, "CACHE_DIR", tmp_path)
+    out = tmp_path / "t.json"
+    tp.main(["--model", wide_llama, "--quick", "--repeats", "2", "--output", str(out), "--workloads", "single,batch64",
+             "--skip-hf", "--kv-cache-memory", "16MiB", "--num-threads", "1", "-q", "none,int8,int4,gptq-w4g128"])
+    data = json.loads(out.read_text())
+    assert data["meta"]["quantizations"] == ["none", "int8", "int4", "gptq-w4g128"]
+    by_q = data["meta"]["weight_read_by_quantization"]
+    assert by_q["int8"]["weight_mb"] < by_q["none"]["weight_mb"]
+    assert by_q["int4"]["read_gbs"] == by_q["none"]["read_gbs"]  # one bandwidth probe per run
+    assert data["meta"]["weight_read"] == by_q["none"] and by_q["int4"]["decode_x_read"] > 0
+    single = data["results"]["single"]["quantization"]["int4"]["engine"]
+    assert single["decode_step_ms"]["steps"] == single["steps"] - 1  # every step after the prefill
+    assert by_q["int4"]["single_decode_step_ms"] == single["decode_step_ms"]["step"]
+    for r in data["results"].values():
+        q = r["quantization"]
+        assert list(q) == ["none", "int8", "int4", "gptq-w4g128"] and q["none"]["ratio"] == 1.0
+        assert all(len(m["times_s"]) == 2 and m["baseline"] == "none" for m in q.values())
+        assert r["pagedllm"]["time_s"] == q["none"]["time_s"] and q["none"]["greedy_agreement"] == 1.0
+        assert q["int4"]["engine"]["steps"] > 0
+
+
+def test_cpu_lock_is_shared_for_the_run_and_exclusive_while_timing(tmp_path):
+    import fcntl
+    path = tmp_path / "cpu.lock"
+    lock = tp.CpuLock(path)
+    with open(path) as other:
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another shared holder (a test run) may work
+        fcntl.flock(other, fcntl.LOCK_UN)
+        with lock.exclusive():
+            with pytest.raises(BlockingIOError):  # while timing, nobody else
+                fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        with pytest.raises(BlockingIOError):  # back to shared: another timing run waits
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with tp.CpuLock(None).exclusive():  # no file: no locking
+        pass

@@ -73,12 +73,13 @@ def test_nan_weights_are_refused_at_load():
         fp8.install(ReplicatedLinear(16, 4, bias=False), w.view(torch.float8_e4m3fn), torch.ones(4, 1), "none", None)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("out_features,in_features,group", [(13, 40, 40), (9, 37, 37), (33, 256, 128),
-                                                           (6, 72, 8), (4, 24, 24)])
+                                                           (6, 72, 8), (4, 24, 24), (7, 48, 16), (5, 64, 64)])
 def test_fp8_matmul_matches_float64(rows, out_features, in_features, group):
-    """Every tile tail: rows % 4, tokens % 3, inputs % 8, several groups per row; the C kernel
-    (rows <= C_MAX_ROWS) and the dequantize + GEMM path (more rows)."""
+    """Every tile tail: rows % 4, tokens % 3, inputs % 8, several groups per row, groups of whole
+    16-column steps (the AVX-512 tile that folds each group in registers) and not; the C kernel
+    (rows <= C_MAX_ROWS, 32) and the dequantize + GEMM path (more rows)."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = (torch.randn(out_features, in_features, generator=g) * 40).to(torch.float8_e4m3fn)
     w.view(torch.uint8)[0, :3] = torch.tensor([0x01, 0x83, 0x00], dtype=torch.uint8)  # subnormals, zero

@@ -47,10 +47,12 @@ from pagedllm.native import bindings
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # up to this many rows the C kernel (bytes widened in registers) beats dequantize + MKL GEMM;
-# measured on a 2048 x 1024 layer, 2 threads (us per call, C / dequantize + GEMM): 8 rows
-# 465 / 660, 12 rows 615 / 794, 16 rows 928 / 895, 24 rows 1591 / 979 (capped at run time by
-# the library's own limit, NativeLibrary.max_decode_tokens)
-C_MAX_ROWS = 16
+# measured with the AVX-512 kernel on the ~200M model's 64 projections, 2 threads
+# (benchmarks/quant_kernels.py --tokens T --kinds fp8,fp8-gemm, ms per step, kernel / widen +
+# GEMM): 16 rows 45.0 / 71.8, 24 rows 63.7 / 78.6, 32 rows 81.7 / 86.6, 40 rows 102.3 / 98.5,
+# 48 rows 119.4 / 110.0 (capped at run time by the library's own limit,
+# NativeLibrary.max_decode_tokens). Block-wise scales (128) measure the same: 87.0 at 32 rows.
+C_MAX_ROWS = 32
 ACT_MODES = ("none", "token", "group", "static")
 CT_WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 
