@@ -79,8 +79,8 @@ def _projection_mix_reason(model) -> str | None:
 
 
 def _quantized_max_tokens(model) -> int:
-    """Group-wise 4/8-bit projections: their C kernel's crossover with dequantize + GEMM
-    (grouped.C_MAX_ROWS), past which the module path is faster; no limit otherwise."""
+    """Group-wise 4/8-bit projections: the measured token count (grouped.C_MAX_ROWS) past which
+    the module path, with its panel GEMM, beats the one-call decoder; no limit otherwise."""
     from pagedllm.layers.quantization import grouped
     bits = getattr(_projections(model)[0], "quant_bits", None)
     return grouped.C_MAX_ROWS[bits] if bits in grouped.C_MAX_ROWS else DEFAULT_MAX_TOKENS
