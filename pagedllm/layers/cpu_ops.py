@@ -1,6 +1,6 @@
 """Fused float32 CPU ops (C, in the CPU library of ``pagedllm/native``) with torch fallbacks.
 
-Used by RMSNorm, the rotary embedding and SiluAndMul when the tensors are float32 on the CPU and the
+Used by RMSNorm and the rotary embedding when the tensors are float32 on the CPU and the
 kernel library is available; everything else takes the plain torch path.
 """
 from __future__ import annotations
@@ -26,14 +26,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=torch.float32)
     bindings.library().add_rms_norm(x, residual, weight, out, eps, torch.get_num_threads())
-    return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for x [rows, 2d] with unit inner stride, in one pass."""
-    rows, width = x.shape
-    out = torch.empty(rows, width // 2, dtype=torch.float32)
-    bindings.library().silu_and_mul(x, out, torch.get_num_threads())
     return out
 
 

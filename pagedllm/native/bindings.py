@@ -84,7 +84,6 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ]),
     "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
-    "pl_silu_and_mul": (_I32, [_VP, _VP, _I64, _I64, _I64, _I32]),
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
     "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
     "ld_forward": (_I32, [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, _I32]),
@@ -250,14 +249,6 @@ class NativeLibrary:
                                       x.stride(0), x.stride(1), cos.shape[0], num_threads)
         if rc != 0:
             self._raise(rc, "pl_rotary_neox", f": positions must be in [0, {cos.shape[0]})")
-
-    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
-        """``out [rows, d] = silu(x[:, :d]) * x[:, d:]``; x ``[rows, 2d]`` with unit inner stride,
-        out contiguous."""
-        rows, d = out.shape
-        rc = self._lib.pl_silu_and_mul(_ptr(x), _ptr(out), rows, d, x.stride(0), num_threads)
-        if rc != 0:
-            self._raise(rc, "pl_silu_and_mul", f": x {tuple(x.shape)}")
 
     # --- small-batch matmuls and the one-call decoder (llama_decode.c) -------------------------
 

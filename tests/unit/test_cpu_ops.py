@@ -49,26 +49,3 @@ def test_rotary_matches_reference_and_rejects_bad_positions():
     torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError):
         cpu_ops.rotary_neox_(q, torch.tensor([0, 1, 2, 3, 99]), cos, sin)
-
-
-@pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
-@pytest.mark.parametrize("rows, d", [(1, 5), (3, 8), (7, 37), (300, 1024)])  # tails, one vector, threaded
-def test_silu_and_mul_matches_torch(rows, d):
-    g = torch.Generator().manual_seed(d)
-    gate_up = torch.randn(rows, 2 * d + 3, generator=g) * 12  # |gate| past exp's range checks too
-    x = gate_up[:, 3:]  # rows strided as a view of a wider output, unit inner stride
-    expected = F.silu(x[:, :d]) * x[:, d:]
-    torch.testing.assert_close(cpu_ops.silu_and_mul(x), expected, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
-def test_silu_and_mul_layer_takes_the_c_kernel_and_matches_the_torch_path(monkeypatch):
-    from pagedllm.layers.activation import SiluAndMul, silu_and_mul
-
-    calls = []
-    monkeypatch.setattr(cpu_ops, "silu_and_mul", lambda x: calls.append(x.shape) or silu_and_mul(x))
-    x = torch.randn(4, 64)
-    torch.testing.assert_close(SiluAndMul()(x), silu_and_mul(x))
-    assert calls == [(4, 64)]
-    SiluAndMul()(torch.randn(2, 3, 64))  # 3-d input: the torch path
-    assert calls == [(4, 64)]

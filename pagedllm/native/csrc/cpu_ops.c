@@ -69,39 +69,3 @@ int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const f
     }
     return PN_OK;
 }
-
-/* silu(g) * u as g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (no overflow for any g):
- * sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below. */
-static inline float silu_mul1(float g, float u) {
-    const float e = expf(-fabsf(g)), r = 1.0f / (1.0f + e);
-    return g * (g >= 0.0f ? r : e * r) * u;
-}
-
-/* out[r, :d] = silu(x[r, :d]) * x[r, d:2d]: the SwiGLU of a fused gate_up output in one pass
- * (torch's silu then mul reads the gate and up halves, and writes the result, once each more).
- * x rows have stride x_stride; out is contiguous [rows, d]. */
-int pl_silu_and_mul(const float *x, float *out, int64_t rows, int64_t d, int64_t x_stride, int threads) {
-    if (rows < 0 || d <= 0) return PN_ERR_ARG;
-    /* an exp per element: worth a second thread from far fewer elements than the norms */
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * d >= PARALLEL_MIN_ELEMS / 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = x + r * x_stride, *u = g + d;
-        float *o = out + r * d;
-        int64_t i = 0;
-#if PN_AVX2
-        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-        for (; i + 8 <= d; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = pn_exp256(_mm256_or_ps(gv, sign)); /* exp(-|g|) */
-            const __m256 den = _mm256_add_ps(one, e), r0 = _mm256_rcp_ps(den);
-            /* 1 / den: rcp (12 bits) and one Newton step (~22 bits), cheaper than a divide */
-            const __m256 rv = _mm256_mul_ps(r0, _mm256_fnmadd_ps(den, r0, _mm256_set1_ps(2.0f)));
-            const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
-            const __m256 sig = _mm256_blendv_ps(rv, _mm256_mul_ps(e, rv), neg);
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < d; i++) o[i] = silu_mul1(g[i], u[i]);
-    }
-    return PN_OK;
-}

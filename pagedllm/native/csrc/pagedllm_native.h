@@ -51,27 +51,6 @@ static inline float pn_hsum256(__m256 v) {
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
 }
-
-/* exp(x) for x <= 0 (Cephes polynomial, ~2 ulp); inputs below -87 give ~1e-38, i.e. 0 next
- * to the row max whose weight is exactly 1. */
-static inline __m256 pn_exp256(__m256 x) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
-    /* x - fx * ln2 with ln2 split in two for accuracy */
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i biased = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-    const __m256i e = _mm256_slli_epi32(biased, 23); /* 2^fx as float bits */
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 #else
 #define PN_AVX2 0
 #endif
@@ -137,8 +116,6 @@ PN_EXPORT int pl_add_rms_norm(const float *x, float *residual, const float *weig
 PN_EXPORT int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
                              int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
                              int threads);
-PN_EXPORT int pl_silu_and_mul(const float *x, float *out, int64_t rows, int64_t d, int64_t x_stride,
-                              int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* small-batch decoder and matmuls (llama_decode.c)                                           */
