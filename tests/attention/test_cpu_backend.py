@@ -287,3 +287,13 @@ def test_small_steps_run_serially_with_same_result():
 def test_get_cpu_backend_prefers_kernel():
     backend = get_cpu_backend(num_threads=1)
     assert isinstance(backend, CpuAttentionBackend) and backend.name == "cpu"
+
+
+@pytest.mark.parametrize("group, head_dim, window", [(1, 64, None), (2, 64, 50), (8, 128, None), (4, 128, 7)])
+def test_many_row_prefill_tiles(group, head_dim, window):
+    """Prefill tiles of >= 16 rows (the key-major path where AVX-512 is built): row counts that
+    are not multiples of 4 or 16, chunks starting mid-context, rows with no visible key in a
+    chunk (window), against both oracles."""
+    batch = make_paged_batch([(0, 150), (70, 45), (300, 19), (5, 1)], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=16, seed=group + head_dim)
+    check_against_oracles(batch, window=window)

@@ -21,7 +21,8 @@
  *
  * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available, AVX-512
  * for q.k and p.v where the build targets it (the dot products are reductions gcc will not
- * vectorize without -ffast-math), with scalar fallbacks.
+ * vectorize without -ffast-math), with scalar fallbacks. Items with many rows (prefill tiles)
+ * take a key-major path under AVX-512 ("wide items" below) that needs no horizontal sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -518,6 +519,8 @@ typedef struct {
 
 typedef struct {
     float *q, *acc, *m, *l, *s, *kbuf, *vbuf; /* per-thread scratch */
+    float *qt, *st;              /* wide items: q^T [head_dim][rows_pad], scores [keys][rows_pad] */
+    const float **kp, **vp;      /* wide items: the chunk's key / value rows */
 } Scratch;
 
 static int cmp_cost_desc(const void *a, const void *b) {
@@ -591,6 +594,7 @@ typedef struct {
 static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
 
 static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv_head, int b0,
                        int b1, int seq_len, Chunk *c) {
@@ -690,6 +694,212 @@ static void pair_softmax_pv(Scratch *S, const Chunk *c, int r, float *s0, int nv
     }
 }
 
+/* Rows of the wide path are padded to whole vectors; the per-row state is sized for that. */
+static int rows_pad(int rows) { return (rows + 15) & ~15; }
+
+/* The item's rows' q (scaled) into S->q, and a fresh softmax state for rows_padded rows. */
+static void load_rows(const Problem *P, const WorkItem *it, Scratch *S, int rows_padded) {
+    const int D = P->head_dim, group = P->num_heads / P->num_kv_heads, ntok = it->t1 - it->t0;
+    const int q_begin = P->query_start_loc[it->req];
+    for (int i = 0; i < ntok; i++) {
+        const float *qt = P->query + (int64_t)(q_begin + it->t0 + i) * P->q_stride_tok;
+        for (int h = 0; h < group; h++) {
+            const float *src = qt + (int64_t)(it->kv_head * group + h) * P->q_stride_head;
+            float *dst = S->q + (int64_t)(i * group + h) * D;
+            for (int d = 0; d < D; d++) dst[d] = src[d] * P->scale; /* fold scale into q once */
+        }
+    }
+    memset(S->acc, 0, sizeof(float) * (size_t)rows_padded * D);
+    for (int r = 0; r < rows_padded; r++) {
+        S->m[r] = -INFINITY;
+        S->l[r] = 0.0f;
+    }
+}
+
+/* out rows = acc / l */
+static void store_rows(const Problem *P, const WorkItem *it, const Scratch *S) {
+    const int D = P->head_dim, group = P->num_heads / P->num_kv_heads, ntok = it->t1 - it->t0;
+    const int q_begin = P->query_start_loc[it->req];
+    for (int i = 0; i < ntok; i++) {
+        float *ot = P->out + (int64_t)(q_begin + it->t0 + i) * P->o_stride_tok;
+        for (int h = 0; h < group; h++) {
+            const int r = i * group + h;
+            float *dst = ot + (int64_t)(it->kv_head * group + h) * P->o_stride_head;
+            const float inv = 1.0f / S->l[r];
+            for (int d = 0; d < D; d++) dst[d] = S->acc[(int64_t)r * D + d] * inv;
+        }
+    }
+}
+
+#if PA_AVX512
+/* ------------------------------------------------------------------------------------------ */
+/* wide items (prefill tiles, >= 16 rows; AVX-512): scores key-major, no horizontal sums      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The row-pair path above computes each score as a dot product ending in a horizontal sum,
+ * which for head_dim 64 costs more shuffle than FMA work. With many rows per item, the scores
+ * are instead formed as s^T[key][rows] = sum_d k[key][d] * q^T[d][rows]: a broadcast key
+ * element times 16 rows' q at once (q is transposed once per item). The online softmax then
+ * runs down the key axis, 16 rows per vector, and p.v broadcasts p[key][row] against V rows. */
+
+#define WIDE_MIN_ROWS 16
+
+static int wide_ok(const Problem *P, int rows) { return rows >= WIDE_MIN_ROWS && P->head_dim % 64 == 0; }
+
+/* exp(x) for x <= 0, 16 lanes (the same polynomial as exp256) */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                           _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* q^T [D][rp] from the item's row-major scaled q; padding rows are 0 */
+static void transpose_q(Scratch *S, int rows, int rp, int D) {
+    for (int d = 0; d < D; d++) {
+        float *dst = S->qt + (int64_t)d * rp;
+        for (int r = 0; r < rows; r++) dst[r] = S->q[(int64_t)r * D + d];
+        for (int r = rows; r < rp; r++) dst[r] = 0.0f;
+    }
+}
+
+/* The chunk's key / value row pointers, one per key. */
+static void chunk_rows(const Chunk *c, Scratch *S, int D) {
+    for (int b = 0, j = 0; b < c->nblocks; b++)
+        for (int t = 0; t < c->n[b]; t++, j++) {
+            S->kp[j] = c->k[b] + (int64_t)t * D;
+            S->vp[j] = c->v[b] + (int64_t)t * D;
+        }
+}
+
+/* st[j][16 * v0 .. 16 * (v0 + NV)) for keys j0 .. j0 + 3 (key pointers clamped to the last valid
+ * key: the extra scores are never read). NV row vectors x 4 keys accumulators. */
+static inline __attribute__((always_inline)) void scores_block(const Scratch *S, int j0, int nv, int v0, int NV,
+                                                               int rp, int D) {
+    const float *k[4];
+    for (int t = 0; t < 4; t++) k[t] = S->kp[imin(j0 + t, nv - 1)];
+    __m512 a[4][4];
+    for (int t = 0; t < 4; t++)
+        for (int v = 0; v < NV; v++) a[t][v] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const float *q = S->qt + (int64_t)d * rp + 16 * v0;
+        __m512 qv[4];
+        for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + 16 * v);
+        for (int t = 0; t < 4; t++) {
+            const __m512 kb = _mm512_set1_ps(k[t][d]);
+            for (int v = 0; v < NV; v++) a[t][v] = _mm512_fmadd_ps(kb, qv[v], a[t][v]);
+        }
+    }
+    for (int t = 0; t < 4; t++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(S->st + (int64_t)(j0 + t) * rp + 16 * (v0 + v), a[t][v]);
+}
+
+static void wide_scores(const Scratch *S, int nv, int rp, int D) {
+    for (int j0 = 0; j0 < nv; j0 += 4) {
+        int v0 = 0;
+        for (; v0 + 4 <= rp / 16; v0 += 4) scores_block(S, j0, nv, v0, 4, rp, D);
+        for (; v0 + 2 <= rp / 16; v0 += 2) scores_block(S, j0, nv, v0, 2, rp, D);
+        for (; v0 < rp / 16; v0++) scores_block(S, j0, nv, v0, 1, rp, D);
+    }
+}
+
+/* Online-softmax update of 16 rows (vector v) over keys [0, nv): keys outside a row's
+ * [lo, hi) are masked; st becomes p (0 where masked); rescales the rows' acc where the max
+ * moved. */
+static void wide_softmax(Scratch *S, int v, const int *lo, const int *hi, int nv, int rp, int D) {
+    const __m512i lov = _mm512_loadu_si512(lo + 16 * v), hiv = _mm512_loadu_si512(hi + 16 * v);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    float *st = S->st + 16 * v;
+    __m512 mx = ninf;
+    for (int j = 0; j < nv; j++) {
+        const __m512i jv = _mm512_set1_epi32(j);
+        const __mmask16 in = _mm512_cmpgt_epi32_mask(hiv, jv) & _mm512_cmple_epi32_mask(lov, jv);
+        const __m512 x = _mm512_mask_blend_ps(in, ninf, _mm512_loadu_ps(st + (int64_t)j * rp));
+        _mm512_storeu_ps(st + (int64_t)j * rp, x);
+        mx = _mm512_max_ps(mx, x);
+    }
+    const __m512 m_old = _mm512_loadu_ps(S->m + 16 * v), m_new = _mm512_max_ps(m_old, mx);
+    const __mmask16 seen = _mm512_cmp_ps_mask(m_new, ninf, _CMP_NEQ_OQ);
+    const __m512 m_use = _mm512_maskz_mov_ps(seen, m_new); /* rows with nothing yet: 0, p = 0 */
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nv; j++) {
+        const __m512 x = _mm512_loadu_ps(st + (int64_t)j * rp);
+        const __mmask16 real = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(real, exp512(_mm512_sub_ps(x, m_use)));
+        _mm512_storeu_ps(st + (int64_t)j * rp, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ);
+    const __m512 corr = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(m_old, m_use)));
+    _mm512_storeu_ps(S->l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(S->l + 16 * v), corr, sum));
+    _mm512_storeu_ps(S->m + 16 * v, m_new);
+    float c[16];
+    _mm512_storeu_ps(c, corr);
+    for (int i = 0; i < 16; i++)
+        if (c[i] != 1.0f) scale_row(S->acc + (int64_t)(16 * v + i) * D, c[i], D);
+}
+
+/* acc[r0 .. r0 + 4) += sum_{j < nv} p[j][r] v_j, 64 columns at a time (16 accumulators). */
+static void wide_pv4(Scratch *S, int r0, int nv, int rp, int D) {
+    for (int d = 0; d < D; d += 64) {
+        __m512 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < 4; u++) a[i][u] = _mm512_loadu_ps(S->acc + (int64_t)(r0 + i) * D + d + 16 * u);
+        for (int j = 0; j < nv; j++) {
+            const float *vj = S->vp[j] + d, *p = S->st + (int64_t)j * rp + r0;
+            __m512 vv[4];
+            for (int u = 0; u < 4; u++) vv[u] = _mm512_loadu_ps(vj + 16 * u);
+            for (int i = 0; i < 4; i++) {
+                const __m512 pb = _mm512_set1_ps(p[i]);
+                for (int u = 0; u < 4; u++) a[i][u] = _mm512_fmadd_ps(pb, vv[u], a[i][u]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(S->acc + (int64_t)(r0 + i) * D + d + 16 * u, a[i][u]);
+    }
+}
+
+/* The chunk loop of run_item for a wide item (state already loaded by load_rows). */
+static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
+    const int D = P->head_dim, B = P->block_size, group = P->num_heads / P->num_kv_heads;
+    const int q_len = P->query_start_loc[it->req + 1] - P->query_start_loc[it->req];
+    const int seq_len = P->seq_lens[it->req], ctx_start = seq_len - q_len;
+    const int rows = (it->t1 - it->t0) * group, rp = rows_pad(rows);
+    const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
+    int lo[rp], hi[rp]; /* a row's visible keys in the current chunk: [lo, hi) */
+    transpose_q(S, rows, rp, D);
+    const int num_blocks = (ctx_start + it->t1 - 1) / B + 1, cb = chunk_blocks(B);
+    const int lowest_key = P->window ? ctx_start + it->t0 - P->window + 1 : 0;
+    Chunk c;
+    for (int b0 = lowest_key > 0 ? lowest_key / B : 0; b0 < num_blocks; b0 += cb) {
+        const int b1 = imin(b0 + cb, num_blocks);
+        load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
+        prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
+        const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
+        for (int r = 0; r < rp; r++) {
+            hi[r] = r < rows ? imin(first_visible + r / group, c.nkeys) : 0;
+            lo[r] = P->window ? first_visible + r / group - P->window : 0;
+        }
+        const int nv = hi[rows - 1]; /* rows are token-major: the last row sees the most keys */
+        if (nv <= 0) continue;
+        chunk_rows(&c, S, D);
+        wide_scores(S, nv, rp, D);
+        for (int v = 0; v < rp / 16; v++) wide_softmax(S, v, lo, hi, nv, rp, D);
+        for (int r0 = 0; r0 < rows; r0 += 4) wide_pv4(S, r0, imax(hi[imin(r0 + 3, rows - 1)], 0), rp, D);
+    }
+}
+#endif
+
 /* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
  * that order; all rows of a token share one causal limit. */
 static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
@@ -701,19 +911,14 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     const int ntok = it->t1 - it->t0, rows = ntok * group;
     const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
 
-    for (int i = 0; i < ntok; i++) {
-        const float *qt = P->query + (int64_t)(q_begin + it->t0 + i) * P->q_stride_tok;
-        for (int h = 0; h < group; h++) {
-            const float *src = qt + (int64_t)(it->kv_head * group + h) * P->q_stride_head;
-            float *dst = S->q + (int64_t)(i * group + h) * D;
-            for (int d = 0; d < D; d++) dst[d] = src[d] * P->scale; /* fold scale into q once */
-        }
+    load_rows(P, it, S, rows_pad(rows));
+#if PA_AVX512
+    if (wide_ok(P, rows)) {
+        run_item_wide(P, it, S);
+        store_rows(P, it, S);
+        return;
     }
-    memset(S->acc, 0, sizeof(float) * (size_t)rows * D);
-    for (int r = 0; r < rows; r++) {
-        S->m[r] = -INFINITY;
-        S->l[r] = 0.0f;
-    }
+#endif
 
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
     const int cb = chunk_blocks(B), smax = cb * B;
@@ -743,27 +948,24 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
         }
     }
 
-    for (int i = 0; i < ntok; i++) {
-        float *ot = P->out + (int64_t)(q_begin + it->t0 + i) * P->o_stride_tok;
-        for (int h = 0; h < group; h++) {
-            const int r = i * group + h;
-            float *dst = ot + (int64_t)(it->kv_head * group + h) * P->o_stride_head;
-            const float inv = 1.0f / S->l[r];
-            for (int d = 0; d < D; d++) dst[d] = S->acc[(int64_t)r * D + d] * inv;
-        }
-    }
+    store_rows(P, it, S);
 }
 
 static int scratch_alloc(Scratch *S, int rows, int D, int B) {
     const size_t fl = sizeof(float), chunk = (size_t)chunk_blocks(B) * B;
     S->q = (float *)malloc(fl * (size_t)rows * D);
-    S->acc = (float *)malloc(fl * (size_t)rows * D);
-    S->m = (float *)malloc(fl * (size_t)rows);
-    S->l = (float *)malloc(fl * (size_t)rows);
+    S->acc = (float *)malloc(fl * (size_t)rows_pad(rows) * D);
+    S->m = (float *)malloc(fl * (size_t)rows_pad(rows));
+    S->l = (float *)malloc(fl * (size_t)rows_pad(rows));
     S->s = (float *)malloc(fl * chunk * 2); /* one score row per row of a pair */
     S->kbuf = (float *)malloc(fl * chunk * D);
     S->vbuf = (float *)malloc(fl * chunk * D);
-    return S->q && S->acc && S->m && S->l && S->s && S->kbuf && S->vbuf;
+    const size_t rp = (size_t)rows_pad(rows);
+    S->qt = (float *)malloc(fl * rp * D);
+    S->st = (float *)malloc(fl * (chunk + 3) * rp); /* keys in fours: up to 3 rows past the chunk */
+    S->kp = (const float **)malloc(sizeof(float *) * chunk);
+    S->vp = (const float **)malloc(sizeof(float *) * chunk);
+    return S->q && S->acc && S->m && S->l && S->s && S->kbuf && S->vbuf && S->qt && S->st && S->kp && S->vp;
 }
 
 static void scratch_free(Scratch *S) {
@@ -774,6 +976,10 @@ static void scratch_free(Scratch *S) {
     free(S->s);
     free(S->kbuf);
     free(S->vbuf);
+    free(S->qt);
+    free(S->st);
+    free(S->kp);
+    free(S->vp);
 }
 
 /* Paged attention over the flat batch; the new K/V must already be in the cache. Returns
