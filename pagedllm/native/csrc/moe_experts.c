@@ -28,9 +28,6 @@
 
 #include "pagedllm_native.h"
 
-/* 16 float lanes: one zmm with AVX-512, two ymm with AVX2, scalar code elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
 #if defined(__AVX512F__)
 #define MOE_ROWS 8 /* 16 zmm accumulators of the 32 registers */
@@ -42,8 +39,6 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 #define MOE_PREFETCH 512
 #endif
 
-static inline v16 load16(const float *p) { return *(const v16 *)p; }
-static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 static inline v16 splat(float f) { return (v16){0} + f; }
 /* lane-wise c ? a : b (the ?: operator takes no vectors in C) */
 static inline v16 select16(v16i c, v16 a, v16 b) { return (v16)((c & (v16i)a) | (~c & (v16i)b)); }

@@ -23,6 +23,13 @@
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
 
+/* 16 float / int32 lanes for the register-tile GEMMs (moe_experts.c, quant_gemm.c): one zmm with
+ * AVX-512, two ymm with AVX2, scalar code elsewhere. aligned(4): loads from any float address. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+static inline v16 load16(const float *p) { return *(const v16 *)p; }
+static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
+
 /* Most tokens one ld_forward / ld_linear call takes (the Python side sends batches up to its
  * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
 #define LD_MAX_TOKENS 64

@@ -27,9 +27,6 @@
 
 #include "pagedllm_native.h"
 
-/* 16 float lanes: one zmm with AVX-512, two ymm with AVX2, scalar code elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
 #ifndef QG_ROWS
 #if defined(__AVX512F__)
@@ -50,8 +47,6 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 #define QG_MC 128
 #endif
 
-static inline v16 load16(const float *p) { return *(const v16 *)p; }
-static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 
 /* 16 bytes zero-extended to 16 int32 lanes. GCC's __builtin_convertvector compiles this to 16
  * scalar loads and inserts, which made the whole GEMM ~30% slower at 64 rows: intrinsics where
