@@ -5,7 +5,7 @@ through each CPU weight kernel alone, against the time reading their bytes once 
     python benchmarks/quant_kernels.py                      # batch 1: f32,int8,int4,fp8
     python benchmarks/quant_kernels.py --tokens 32 --kinds int4,int4-gemm,int8,int8-gemm
 
-Kinds: ``f32`` (the register-tile kernel up to 48 tokens, else torch's GEMM), ``f32-packed``
+Kinds: ``f32`` (the register-tile kernel up to cpu_decode.DEFAULT_MAX_TOKENS, else torch's GEMM), ``f32-packed``
 (oneDNN's prepacked GEMM, what the engine's float32 linears run for 4..512 rows:
 cpu_ops.linear), ``int4`` / ``int8`` (group-wise codes, group 128: quant_linear.c's kernel),
 ``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + torch's GEMM),
@@ -32,6 +32,7 @@ from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pag
 from pagedllm.layers import cpu_ops  # noqa: E402
 from pagedllm.layers.quantization import grouped  # noqa: E402
 from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
+from pagedllm.models.cpu_decode import DEFAULT_MAX_TOKENS  # noqa: E402
 from pagedllm.native import bindings  # noqa: E402
 
 HIDDEN, INTER, LAYERS, GROUP = 1024, 2816, 16, 128
@@ -63,7 +64,7 @@ def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, thre
     if kind == "f32-packed":
         cpu_ops.linear(x, tensors[0], None, tensors[1])
     elif kind == "f32":
-        if tokens <= 48:
+        if tokens <= DEFAULT_MAX_TOKENS:  # the engine's limit for the C decoder's float32 tile
             lib.linear(x, tensors[0], None, None, y, threads)
         else:
             torch.nn.functional.linear(x, tensors[0])

@@ -369,8 +369,12 @@ def static_batch_tokens(wl: Workload, batch_size: int) -> tuple[int, int]:
     return generated, pads
 
 
+# a workload's headline metric -> its key in a run's metrics
+HEADLINE_KEY = {"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}
+
+
 def headline(wl: Workload, m: dict) -> float:
-    return m[{"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[wl.headline]]
+    return m[HEADLINE_KEY[wl.headline]]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -835,8 +839,7 @@ def quantization_rows(results: dict, by_q: dict) -> list[list[str]]:
     rows = []
     for name, r in results.items():
         ms = r["quantization"]
-        key = {"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[
-            r["workload"]["headline"]]
+        key = HEADLINE_KEY[r["workload"]["headline"]]
         base = next(iter(ms.values()))["baseline"]
         rows.append([f"{name} {r['workload']['headline']} tok/s", *(f"{m[key]:.1f}" for m in ms.values())])
         rows.append([f"{name} / {base}", *(f"{m['ratio']:.2f}x" for m in ms.values())])
