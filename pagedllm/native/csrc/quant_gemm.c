@@ -35,6 +35,8 @@
 #define QG_ROWS 2 /* 8 ymm accumulators of the 16 registers */
 #endif
 #endif
+/* the leftover-row switch in tile_all_rows covers 1 .. QG_ROWS - 1 rows up to 7 */
+_Static_assert(QG_ROWS == 2 || QG_ROWS == 8, "tile_all_rows' tail cases cover QG_ROWS 2 or 8");
 
 /* inputs per k-block: the scratch (QG_KC x 32 floats, 32 KiB) stays in a 48 KiB L1 */
 #ifndef QG_KC
@@ -134,9 +136,6 @@ static void tile_all_rows(const float *x, int64_t T, int64_t in, int64_t k0, con
         CASE(1)
 #if QG_ROWS > 2
         CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-#endif
-#if QG_ROWS > 8
-        CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
 #endif
 #undef CASE
     }
