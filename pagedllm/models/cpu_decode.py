@@ -29,12 +29,13 @@ logger = logging.getLogger(__name__)
 # up to this many tokens per step: measured against the oneDNN-packed torch path (RESULTS.md);
 # capped by the library's own limit (NativeLibrary.max_decode_tokens)
 DEFAULT_MAX_TOKENS = 48
-# attention with at least this much work (query rows x keys x head_dim) runs on the thread team
-# inside the decoder; the backend's own threshold (CpuAttentionBackend.parallel_work, 8x this)
-# assumes a team to wake, but here it has just run the QKV projection and still spins. At
-# batch 1 on the ~200M model (context 128..256) the lower bar took the step from 7.17 to
-# 6.67 ms (int4; RESULTS.md, issue 14), the attention having run on one thread of two.
-FUSED_PARALLEL_WORK = 1 << 16
+# inside the decoder, attention runs on the thread team from the backend's threshold
+# (CpuAttentionBackend.parallel_work: query rows x keys x head_dim) divided by this: the
+# backend's bar assumes a team to wake, but here it has just run the QKV projection and still
+# spins. At batch 1 on the ~200M model (context 128..256) the lower bar (1 << 16 for the
+# default 1 << 19) took the step from 7.17 to 6.67 ms (int4; RESULTS.md, issue 14), the
+# attention having run on one thread of two.
+FUSED_WORK_DIVISOR = 8
 
 _VP = ctypes.c_void_p
 
@@ -97,7 +98,7 @@ class FusedCpuDecoder:
     def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
         self._native = bindings.library()
         self.max_tokens = min(max_tokens, self._native.max_decode_tokens, _quantized_max_tokens(model))
-        self.parallel_work = min(backend.parallel_work, FUSED_PARALLEL_WORK)
+        self.parallel_work = backend.parallel_work // FUSED_WORK_DIVISOR
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
