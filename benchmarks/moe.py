@@ -103,7 +103,10 @@ def time_layer(cfg: dict, tokens: int, repeats: int, flush: torch.Tensor | None 
                               tp=TensorParallelGroup()) for _ in range(2))
     onednn.w13, onednn.w2 = plain.w13, plain.w2 = moe.w13, moe.w2  # shared: only the packed copies add bytes
     cpu_ops.pack_model(moe)  # what the model runner does once a CPU model is loaded
-    onednn.pack_weights(kernel=False)
+    if moe.kernel_weights is None or onednn.pack_weights(kernel=False) == 0:
+        # otherwise "fused" / "fused-onednn" would time another path under their names
+        raise RuntimeError("moe.py: the C expert kernel (moe_cpu.can_pack) or oneDNN packing "
+                           "(cpu_ops.pack_weight) does not apply in this configuration")
     x, logits = torch.randn(tokens, h), torch.randn(tokens, experts)
     fns = {"fused": moe, "fused-onednn": onednn, "fused-plain": plain,
            "loop-routed": lambda a, b: loop_routed(moe, a, b), "loop-dense": lambda a, b: loop_dense(moe, a, b)}
