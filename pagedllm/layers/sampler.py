@@ -61,10 +61,15 @@ class Sampler:
     ``SamplerOutput``. Nothing in between reads a device value on the host.
     """
 
-    def __init__(self, ops: str = "native", structured_output: StructuredOutputManager | None = None):
+    def __init__(self, ops: str = "native", structured_output: StructuredOutputManager | None = None,
+                 persistent_penalties: bool = True):
+        """``persistent_penalties``: keep the penalties' token histories on the device between
+        steps and upload only new tokens (the engine's sampler, whose rows persist); False
+        uploads every history whole, for callers whose rows are new lists each call (speculative
+        verify and draft rows), where a kept history would be rebuilt every time."""
         self.ops = check_layer_ops(ops)
         self.structured_output = structured_output
-        self.penalty_history = PenaltyHistory()  # on the device between steps; new tokens only
+        self.penalty_history = PenaltyHistory() if persistent_penalties else None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``sample``, fetched and finished: one device->host transfer."""

@@ -71,7 +71,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(config, TensorParallelGroup())
         self.runner.init_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, enable_caching=False)
-        self.sampler = Sampler()
+        self.sampler = Sampler(persistent_penalties=False)  # rows are new lists every step
         self.seqs: dict[str, DraftSequence] = {}
 
     def propose(self, batch: list[tuple[Request, int]]) -> dict[str, Proposal]:

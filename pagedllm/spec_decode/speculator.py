@@ -56,7 +56,7 @@ class Speculator:
             self.ngram = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         else:
             self.draft = DraftModelProposer(config, num_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(persistent_penalties=False)  # rows are new lists every step
         self.stats = SpecDecodeStats(self.spec.num_speculative_tokens)
         self.proposals: dict[str, Proposal] = {}
         self.backoff: dict[str, _Backoff] = {}
