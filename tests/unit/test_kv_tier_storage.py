@@ -190,10 +190,10 @@ def test_an_engine_reads_the_weights_for_its_fingerprints_once(llama_dir, tmp_pa
     llm.llm_engine.shutdown()
 
 
-def _store(num_slots: int = 8):
+def _store(num_slots: int = 8, device: str = "cpu"):
     from pagedllm.distributed.parallel_state import TensorParallelGroup
     from pagedllm.kv_cache.offload.worker_store import TierStore
-    kv = torch.randn(2, 2, 16, 2, 8, 16)  # [layers, K/V, blocks, kv heads, block_size, head_dim]
+    kv = torch.randn(2, 2, 16, 2, 8, 16, device=device)  # [layers, K/V, blocks, kv heads, block_size, head_dim]
     return TierStore(kv, num_slots, None, TensorParallelGroup())
 
 
@@ -221,6 +221,23 @@ def test_cpu_tier_round_trip_copies_without_temporaries():
     assert store.collect().num_ok == {"r": 4}
     for block, slot in [(12, 3), (13, 4), (14, 5), (15, 0)]:
         assert torch.equal(store.kv[:, :, block], expected[slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_tier_round_trip_from_a_cuda_pool():
+    """The CUDA branch (one gather on the device, one pinned copy per run of consecutive slots,
+    and back): evicted blocks return bit-exact into other device blocks."""
+    from pagedllm.kv_cache.offload.ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
+    store = _store(device="cuda")
+    pairs = [(7, 3), (2, 4), (5, 5), (1, 0)]  # a run of three slots, then slot 0
+    expected = {slot: store.kv[:, :, block].cpu() for block, slot in pairs}
+    store.apply(TierOps(moves=[(DEVICE_TO_CPU, b, s) for b, s in pairs]))
+    targets = [(12, 3), (13, 4), (14, 5), (15, 0)]
+    store.apply(TierOps(loads=[LoadJob("r", tuple(LoadItem(b, TIER_CPU, b"h", s) for b, s in targets))]))
+    assert store.collect().num_ok == {"r": 4}
+    for block, slot in targets:
+        assert torch.equal(store.kv[:, :, block].cpu(), expected[slot])
 
 
 def test_consecutive_runs():

@@ -75,6 +75,7 @@ class TierStore:
         which a later device -> CPU copy may reuse.
         """
         run: dict[int, int] = {}  # device block -> CPU slot, the current run of device -> CPU copies
+        run_slots: set[int] = set()  # run's CPU slots, for an O(1) reuse check
         from_cpu: list[tuple[int, int]] = []  # (write index, CPU slot) filled when the run lands
         from_device: list[tuple[int, int]] = []  # (write index, device block) filled after the loop
         writes: list[list] = []  # [hash, block [num_layers, 2, heads, block_size, head_dim]]
@@ -82,6 +83,7 @@ class TierStore:
         def flush() -> None:
             self._to_cpu(list(run.items()))
             run.clear()
+            run_slots.clear()
             if from_cpu:
                 blocks = self.cpu[[slot for _, slot in from_cpu]]  # indexing copies
                 for k, (i, _) in enumerate(from_cpu):
@@ -90,9 +92,10 @@ class TierStore:
 
         for kind, src, dst in moves:
             if kind == DEVICE_TO_CPU:
-                if dst in run.values():  # a slot written twice in one gather: land the first
+                if dst in run_slots:  # a slot written twice in one gather: land the first
                     flush()
                 run[src] = dst
+                run_slots.add(dst)
             elif kind == CPU_TO_DISK:
                 flush()
                 writes.append([dst, self.cpu[src].clone()])
