@@ -11,7 +11,7 @@ cached models) in that format, which the engine then loads as it loads a downloa
 The codes are round-to-nearest from the float weights (not the GPTQ algorithm: for speed the
 layout is what counts, and greedy outputs are compared against the float model only as a hint).
 The packing is the formats' published layout, as tests/models/test_quantized_checkpoints.py
-writes it (those tests pin it against the tools' own packing and against transformers).
+writes its checkpoints with these same packers (pinned there against the tools' packing and transformers).
 """
 from __future__ import annotations
 
@@ -29,13 +29,6 @@ from pagedllm.layers.quantization.base import pack_int32
 
 GROUP = 128
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False,
-               "checkpoint_format": "gptq"}
-CT_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
-              "group_size": GROUP}
-CT_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": CT_WEIGHTS, "input_activations": None,
-                                           "format": "pack-quantized"}}}
 VARIANTS = ("gptq-w4g128", "ct-w4a16")
 CHOICES = ("none", *quantization.METHODS, *VARIANTS)
 
@@ -62,29 +55,71 @@ def variant_dir(model_dir: Path, name: str) -> Path:
     return CACHE_DIR / f"{model_dir.name}-{name}" if name in VARIANTS else model_dir
 
 
+# --- the formats' published layouts (tests/models/test_quantized_checkpoints.py writes its
+# checkpoints with these too, and pins them against the tools and transformers) ------------
+
+def quantize_groups(w: torch.Tensor, bits: int, group: int, sym: bool):
+    """(codes [out, in], scale [out, G] (float16-exact), zero [out, G]) over contiguous groups."""
+    out_features, in_features = w.shape
+    g = in_features if group == -1 else group
+    wg = w.reshape(out_features, in_features // g, g)  # [out, G, group]
+    maxq = 2**bits - 1
+    if sym:
+        scale = wg.abs().amax(-1) / (2 ** (bits - 1) - 1)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = (hi - lo) / maxq
+    scale = scale.clamp(min=1e-6).half().float()  # GPTQ and AWQ store float16 scales
+    if not sym:
+        zero = torch.round(-lo / scale).clamp(1, maxq)  # >= 1: GPTQ v1 stores zero - 1
+    codes = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, maxq)
+    return codes.reshape(out_features, in_features).long(), scale, zero
+
+
+def gptq_tensors(codes, scale, zero, g_idx, bits, v2):
+    return {"qweight": pack_int32(codes.t(), bits, dim=0), "qzeros": pack_int32((zero - (0 if v2 else 1)).t().long(),
+            bits, dim=1), "scales": scale.t().half().contiguous(), "g_idx": g_idx}
+
+
+def ct_packed_tensors(codes, scale, zero, g_idx, bits, sym):
+    t = {"weight_packed": pack_int32(codes, bits, dim=1), "weight_scale": scale,
+         "weight_shape": torch.tensor(list(codes.shape))}
+    if not sym:
+        t["weight_zero_point"] = pack_int32(zero.long(), bits, dim=0)
+    return t
+
+
+def gptq_config(bits, group, sym, act_order, fmt):
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
+            "checkpoint_format": fmt}
+
+
+def ct_config(bits, group, sym, fmt):
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
+               "strategy": "channel" if group == -1 else "group", "group_size": None if group == -1 else group}
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": fmt}}}
+
+
 def quantize_sym4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes in [0, 15] (zero 8) [out, in] and float16-exact scales [out, in / GROUP], round to nearest."""
-    out_f, in_f = w.shape
-    wg = w.float().reshape(out_f, in_f // GROUP, GROUP)  # [out, groups, GROUP]
-    scale = (wg.abs().amax(-1) / 7).clamp(min=1e-6).half().float()  # GPTQ stores float16 scales
-    codes = torch.clamp(torch.round(wg / scale[..., None]) + 8, 0, 15)
-    return codes.reshape(out_f, in_f).long(), scale
+    codes, scale, _ = quantize_groups(w.float(), 4, GROUP, sym=True)
+    return codes, scale
 
 
-def gptq_tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    codes, scale = quantize_sym4(w)
-    zeros = torch.full(scale.shape, 8 - 1, dtype=torch.long)  # v1 stores zero - 1
-    return {"qweight": pack_int32(codes.t(), 4, dim=0), "qzeros": pack_int32(zeros.t(), 4, dim=1),
-            "scales": scale.t().half().contiguous(), "g_idx": (torch.arange(w.shape[1]) // GROUP).int()}
+def _gptq_w4g128(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    codes, scale, zero = quantize_groups(w.float(), 4, GROUP, sym=True)
+    return gptq_tensors(codes, scale, zero, (torch.arange(w.shape[1]) // GROUP).int(), 4, v2=False)
 
 
-def ct_tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    codes, scale = quantize_sym4(w)
-    return {"weight_packed": pack_int32(codes, 4, dim=1), "weight_scale": scale,
-            "weight_shape": torch.tensor(list(codes.shape))}
+def _ct_w4a16(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    codes, scale, zero = quantize_groups(w.float(), 4, GROUP, sym=True)
+    return ct_packed_tensors(codes, scale, zero, None, 4, sym=True)
 
 
-WRITERS = {"gptq-w4g128": (gptq_tensors, GPTQ_CONFIG), "ct-w4a16": (ct_tensors, CT_CONFIG)}
+WRITERS = {"gptq-w4g128": (_gptq_w4g128, gptq_config(4, GROUP, True, False, "gptq")),
+           "ct-w4a16": (_ct_w4a16, ct_config(4, GROUP, True, "pack-quantized"))}
 
 
 def ensure_variant(model_dir: Path, name: str) -> Path:

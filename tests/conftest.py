@@ -24,8 +24,12 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def load_benchmark(name: str, file: str):
-    """Import benchmarks/<file> (a script, not a package) as module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / file)
+    """Import benchmarks/<file> (a script, not a package) as module ``name``, with benchmarks/ on
+    sys.path as when the script runs (its imports of sibling modules such as ``common``)."""
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(bench_dir) not in sys.path:
+        sys.path.insert(0, str(bench_dir))
+    spec = importlib.util.spec_from_file_location(name, bench_dir / file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

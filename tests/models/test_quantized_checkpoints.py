@@ -16,37 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_greedy_against, hf_greedy, make_model_dir, random_prompts
+from conftest import check_greedy_against, hf_greedy, load_benchmark, make_model_dir, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.awq import SLOT_OF_COLUMN
 from pagedllm.layers.quantization.base import pack_int32
 
+qv = load_benchmark("quant_variants", "quant_variants.py")
+# the format packers both the tests and the benchmarks write checkpoints with
+quantize_groups, gptq_tensors, ct_packed_tensors = qv.quantize_groups, qv.gptq_tensors, qv.ct_packed_tensors
+gptq_config, ct_config = qv.gptq_config, qv.ct_config
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
             "up_proj": "mlp", "down_proj": "down"}  # projections that read the same input share act order
 PROMPTS = random_prompts(12, seed=5, lo=2, hi=40)
 MAX_NEW = 8
-
-
-def quantize_groups(w: torch.Tensor, bits: int, group: int, sym: bool):
-    """(codes [out, in], scale [out, G] (float16-exact), zero [out, G]) over contiguous groups."""
-    out_features, in_features = w.shape
-    g = in_features if group == -1 else group
-    wg = w.reshape(out_features, in_features // g, g)  # [out, G, group]
-    maxq = 2**bits - 1
-    if sym:
-        scale = wg.abs().amax(-1) / (2 ** (bits - 1) - 1)
-        zero = torch.full_like(scale, 2 ** (bits - 1))
-    else:
-        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        scale = (hi - lo) / maxq
-    scale = scale.clamp(min=1e-6).half().float()  # GPTQ and AWQ store float16 scales
-    if not sym:
-        zero = torch.round(-lo / scale).clamp(1, maxq)  # >= 1: GPTQ v1 stores zero - 1
-    codes = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, maxq)
-    return codes.reshape(out_features, in_features).long(), scale, zero
 
 
 def quantize_act_order(w, bits, group, sym, perm):
@@ -63,40 +49,15 @@ def dequantize(codes, scale, zero, g_idx):
 
 # --- the formats' layouts ------------------------------------------------------------------------
 
-def gptq_tensors(codes, scale, zero, g_idx, bits, v2):
-    return {"qweight": pack_int32(codes.t(), bits, dim=0), "qzeros": pack_int32((zero - (0 if v2 else 1)).t().long(),
-            bits, dim=1), "scales": scale.t().half().contiguous(), "g_idx": g_idx}
-
-
 def awq_tensors(codes, scale, zero, g_idx, bits, v2):
     return {"qweight": pack_int32(codes.t(), 4, 1, SLOT_OF_COLUMN), "qzeros": pack_int32(zero.t().long(), 4, 1,
             SLOT_OF_COLUMN), "scales": scale.t().half().contiguous()}
-
-
-def ct_packed_tensors(codes, scale, zero, g_idx, bits, sym):
-    t = {"weight_packed": pack_int32(codes, bits, dim=1), "weight_scale": scale,
-         "weight_shape": torch.tensor(list(codes.shape))}
-    if not sym:
-        t["weight_zero_point"] = pack_int32(zero.long(), bits, dim=0)
-    return t
 
 
 def ct_naive_tensors(codes, scale, zero, g_idx, bits, sym):
     offset = 2 ** (bits - 1)
     return {"weight": (codes - offset).to(torch.int8), "weight_scale": scale,
             "weight_zero_point": (zero - offset).to(torch.int8)}
-
-
-def gptq_config(bits, group, sym, act_order, fmt):
-    return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
-            "checkpoint_format": fmt}
-
-
-def ct_config(bits, group, sym, fmt):
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
-               "strategy": "channel" if group == -1 else "group", "group_size": None if group == -1 else group}
-    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "config_groups": {
-        "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": fmt}}}
 
 
 # case id: (arch, bits, group, sym, act_order, writer, writer flag, quantization_config)
