@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import gc
+import signal
 import weakref
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.executor import RankCall
+from pagedllm.worker.executor.multiproc import describe_exit
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -31,3 +33,26 @@ def test_rank_calls_name_runner_methods_not_strings():
         RankCall("execute")
     with pytest.raises(TypeError, match="ModelRunner method"):
         RankCall(print)
+
+
+class _RaceLostProcess:
+    """A worker another thread reaped first: multiprocessing's own join comes back empty (its
+    ``waitpid`` got ECHILD) and the status shows only on a later look."""
+
+    pid = 4242
+
+    def __init__(self):
+        self.looks = 0
+
+    @property
+    def exitcode(self):
+        self.looks += 1
+        return None if self.looks < 3 else -signal.SIGKILL
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_dead_worker_is_described_even_when_another_thread_reaped_it():
+    text = describe_exit(1, _RaceLostProcess(), started=True)
+    assert text == "worker rank 1 (pid 4242) was killed by SIGKILL"

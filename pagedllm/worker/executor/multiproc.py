@@ -179,7 +179,8 @@ class WorkerProcesses:
             return
         rank = next(sentinels[s] for s in ready if s in sentinels)
         if self.cause(0.5) is None:  # cannot happen once the sentinel fired; stay safe anyway
-            self.dead = describe_exit(rank, self.procs[rank - 1], started=True)
+            with self._cause_lock:  # a failed call may be writing ``dead`` at the same moment
+                self.dead = self.dead or describe_exit(rank, self.procs[rank - 1], started=True)
         logger.error("tensor-parallel worker died: %s", self.dead)
 
     def cause(self, grace: float) -> str | None:
@@ -252,8 +253,7 @@ def _read_report(conn: mpc.Connection) -> tuple[str | None, bool]:
 
 def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
     """``worker rank 1 was killed by SIGKILL``; for a worker that never started, the likely cause."""
-    proc.join(5.0)  # its pipe closes first; on a loaded machine the exit status follows within seconds
-    code = proc.exitcode
+    code = _exit_code(proc, 5.0)
     if code is None:
         how = "closed its pipe but is still running"
     elif code < 0:
@@ -264,6 +264,18 @@ def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
     if not started:
         text += " before it started. " + _spawn_hint()
     return text
+
+
+def _exit_code(proc: mp.Process, timeout: float) -> int | None:
+    """The worker's exit status, waiting up to ``timeout`` seconds: its pipe closes a moment before
+    it can be reaped. Polled in short joins because one join can come back empty while the status
+    exists: when another thread's ``is_alive()`` reaps the process first, this thread's
+    ``waitpid`` fails with ECHILD and multiprocessing returns None; the next look reads the
+    status that thread stored."""
+    deadline = time.monotonic() + timeout
+    while proc.exitcode is None and time.monotonic() < deadline:
+        proc.join(0.1)
+    return proc.exitcode
 
 
 def _spawn_hint() -> str:
