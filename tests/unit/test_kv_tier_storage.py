@@ -177,6 +177,20 @@ def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
     assert mgr.stats["cpu"].stored_blocks == 2 and mgr.stats["disk"].bytes_stored == 40
 
 
+def test_a_block_written_through_and_evicted_from_the_cpu_tier_in_one_step_is_queued_for_disk_once(tmp_path):
+    from pagedllm.kv_cache.offload.manager import OffloadManager
+    from pagedllm.kv_cache.offload.ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
+    mgr = OffloadManager(1, [DiskTier(tmp_path, FP, 1 << 20)], block_bytes=10)
+    for block, i in [(3, 1), (4, 2), (5, 3)]:  # one step's run of evictions through a 1-slot CPU tier
+        mgr.on_evict(block, _hash(i))
+    moves = mgr.take_ops().moves
+    disk_writes = [h for kind, _, h in moves if kind in (CPU_TO_DISK, DEVICE_TO_DISK)]
+    assert disk_writes == [_hash(1), _hash(2), _hash(3)]  # each write-through once, no CPU spill of it
+    assert [m for m in moves if m[0] == DEVICE_TO_CPU] == [(DEVICE_TO_CPU, 3, 0), (DEVICE_TO_CPU, 4, 0),
+                                                           (DEVICE_TO_CPU, 5, 0)]
+    assert mgr.stats["disk"].stored_blocks == 3
+
+
 def test_an_engine_reads_the_weights_for_its_fingerprints_once(llama_dir, tmp_path, monkeypatch):
     """The executor computes every rank's disk-tier fingerprint once and hands them to the ranks
     and the scheduler (which used to recompute them: one read of the weights each)."""

@@ -64,6 +64,9 @@ class OffloadManager:
         # rank per evicted block and per lookup; a file deleted since (budget, another engine) is
         # a load miss, which drops its hash
         self._disk_known: set[bytes] = set()
+        # hashes with a disk write in the ops not yet taken: a block written through and evicted
+        # from the CPU tier in the same run of evictions needs no second (CPU -> disk) write
+        self._disk_queued: set[bytes] = set()
 
     @property
     def has_disk(self) -> bool:
@@ -85,14 +88,19 @@ class OffloadManager:
         if placed is None:  # every slot is being loaded from: only the disk tier (if any) keeps it
             return
         slot, evicted = placed
-        if evicted is not None and self.has_disk and not self._on_disk_now(evicted[0]):
+        if evicted is not None and self._needs_spill(evicted[0]):
             self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])  # its write-through did not land
         self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
         self._count_store(TIER_CPU)
 
+    def _needs_spill(self, block_hash: bytes) -> bool:
+        """A block leaving the CPU tier goes to disk unless its write is queued this step or landed."""
+        return self.has_disk and block_hash not in self._disk_queued and not self._on_disk_now(block_hash)
+
     def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
         self._ops.moves.append((kind, source, block_hash))
         self._disk_known.add(block_hash)
+        self._disk_queued.add(block_hash)
         self._count_store(TIER_DISK)
 
     def _count_store(self, tier: str) -> None:
@@ -150,6 +158,7 @@ class OffloadManager:
     def take_ops(self) -> TierOps:
         """The moves and loads accumulated since the last call."""
         ops, self._ops = self._ops, TierOps()
+        self._disk_queued.clear()
         return ops
 
     def finish_load(self, request_id: str, num_ok: int) -> LoadJob:
