@@ -43,23 +43,23 @@ static inline v16 splat(float f) { return (v16){0} + f; }
 /* lane-wise c ? a : b (the ?: operator takes no vectors in C) */
 static inline v16 select16(v16i c, v16 a, v16 b) { return (v16)((c & (v16i)a) | (~c & (v16i)b)); }
 
-/* e^x lane-wise (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial; ~1 ulp). */
+/* e^x lane-wise: the header's pn_exp512 / pn_exp256 (two halves), expf per lane without AVX2.
+ * x is clamped to 88 first: exp(-g) of a very negative SiLU input would overflow 2^n. */
 static inline v16 exp16(v16 x) {
     x = select16(x < splat(88.0f), x, splat(88.0f));
-    x = select16(x > splat(-87.0f), x, splat(-87.0f)); /* 2^n stays a normal float */
-    const v16 magic = splat(12582912.0f);      /* 1.5 * 2^23: adding it rounds to an integer */
-    const v16 n = (x * splat(1.44269504f) + magic) - magic;
-    v16 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23; /* 2^n */
-    return p * (v16)bits;
+#if PN_AVX2 && defined(__AVX512F__)
+    return (v16)pn_exp512((__m512)x);
+#elif PN_AVX2
+    union {
+        v16 v;
+        __m256 h[2];
+    } u = {x};
+    u.h[0] = pn_exp256(u.h[0]), u.h[1] = pn_exp256(u.h[1]);
+    return u.v;
+#else
+    for (int i = 0; i < 16; i++) x[i] = expf(x[i]);
+    return x;
+#endif
 }
 
 static inline v16 silu16(v16 g) { return g / (splat(1.0f) + exp16(-g)); }

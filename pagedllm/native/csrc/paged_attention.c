@@ -140,27 +140,6 @@ static inline __m128 hsum4x256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
-
-/* exp(x) for x <= 0 (Cephes polynomial, ~2 ulp); inputs below -87 give ~1e-38, i.e. 0 next
- * to the row max whose weight is exactly 1. */
-static inline __m256 exp256(__m256 x) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
-    /* x - fx * ln2 with ln2 split in two for accuracy */
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i biased = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-    const __m256i e = _mm256_slli_epi32(biased, 23); /* 2^fx as float bits */
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 #endif
 
 /* AVX-512 (where the build targets it): a 64-float head row is four zmm registers instead of
@@ -330,7 +309,7 @@ static float exp_shift_sum(float *s, int n, float m) {
 #if PN_AVX2
     __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
-        __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        __m256 p = pn_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
         _mm256_storeu_ps(s + j, p);
         vsum = _mm256_add_ps(vsum, p);
     }
@@ -746,24 +725,6 @@ static void store_rows(const Problem *P, const WorkItem *it, const Scratch *S) {
 
 static int wide_ok(const Problem *P, int rows) { return rows >= WIDE_MIN_ROWS && P->head_dim % 64 == 0; }
 
-/* exp(x) for x <= 0, 16 lanes (the same polynomial as exp256) */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                           _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 /* q^T [D][rp] from the item's row-major scaled q; padding rows are 0 */
 static void transpose_q(Scratch *S, int rows, int rp, int D) {
     for (int d = 0; d < D; d++) {
@@ -835,12 +796,12 @@ static void wide_softmax(Scratch *S, int v, const int *lo, const int *hi, int nv
     for (int j = 0; j < nv; j++) {
         const __m512 x = _mm512_loadu_ps(st + (int64_t)j * rp);
         const __mmask16 real = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(real, exp512(_mm512_sub_ps(x, m_use)));
+        const __m512 p = _mm512_maskz_mov_ps(real, pn_exp512(_mm512_sub_ps(x, m_use)));
         _mm512_storeu_ps(st + (int64_t)j * rp, p);
         sum = _mm512_add_ps(sum, p);
     }
     const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ);
-    const __m512 corr = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(m_old, m_use)));
+    const __m512 corr = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), pn_exp512(_mm512_sub_ps(m_old, m_use)));
     _mm512_storeu_ps(S->l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(S->l + 16 * v), corr, sum));
     _mm512_storeu_ps(S->m + 16 * v, m_new);
     float c[16];
