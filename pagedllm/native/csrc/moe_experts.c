@@ -64,23 +64,13 @@ static inline v16 exp16(v16 x) {
 
 static inline v16 silu16(v16 g) { return g / (splat(1.0f) + exp16(-g)); }
 
-/* acc[r] = sum_k a[r][k] * b[k][0:32] for M rows (a literal at every call site, so the row
- * loops unroll and acc lives in registers); b is one panel, 32 floats per k. */
+/* acc[r] = sum_k a[r][k] * b[k][0:32] for M rows (the header's pn_tile32); b is one panel that
+ * streams from memory on its first row block: fetch MOE_PREFETCH floats ahead. */
 static inline __attribute__((always_inline)) void tile(const int M, const float *const *a, const float *b,
                                                        int64_t K, v16 acc[MOE_ROWS][2]) {
     for (int r = 0; r < M; r++)
         acc[r][0] = acc[r][1] = splat(0.0f);
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < K; k++) {
-        /* the panel streams from memory on its first row block: fetch MOE_PREFETCH floats ahead */
-        __builtin_prefetch(b + 32 * k + MOE_PREFETCH, 0, 3);
-        __builtin_prefetch(b + 32 * k + MOE_PREFETCH + 16, 0, 3);
-        const v16 b0 = load16(b + 32 * k), b1 = load16(b + 32 * k + 16);
-        for (int r = 0; r < M; r++) {
-            acc[r][0] += a[r][k] * b0;
-            acc[r][1] += a[r][k] * b1;
-        }
-    }
+    pn_tile32(M, a, b, K, acc, MOE_PREFETCH);
 }
 
 /* tile() with the row count m <= MOE_ROWS as a literal in each case, so its loops unroll. */

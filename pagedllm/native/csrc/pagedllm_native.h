@@ -30,6 +30,27 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 static inline v16 load16(const float *p) { return *(const v16 *)p; }
 static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 
+/* The register tile of those GEMMs: acc[r][0:2] += sum over k < K of a[r][k] * b[k][0:32] for M
+ * rows, b one 32-column panel (32 floats per k). M is a literal at every call site, so the row
+ * loops unroll and acc lives in registers (2 M accumulators: M = 8 with AVX-512's 32 zmm, 2 with
+ * AVX2's 16 ymm). prefetch > 0 (a literal too): b streams from memory, fetch that many floats
+ * ahead; 0: b is already in cache. */
+static inline __attribute__((always_inline)) void pn_tile32(const int M, const float *const *a, const float *b,
+                                                            int64_t K, v16 (*acc)[2], const int prefetch) {
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; k++) {
+        if (prefetch) {
+            __builtin_prefetch(b + 32 * k + prefetch, 0, 3);
+            __builtin_prefetch(b + 32 * k + prefetch + 16, 0, 3);
+        }
+        const v16 b0 = load16(b + 32 * k), b1 = load16(b + 32 * k + 16);
+        for (int r = 0; r < M; r++) {
+            acc[r][0] += a[r][k] * b0;
+            acc[r][1] += a[r][k] * b1;
+        }
+    }
+}
+
 /* Most tokens one ld_forward / ld_linear call takes (the Python side sends batches up to its
  * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
 #define LD_MAX_TOKENS 64

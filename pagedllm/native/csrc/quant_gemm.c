@@ -6,8 +6,8 @@
  * buffer for MKL's GEMM instead costs the buffer (a 200M model writes ~750 MB per step and the
  * GEMM reads it back). Here the weight is widened one column panel and one k-block at a time
  * into a small float32 scratch that stays in L1, and a register tile (QG_ROWS rows x 32 columns
- * of accumulators, as in moe_experts.c) runs every row of x against it: the codes are read from
- * memory once per call and each is widened once per QG_MC rows.
+ * of accumulators: the header's pn_tile32, shared with moe_experts.c) runs every row of x against
+ * it: the codes are read from memory once per call and each is widened once per QG_MC rows.
  *
  * Panel layout (built at load by grouped.py: pack_panels), P = ceil(out / QG_PANEL):
  *   qp  uint8 [P, in, 16] for 4 bits: byte j of (p, k) = code of row p*32+j at input k in the
@@ -35,6 +35,7 @@
 #define QG_ROWS 2 /* 8 ymm accumulators of the 16 registers */
 #endif
 #endif
+_Static_assert(QG_PANEL == 32, "pn_tile32 runs 32-column panels");
 /* the leftover-row switch in tile_all_rows covers 1 .. QG_ROWS - 1 rows up to 7 */
 _Static_assert(QG_ROWS == 2 || QG_ROWS == 8, "tile_all_rows' tail cases cover QG_ROWS 2 or 8");
 
@@ -101,23 +102,18 @@ static void widen_block(const uint8_t *qp, const float *sp, const float *zp, int
     }
 }
 
-/* c[r][0:32] (+)= sum_k a[r * lda + k] * b[k][0:32] for M rows (a literal at every call site,
- * so the row loops unroll and the accumulators live in registers); `first` starts from zero. */
+/* c[r][0:32] (+)= sum_k a[r * lda + k] * b[k][0:32] for M rows (the header's pn_tile32; M a
+ * literal at every call site); `first` starts from zero. b is the L1 scratch: no prefetch. */
 static inline __attribute__((always_inline)) void tile(const int M, const float *a, int64_t lda, const float *b,
                                                        int64_t kc, float *c, int first) {
     v16 acc[QG_ROWS][2];
+    const float *rows[QG_ROWS];
     for (int r = 0; r < M; r++) {
+        rows[r] = a + r * lda;
         acc[r][0] = first ? (v16){0} : load16(c + r * QG_PANEL);
         acc[r][1] = first ? (v16){0} : load16(c + r * QG_PANEL + 16);
     }
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < kc; k++) {
-        const v16 b0 = load16(b + k * QG_PANEL), b1 = load16(b + k * QG_PANEL + 16);
-        for (int r = 0; r < M; r++) {
-            acc[r][0] += a[r * lda + k] * b0;
-            acc[r][1] += a[r * lda + k] * b1;
-        }
-    }
+    pn_tile32(M, rows, b, kc, acc, 0);
     for (int r = 0; r < M; r++) {
         store16(c + r * QG_PANEL, acc[r][0]);
         store16(c + r * QG_PANEL + 16, acc[r][1]);
