@@ -222,9 +222,12 @@ class LLMEngine:
         device->host transfer."""
         rows, owners = self._sampling_rows(sched_out)
         prompt = prompt_logprobs.plan(sched_out, self.scheduler.requests)
-        pending = prompt_logprobs.device_tensors(prompt_logits, prompt) if prompt else {}
+        # the step's one upload: the sampler's inputs with the prompt-logprob targets
+        inputs = self.sampler.prepare(logits, rows, prompt_logprobs.host_arrays(prompt)) if rows else None
+        uploaded = inputs.tensors if inputs else None
+        pending = prompt_logprobs.device_tensors(prompt_logits, prompt, uploaded) if prompt else {}
         if rows:
-            pending.update(self.sampler.sample(logits, rows))
+            pending.update(self.sampler.sample(logits, rows, inputs))
         host = to_host(pending) if pending else {}  # a step with nothing to sample fetches nothing
         if prompt:
             prompt_logprobs.store(prompt, host)

@@ -40,9 +40,16 @@ def plan(sched_out: SchedulerOutput, requests: dict) -> PromptLogprobPlan | None
     return PromptLogprobPlan(owners, targets, max(req.params.prompt_logprobs for req, _, _ in owners))
 
 
-def device_tensors(logits: torch.Tensor, p: PromptLogprobPlan) -> dict[str, torch.Tensor]:
-    """``prompt_chosen``/``prompt_ranks [rows]``, ``prompt_top_values``/``prompt_top_ids [rows, k]``."""
-    targets = to_device_bytes(dict(t=np.array(p.targets, dtype=np.int64)), logits.device)["t"]
+def host_arrays(p: PromptLogprobPlan | None) -> dict[str, np.ndarray]:
+    """The rows' target token ids, to upload with the sampler's inputs (``Sampler.prepare``)."""
+    return {} if p is None else dict(prompt_targets=np.array(p.targets, dtype=np.int64))
+
+
+def device_tensors(logits: torch.Tensor, p: PromptLogprobPlan,
+                   uploaded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``prompt_chosen``/``prompt_ranks [rows]``, ``prompt_top_values``/``prompt_top_ids [rows, k]``;
+    ``uploaded``: device tensors holding ``host_arrays(p)`` (None: uploaded here)."""
+    targets = (uploaded or to_device_bytes(host_arrays(p), logits.device))["prompt_targets"]
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
     chosen = logprobs.gather(1, targets[:, None])  # [rows, 1]
     ranks = (logprobs > chosen).sum(dim=1) + 1

@@ -20,6 +20,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState, StructuredOutputManager
 from pagedllm.structured_output.manager import apply_token_bitmask
 from pagedllm.worker.device_to_host import to_host
+from pagedllm.worker.host_to_device import to_device_bytes
 
 
 @dataclass
@@ -55,10 +56,12 @@ class Sampler:
     the Triton kernel (no sort); otherwise with the sorting torch code below.
     ``structured_output`` fills the grammar bitmasks.
 
-    A step makes one host->device copy (``sampling_inputs``) and one device->host copy: ``sample``
-    leaves every result on the device so the caller can fetch it with its own results in one
-    ``to_host`` (``worker/device_to_host.py``), and ``finish`` turns the fetched arrays into a
-    ``SamplerOutput``. Nothing in between reads a device value on the host.
+    A step makes one host->device copy (``prepare``: the rows' inputs and the caller's own arrays)
+    and one device->host copy: ``sample`` leaves every result on the device so the caller can
+    fetch it with its own results in one ``to_host`` (``worker/device_to_host.py``), and
+    ``finish`` turns the fetched arrays into a ``SamplerOutput``. Nothing in between reads a
+    device value on the host. Speculative verify's ``distributions`` makes the same one upload;
+    its ``chosen_logprobs`` one more each way, for the tokens rejection sampling picked from them.
     """
 
     def __init__(self, ops: str = "native", structured_output: StructuredOutputManager | None = None,
@@ -76,11 +79,21 @@ class Sampler:
         return self.finish(to_host(self.sample(logits, rows)), rows)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> dict[str, torch.Tensor]:
+    def prepare(self, logits: torch.Tensor, rows: list[SamplingRow],
+                extra: dict[str, np.ndarray] | None = None) -> SamplingInputs:
+        """The step's one host->device copy: the rows' sampling inputs, plus the caller's ``extra``
+        host arrays (their device tensors are in ``.tensors`` under the same names). Call once
+        per step (it advances seeded rows' generators and the kept penalty histories)."""
+        return self._inputs(logits, rows, extra=extra)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               inputs: SamplingInputs | None = None) -> dict[str, torch.Tensor]:
         """Device tensors: ``sampled_ids [rows]`` and, when some row asks, ``sampled_logprobs
-        [rows]`` and ``top_logprob_ids`` / ``top_logprob_values [rows, max k]``."""
+        [rows]`` and ``top_logprob_ids`` / ``top_logprob_values [rows, max k]``. ``inputs``:
+        ``prepare``'s for these rows (None: prepared here)."""
         logits = logits.float()  # [num_rows, vocab]
-        inputs = self._inputs(logits, rows)
+        inputs = inputs if inputs is not None else self._inputs(logits, rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if inputs.flags.need_logprobs else None
         logits = _process(logits, inputs, self._vocab_size())
         tokens = self._choose(logits, inputs)
@@ -118,15 +131,20 @@ class Sampler:
                         rows: list[SamplingRow]) -> tuple[list[float], list[dict[int, float]] | None]:
         """For the rows ``index`` of ``raw_logprobs`` (``rows`` their SamplingRows): the raw logprob
         of ``tokens[j]`` at row ``index[j]``, and per row its ``params.logprobs`` most likely
-        tokens -> raw logprob (None if no row asks), in one device->host transfer."""
-        picked = raw_logprobs[torch.tensor(index, device=raw_logprobs.device)]  # [len(index), vocab]
-        chosen = picked.gather(1, torch.tensor(tokens, device=picked.device)[:, None]).squeeze(1)  # [len(index)]
+        tokens -> raw logprob (None if no row asks), in one host->device and one device->host
+        transfer."""
+        pairs = to_device_bytes(dict(pairs=np.array([index, tokens], dtype=np.int64).reshape(2, -1)),
+                                raw_logprobs.device)["pairs"]  # [2, len(index)]: rows, tokens
+        picked = raw_logprobs[pairs[0]]  # [len(index), vocab]
+        chosen = picked.gather(1, pairs[1][:, None]).squeeze(1)  # [len(index)]
         k = max((r.params.logprobs or 0 for r in rows), default=0)
         host = to_host({"chosen": chosen, **_top_logprob_tensors(picked, k)})
         return host["chosen"].tolist(), _top_logprobs_from(host, rows)
 
-    def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow], noise: bool = True) -> SamplingInputs:
-        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise, self.penalty_history)
+    def _inputs(self, logits: torch.Tensor, rows: list[SamplingRow], noise: bool = True,
+                extra: dict[str, np.ndarray] | None = None) -> SamplingInputs:
+        return prepare_inputs(rows, logits.shape[1], logits.device, self._bitmask(rows), noise, self.penalty_history,
+                              extra)
 
     def _bitmask(self, rows: list[SamplingRow]) -> np.ndarray | None:
         grammars = [r.grammar for r in rows]

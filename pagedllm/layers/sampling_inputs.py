@@ -46,11 +46,13 @@ class SamplingInputs:
 
 
 def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.ndarray | None = None,
-                   noise: bool = True, history: PenaltyHistory | None = None) -> SamplingInputs:
+                   noise: bool = True, history: PenaltyHistory | None = None,
+                   extra: dict[str, np.ndarray] | None = None) -> SamplingInputs:
     """``rows``: the sampler's ``SamplingRow``s; ``bitmask``: the grammar's (``fill_bitmask``);
     ``noise``: draw seeded rows' sampling noise from their generators (False when nothing is
     drawn from these inputs: the generators must not advance); ``history``: the penalties' token
-    histories kept on the device between steps (None: every history uploaded whole)."""
+    histories kept on the device between steps (None: every history uploaded whole); ``extra``:
+    the caller's own arrays, uploaded in the same copy (names must not clash with the inputs')."""
     flags = sampling_flags(rows, vocab, bitmask is not None, noise)
     with_history = flags.penalties and history is not None
     arrays = build_host_arrays(rows, vocab, flags, histories=not with_history)
@@ -58,6 +60,9 @@ def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.nda
         arrays["bitmask"] = bitmask
     if with_history:  # the new tokens (or a rebuild) travel in the step's one upload
         arrays.update(history.host_arrays(rows, flags.repetition))
+    if extra:
+        assert not arrays.keys() & extra.keys(), f"extra arrays {sorted(arrays.keys() & extra.keys())} clash"
+        arrays.update(extra)
     tensors = to_device_bytes(arrays, device)
     if with_history:
         tensors.update(history.device_tensors(tensors))

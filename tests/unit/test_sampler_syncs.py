@@ -82,6 +82,20 @@ def test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer(llama_di
     assert 4 <= syncs.fetches == syncs.fetch_reads <= syncs.armed_calls
     assert len(outs[0].prompt_logprobs) == 4 and all(len(o.outputs[0].token_ids) == 4 for o in outs[:2])
     assert set(outs[2].outputs[0].text) <= {"a", "b"}
+    # the prompt-logprob targets travel in the sampler's upload: at most one upload per step
+    assert 4 <= syncs.uploads <= syncs.armed_calls
+
+
+def test_chosen_logprobs_make_one_upload_and_one_fetch(monkeypatch):
+    """Speculative verify's accepted tokens: their logprobs and top logprobs, one copy each way."""
+    raw = torch.log_softmax(torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)), dim=-1)
+    rows = mixed_rows()[:3]  # logprobs 3, None, 2
+    with count_host_syncs(monkeypatch, FETCHES, UPLOADS + [(sampler_module, "to_device_bytes")]) as syncs:
+        logprobs, tops = Sampler.chosen_logprobs(raw, [0, 2, 4], [7, 8, 9], rows)
+    assert syncs.stray == [] and (syncs.uploads, syncs.fetches) == (1, 1)
+    assert logprobs == pytest.approx(raw[[0, 2, 4], [7, 8, 9]].tolist())
+    values, ids = raw[0].topk(3)
+    assert tops[0] == pytest.approx(dict(zip(ids.tolist(), values.tolist()))) and tops[1] == {} and len(tops[2]) == 2
 
 
 @pytest.mark.parametrize("pack", [False, True])
