@@ -4,7 +4,7 @@ On a GPU every device->host read (``.item()``, ``.tolist()``, ``.cpu()``, ``.num
 an ``if``, ``nonzero``, a boolean-mask index, whose result shape depends on the data) and every
 host->device copy from pageable memory without ``non_blocking`` (``torch.tensor(..., device=)``,
 ``.to(device)``) makes the host wait for the stream. ``HostSyncs`` patches each of them to record
-its call site, except inside the two sanctioned transfers: ``to_device_bytes`` (one pinned,
+its call site, except inside the two sanctioned transfers: ``to_device`` (one pinned,
 non-blocking upload) and ``to_host`` (the step's one fetch), which are counted by name instead,
 with the reads they make themselves. A test then asserts "one fetch, no stray sync" for the code
 it runs on CPU tensors exactly as it would run on CUDA ones.
@@ -22,7 +22,7 @@ _FUNCTIONS = ("nonzero", "masked_select", "unique", "argwhere")
 
 class HostSyncs:
     """``stray``: call sites of syncs outside the sanctioned transfers; ``fetches`` / ``uploads``
-    / ``kernels``: calls of ``to_host`` / ``to_device_bytes`` / a Triton kernel launch (the
+    / ``kernels``: calls of ``to_host`` / ``to_device`` / a Triton kernel launch (the
     interpreter reads its CPU tensors; a compiled launch does not); ``fetch_reads``: the reads
     ``to_host`` made. With ``armed`` False nothing is recorded outside ``arm_within``'s calls."""
 
@@ -79,7 +79,7 @@ def _has_device(args, kwargs) -> bool:
 def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_sites: tuple = (),
                      armed: bool = True):
     """Patches the sync points; ``fetch_sites`` / ``upload_sites`` / ``kernel_sites``: ``(module,
-    name)`` pairs bound to ``to_host`` / ``to_device_bytes`` / a kernel launcher in the code under test."""
+    name)`` pairs bound to ``to_host`` / ``to_device`` / a kernel launcher in the code under test."""
     syncs = HostSyncs(armed)
 
     def watch(owner, name, what, when=lambda *a, **k: True):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.engine.scheduler_output import SchedulerOutput
-from pagedllm.worker.host_to_device import to_device_bytes
+from pagedllm.worker.host_to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def device_tensors(logits: torch.Tensor, p: PromptLogprobPlan,
                    uploaded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """``prompt_chosen``/``prompt_ranks [rows]``, ``prompt_top_values``/``prompt_top_ids [rows, k]``;
     ``uploaded``: device tensors holding ``host_arrays(p)`` (None: uploaded here)."""
-    targets = (uploaded or to_device_bytes(host_arrays(p), logits.device))["prompt_targets"]
+    targets = (uploaded or to_device(host_arrays(p), logits.device))["prompt_targets"]
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
     chosen = logprobs.gather(1, targets[:, None])  # [rows, 1]
     ranks = (logprobs > chosen).sum(dim=1) + 1

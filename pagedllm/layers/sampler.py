@@ -20,7 +20,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState, StructuredOutputManager
 from pagedllm.structured_output.manager import apply_token_bitmask
 from pagedllm.worker.device_to_host import to_host
-from pagedllm.worker.host_to_device import to_device_bytes
+from pagedllm.worker.host_to_device import to_device
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Sampler:
         of ``tokens[j]`` at row ``index[j]``, and per row its ``params.logprobs`` most likely
         tokens -> raw logprob (None if no row asks), in one host->device and one device->host
         transfer."""
-        pairs = to_device_bytes(dict(pairs=np.array([index, tokens], dtype=np.int64).reshape(2, -1)),
+        pairs = to_device(dict(pairs=np.array([index, tokens], dtype=np.int64).reshape(2, -1)),
                                 raw_logprobs.device)["pairs"]  # [2, len(index)]: rows, tokens
         picked = raw_logprobs[pairs[0]]  # [len(index), vocab]
         chosen = picked.gather(1, pairs[1][:, None]).squeeze(1)  # [len(index)]

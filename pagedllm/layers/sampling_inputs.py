@@ -4,7 +4,7 @@ The sampler's rules read per-row parameters (temperature, top-k/p, min-p, penalt
 lists (allowed ids, logit bias, bad words, banned ids), histories (penalties), the grammar
 bitmask and the seeded rows' noise. Every choice that depends on them ("does any row use
 top-p?") is made here from the Python values, never by reading a device tensor back, and the
-arrays travel in one ``to_device_bytes`` call (pinned, non-blocking on CUDA). A rule that no row
+arrays travel in one ``to_device`` call (pinned, non-blocking on CUDA). A rule that no row
 uses gets no arrays and costs no kernel.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.penalty_history import PenaltyHistory
-from pagedllm.worker.host_to_device import to_device_bytes
+from pagedllm.worker.host_to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def prepare_inputs(rows: list, vocab: int, device: torch.device, bitmask: np.nda
     if extra:
         assert not arrays.keys() & extra.keys(), f"extra arrays {sorted(arrays.keys() & extra.keys())} clash"
         arrays.update(extra)
-    tensors = to_device_bytes(arrays, device)
+    tensors = to_device(arrays, device)
     if with_history:
         tensors.update(history.device_tensors(tensors))
     return SamplingInputs(flags, tensors)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_NUMPY_DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64,
-                 torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+from pagedllm.worker.host_to_device import NUMPY_DTYPES
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -23,15 +22,15 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     if not tensors:
         return {}
     for name, t in tensors.items():
-        if t.dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"to_host: tensor {name!r} has dtype {t.dtype}; allowed: {sorted(map(str, _NUMPY_DTYPES))}")
+        if t.dtype not in NUMPY_DTYPES:
+            raise TypeError(f"to_host: tensor {name!r} has dtype {t.dtype}; allowed: {sorted(map(str, NUMPY_DTYPES))}")
     order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # each part aligned to its item size
     flat = torch.cat([tensors[k].detach().contiguous().view(-1).view(torch.uint8) for k in order])
     host, arrays, offset = _copy_to_host(flat), {}, 0
     for k in order:
         t = tensors[k]
         n = t.numel() * t.element_size()
-        arrays[k] = host[offset:offset + n].view(_NUMPY_DTYPES[t.dtype]).reshape(t.shape)
+        arrays[k] = host[offset:offset + n].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
         offset += n
     return arrays
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
@@ -33,3 +34,16 @@ def test_metadata_from_a_packed_transfer_equals_build():
     assert built.slot_mapping.tolist() == [2 * 8 + 0, 7 * 8 + 0, 7 * 8 + 1, 7 * 8 + 2, 7 * 8 + 3, 7 * 8 + 4,
                                            3 * 8 + 6, 3 * 8 + 7, 8 * 8 + 0]
     assert (packed.max_query_len, packed.max_seq_len) == (5, 17)
+
+
+def test_one_path_for_every_dtype_with_persistent_buffers_and_refusals():
+    """Ints, floats and masks travel the same packed path, into ``out`` buffers of another dtype too."""
+    host = dict(ids=np.array([3, 1], dtype=np.int32), temp=np.array([0.5, 2.0], dtype=np.float32),
+                mask=np.array([True, False]))
+    buf = torch.zeros(2, dtype=torch.int64)
+    dev = to_device(host, "cpu", pack=True, out=dict(ids=buf))
+    assert list(dev) == ["ids", "temp", "mask"] and dev["ids"] is buf and buf.tolist() == [3, 1]
+    assert dev["temp"].dtype == torch.float32 and dev["temp"].tolist() == [0.5, 2.0]
+    assert dev["mask"].dtype == torch.bool and dev["mask"].tolist() == [True, False]
+    with pytest.raises(TypeError, match="'z' has dtype complex64"):
+        to_device(dict(z=np.zeros(2, np.complex64)), "cpu", pack=True)

@@ -25,8 +25,8 @@ def _params() -> list[SamplingParams]:
 
 def _uploads(monkeypatch) -> list[dict]:
     """The arrays of every upload the sampler makes, by name."""
-    calls, real = [], sampling_inputs.to_device_bytes
-    monkeypatch.setattr(sampling_inputs, "to_device_bytes", lambda arrays, device: calls.append(dict(arrays))
+    calls, real = [], sampling_inputs.to_device
+    monkeypatch.setattr(sampling_inputs, "to_device", lambda arrays, device: calls.append(dict(arrays))
                         or real(arrays, device))
     return calls
 

@@ -14,11 +14,11 @@ from pagedllm.layers import sampler as sampler_module
 from pagedllm.layers import sampling_inputs
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.worker.device_to_host import to_host
-from pagedllm.worker.host_to_device import to_device_bytes
+from pagedllm.worker.host_to_device import to_device
 
 VOCAB = 64
 FETCHES = [(sampler_module, "to_host"), (llm_engine, "to_host")]
-UPLOADS = [(sampling_inputs, "to_device_bytes"), (prompt_logprobs, "to_device_bytes")]
+UPLOADS = [(sampling_inputs, "to_device"), (prompt_logprobs, "to_device")]
 
 
 def mixed_rows() -> list[SamplingRow]:
@@ -90,7 +90,7 @@ def test_chosen_logprobs_make_one_upload_and_one_fetch(monkeypatch):
     """Speculative verify's accepted tokens: their logprobs and top logprobs, one copy each way."""
     raw = torch.log_softmax(torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)), dim=-1)
     rows = mixed_rows()[:3]  # logprobs 3, None, 2
-    with count_host_syncs(monkeypatch, FETCHES, UPLOADS + [(sampler_module, "to_device_bytes")]) as syncs:
+    with count_host_syncs(monkeypatch, FETCHES, UPLOADS + [(sampler_module, "to_device")]) as syncs:
         logprobs, tops = Sampler.chosen_logprobs(raw, [0, 2, 4], [7, 8, 9], rows)
     assert syncs.stray == [] and (syncs.uploads, syncs.fetches) == (1, 1)
     assert logprobs == pytest.approx(raw[[0, 2, 4], [7, 8, 9]].tolist())
@@ -103,7 +103,7 @@ def test_transfers_round_trip_every_dtype(pack):
     arrays = dict(i64=np.arange(5, dtype=np.int64), f32=np.array([[1.5, -2.25]], np.float32),
                   mask=np.array([True, False, True]), i32=np.array([-7], np.int32), empty=np.zeros((0, 3), np.int64),
                   u8=np.array([1, 2, 3], np.uint8))
-    dev = to_device_bytes(arrays, "cpu", pack=pack)
+    dev = to_device(arrays, "cpu", pack=pack)
     back = to_host(dict(dev, strided=torch.arange(10)[::3]))
     for k, a in arrays.items():
         assert back[k].dtype == a.dtype and back[k].shape == a.shape and np.array_equal(back[k], a)
