@@ -64,12 +64,9 @@ class PenaltyHistory:
         outputs = [r.output_token_ids for r in rows]
         self._lens = [len(x) for x in outputs]
         self._with_prompt = repetition
-        arrays = {"output_ids": _padded(outputs, _capacity(max(self._lens, default=0)))}
+        arrays = {"output_ids": pad_token_lists(outputs, _capacity(max(self._lens, default=0)))[0]}
         if repetition:
-            prompts = [r.prompt_token_ids for r in rows]
-            width = max(1, max(len(x) for x in prompts))
-            arrays["prompt_ids"] = _padded(prompts, width)
-            arrays["prompt_mask"] = np.arange(width)[None, :] < np.array([len(x) for x in prompts])[:, None]
+            arrays["prompt_ids"], arrays["prompt_mask"] = pad_token_lists([r.prompt_token_ids for r in rows])
         self.rebuilds += 1
         return arrays
 
@@ -112,8 +109,12 @@ def _capacity(length: int) -> int:
     return max(16, 1 << max(0, length - 1).bit_length())
 
 
-def _padded(lists: list[list[int]], width: int) -> np.ndarray:
-    ids = np.zeros((len(lists), width), dtype=np.int64)  # [rows, width]
+def pad_token_lists(lists: list[list[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ids ``[rows, width]`` (zeros past each list; ``width`` by default the longest
+    list's, at least 1) and their validity mask ``[rows, width]``."""
+    lens = np.array([len(x) for x in lists], dtype=np.int64)
+    width = max(1, int(lens.max(initial=0))) if width is None else width
+    ids = np.zeros((len(lists), width), dtype=np.int64)
     for i, x in enumerate(lists):
         ids[i, : len(x)] = x
-    return ids
+    return ids, np.arange(width)[None, :] < lens[:, None]

@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pagedllm.layers.penalty_history import PenaltyHistory
+from pagedllm.layers.penalty_history import PenaltyHistory, pad_token_lists
 from pagedllm.worker.host_to_device import to_device
 
 
@@ -172,13 +172,8 @@ def bad_word_hits(rows: list) -> list[tuple[int, int]]:
 
 
 def _pad(lists: list[list[int]], prefix: str) -> dict[str, np.ndarray]:
-    """Right-padded token matrix ``[rows, width]`` and its validity mask."""
-    width = max(1, max(len(x) for x in lists))
-    ids = np.zeros((len(lists), width), dtype=np.int64)
-    mask = np.zeros((len(lists), width), dtype=np.bool_)
-    for i, x in enumerate(lists):
-        ids[i, : len(x)] = x
-        mask[i, : len(x)] = True
+    """Right-padded token matrix ``[rows, width]`` and its validity mask, named by ``prefix``."""
+    ids, mask = pad_token_lists(lists)
     return {f"{prefix}_ids": ids, f"{prefix}_mask": mask}
 
 
