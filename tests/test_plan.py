@@ -257,3 +257,42 @@ def test_fp8_kv_cache_and_fp8_checkpoint_hand_computed():
     block = {**GQA, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                             "weight_block_size": [128, 128]}}
     assert plan_kv(block, gpu_memory=GiB, dtype="float32").weights_bytes == rest * 4 + proj + 4 * proj // 128
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "qwen3_moe", "gemma2"])
+def test_linear_shapes_are_the_engines_linear_layers(arch, tmp_path):
+    """What the panel estimate below sums over: every LinearBase of the loaded model, by shape."""
+    from collections import Counter
+
+    from conftest import make_model_dir
+
+    from pagedllm import LLM
+    from pagedllm.layers.linear import LinearBase
+    path = make_model_dir(tmp_path / arch, arch)
+    llm = LLM(path, device="cpu", num_gpu_blocks_override=16, max_model_len=64)
+    held = Counter(tuple(m.weight.shape) for m in llm.llm_engine.executor.runner.model.modules()
+                   if isinstance(m, LinearBase))
+    planned = Counter()
+    for out, in_, count in plan_mod.linear_shapes(model_shape(load_config(path))):
+        planned[(out, in_)] += count
+    assert planned == held
+
+
+def test_cpu_plan_counts_the_panel_copy_a_loaded_int4_model_holds(tmp_path):
+    """On the CPU every group-wise 4/8-bit linear also keeps grouped.pack_panels' copy of its codes
+    (what the panel GEMM reads): the plan's estimate holds exactly what the loaded model holds."""
+    from conftest import make_model_dir
+
+    from pagedllm import LLM
+    from pagedllm.native import bindings
+    if not bindings.is_available():
+        pytest.skip("no C library: no panel copy")
+    path = tmp_path / "llama"  # q/k/v fused: 144 rows, so the last panel is padded
+    make_model_dir(path, "llama", hidden_size=128, intermediate_size=256, num_attention_heads=16, num_key_value_heads=1)
+    llm = LLM(str(path), device="cpu", quantization="int4", num_gpu_blocks_override=16, max_model_len=64)
+    held = sum(b.numel() * b.element_size() for name, b in llm.llm_engine.executor.runner.model.named_buffers()
+               if name.rsplit(".", 1)[-1] in ("panel_codes", "panel_scale", "panel_szero"))
+    cpu = plan_kv(load_config(str(path)), gpu_memory=GiB, device="cpu", quantization="int4")
+    cuda = plan_kv(load_config(str(path)), gpu_memory=GiB, device="cuda", quantization="int4", dtype="float32")
+    assert held > 0 and cpu.panel_bytes == held
+    assert cuda.panel_bytes == 0 and cpu.weights_bytes == cuda.weights_bytes + held

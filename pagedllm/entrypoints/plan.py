@@ -33,7 +33,7 @@ from pagedllm.config import (
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
-from pagedllm.layers.quantization import projection_layout
+from pagedllm.layers.quantization import grouped, keeps_cpu_panels, projection_layout
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
 from pagedllm.models.moe import is_sparse_layer
@@ -215,6 +215,30 @@ def projection_params(shape: ModelShape, active: bool = False) -> int:
     return shape.num_layers * attention + shape.num_moe_layers * moe + (shape.num_layers - shape.num_moe_layers) * dense
 
 
+def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
+    """``(out, in, count)`` of the linear layers the engine builds, all layers: q/k/v fused, gate/up
+    fused, MoE routers and shared experts (the routed experts are FusedMoE tensors, not linears)."""
+    h, d, n = shape.hidden_size, shape.head_dim, shape.num_layers
+    attention = [((shape.num_heads + 2 * shape.num_kv_heads) * d, h, n), (h, shape.num_heads * d, n)]
+
+    def mlp(inter: int, count: int) -> list[tuple[int, int, int]]:
+        if not inter or not count:
+            return []
+        return [((2 if shape.gated_mlp else 1) * inter, h, count), (h, inter, count)]
+    if not shape.num_experts:
+        return attention + mlp(shape.intermediate_size, n)
+    moe, shared = shape.num_moe_layers, shape.shared_expert_intermediate_size
+    routers = [(shape.num_experts, h, moe)] + ([(1, h, moe)] if shared else [])  # + the shared expert's gate
+    return attention + mlp(shape.dense_intermediate_size, n - moe) + routers + mlp(shared, moe)
+
+
+def _panel_bytes(shape: ModelShape, layout: tuple[int, int, int]) -> int:
+    """The CPU's panel copy of every group-wise 4/8-bit linear (``grouped.panel_copy_bytes``)."""
+    bits, group, _ = layout
+    return sum(count * grouped.panel_copy_bytes(out, in_, in_ if group == -1 else group, bits)
+               for out, in_, count in linear_shapes(shape))
+
+
 def count_params(shape: ModelShape, active: bool = False) -> int:
     """Parameter count estimated from the shape: embeddings, attention, MLP, norms, untied lm_head;
     ``active``: with only the top-k experts of each MoE layer (what one token computes with).
@@ -262,6 +286,7 @@ class KVPlan:
     quantization: str | None = None
     device: str = "cuda"  # the device planned for (PLAN_DEVICES)
     active_params: int = 0  # per token (MoE: top-k experts), what FLOPs scale with; = num_params if dense
+    panel_bytes: int = 0  # of weights_bytes: the CPU's panel copy of 4/8-bit group-wise codes (grouped.py)
 
     @property
     def paging_gain(self) -> float:
@@ -360,7 +385,9 @@ def plan_kv(
     estimated = weights_bytes is None
     quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
     layout = projection_layout(quantization, config)
-    weights = _weights_bytes(shape, num_params, weights_dtype, layout) if estimated else int(weights_bytes)
+    with_panels = estimated and device == "cpu" and keeps_cpu_panels(quantization, config)
+    panels = _panel_bytes(shape, layout) if with_panels else 0
+    weights = _weights_bytes(shape, num_params, weights_dtype, layout) + panels if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
@@ -380,7 +407,7 @@ def plan_kv(
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
-        active_params=count_params(shape, active=True),
+        active_params=count_params(shape, active=True), panel_bytes=panels,
     )
 
 
@@ -547,7 +574,8 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
         _row("parameters", f"{plan.num_params / 1e9:.2f} B"),
         *([_row("active parameters per token (MoE)", f"{plan.active_params / 1e9:.2f} B")]
           if plan.active_params != plan.num_params else []),
-        _row(f"weights ({weights_src})", format_size(plan.weights_bytes)),
+        _row(f"weights ({weights_src})", format_size(plan.weights_bytes)
+             + (f", {format_size(plan.panel_bytes)} of it the CPU GEMM's panel copy" if plan.panel_bytes else "")),
         _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
                                          f" = {format_size(plan.usable_memory)}"),
         _row("memory for KV cache", format_size(plan.kv_budget)),

@@ -23,6 +23,7 @@ import torch
 
 from pagedllm.layers.quantization.awq import AWQMethod
 from pagedllm.layers.quantization.base import QuantMethod
+from pagedllm.layers.quantization.checkpoint import CheckpointMethod
 from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMethod
 from pagedllm.layers.quantization.fp8 import Fp8Method, fp8_linear
 from pagedllm.layers.quantization.gptq import GPTQMethod
@@ -32,7 +33,8 @@ from pagedllm.layers.quantization.int8 import C_MAX_ROWS, Int8Method, int8_linea
 
 __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "fp8_linear",
            "grouped_linear",
-           "int8_linear", "process_weights", "projection_layout", "quantize_int8", "quantize_model", "resolve_method"]
+           "int8_linear", "keeps_cpu_panels", "process_weights", "projection_layout", "quantize_int8", "quantize_model",
+           "resolve_method"]
 
 LOAD_TIME_METHODS = ("int8", "int4")
 CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod,
@@ -107,6 +109,14 @@ def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | N
         return 4, Int4Method.group_size, 8
     fmt = checkpoint_method(hf_config)
     return fmt.bits, fmt.group_size, getattr(fmt, "scale_bytes_per_group", 8)
+
+
+def keeps_cpu_panels(method: str | None, hf_config) -> bool:
+    """Whether ``method`` (resolved: :func:`resolve_method`) installs the group-wise 4/8-bit layout
+    (``grouped.install``), which on the CPU also keeps a panel copy of each projection."""
+    if method in (None, "int8"):
+        return False
+    return method == "int4" or isinstance(checkpoint_method(hf_config), CheckpointMethod)
 
 
 def _linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

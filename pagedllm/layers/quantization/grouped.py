@@ -112,6 +112,18 @@ def pack_panels(codes: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor, b
     return c.contiguous(), by_panel(scale), by_panel(szero)
 
 
+def panel_copy_bytes(out_features: int, in_features: int, group: int, bits: int) -> int:
+    """Bytes of the panel-layout copy :func:`install` keeps of an ``[out, in]`` layer on the CPU
+    (0 without the C library, which then keeps none). :func:`pack_panels` itself runs on meta
+    tensors (no data), so the size comes from the layout code, the last panel's padding included."""
+    if not bindings.is_available():
+        return 0
+    codes = torch.empty(out_features, in_features, dtype=torch.uint8, device="meta")
+    scale = torch.empty(out_features, in_features // group, device="meta")  # [out, G]
+    panels = pack_panels(codes, scale, scale, bits, bindings.library().qg_panel)
+    return sum(t.numel() * t.element_size() for t in panels)
+
+
 def install(layer: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             g_idx: torch.Tensor | None, bits: int, what: str = "group_size") -> None:
     """Sets the runtime tensors of ``layer`` from the logical form (module docstring)."""
