@@ -410,14 +410,11 @@ def quantization_results(wl: Workload, paged: dict[str, dict]) -> dict:
     """Each method's pagedllm metrics, its ratio to float32 (``none``; else the first method) on
     the headline metric and its greedy agreement with that method."""
     base_q = "none" if "none" in paged else next(iter(paged))
-    base = metrics(wl, paged[base_q]["time_s"], wl.output_tokens)
-    out = {}
+    out = {q: metrics(wl, run["time_s"], wl.output_tokens) for q, run in paged.items()}
+    base = headline(wl, out[base_q])
     for q, run in paged.items():
-        m = metrics(wl, run["time_s"], wl.output_tokens)
-        m.update(times_s=run["times_s"], engine=run["engine"], baseline=base_q,
-                 ratio=headline(wl, m) / headline(wl, base),
-                 greedy_agreement=prefix_agreement(run["outputs"], paged[base_q]["outputs"], wl.output_lens))
-        out[q] = m
+        out[q].update(times_s=run["times_s"], engine=run["engine"], baseline=base_q, ratio=headline(wl, out[q]) / base,
+                      greedy_agreement=prefix_agreement(run["outputs"], paged[base_q]["outputs"], wl.output_lens))
     return out
 
 

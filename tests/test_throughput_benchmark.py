@@ -208,6 +208,19 @@ def test_quantization_list_end_to_end(wide_llama, tmp_path, monkeypatch):
         assert q["int4"]["engine"]["steps"] > 0
 
 
+def test_quantization_results_compute_each_methods_metrics_once(monkeypatch):
+    wl = tp.Workload("w", [4, 6], [3, 2], [1])
+    run = lambda t, outs: dict(time_s=t, times_s=[t], engine={}, outputs=outs)  # noqa: E731
+    paged = {"none": run(2.0, [[1, 2, 3], [4, 5]]), "int8": run(1.0, [[1, 2, 3], [4, 6]]), "int4": run(0.5, [[9], [4]])}
+    calls, real = [], tp.metrics
+    monkeypatch.setattr(tp, "metrics", lambda *a: calls.append(a[1]) or real(*a))
+    res = tp.quantization_results(wl, paged)
+    assert calls == [2.0, 1.0, 0.5]  # the baseline's too, once
+    assert [res[q]["ratio"] for q in paged] == [1.0, 2.0, 4.0] and {r["baseline"] for r in res.values()} == {"none"}
+    for q, r in paged.items():
+        assert res[q]["greedy_agreement"] == tp.prefix_agreement(r["outputs"], paged["none"]["outputs"], [3, 2])
+
+
 def test_cpu_lock_is_shared_for_the_run_and_exclusive_while_timing(tmp_path):
     import fcntl
     path = tmp_path / "cpu.lock"
