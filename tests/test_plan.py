@@ -296,3 +296,19 @@ def test_cpu_plan_counts_the_panel_copy_a_loaded_int4_model_holds(tmp_path):
     cuda = plan_kv(load_config(str(path)), gpu_memory=GiB, device="cuda", quantization="int4", dtype="float32")
     assert held > 0 and cpu.panel_bytes == held
     assert cuda.panel_bytes == 0 and cpu.weights_bytes == cuda.weights_bytes + held
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_plan_refuses_load_time_quantization_of_a_moe_model_as_the_engine_does(method, tmp_path):
+    """The engine quantizes linear projections only and refuses int8 / int4 on a model with experts;
+    a plan that counted the experts as quantized would promise memory the engine never frees."""
+    from conftest import make_model_dir
+
+    from pagedllm import LLM
+    path = make_model_dir(tmp_path / "moe", "qwen2_moe")
+    with pytest.raises(ValueError, match=f"quantization='{method}' covers linear projections only") as planned:
+        plan_kv(load_config(path), gpu_memory=GiB, device="cpu", quantization=method)
+    with pytest.raises(ValueError) as engine:
+        LLM(path, device="cpu", quantization=method, num_gpu_blocks_override=16, max_model_len=64)
+    assert str(planned.value).split("(")[0] == str(engine.value).split("(")[0]
+    assert plan_kv(load_config(path), gpu_memory=GiB, device="cpu").num_blocks > 0  # unquantized: planned

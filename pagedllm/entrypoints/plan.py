@@ -32,8 +32,8 @@ from pagedllm.config import (
     resolve_kv_cache_dtype,
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
+from pagedllm.layers.quantization import LOAD_TIME_METHODS, grouped, keeps_cpu_panels, projection_layout, refuse_moe
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
-from pagedllm.layers.quantization import grouped, keeps_cpu_panels, projection_layout
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
 from pagedllm.models.moe import is_sparse_layer
@@ -384,6 +384,8 @@ def plan_kv(
     num_params = count_params(shape)
     estimated = weights_bytes is None
     quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
+    if quantization in LOAD_TIME_METHODS and shape.num_experts:
+        refuse_moe(quantization, str(shape.model_type))
     layout = projection_layout(quantization, config)
     with_panels = estimated and device == "cpu" and keeps_cpu_panels(quantization, config)
     panels = _panel_bytes(shape, layout) if with_panels else 0

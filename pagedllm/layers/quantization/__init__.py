@@ -34,6 +34,7 @@ from pagedllm.layers.quantization.int8 import C_MAX_ROWS, Int8Method, int8_linea
 __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "fp8_linear",
            "grouped_linear",
            "int8_linear", "keeps_cpu_panels", "process_weights", "projection_layout", "quantize_int8", "quantize_model",
+           "refuse_moe",
            "resolve_method"]
 
 LOAD_TIME_METHODS = ("int8", "int4")
@@ -139,6 +140,13 @@ def process_weights(model: torch.nn.Module, method: QuantMethod) -> int:
     return len(layers)
 
 
+def refuse_moe(method: str, model_name: str) -> None:
+    """Load-time ``int8`` / ``int4`` quantize linear projections only; a mixture-of-experts model's
+    experts would stay float, so the engine (and ``pagedllm plan``) refuse rather than half-apply it."""
+    raise ValueError(f"quantization={method!r} covers linear projections only, not the experts of a "
+                     f"mixture-of-experts model ({model_name}); leave quantization unset")
+
+
 def quantize_model(model: torch.nn.Module, method: str | None) -> int:
     """Quantizes every projection (not embeddings or the LM head) at load with ``int8`` or
     ``int4``; returns how many. Checkpoint formats were converted while loading: 0."""
@@ -146,6 +154,5 @@ def quantize_model(model: torch.nn.Module, method: str | None) -> int:
         return 0
     from pagedllm.layers.fused_moe import FusedMoE
     if any(isinstance(m, FusedMoE) for m in model.modules()):  # refused, not half-applied
-        raise ValueError(f"quantization={method!r} covers linear projections only, not the experts of a "
-                         f"mixture-of-experts model ({type(model).__name__}); leave quantization unset")
+        refuse_moe(method, type(model).__name__)
     return process_weights(model, Int8Method() if method == "int8" else Int4Method())
