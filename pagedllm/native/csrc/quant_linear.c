@@ -218,12 +218,14 @@ static inline __attribute__((always_inline)) void qtile4_lut(const Rows4 *r, con
         for (int k = 0; k < 4; k++)
             table[k] = _mm512_fmsub_ps(codes, _mm512_set1_ps(r->s[k][g]), _mm512_set1_ps(r->z[k][g]));
         for (int64_t b = g * group; b < (g + 1) * group; b += QG_BLOCK) {
-            /* the block's 4 x 64 bytes: as many of a later unit (see qtile4_512) */
+            /* each row's 64 bytes of the block: one line of a later unit (see qtile4_512), fetched
+             * between the row's steps (the four fetched at the start of the block, back to back,
+             * measured ~8% slower from memory: benchmarks/RESULTS.md) */
             const char *ahead = r->prefetch + b / QG_BLOCK * 256;
-            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
             for (int k = 0; k < 4; k++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(r->q[k] + b / 2));
                 QG_LUT_STEP(0); QG_LUT_STEP(1); QG_LUT_STEP(2); QG_LUT_STEP(3);
+                _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
                 QG_LUT_STEP(4); QG_LUT_STEP(5); QG_LUT_STEP(6); QG_LUT_STEP(7);
             }
         }
@@ -290,8 +292,8 @@ static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, flo
         }
 }
 
-/* how many work units ahead qtile4_512 and qtile4_lut fetch codes (2 measured ~3% faster than 4
- * and 1 for the 200M model's 4-bit projections with qtile4_lut, benchmarks/RESULTS.md) */
+/* how many work units ahead qtile4_512 and qtile4_lut fetch codes (the 200M model's 4-bit
+ * projections with qtile4_lut: 2, 3 and 4 within noise of each other, 1 ~7% slower) */
 #define QG_PREFETCH_UNITS 2
 
 static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
