@@ -16,7 +16,9 @@
  * without it the kernel ran at ~ (compute time + read time), ~2.4x the read time at batch 1;
  * with it ~1.2x (benchmarks/RESULTS.md, "4-bit, 8-bit and FP8 weights"). With AVX2 only
  * (qtile4) a step is 8 lanes (4 bytes of nibbles: broadcast, per-lane shift, mask), with the
- * same prefetch (~1.6x the read time for 4 bits). Threads
+ * same prefetch (~1.6x the read time for 4 bits). 4-bit codes in groups of whole 128-column
+ * blocks (the usual group 128) take qtile4_lut instead: each code looked up in a table of its
+ * group's 16 weight values, fewer vector ops per weight than widening it. Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
  * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger
  * batches widen the weight into a float32 buffer (qg_dequant) for one MKL GEMM.
@@ -292,9 +294,10 @@ static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, flo
         }
 }
 
-/* how many work units ahead qtile4_512 and qtile4_lut fetch codes (the 200M model's 4-bit
- * projections with qtile4_lut: 2, 3 and 4 within noise of each other, 1 ~7% slower) */
-#define QG_PREFETCH_UNITS 2
+/* how many work units ahead qtile4 and qtile4_512 fetch codes, and qtile4_lut (the 200M model's
+ * 4-bit projections with qtile4_lut: 2, 3 and 4 within noise of each other, 1 ~7% slower) */
+#define QG_PREFETCH_UNITS 4
+#define QG_LUT_PREFETCH_UNITS 2
 
 static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
     return in <= 0 || out <= 0 || threads <= 0 || (bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 ||
@@ -321,7 +324,8 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
         const int64_t o = u * 4;
         const int nr = out - o < 4 ? (int)(out - o) : 4;
         Rows4 r;
-        const int64_t ahead = o + 4 * QG_PREFETCH_UNITS < out - 3 ? o + 4 * QG_PREFETCH_UNITS : o;
+        const int64_t later = o + 4 * (lut ? QG_LUT_PREFETCH_UNITS : QG_PREFETCH_UNITS);
+        const int64_t ahead = later < out - 3 ? later : o;
         r.prefetch = (const char *)(q + ahead * row_bytes);
         for (int k = 0; k < 4; k++) {
             const int64_t row = o + (k < nr ? k : 0); /* missing rows repeat a valid one */
