@@ -61,6 +61,24 @@ def test_grouped_linear_matches_float64_reference(bits, group, rows):
     torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
 
 
+@needs_c
+@pytest.mark.parametrize("group, in_features", [(128, 384), (256, 512)])
+def test_small_batch_kernel_every_token_count_matches_float64_reference(group, in_features):
+    """The 4-bit kernel on groups of whole 128-column blocks (quant_linear.c's value-table path)
+    for every token count the one-call decoder hands it (up to grouped.C_MAX_ROWS), each tail of
+    its 3-token passes and of its 4-row work units (70 rows)."""
+    from pagedllm.native.bindings import library
+    codes, scale, zero = _random_layout(70, in_features, group, 4, seed=group)
+    layer = _layer(codes, scale, zero, 4)
+    want64 = _reference64(codes, scale, zero, group)
+    bias = torch.randn(70)
+    for rows in range(1, grouped.C_MAX_ROWS[4] + 1):
+        x = torch.randn(rows, in_features)
+        got = torch.empty(rows, 70)
+        library().grouped_linear(x, layer.weight, layer.weight_scale, layer.weight_szero, bias, group, 4, got, 2)
+        torch.testing.assert_close(got.double(), x.double() @ want64.t() + bias.double(), atol=2e-4, rtol=2e-4)
+
+
 @pytest.fixture(scope="module")
 def avx2_library(tmp_path_factory):
     """The kernels built for AVX2/FMA/F16C without AVX-512 (the 8-lane paths, which a

@@ -16,7 +16,9 @@
  * without it the kernel ran at ~ (compute time + read time), ~2.4x the read time at batch 1;
  * with it ~1.2x (benchmarks/RESULTS.md, "4-bit, 8-bit and FP8 weights"). With AVX2 only
  * (qtile4) a step is 8 lanes (4 bytes of nibbles: broadcast, per-lane shift, mask), with the
- * same prefetch (~1.6x the read time for 4 bits). Threads
+ * same prefetch (~1.6x the read time for 4 bits). 4-bit codes in groups of whole 128-column
+ * blocks (the usual group 128) take qtile4_lut instead: each code looked up in a table of its
+ * group's 16 weight values, fewer vector ops per weight than widening it. Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
  * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger
  * batches widen the weight into a float32 buffer (qg_dequant) for one MKL GEMM.
@@ -168,9 +170,77 @@ static void deinterleave_x(const float *x, int64_t T, int64_t in, float *xd) {
                 xd[t * in + i + 16 + j] = x[t * in + i + 2 * j + 1];
             }
 }
+
+/* The 4-bit path for groups of whole 128-column blocks (own int4, GPTQ / AWQ / compressed-
+ * tensors at group 128): one 64-byte load per row holds a block, dword d of it columns
+ * 8d..8d+7 (nibble j = column 8d + j). Shifting the dwords right by 4j puts nibble j in each
+ * lane's low 4 bits, and vpermps, which reads only those bits of its indices, looks the 16
+ * lanes up in a table of the group's 16 weight values (code * scale - szero, built once per row
+ * and group), so a lane is one shift (none for j = 0), one permute and one FMA per token:
+ * ~24 vector ops per row and 128 columns, against ~30 for qtile4_512's unpack-and-convert
+ * with a scale FMA and zero term per group, which kept the kernel compute-bound at batch 1
+ * (benchmarks/RESULTS.md, "The batch-1 int4 step: ..."). The table also makes the dot product
+ * one of the dequantized weights (as qg_dequant writes them) with x, with no scale / zero
+ * terms to fold in. x comes transposed per block (transpose_x8: lanes of step j are columns
+ * 8d + j). */
+#define QG_BLOCK 128
+static inline int qg_lut(int64_t group, int bits) { return bits == 4 && group % QG_BLOCK == 0; }
+
+/* xt [T, in] = x with each 128-column block read as a 16 x 8 matrix and stored transposed:
+ * xt[b + 16 j + d] = x[b + 8 d + j] (in a multiple of 128). */
+static void transpose_x8(const float *x, int64_t T, int64_t in, float *xt) {
+    const __m512i idx = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = t * in; b < (t + 1) * in; b += QG_BLOCK)
+            for (int j = 0; j < 8; j++) _mm512_storeu_ps(xt + b + 16 * j, _mm512_i32gather_ps(idx, x + b + j, 4));
+}
+
+/* Step j of row k's block: the 16 weights of columns 8d + j, FMA'd into acc for NT tokens. */
+#define QG_LUT_STEP(J)                                                                               \
+    do {                                                                                             \
+        const __m512 w = _mm512_permutexvar_ps((J) ? _mm512_srli_epi32(v, 4 * (J)) : v, table[k]);   \
+        for (int t = 0; t < NT; t++)                                                                 \
+            acc[t][k][(J) & (ACC - 1)] =                                                             \
+                _mm512_fmadd_ps(w, _mm512_loadu_ps(x + t * n + b + 16 * (J)), acc[t][k][(J) & (ACC - 1)]); \
+    } while (0)
+
+/* dots[t][k] = W_k . x_t for 4 rows and NT <= 3 tokens through the group's value table (see
+ * above); x transposed by transpose_x8. One accumulator per row and token, two at NT = 1 so
+ * that 8 FMA chains are in flight. NT is a literal at every call site. */
+static inline __attribute__((always_inline)) void qtile4_lut(const Rows4 *r, const float *x, int64_t n,
+                                                             int64_t group, const int NT, float dots[3][4]) {
+    const int ACC = NT == 1 ? 2 : 1; /* accumulators per row and token */
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[3][4][2];
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++)
+            for (int a = 0; a < ACC; a++) acc[t][k][a] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < n / group; g++) {
+        __m512 table[4];
+        for (int k = 0; k < 4; k++)
+            table[k] = _mm512_fmsub_ps(codes, _mm512_set1_ps(r->s[k][g]), _mm512_set1_ps(r->z[k][g]));
+        for (int64_t b = g * group; b < (g + 1) * group; b += QG_BLOCK) {
+            /* each row's 64 bytes of the block: one line of a later unit (see qtile4_512), fetched
+             * between the row's steps (the four fetched at the start of the block, back to back,
+             * measured ~8% slower from memory: benchmarks/RESULTS.md) */
+            const char *ahead = r->prefetch + b / QG_BLOCK * 256;
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(r->q[k] + b / 2));
+                QG_LUT_STEP(0); QG_LUT_STEP(1); QG_LUT_STEP(2); QG_LUT_STEP(3);
+                _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
+                QG_LUT_STEP(4); QG_LUT_STEP(5); QG_LUT_STEP(6); QG_LUT_STEP(7);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++)
+            dots[t][k] = _mm512_reduce_add_ps(ACC == 2 ? _mm512_add_ps(acc[t][k][0], acc[t][k][1]) : acc[t][k][0]);
+}
+#undef QG_LUT_STEP
 #else
 #define QG_AVX512 0
 static inline int qg_wide(int64_t group, int bits) { return (void)group, (void)bits, 0; }
+static inline int qg_lut(int64_t group, int bits) { return (void)group, (void)bits, 0; }
 #endif
 
 /* dots[t][k] for all T tokens, three at a time. */
@@ -179,6 +249,14 @@ static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsu
     const int64_t groups = n / group;
     int64_t t = 0;
 #if QG_AVX512
+    if (qg_lut(group, bits)) { /* x is transposed per block (qg_linear) */
+#define QTILE_LUT(NT) qtile4_lut(r, x + t * n, n, group, NT, dots + t)
+        for (; t + 3 <= T; t += 3) QTILE_LUT(3);
+        if (T - t == 2) QTILE_LUT(2);
+        if (T - t == 1) QTILE_LUT(1);
+#undef QTILE_LUT
+        return;
+    }
     if (qg_wide(group, bits)) { /* x is de-interleaved for 4 bits (qg_linear) */
 #define QTILE512(NT, BITS) qtile4_512(r, x + t * n, xsum + t * groups, n, group, NT, BITS, dots + t)
         if (bits == 4) {
@@ -216,8 +294,10 @@ static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, flo
         }
 }
 
-/* how many work units ahead qtile4_512 fetches codes */
+/* how many work units ahead qtile4 and qtile4_512 fetch codes, and qtile4_lut (the 200M model's
+ * 4-bit projections with qtile4_lut: 2, 3 and 4 within noise of each other, 1 ~7% slower) */
 #define QG_PREFETCH_UNITS 4
+#define QG_LUT_PREFETCH_UNITS 2
 
 static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int threads) {
     return in <= 0 || out <= 0 || threads <= 0 || (bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 ||
@@ -229,13 +309,13 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
-    const int shuffled = bits == 4 && qg_wide(group, bits);
-    float *xsum = malloc(sizeof(float) * T * (groups + (shuffled ? in : 0)));
+    const int lut = qg_lut(group, bits), shuffled = !lut && bits == 4 && qg_wide(group, bits);
+    float *xsum = malloc(sizeof(float) * T * (groups + (shuffled || lut ? in : 0)));
     if (!xsum) return PN_ERR_NOMEM;
-    group_sums(x, T, in, group, xsum);
+    if (!lut) group_sums(x, T, in, group, xsum); /* the value tables hold the zero term */
 #if QG_AVX512
-    if (shuffled) { /* the kernel reads x in the lane order of the nibbles (deinterleave_x) */
-        deinterleave_x(x, T, in, xsum + T * groups);
+    if (lut || shuffled) { /* the kernel reads x in the lane order of the nibbles */
+        (lut ? transpose_x8 : deinterleave_x)(x, T, in, xsum + T * groups);
         x = xsum + T * groups;
     }
 #endif
@@ -244,7 +324,8 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
         const int64_t o = u * 4;
         const int nr = out - o < 4 ? (int)(out - o) : 4;
         Rows4 r;
-        const int64_t ahead = o + 4 * QG_PREFETCH_UNITS < out - 3 ? o + 4 * QG_PREFETCH_UNITS : o;
+        const int64_t later = o + 4 * (lut ? QG_LUT_PREFETCH_UNITS : QG_PREFETCH_UNITS);
+        const int64_t ahead = later < out - 3 ? later : o;
         r.prefetch = (const char *)(q + ahead * row_bytes);
         for (int k = 0; k < 4; k++) {
             const int64_t row = o + (k < nr ? k : 0); /* missing rows repeat a valid one */
