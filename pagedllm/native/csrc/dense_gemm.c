@@ -1,13 +1,15 @@
 /* y = x . W^T (+ bias) for float32 weights packed once into column panels: the CPU linear of
- * the torch path for decode-sized batches (layers/cpu_ops.py routes 4..DG_MAX_ROWS rows here).
+ * the torch path for decode-sized batches (layers/cpu_ops.py routes 4..PANEL_MAX_ROWS = 96
+ * rows here).
  *
- * Why not oneDNN / MKL: at 16-128 rows a decode step streams every weight from memory once, and
+ * Why not oneDNN / MKL: at 16-96 rows a decode step streams every weight from memory once, and
  * those libraries' packed GEMMs leave that stream mostly unhidden (a batch-64 step of the 34M
- * model: 16.6 ms for its projections with oneDNN's packed weights, 14-15% less here, measured
- * in benchmarks/RESULTS.md). Here each thread owns whole panels; a panel (K x 32 floats, one
- * contiguous stream) is read from memory by the first row tile, which prefetches it
- * DG_PREFETCH floats ahead, and every later row tile of the same panel runs from L2 while it
- * prefetches a slice of the thread's next panel, so the weight stream overlaps the math.
+ * model: 16.4-18.4 ms for its projections with oneDNN's packed weights, 9-14% less here; from
+ * ~128 rows oneDNN's is faster: benchmarks/RESULTS.md). Here each thread owns whole panels; a
+ * panel (K x 32 floats, one contiguous stream) is read from memory by the first row tile, which
+ * prefetches it DG_PREFETCH floats ahead, and row tiles 1 .. DG_SPREAD of the same panel run
+ * from L2 while each prefetches a slice of the thread's next panel, so the weight stream
+ * overlaps the math.
  *
  * Packed layout (layers/cpu_ops.py: pack_panels): wp [out / DG_PANEL, in, DG_PANEL], i.e. panel
  * p, input k holds W[p * 32 .. p * 32 + 31][k]. The register tile is moe_experts.c's: DG_ROWS
@@ -24,13 +26,9 @@
 #define DG_PREFETCH 512
 /* Row tiles 1 .. DG_SPREAD of a panel fetch the thread's next panel, into L2 (not L1: the
  * current panel and x rows live there), a slice each. */
-#ifndef DG_SPREAD
 #define DG_SPREAD 4
-#endif
 /* Rows per pass over the thread's panels: x's block stays in L2 while the panels stream. */
-#ifndef DG_ROW_BLOCK
 #define DG_ROW_BLOCK 64
-#endif
 
 static inline v16 splat(float f) { return (v16){0} + f; }
 
