@@ -41,8 +41,9 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 # (decode batches), MKL stays ahead for 1-2 rows and for big prefill chunks: measured per shape
 # in benchmarks/RESULTS.md. Packing keeps a second copy of each weight. Where the library's
 # panel GEMM (csrc/dense_gemm.c) has its AVX-512 tile, linear layers also keep a copy in its
-# layout, used up to PANEL_MAX_ROWS rows: 3-13% faster than oneDNN's at 16-96 rows with the
-# weights streamed from memory as in a decode step, slower from ~128 rows (RESULTS.md).
+# layout, used up to PANEL_MAX_ROWS rows: 3-14% faster than oneDNN's at 16-96 rows with the
+# weights streamed from memory as in a decode step (equal when the host's memory bandwidth is
+# contended), slower from ~128 rows (RESULTS.md).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
 PANEL_MAX_ROWS = 96
 

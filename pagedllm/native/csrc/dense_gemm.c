@@ -4,8 +4,9 @@
  *
  * Why not oneDNN / MKL: at 16-96 rows a decode step streams every weight from memory once, and
  * those libraries' packed GEMMs leave that stream mostly unhidden (a batch-64 step of the 34M
- * model: 16.4-18.4 ms for its projections with oneDNN's packed weights, 9-14% less here; from
- * ~128 rows oneDNN's is faster: benchmarks/RESULTS.md). Here each thread owns whole panels; a
+ * model: 16.4-18.4 ms for its projections with oneDNN's packed weights, 9-14% less here on a
+ * quiet host, equal when its memory bandwidth is contended; from ~128 rows oneDNN's is faster:
+ * benchmarks/RESULTS.md). Here each thread owns whole panels; a
  * panel (K x 32 floats, one contiguous stream) is read from memory by the first row tile, which
  * prefetches it DG_PREFETCH floats ahead, and row tiles 1 .. DG_SPREAD of the same panel run
  * from L2 while each prefetches a slice of the thread's next panel, so the weight stream
