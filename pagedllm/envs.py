@@ -72,7 +72,8 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_FUSED_CPU_OPS": EnvVar(
         _flag("PAGEDLLM_FUSED_CPU_OPS", True), "0 turns off the fused C norm/rotary/activation ops on CPU"),
     "PAGEDLLM_PACKED_LINEAR": EnvVar(
-        _flag("PAGEDLLM_PACKED_LINEAR", True), "0 turns off oneDNN-packed float32 linear weights on CPU"),
+        _flag("PAGEDLLM_PACKED_LINEAR", True),
+        "0 turns off packed float32 linear weights on CPU (oneDNN-packed and panel copies)"),
     "PAGEDLLM_FUSED_DECODE": EnvVar(
         _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
     "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),

@@ -1,9 +1,12 @@
 """Fused float32 CPU ops (C, in the CPU library of ``pagedllm/native``) with torch fallbacks.
 
-Used by RMSNorm and the rotary embedding when the tensors are float32 on the CPU and the
-kernel library is available; everything else takes the plain torch path.
+Used by RMSNorm, the rotary embedding and the linear layers (packed weights) when the tensors
+are float32 on the CPU and the kernel library is available; everything else takes the plain
+torch path.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -36,25 +39,70 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 
 # oneDNN's prepacked float32 GEMM beats MKL's by 1.3-4x for 4..512 rows on this kind of CPU
 # (decode batches), MKL stays ahead for 1-2 rows and for big prefill chunks: measured per shape
-# in benchmarks/RESULTS.md. Packing keeps a second copy of each weight.
+# in benchmarks/RESULTS.md. Packing keeps a second copy of each weight. Where the library's
+# panel GEMM (csrc/dense_gemm.c) has its AVX-512 tile, linear layers also keep a copy in its
+# layout, used up to PANEL_MAX_ROWS rows: 3-14% faster than oneDNN's at 16-96 rows with the
+# weights streamed from memory as in a decode step (equal when the host's memory bandwidth is
+# contended), slower from ~128 rows (RESULTS.md).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
+PANEL_MAX_ROWS = 96
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of a float32 CPU weight [out, in], or None where not applicable."""
+@dataclass(frozen=True)
+class PanelWeight:
+    """A float32 weight ``[out, in]`` in ``dense_gemm.c``'s layout ``[out / panel, in, panel]``,
+    with the oneDNN-packed copy for more rows (None: F.linear there)."""
+    panels: torch.Tensor
+    out_features: int
+    onednn: torch.Tensor | None
+
+
+def panels_apply(weight: torch.Tensor) -> bool:
+    """The panel GEMM takes this weight: 2-D, whole panels, an AVX-512 build of the library."""
+    if weight.dim() != 2 or not bindings.is_available():
+        return False
+    lib = bindings.library()
+    return lib.dg_rows >= 8 and weight.shape[0] % lib.dg_panel == 0
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[out / panel, in, panel]``: panel p, input k holds ``weight[p * panel : (p + 1) * panel, k]``."""
+    out_features, in_features = weight.shape
+    panel = bindings.library().dg_panel
+    panels = weight.detach().reshape(out_features // panel, panel, in_features)  # [P, panel, in]
+    return panels.transpose(1, 2).contiguous()  # [P, in, panel]
+
+
+def pack_weight(weight: torch.Tensor, panels: bool = False) -> PanelWeight | torch.Tensor | None:
+    """A oneDNN-packed copy of a float32 CPU weight [out, in] (with ``panels``, where they apply:
+    a PanelWeight holding it and the panel copy), or None where not applicable."""
     if not (envs.PAGEDLLM_PACKED_LINEAR and weight.device.type == "cpu" and weight.dtype == torch.float32):
         return None
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64) if torch.backends.mkldnn.is_available() \
+        else None
+    if panels and panels_apply(weight):
+        return PanelWeight(pack_panels(weight), weight.shape[0], onednn)
+    return onednn
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    """F.linear, through the packed weight when the row count is in the range where it wins."""
+def panel_linear(x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], packed.out_features, dtype=torch.float32)
+    bindings.library().dense_gemm(x.contiguous(), packed.panels, bias, out, torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PanelWeight | torch.Tensor | None):
+    """F.linear, through a packed copy when the row count is in the range where it wins."""
     # under torch.compile inductor picks (and prepacks) the GEMM itself
     if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS \
             and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if isinstance(packed, PanelWeight):
+            if x.shape[0] <= PANEL_MAX_ROWS:
+                return panel_linear(x, packed, bias)
+            packed = packed.onednn
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -62,15 +110,17 @@ def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:
     """Attaches packed weights to every linear-like module (``packed_weight``) and packs the
     modules that hold several (``pack_weights()``, FusedMoE); returns how many weights were packed.
 
-    Skipped when the second copy would take more than a quarter of the available RAM.
+    Skipped when the second copy would take more than a quarter of the available RAM; the panel
+    copies (a third) only where both fit in that quarter.
     """
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 2)  # + stacked experts
     if ram_bytes is not None and weight_bytes > ram_bytes // 4:
         return 0
+    panels = ram_bytes is None or 2 * weight_bytes <= ram_bytes // 4
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight"):
-            module.packed_weight = pack_weight(module.weight)
+            module.packed_weight = pack_weight(module.weight, panels)
             count += module.packed_weight is not None
         elif hasattr(module, "pack_weights"):  # several weights per module (FusedMoE's experts)
             count += module.pack_weights()

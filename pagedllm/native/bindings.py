@@ -106,6 +106,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _I64, _VP, _VP, _I64,  # x, T, ids, top-k weights, top_k
         _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # packed w13 / w2, experts, hidden, inter, y, threads
     ]),
+    "dg_gemm": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, panels, bias, in, out, y, threads
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -138,7 +139,8 @@ class NativeLibrary:
     Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
     of one ``decoder_forward`` / ``linear`` call), ``has_avx2`` (built with AVX2/FMA paths) and
     ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down) and
-    ``qg_panel`` (the output columns per panel of ``grouped_gemm``'s packed weights).
+    ``qg_panel`` (the output columns per panel of ``grouped_gemm``'s packed weights), ``dg_panel``
+    and ``dg_rows`` (``dense_gemm``'s panel width and register-tile rows: 8 in AVX-512 builds).
     """
 
     def __init__(self, path: Path, header: Path = HEADER):
@@ -159,6 +161,7 @@ class NativeLibrary:
         self.has_avx2 = bool(self.constant("HAS_AVX2"))
         self.moe_panels = (self.constant("MOE_GATE_PANEL"), self.constant("MOE_DOWN_PANEL"))
         self.qg_panel = self.constant("QG_PANEL")
+        self.dg_panel, self.dg_rows = self.constant("DG_PANEL"), self.constant("DG_ROWS")
         self._dtype_codes = {dt: self.constant(c) for dt, c in _DTYPE_CONSTANTS.items()}
         self._errors = {self.constant(c): err for c, err in _ERROR_CONSTANTS.items()}
 
@@ -304,6 +307,17 @@ class NativeLibrary:
                                group, bits, _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "qg_gemm", f": x {tuple(x.shape)}, panels {tuple(qp.shape)}, group {group}, bits {bits}")
+
+    def dense_gemm(self, x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                   num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` for float32 W in the panel layout of
+        ``csrc/dense_gemm.c`` (``cpu_ops.pack_panels``): wp ``[out / dg_panel, in, dg_panel]``; all
+        contiguous float32."""
+        rows, in_features = x.shape
+        rc = self._lib.dg_gemm(_ptr(x), rows, _ptr(wp), _ptr(bias), in_features, out.shape[1], _ptr(out),
+                               num_threads)
+        if rc != 0:
+            self._raise(rc, "dg_gemm", f": x {tuple(x.shape)}, panels {tuple(wp.shape)}, out {tuple(out.shape)}")
 
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                    group: int, out: torch.Tensor, num_threads: int) -> None:

@@ -19,6 +19,47 @@ def test_packed_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(cpu_ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+PANELS = cpu_ops.panels_apply(torch.zeros(32, 1))  # an AVX-512 build of the library
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel GEMM needs an AVX-512 build of the C library")
+@pytest.mark.parametrize("rows", [4, 7, 8, 9, 17, 63, 64, 65, 96, 97, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear_across_tiles_and_row_blocks(rows, bias):
+    """dense_gemm.c: 8-row tiles, 64-row blocks, each thread's panels (here 5); from 97 rows the
+    oneDNN copy takes over. K = 200 is no multiple of the 16-float vectors."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(160, 200, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    x = torch.randn(rows, 200, generator=g)
+    packed = cpu_ops.pack_weight(w, panels=True)
+    assert isinstance(packed, cpu_ops.PanelWeight)
+    torch.testing.assert_close(cpu_ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel GEMM needs an AVX-512 build of the C library")
+def test_panel_layout_and_its_refusals():
+    w = torch.arange(64 * 3, dtype=torch.float32).reshape(64, 3)
+    panels = cpu_ops.pack_panels(w)
+    assert panels.shape == (2, 3, 32) and panels[1, 2, 5] == w[37, 2]
+    assert not isinstance(cpu_ops.pack_weight(torch.randn(48, 8), panels=True), cpu_ops.PanelWeight)  # 48 % 32
+    assert not isinstance(cpu_ops.pack_weight(torch.randn(64, 8)), cpu_ops.PanelWeight)  # not asked (FusedMoE)
+    from pagedllm.native import bindings
+    with pytest.raises(ValueError, match="dg_gemm"):  # out columns not whole panels
+        bindings.library().dense_gemm(torch.randn(4, 8), torch.randn(2, 8, 32), None, torch.empty(4, 48), 1)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel GEMM needs an AVX-512 build of the C library")
+def test_pack_model_keeps_panels_only_where_both_copies_fit():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64))
+    model[0].packed_weight = None
+    weight_bytes = 64 * 16 * 4
+    assert cpu_ops.pack_model(model, ram_bytes=8 * weight_bytes) == 1
+    assert isinstance(model[0].packed_weight, cpu_ops.PanelWeight)
+    assert cpu_ops.pack_model(model, ram_bytes=4 * weight_bytes) == 1  # room for one copy: oneDNN's only
+    assert isinstance(model[0].packed_weight, torch.Tensor)
+
+
 @pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_matches_reference(with_residual):

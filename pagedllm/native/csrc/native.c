@@ -31,6 +31,8 @@ static const Constant CONSTANTS[] = {
     {"MOE_GATE_PANEL", MOE_GATE_PANEL},
     {"MOE_DOWN_PANEL", MOE_DOWN_PANEL},
     {"QG_PANEL", QG_PANEL},
+    {"DG_PANEL", DG_PANEL},
+    {"DG_ROWS", DG_ROWS},
 };
 
 typedef struct {

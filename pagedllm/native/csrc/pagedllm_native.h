@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, quant_gemm.c, fp8_linear.c, moe_experts.c) plus
+ * quant_linear.c, quant_gemm.c, fp8_linear.c, moe_experts.c, dense_gemm.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -186,6 +186,23 @@ PN_EXPORT int pl_add_rms_norm(const float *x, float *residual, const float *weig
 PN_EXPORT int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
                              int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
                              int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* float32 panel GEMM for decode-sized batches (dense_gemm.c)                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Output columns per packed panel: wp [out / DG_PANEL, in, DG_PANEL]. */
+#define DG_PANEL 32
+/* Rows of its register tile: 8 with AVX-512 (where it beats oneDNN's packed GEMM), 2 elsewhere. */
+#if defined(__AVX512F__)
+#define DG_ROWS 8
+#else
+#define DG_ROWS 2
+#endif
+
+/* y [T, out] = x [T, in] . W^T (+ bias [out] unless NULL), W packed as above; out % DG_PANEL == 0. */
+PN_EXPORT int dg_gemm(const float *x, int64_t T, const float *wp, const float *bias, int64_t in, int64_t out,
+                      float *y, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* small-batch decoder and matmuls (llama_decode.c)                                           */
