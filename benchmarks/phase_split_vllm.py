@@ -10,14 +10,13 @@ worker writes its op table (``*.profiler_out.txt``, self CPU time per op) and tr
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_runner.py
 
-from vllm_runner import generate, timed_runs  # noqa: E402
+from vllm_runner import generate, main, timed_runs  # noqa: E402
 
 
 def profiler_config(profile: dict) -> dict:
@@ -54,17 +53,7 @@ def run(job: dict) -> dict:
     return out
 
 
-def main(argv: list[str]) -> None:
-    job_path, result_path = argv
-    with open(job_path) as f:
-        result = run(json.load(f))
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, result_path)  # the caller reads only a complete file
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1:], run)
     sys.stderr.flush()
     os._exit(0)  # vLLM's background processes are the caller's to kill (its process group)

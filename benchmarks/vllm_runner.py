@@ -62,10 +62,12 @@ def run(job: dict) -> dict:
                 engine_kwargs=job["engine_kwargs"], results=results)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], run_job=None) -> None:
+    """Reads the job file, runs it (``run_job``: this module's :func:`run` unless a caller such as
+    phase_split_vllm.py passes its own) and writes the result file atomically."""
     job_path, result_path = argv
     with open(job_path) as f:
-        result = run(json.load(f))
+        result = (run_job or run)(json.load(f))
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
