@@ -133,8 +133,8 @@ class Sampler:
         of ``tokens[j]`` at row ``index[j]``, and per row its ``params.logprobs`` most likely
         tokens -> raw logprob (None if no row asks), in one host->device and one device->host
         transfer."""
-        pairs = to_device(dict(pairs=np.array([index, tokens], dtype=np.int64).reshape(2, -1)),
-                                raw_logprobs.device)["pairs"]  # [2, len(index)]: rows, tokens
+        pairs = np.array([index, tokens], dtype=np.int64).reshape(2, -1)  # [2, len(index)]: rows, tokens
+        pairs = to_device(dict(pairs=pairs), raw_logprobs.device)["pairs"]
         picked = raw_logprobs[pairs[0]]  # [len(index), vocab]
         chosen = picked.gather(1, pairs[1][:, None]).squeeze(1)  # [len(index)]
         k = max((r.params.logprobs or 0 for r in rows), default=0)
