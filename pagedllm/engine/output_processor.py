@@ -112,15 +112,21 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop(seq: SequenceState, params, new_len: int) -> str | None:
+        """Cuts the text at the stop string that ends first in it. One step's new text can hold
+        several (a multi-character token, a character held back until complete), so the first
+        one listed is not necessarily the one generation reached first."""
+        hits = []  # (end, start, stop): the earliest end wins; at equal ends, the longer string
         for stop in params.stop:
             start = max(0, len(seq.text) - new_len - len(stop) + 1)
             idx = seq.text.find(stop, start)
             if idx != -1:
-                end = idx + len(stop) if params.include_stop_str_in_output else idx
-                seq.text = seq.text[:end]
-                seq.stopped_by_string = stop
-                return stop
-        return None
+                hits.append((idx + len(stop), idx, stop))
+        if not hits:
+            return None
+        end, idx, stop = min(hits)
+        seq.text = seq.text[:end if params.include_stop_str_in_output else idx]
+        seq.stopped_by_string = stop
+        return stop
 
     def make_output(self, parent_id: str, seqs: list[Request], finished: bool) -> RequestOutput | None:
         """Called every step the request got tokens: records the step's latency and returns

@@ -174,3 +174,26 @@ def test_logit_bias_dominates_sampling_per_row(llm):
     assert outs[0].outputs[0].token_ids == [77] * 6
     assert outs[1].outputs[0].token_ids == _gen(llm, [prompts[1]], free)[0].outputs[0].token_ids
     assert set(outs[2].outputs[0].token_ids) <= {8, 9}
+
+
+def test_stop_string_earliest_in_the_text_wins_over_list_order(llm):
+    """Two stop strings arriving in the same decoded token: the text ends at the one that occurs
+    first in it, so neither is in the output (it used to end at the first one listed)."""
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("the quick brown fox")
+    full = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    texts = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+
+    def piece(i: int) -> str:  # the characters token i adds ("" when it only completes or starts one)
+        return texts[i + 1][len(texts[i]):] if texts[i + 1].startswith(texts[i]) else ""
+    # a token that decodes to two distinct characters neither of which was generated before it
+    at = next(i for i in range(len(full.token_ids))
+              if "\ufffd" not in piece(i) and len(set(piece(i)) - set(texts[i])) >= 2)
+    before = texts[at]
+    early = next(c for c in piece(at) if c not in before)
+    late = next(c for c in reversed(piece(at)) if c not in before and c != early)
+    out = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[late, early]))[0].outputs[0]
+    assert out.text == before and out.stop_reason == early and out.finish_reason == "stop"
+    kept = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[late, early],
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == before + early
