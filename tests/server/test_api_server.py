@@ -618,3 +618,17 @@ def test_pagedllm_serve_parses_positional_model(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--help"])
     assert exc.value.code == 0 and "--api-key" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_rise_and_agree_between_stream_and_not(client, echo):
+    """Tokens that split a multi-byte character decode alone to U+FFFD: the offsets count the
+    characters of the tokens before each one, streamed or not (they used to go backwards with echo,
+    and to restart at the text length in every streamed chunk)."""
+    kw = dict(model="tiny", prompt="日本語 ✓ héllo", max_tokens=12, temperature=1.0, seed=3, logprobs=1, echo=echo,
+              extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert [o for chunk in streamed for o in chunk.text_offset] == lp.text_offset
+    assert [t for chunk in streamed for t in chunk.tokens] == lp.tokens

@@ -291,8 +291,15 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
 
 def completion_logprobs(c: CompletionOutput, offset: int, lp: CompletionLogprobs | None = None) -> CompletionLogprobs:
     """OpenAI's legacy format; each top_logprobs dict holds the sampled token and the top-k.
-    ``lp`` may already hold the echoed prompt's entries (``prompt_logprobs_entries``)."""
+
+    ``text_offset`` counts the characters of the ``tokens`` before each one (vLLM's rule), from
+    ``offset`` (those sent in earlier chunks): a token holding part of a multi-byte character
+    shows as U+FFFD, so the tokens need not join to the text, and offsets taken from the text
+    would go backwards. ``lp`` may already hold the echoed prompt's entries
+    (``prompt_logprobs_entries``); the generated tokens' offsets continue after them."""
     lp = lp or CompletionLogprobs()
+    if lp.tokens:
+        offset = lp.text_offset[-1] + len(lp.tokens[-1])
     for token_id, entry in zip(c.token_ids, c.logprobs or []):
         token = entry[token_id].decoded_token or ""
         lp.tokens.append(token)
@@ -334,12 +341,12 @@ def chat_logprobs(c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
 
 @dataclass
 class StreamState:
-    """What a stream has sent so far: opened choices, text offsets (of the text the client got,
-    echoed prompt included), token counts. The engine's delta outputs carry each completion only
+    """What a stream has sent so far: opened choices, logprobs text offsets (of the tokens the
+    client got, echoed prompt included), token counts. The engine's delta outputs carry each completion only
     when it has something new, and its finish once."""
 
     started: set[int] = field(default_factory=set)
-    text_len: dict[int, int] = field(default_factory=dict)
+    token_chars: dict[int, int] = field(default_factory=dict)  # characters of the logprobs tokens sent
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
     logprobs: bool = False  # per-token logprobs must reach the client even when the text is held back
@@ -502,23 +509,22 @@ class OpenAIServing:
         if echo_now:
             text = self.prompt_text(out) + text
         state.started.add(idx)
-        offset = state.text_len.get(idx, 0)
-        state.text_len[idx] = offset + len(text)
-        lp = self.choice_logprobs(req, out, c, offset, echoed=echo_now)
+        lp = self.choice_logprobs(req, out, c, state.token_chars.get(idx, 0), echoed=echo_now)
+        if lp is not None and lp.tokens:
+            state.token_chars[idx] = lp.text_offset[-1] + len(lp.tokens[-1])
         choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason)
         return CompletionResponse(id=rid, model=model, created=created, choices=[choice]).model_dump()
 
     def choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int,
                         echoed: bool) -> CompletionLogprobs | None:
-        """A choice's logprobs; with echo the prompt's come first (generated offsets then start
-        after the prompt text)."""
+        """A choice's logprobs; with echo the prompt's come first (generated offsets then continue
+        after the prompt's tokens)."""
         if req.logprobs is None:
             return None
         if not echoed:
             return completion_logprobs(c, offset)
-        lp = prompt_logprobs_entries(out, lambda t: self.tokenizer.decode([t]))
-        return completion_logprobs(c, offset + len(self.prompt_text(out)), lp)
+        return completion_logprobs(c, offset, prompt_logprobs_entries(out, lambda t: self.tokenizer.decode([t])))
 
     # ------------------------------------------------------------------ chat
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
