@@ -315,6 +315,8 @@ BAD = [
      "top_logprobs"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": "nope"}', "model"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
+     "max_completion_tokens"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
                              '"top_logprobs": 21}', "top_logprobs"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),

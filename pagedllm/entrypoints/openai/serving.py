@@ -539,8 +539,7 @@ class OpenAIServing:
         except RequestFieldError as exc:
             raise ServingError(str(exc), 400, exc.param) from None
         except ServingError as exc:
-            exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # engine messages name the prompt/logprobs
-            raise
+            raise _as_chat_error(exc, req) from None
         parsers = [ChoiceParser.for_request(self.chat_options, tool_choice, req.parallel_tool_calls,
                                             req.include_reasoning) for _ in range(req.n or 1)]
         if req.stream:
@@ -720,6 +719,16 @@ def chat_stream_choices(idx: int, c: CompletionOutput, parser: ChoiceParser,
     choices[-1].finish_reason = parser.finish_reason(c.finish_reason)
     choices[-1].stop_reason = c.stop_reason
     return choices
+
+
+def _as_chat_error(exc: ServingError, req: ChatCompletionRequest) -> ServingError:
+    """Names the chat field: engine and SamplingParams messages name the prompt, logprobs and
+    max_tokens, which a chat request may have sent as max_completion_tokens."""
+    if exc.param == "max_tokens" and req.max_completion_tokens is not None:
+        exc.param = "max_completion_tokens"
+        exc.message = re.sub(r"^max_tokens\b", "max_completion_tokens", exc.message)
+    exc.param = _CHAT_PARAMS.get(exc.param, exc.param)
+    return exc
 
 
 def _echo_prefix(req: ChatCompletionRequest) -> str:
