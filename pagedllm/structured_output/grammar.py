@@ -18,12 +18,48 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# values that are data, not subschemas: a "maxLength" key inside them is not a keyword
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def lengths_as_patterns(schema_json: str) -> str:
+    """The schema with each string's ``minLength`` / ``maxLength`` written as a ``pattern``.
+
+    xgrammar 0.2.9 compiles a length bound to a class that excludes only the quote, backslash, CR
+    and LF, which lets raw control characters (U+0000-U+001F) into the string: the output is then
+    not JSON, and ``json.loads`` refuses it (mlc-ai/xgrammar#800, open). Its ``pattern`` rule
+    matches JSON string characters, so ``^.{m,n}$`` bounds the same number of characters and keeps
+    control characters out. A string schema with its own ``pattern`` or ``format`` is left as it is.
+    """
+    return json.dumps(_rewrite_lengths(json.loads(schema_json)), ensure_ascii=False)
+
+
+def _rewrite_lengths(node):
+    if isinstance(node, list):
+        return [_rewrite_lengths(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: value if key in _DATA_KEYWORDS else _rewrite_lengths(value) for key, value in node.items()}
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    if "pattern" in node or "format" in node or not ("minLength" in node or "maxLength" in node):
+        return node
+    if not _is_count(lo) or not (hi is None or _is_count(hi)):  # a property named "maxLength", or invalid
+        return node
+    rest = {key: value for key, value in node.items() if key not in ("minLength", "maxLength")}
+    return {**rest, "pattern": f"^.{{{lo},{'' if hi is None else hi}}}$"}
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def to_grammar(params: StructuredOutputsParams):
     """The xgrammar ``Grammar`` of the constraint (raises xgrammar's RuntimeError when invalid)."""
     import xgrammar as xgr
     kind = params.kind
     if kind == "json":
-        return xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+        return xgr.Grammar.from_json_schema(lengths_as_patterns(params.json),
+                                            any_whitespace=not params.disable_any_whitespace)
     if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value like the builtin grammar
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
                                             any_whitespace=not params.disable_any_whitespace)

@@ -10,9 +10,10 @@ import pytest
 from conftest import random_prompts
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.grammar import lengths_as_patterns
 
-# name uses a pattern, not maxLength: xgrammar 0.2.9 lets raw control characters into strings with
-# maxLength (its rule is [^"\\\r\n]{0,n}), which json.loads rightly refuses
+# maxLength has its own test below (xgrammar 0.2.9's rule for it admits raw control characters,
+# so grammar.lengths_as_patterns rewrites it as a pattern)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
                                            "size": {"enum": ["s", "m", "l"]}, "ok": {"type": "boolean"}},
           "required": ["name", "size", "ok"]}
@@ -68,6 +69,34 @@ def test_every_output_satisfies_its_constraint(llm, kind):
         assert c.finish_reason == "stop", (c.text, c.finish_reason)
         check(kind, c.text)
     llm.llm_engine.scheduler.kv.check_integrity()
+
+
+def test_length_bounded_strings_hold_no_raw_control_characters(llm):
+    """xgrammar's own rule for minLength / maxLength admits U+0000-U+001F unescaped (invalid JSON);
+    a bias that makes the model want byte 0x02 shows it: the output must still be JSON."""
+    tok = llm.get_tokenizer()
+    control = tok.encode("\x02", add_special_tokens=False)
+    assert len(control) == 1
+    schema = {"type": "object", "properties": {"b": {"type": "string", "minLength": 2, "maxLength": 5}},
+              "required": ["b"], "additionalProperties": False}
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=40, logit_bias={control[0]: 20.0},
+                             structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+              for t in (0.0, 1.0)]
+    for out in llm.generate(PROMPTS[:2], params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_only_string_length_keywords_become_patterns():
+    schema = {"type": "object", "default": {"maxLength": 3},
+              "properties": {"maxLength": {"type": "string", "maxLength": 4},  # a property named like the keyword
+                             "a": {"type": "string", "minLength": 1},
+                             "p": {"type": "string", "pattern": "^x+$", "maxLength": 2}}}
+    out = json.loads(lengths_as_patterns(json.dumps(schema)))
+    assert out["default"] == {"maxLength": 3} and out["properties"]["p"] == schema["properties"]["p"]
+    assert out["properties"]["maxLength"] == {"type": "string", "pattern": "^.{0,4}$"}
+    assert out["properties"]["a"] == {"type": "string", "pattern": "^.{1,}$"}
 
 
 def test_mixed_batch_of_constrained_and_free_requests(llm):
