@@ -323,6 +323,8 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
      "tools"),
     ("/generate", '{"prompt": "x", "bogus": 1}', "bogus"),
+    ("/generate", '{"prompt": "x", "logprobs": 2}', "logprobs"),  # its reply has no place for them
+    ("/generate", '{"prompt": "x", "best_of": 3, "stream": true}', "best_of"),
     ("/generate", '{"prompt": "x", "top_k": 1.5}', "top_k"),
     ("/tokenize", '{}', "prompt"),
     ("/detokenize", '{"tokens": [-1]}', "tokens"),

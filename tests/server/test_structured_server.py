@@ -69,6 +69,11 @@ def test_completion_constraint_fields(client, extra, check):
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object", "schema": {"type": "object"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "text", "json_schema": {"schema": {}}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict_mode": True}}}, "response_format"),
     ("/v1/completions", {"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
     ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
     ("/v1/chat/completions", {"guided_choice": []}, "guided_choice"),

@@ -156,18 +156,33 @@ def _response_format(fmt: dict | None) -> dict | None:
     """OpenAI's response_format: text (no constraint), json_object, or json_schema (its ``schema``;
     ``strict`` or not, the schema is always enforced)."""
     kind = (fmt or {}).get("type", "text")
+    if kind not in _RESPONSE_FORMAT_KEYS:
+        raise ServingError(f"response_format type {kind!r} is invalid: use text, json_object or json_schema",
+                           400, "response_format")
+    _refuse_unknown_keys(fmt or {}, _RESPONSE_FORMAT_KEYS[kind], f"response_format of type {kind!r}")
     if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
-    if kind != "json_schema":
-        raise ServingError(f"response_format type {kind!r} is invalid: use text, json_object or json_schema",
-                           400, "response_format")
     spec = fmt.get("json_schema")
+    if isinstance(spec, dict):
+        _refuse_unknown_keys(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
     schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
     if schema is None:
         raise ServingError("response_format json_schema needs json_schema.schema", 400, "response_format")
     return {"json": schema}
+
+
+# OpenAI's response_format shapes (json_schema.json_schema: an alias some clients send for schema)
+_RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict", "json_schema"}
+
+
+def _refuse_unknown_keys(obj: dict, allowed: set[str], what: str) -> None:
+    """A key the server would not read is a 400, not a constraint silently dropped."""
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ServingError(f"{what} does not take {unknown}: its keys are {sorted(allowed)}", 400, "response_format")
 
 
 def _check_guided_options(req: SamplingFields) -> None:
@@ -642,6 +657,9 @@ class OpenAIServing:
     # ------------------------------------------------------------------ legacy /generate
     async def generate(self, req: GenerateRequest, arrival: float):
         """vLLM's simple api_server: ``{"text": [prompt + completion, ...]}``; streams NDJSON."""
+        _refuse_streamed_best_of(req)
+        _unsupported(req.logprobs is not None, "logprobs", "logprobs on /generate (its reply is text only; "
+                     "use /v1/completions)")
         fields = req.model_dump(exclude={"prompt", "stream"})
         try:
             params = SamplingParams(**fields, output_kind="cumulative" if req.stream else "final_only")
