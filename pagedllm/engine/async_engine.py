@@ -174,6 +174,12 @@ class AsyncLLMEngine:
         return await self._on_tokenizer_thread(
             lambda proc: proc.encode(text, add_special_tokens=add_special_tokens, field=field))
 
+    async def with_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(tokenizer)`` on a tokenizer thread, with that thread's own tokenizer copy: long
+        tokenizer work (the server's /tokenize, /detokenize and chat templates) never holds the
+        event loop, where every stream and /health wait for it."""
+        return await self._on_tokenizer_thread(lambda proc: fn(proc.tokenizer))
+
     async def _on_tokenizer_thread(self, fn: Callable[[InputProcessor], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._with_processor, fn)
 

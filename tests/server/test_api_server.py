@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import make_model_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import live_server, raw_http, server_model_dir, start_server  # noqa: F401 - fixtures
@@ -267,6 +268,50 @@ def test_non_streaming_disconnect_aborts(live_server, slow_engine):  # noqa: F81
     assert metric_values(live_server.url)[abort] == before[abort] + 1
 
 
+SLOW_IDS = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+
+
+@pytest.fixture
+def slow_tokenizer(server_model_dir, monkeypatch):  # noqa: F811
+    """Tokenizer calls on a "SLOW" text (or SLOW_IDS) take 1.5 s; returns the names of the threads
+    they ran on."""
+    from transformers import AutoTokenizer
+    cls, threads = type(AutoTokenizer.from_pretrained(server_model_dir)), []
+
+    def slowed(name, is_slow):
+        real = getattr(cls, name)
+
+        def method(self, arg, *args, **kw):
+            if is_slow(arg):
+                threads.append(threading.current_thread().name)
+                time.sleep(1.5)
+            return real(self, arg, *args, **kw)
+        monkeypatch.setattr(cls, name, method)
+    slowed("encode", lambda text: isinstance(text, str) and "SLOW" in text)
+    slowed("decode", lambda ids: list(ids) == SLOW_IDS)
+    slowed("apply_chat_template", lambda messages: "SLOW" in str(messages))
+    return threads
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"prompt": "SLOW hello"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "SLOW hello"}]}),
+    ("/detokenize", {"tokens": SLOW_IDS}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW hello"}], "max_tokens": 2}),
+])
+def test_tokenizer_work_does_not_hold_the_event_loop(live_server, slow_tokenizer, path, body):  # noqa: F811
+    """/tokenize, /detokenize and chat templates run on the tokenizer threads: a 4 MiB body takes
+    seconds to tokenize, and /health and every stream used to wait for it."""
+    slow = threading.Thread(target=httpx.post, args=(f"{live_server.url}{path}",), kwargs=dict(json=body, timeout=30))
+    slow.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    assert httpx.get(f"{live_server.url}/health", timeout=30).status_code == 200
+    assert time.perf_counter() - t0 < 1.0
+    slow.join()
+    assert slow_tokenizer and all(name.startswith("pagedllm-tokenize") for name in slow_tokenizer), slow_tokenizer
+
+
 # ---------------------------------------------------------------------- bad input
 BAD = [
     ("/v1/completions", '{"prompt": "x", ', None),
@@ -351,10 +396,14 @@ def test_lone_surrogate_says_what_is_wrong(live_server):  # noqa: F811
         r = httpx.post(f"{live_server.url}{path}", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
 
-def test_missing_chat_template_is_400(live_server, client, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(live_server.app.state.serving.tokenizer, "chat_template", None)
-    with pytest.raises(openai.BadRequestError, match="chat-template"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+def test_missing_chat_template_is_400(tmp_path):
+    srv = start_server(make_model_dir(tmp_path, "llama"))  # the test tokenizer has no chat template
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0) as bare:
+            with pytest.raises(openai.BadRequestError, match="chat-template"):
+                bare.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        srv.stop()
 
 
 # ---------------------------------------------------------------------- request bodies

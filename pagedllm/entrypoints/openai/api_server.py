@@ -117,12 +117,12 @@ async def show_models(raw: Request):
 
 @router.post("/tokenize", responses=_ERRORS)
 async def tokenize(request: TokenizeRequest, raw: Request):
-    return _serving(raw).tokenize(request)
+    return await _serving(raw).tokenize(request)
 
 
 @router.post("/detokenize", responses=_ERRORS)
 async def detokenize(request: DetokenizeRequest, raw: Request):
-    return _serving(raw).detokenize(request)
+    return await _serving(raw).detokenize(request)
 
 
 @router.get("/health")

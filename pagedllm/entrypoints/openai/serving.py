@@ -571,7 +571,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
                                       logprobs=logprobs, best_of=req.best_of, **forced_call_fields(req, tool_choice))
-        text = self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
+        text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
@@ -594,11 +594,13 @@ class OpenAIServing:
         return dict(extra, template=req.chat_template, tools=tools_for_template(req.tools),
                     documents=req.documents, continue_final_message=req.continue_final_message)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None = None,
-                    **kwargs) -> str:
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          template: str | None = None, **kwargs) -> str:
         """The chat template (the request's, else the server's, else the tokenizer's) applied to the
-        messages: the prompt text. ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
-        return render_chat(self.tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs)
+        messages: the prompt text, rendered on a tokenizer thread. ``kwargs`` go to
+        ``apply_chat_template`` (tools, template variables)."""
+        return await self.engine.with_tokenizer(lambda tokenizer: render_chat(
+            tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs))
 
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
                       parsers: list[ChoiceParser]) -> ChatCompletionResponse:
@@ -631,23 +633,27 @@ class OpenAIServing:
                        "choices": [], "usage": state.usage().model_dump()})
 
     # ------------------------------------------------------------------ tokenizer and models
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """``POST /tokenize``: on a tokenizer thread (a 4 MiB body takes seconds)."""
         self.check_model(req.model)
         check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
-            text = self.render_chat(req.messages, req.add_generation_prompt)
-            ids = _encode(self.tokenizer, text, False, "messages")
+            text = await self.render_chat(req.messages, req.add_generation_prompt)
+            ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, text, False, "messages"))
         else:
-            ids = _encode(self.tokenizer, req.prompt, req.add_special_tokens, "prompt")
+            ids = await self.engine.with_tokenizer(
+                lambda tokenizer: _encode(tokenizer, req.prompt, req.add_special_tokens, "prompt"))
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.model_config.max_model_len)
 
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """``POST /detokenize``: on a tokenizer thread."""
         self.check_model(req.model)
         check_fields(req)
         self.check_token_ids(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        text = await self.engine.with_tokenizer(lambda tokenizer: tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=text)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=self.model_config.model,
