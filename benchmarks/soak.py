@@ -508,13 +508,19 @@ def settle(url: str, timeout: float = 30) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def preemptions(url: str) -> float:
+    found = re.findall(r"^pagedllm:num_preemptions_total\{[^}]*\} (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    return float(found[0]) if found else float("nan")
+
+
 def after_storm(url: str, model: str, greedy_before: list[str]) -> dict[str, object]:
     """The checks after the storm: {name: (ok, what was seen)}."""
     gauges = settle(url)
     health = httpx.get(f"{url}/health").status_code
     greedy_after = greedy_reply(url, model)
     return {"health": (health == 200, health), "idle and every block free": (not any(gauges.values()), gauges),
-            "same greedy reply": (greedy_after == greedy_before, "".join(greedy_after)[:60])}
+            "same greedy reply": (greedy_after == greedy_before, "".join(greedy_after)[:60]),
+            "preemptions so far (information)": (True, preemptions(url))}
 
 
 # ---------------------------------------------------------------------- the server under test
