@@ -258,6 +258,31 @@ def test_64_concurrent_streams_with_disconnects(live_server, offline, slow_engin
     assert metric_values(live_server.url)[abort] >= before[abort] + 16
 
 
+def test_prompts_of_one_request_reach_the_engine_together(live_server, slow_engine, monkeypatch):  # noqa: F811
+    """16 prompts in one request are added in one pass of the engine thread, not one per step
+    (each used to wait for the step in progress, so the last one started 16 steps late)."""
+    engine = live_server.engine.engine
+    real_add, real_step, steps, added_at = engine.add_processed_request, engine.step, [0], []
+
+    def counting_step():
+        steps[0] += 1
+        return real_step()
+
+    def recording_add(processed):
+        added_at.append(steps[0])
+        return real_add(processed)
+    monkeypatch.setattr(engine, "step", counting_step)
+    monkeypatch.setattr(engine, "add_processed_request", recording_add)
+    background = threading.Thread(target=httpx.post, args=(f"{live_server.url}/v1/completions",), kwargs=dict(
+        json={"prompt": "hello", "max_tokens": 100, "ignore_eos": True}, timeout=60))
+    background.start()  # keeps the engine stepping while the batch arrives
+    time.sleep(0.2)
+    out = httpx.post(f"{live_server.url}/v1/completions", json={"prompt": PROMPTS * 2, "max_tokens": 2}, timeout=60)
+    assert out.status_code == 200 and len(out.json()["choices"]) == 16
+    background.join()
+    assert len(added_at) == 17 and added_at[-1] - added_at[1] <= 1, added_at
+
+
 def test_non_streaming_disconnect_aborts(live_server, slow_engine):  # noqa: F811
     before = metric_values(live_server.url)
     body = {"prompt": "hello world", "max_tokens": 110, "temperature": 0, "ignore_eos": True}

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -202,14 +202,24 @@ class RequestGroup:
         self.streams: list[RequestStream] = []
         self._pumps: list[asyncio.Task] = []
 
-    async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:
-        """Queues one request; an invalid prompt or parameter becomes a 400."""
-        try:
-            self.streams.append(await self.engine.add_request(request_id, prompt, params, arrival))
-        except EngineDeadError:
-            raise
-        except (ValueError, TypeError) as exc:  # TypeError: the tokenizer refuses e.g. lone surrogates
-            raise bad_request(exc) from None
+    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams, arrival: float) -> None:
+        """Queues every prompt's request at once: tokenized side by side on the tokenizer threads and
+        added in one pass of the engine thread (added one after another, each waited for a step).
+        The first invalid prompt, in prompt order, becomes the 400; ``close()`` aborts the others."""
+        slots: list[RequestStream | None] = [None] * len(requests)
+
+        async def add_one(i: int, request_id: str, prompt: PromptType) -> None:
+            slots[i] = await self.engine.add_request(request_id, prompt, params, arrival)
+            self.streams.append(slots[i])  # at once, so that close() aborts it whatever happens next
+
+        results = await asyncio.gather(*(add_one(i, rid, prompt) for i, (rid, prompt) in enumerate(requests)),
+                                       return_exceptions=True)
+        self.streams = [stream for stream in slots if stream is not None]  # prompt order: outputs() indexes by it
+        for error in results:
+            if isinstance(error, (ValueError, TypeError)):  # TypeError: the tokenizer refuses e.g. lone surrogates
+                raise bad_request(error) from None
+            if isinstance(error, BaseException):
+                raise error
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yields ``(prompt index, output)`` from all requests as they arrive."""
@@ -446,9 +456,9 @@ class OpenAIServing:
                     arrival: float) -> RequestGroup:
         """Adds every prompt's request; if one is invalid, aborts those already added."""
         group = RequestGroup(self.engine)
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, prompt in enumerate(prompts):
-                await group.add(base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, params, arrival)
+            await group.add_all(list(zip(ids, prompts)), params, arrival)
         except BaseException:
             group.close()
             raise
