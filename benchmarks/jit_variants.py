@@ -65,6 +65,7 @@ def pytest_unconfigure(config) -> None:
 
 def launch_key(fn, args: tuple, kwargs: dict) -> dict:
     """What the JIT's cache key holds for one launch of ``fn`` (the Python function)."""
+    # the JIT's own specializer (triton 3.6 to 3.9; not public API: tests/test_gpu_check.py pins it)
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     params = inspect.signature(fn).parameters
