@@ -27,8 +27,8 @@ VENV=$DIR/venv
 LOGS=$DIR/logs
 PY=$VENV/bin/python
 
-# The device's versions (/work/.library/device/KINDS.md: Python 3.12.3, torch 2.11.0+cu130,
-# numpy 2.5.2 ...). numpy 2.5 needs Python 3.12: the newest for 3.11 stands in.
+# The H200 device image's versions (Python 3.12.3, torch 2.11.0+cu130, numpy 2.5.2, the pins
+# below). numpy 2.5 needs Python 3.12: the newest for 3.11 stands in.
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}  # this machine's CPU build (pip's find-links)
 DEVICE_PINS="triton==3.6.0 transformers==5.17.0 numpy<2.5 safetensors==0.8.0 tokenizers==0.23.2
 huggingface_hub==1.33.0 sentencepiece==0.2.2 accelerate==1.15.0"
