@@ -52,8 +52,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
-# the files holding gpu tests, named: collecting all of tests/ would need the server's packages too
-step gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT/gpu-tests.xml" \
+# the files holding gpu tests, named: collecting all of tests/ would need the server's packages too.
+# In 8 processes where pytest-xdist is installed (it is on the H200 image): a fresh machine JITs
+# every kernel variant, ~150 of them, one at a time per process (device_rehearsal.sh measured
+# 127 s of sm_90 compiles for the interpreted tests' launches on this CPU, with triton 3.6)
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+step gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider $XDIST -m gpu --junitxml="$OUT/gpu-tests.xml" \
     tests/triton_ops tests/attention/test_triton_attention.py tests/e2e/test_cuda_graph_replay.py \
     tests/unit/test_sampler_syncs.py tests/distributed/test_tp_cuda_graphs.py
 step build-model 40 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device cuda

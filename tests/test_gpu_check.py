@@ -123,3 +123,44 @@ def test_script_exits_0_when_every_step_ran_and_names_a_failed_step(tmp_path, fa
     else:
         assert proc.returncode == 1 and "FAILED: attention(exit 3)" in proc.stdout
         assert "=== report: exit 0" in proc.stdout  # the later steps still ran
+
+
+def test_rehearsal_script_parses_and_reads_the_gpu_test_files_from_gpu_check():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "device_rehearsal.sh")], check=True)
+    text = (ROOT / "benchmarks" / "device_rehearsal.sh").read_text()
+    assert "sed -n '/^step gpu-tests/,/^step build-model/p' benchmarks/gpu_check.sh" in text
+    assert "step gpu-tests " in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+def _silu_launch(rows: int, d: int) -> dict:
+    import torch
+    pytest.importorskip("triton")
+    from conftest import load_benchmark
+    jv = load_benchmark("pagedllm_bench_jit_variants", "jit_variants.py")
+    from pagedllm.layers.triton_ops import activation
+    x, out = torch.zeros(rows, 2 * d), torch.zeros(rows, d)
+    fn = activation._silu_and_mul_kernel.fn  # the Python function (interpreted or compiled kernel alike)
+    return jv.launch_key(fn, (x, out, x.stride(0), out.stride(0)), dict(d=d, BLOCK=1024, num_warps=4))
+
+
+def test_jit_variants_keys_a_launch_as_the_jit_specializes_it():
+    """Ints equal to 1 become constants, ints and pointers divisible by 16 are marked 'D'."""
+    key = _silu_launch(3, 16)
+    assert key["kernel"] == "pagedllm.layers.triton_ops.activation:_silu_and_mul_kernel"
+    assert key["signature"] == [["x_ptr", "*fp32", "D"], ["out_ptr", "*fp32", "D"], ["x_stride", "i32", "D"],
+                                ["out_stride", "i32", "D"], ["d", "i32", "D"]]
+    assert key["constexprs"] == {"BLOCK": 1024} and key["options"] == {"num_warps": 4}
+    odd = _silu_launch(3, 1)  # d and out_stride == 1: constants; x_stride 2: not divisible
+    assert odd["constexprs"] == {"out_stride": 1, "d": 1, "BLOCK": 1024}
+    assert odd["signature"][2:] == [["x_stride", "i32", ""]]
+
+
+def test_jit_variants_compiles_each_recorded_key_for_sm90(tmp_path):
+    log = tmp_path / "launches.jsonl"
+    log.write_text(json.dumps(_silu_launch(3, 16)) + "\n" + json.dumps(_silu_launch(3, 1)) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "jit_variants.py"), str(log), "--arch", "90"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:]}
+    assert rows["_silu_and_mul_kernel"][0] == "2" and rows["total"][1] == "2"

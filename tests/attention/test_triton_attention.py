@@ -272,11 +272,26 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     lines = proc.stdout.splitlines()
     from pagedllm.attention.triton.aot import shipped_launches
     # 11 (query, cache) dtype pairs x 4 attention launches, 7 K/V writes (fp8 caches take fp8 K/V:
-    # one write each), 3 merges; the e4m3-cache kernels (3 x 4 + 1) on sm_90 only
-    assert len(lines) == 2 * len(list(shipped_launches())) - 13 == 2 * 54 - 13
+    # one write each), 3 merges; the e4m3-cache kernels (3 x 4 + 1) on sm_90 only, and so the
+    # e5m2 ones with a triton before 3.7
+    e5m2_sm90_only = plan.device_lacks_dtype(torch.float8_e5m2, (8, 0))
+    sm90_only = 13 * (1 + e5m2_sm90_only)
+    assert len(lines) == 2 * len(list(shipped_launches())) - sm90_only == 2 * 54 - sm90_only
     assert {line.split()[0] for line in lines} == {"sm_80", "sm_90"}
     e4m3 = [line for line in lines if "key_cache=fp8e4nv" in line]
     assert len(e4m3) == 13 and {line.split()[0] for line in e4m3} == {"sm_90"}
+    e5m2_archs = {line.split()[0] for line in lines if "key_cache=fp8e5" in line}
+    assert e5m2_archs == ({"sm_90"} if e5m2_sm90_only else {"sm_80", "sm_90"})
+
+
+@pytest.mark.parametrize("cache_dtype, capability, triton_version, lacks", [
+    (torch.float8_e4m3fn, (8, 0), (3, 9), True), (torch.float8_e4m3fn, (8, 9), (3, 6), False),
+    (torch.float8_e5m2, (8, 0), (3, 6), True),  # 3.6 converts e5m2 with sm_89's cvt.e5m2x2
+    (torch.float8_e5m2, (8, 0), (3, 7), False), (torch.float8_e5m2, (9, 0), (3, 6), False),
+    (torch.bfloat16, (8, 0), (3, 6), False), (torch.float16, (7, 5), (3, 6), False),
+])  # fmt: skip
+def test_which_cache_dtypes_a_gpu_lacks_by_triton_version(cache_dtype, capability, triton_version, lacks):
+    assert plan.device_lacks_dtype(cache_dtype, capability, triton_version) is lacks
 
 
 # --- on a real GPU -----------------------------------------------------------------------------

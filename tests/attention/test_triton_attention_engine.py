@@ -35,7 +35,10 @@ def test_greedy_matches_transformers_with_chunks_decodes_and_a_prefix_hit(arch, 
     # head_dim 64 (the kernels' smallest), a GQA group of 2
     model_dir = make_model_dir(tmp_path, arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                head_dim=64)
-    hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    # Gemma 2's attention cap is applied by transformers' eager attention only: 5.17 (the H200
+    # device's) still defaults it to SDPA, which drops the cap silently (5.24 picks eager itself)
+    eager = {"attn_implementation": "eager"} if arch == "gemma2" else {}
+    hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **eager).eval()
     llm = LLM(model_dir, attention_backend="triton", fused_ops=fused_ops, block_size=8, num_gpu_blocks_override=32,
               max_num_batched_tokens=16, max_model_len=64)  # 16-token chunks: SHARED is prefilled in two
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -36,7 +36,10 @@ def family(request, tmp_path_factory):
     """(model dir, transformers model, greedy references) for one family."""
     import transformers as tf
     path = make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Gemma 2's attention cap is applied by transformers' eager attention only: 5.17 still
+    # defaults it to SDPA, which drops the cap silently (5.24 picks eager itself)
+    eager = {"attn_implementation": "eager"} if request.param == "gemma2" else {}
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **eager).eval()
     return path, hf, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
 
 
@@ -148,7 +151,7 @@ def test_gemma2_caps_bind_and_windows_slide(tmp_path):
     final cap sits below the largest raw logit. Layer 0 slides over 16 positions (prompts run to 89)."""
     import transformers as tf
     path = make_model_dir(tmp_path, "gemma2")
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.tensor([PROMPTS[-1]])
     with torch.no_grad():
         capped, raw = hf(ids).logits, hf.lm_head(hf.model(ids).last_hidden_state)

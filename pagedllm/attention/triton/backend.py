@@ -19,6 +19,7 @@ from pagedllm.attention.triton.launch import (
 )
 from pagedllm.attention.triton.plan import (
     E4M3_MIN_CAPABILITY,
+    E5M2_BEFORE_SM89_TRITON,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -26,6 +27,7 @@ from pagedllm.attention.triton.plan import (
     attention_tiles,
     choose_num_kv_splits,
     device_lacks_dtype,
+    installed_triton_version,
     num_query_tiles,
 )
 
@@ -153,8 +155,17 @@ def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor) -> str | No
 def _device_reason(kv_cache_dtype: torch.dtype, device: torch.device) -> str | None:
     if device.type != "cuda" or not device_lacks_dtype(kv_cache_dtype, torch.cuda.get_device_capability(device)):
         return None
+    if kv_cache_dtype == torch.float8_e5m2:  # only triton < 3.7 lacks it there (plan.py)
+        return (f"kv cache dtype {kv_cache_dtype} needs triton >= {_dotted(E5M2_BEFORE_SM89_TRITON)} below compute "
+                f"capability {E4M3_MIN_CAPABILITY} for attention_backend='triton' (installed: "
+                f"{_dotted(installed_triton_version())}; use kv_cache_dtype='auto' there)")
     return (f"kv cache dtype {kv_cache_dtype} needs compute capability {E4M3_MIN_CAPABILITY} or newer for "
-            "attention_backend='triton' (use kv_cache_dtype='fp8_e5m2' there)")
+            f"attention_backend='triton' (use kv_cache_dtype='fp8_e5m2' there, with triton >= "
+            f"{_dotted(E5M2_BEFORE_SM89_TRITON)})")
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 def unsupported_config(head_dim: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str | None:

@@ -2,7 +2,9 @@
 when to split the keys (flash-decoding). Pure Python: no triton import, no device access."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from importlib import metadata
 
 import torch
 
@@ -12,7 +14,10 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)  # the engine's block sizes; the ke
 # or any model over an fp8 cache (widened to float32 on read; scales folded in by the model,
 # attention/kv_quant.py)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-E4M3_MIN_CAPABILITY = (8, 9)  # Triton has no float8_e4m3fn (fp8e4nv) before sm_89; e5m2 compiles everywhere
+E4M3_MIN_CAPABILITY = (8, 9)  # Triton has no float8_e4m3fn (fp8e4nv) before sm_89
+# Triton before 3.7 also converts float8_e5m2 with sm_89's `cvt.e5m2x2` (ptxas refuses it for sm_80;
+# seen with 3.6.0, the H200 device's version); 3.7 and later emulate it there (3.7, 3.8, 3.9 compile)
+E5M2_BEFORE_SM89_TRITON = (3, 7)
 SUPPORTED_DTYPES = (
     (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
     (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
@@ -29,9 +34,27 @@ MAX_KV_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256  # a split must have this many keys to pay for its share of the merge
 
 
-def device_lacks_dtype(kv_cache_dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """True for a cache dtype Triton cannot compile for a GPU of ``capability``."""
-    return kv_cache_dtype == torch.float8_e4m3fn and capability < E4M3_MIN_CAPABILITY
+def device_lacks_dtype(kv_cache_dtype: torch.dtype, capability: tuple[int, int],
+                       triton_version: tuple[int, int] | None = None) -> bool:
+    """True for a cache dtype Triton (``triton_version``, default: the installed one) cannot
+    compile for a GPU of ``capability``."""
+    if capability >= E4M3_MIN_CAPABILITY or kv_cache_dtype not in FP8_DTYPES:
+        return False
+    if kv_cache_dtype == torch.float8_e4m3fn:
+        return True
+    return (triton_version or installed_triton_version()) < E5M2_BEFORE_SM89_TRITON
+
+
+@functools.cache
+def installed_triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed triton, read from its metadata (no import of triton)."""
+    try:
+        text = metadata.version("triton")
+    except metadata.PackageNotFoundError:  # torch nightlies ship it as pytorch-triton
+        import triton
+        text = triton.__version__
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
 
 
 def next_pow2(n: int) -> int:
