@@ -7,8 +7,13 @@ cached models) in that format, which the engine then loads as it loads a downloa
 
     gptq-w4g128   GPTQ v1 4-bit, group 128, symmetric, no act order (AutoGPTQ / gptqmodel layout)
     ct-w4a16      compressed-tensors ``pack-quantized`` W4A16, group 128, symmetric (llm-compressor's)
+    ct-w8a16      compressed-tensors ``pack-quantized`` W8A16, group 128, symmetric
+    fp8-w8a16     compressed-tensors ``float-quantized`` FP8 e4m3 weights, per-channel scales, float
+                  activations (llm-compressor's FP8 W8A16 scheme)
+    fp8-b128      ``quant_method: fp8`` with ``weight_block_size: [128, 128]`` and dynamic activations
+                  (e4m3 per token and 128 inputs), as DeepSeek / Qwen FP8 checkpoints ship
 
-The codes are round-to-nearest from the float weights (not the GPTQ algorithm: for speed the
+The codes (and fp8 values) are round-to-nearest from the float weights (not the GPTQ algorithm: for speed the
 layout is what counts, and greedy outputs are compared against the float model only as a hint).
 The packing is the formats' published layout, as tests/models/test_quantized_checkpoints.py
 writes its checkpoints with these same packers (pinned there against the tools' packing and transformers).
@@ -29,7 +34,7 @@ from pagedllm.layers.quantization.base import pack_int32
 
 GROUP = 128
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VARIANTS = ("gptq-w4g128", "ct-w4a16")
+VARIANTS = ("gptq-w4g128", "ct-w4a16", "ct-w8a16", "fp8-w8a16", "fp8-b128")
 CHOICES = ("none", *quantization.METHODS, *VARIANTS)
 
 
@@ -102,10 +107,36 @@ def ct_config(bits, group, sym, fmt):
         "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": fmt}}}
 
 
-def quantize_sym4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes in [0, 15] (zero 8) [out, in] and float16-exact scales [out, in / GROUP], round to nearest."""
-    codes, scale, _ = quantize_groups(w.float(), 4, GROUP, sym=True)
-    return codes, scale
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [out, in], scale): per-channel scales [out, 1] (``block`` None) or one per
+    ``block`` = (rows, inputs) tile [ceil(out / rows), in / inputs]; scale = amax / 448 (e4m3's max),
+    as llm-compressor and transformers' FineGrainedFP8 compute it."""
+    out_features, in_features = w.shape
+    if block is None:
+        scale = w.abs().amax(dim=1, keepdim=True) / 448  # [out, 1]
+        full = scale
+    else:
+        bn, bk = block
+        tiles = -(-out_features // bn)
+        padded = torch.cat([w, w.new_zeros(tiles * bn - out_features, in_features)])  # [tiles * bn, in]
+        scale = padded.reshape(tiles, bn, in_features // bk, bk).abs().amax(dim=(1, 3)) / 448  # [tiles, in / bk]
+        full = scale.repeat_interleave(bn, 0)[:out_features].repeat_interleave(bk, 1)  # [out, in]
+    scale = scale.clamp(min=1e-12)
+    full = full.clamp(min=1e-12)
+    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(name: str, w: torch.Tensor) -> torch.Tensor:
+    """The float weight that ``name``'s copy of ``w`` stands for (what transformers computes with)."""
+    if name.startswith("fp8"):
+        block = FP8_BLOCK if name == "fp8-b128" else None
+        q, scale = quantize_fp8(w.float(), block)
+        rows = scale.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1) if block else scale
+        return q.float() * rows
+    bits = 8 if name == "ct-w8a16" else 4
+    codes, scale, zero = quantize_groups(w.float(), bits, GROUP, sym=True)
+    grouped = (codes - zero.repeat_interleave(GROUP, 1)).float().view(w.shape[0], -1, GROUP)  # [out, G, GROUP]
+    return (grouped * scale[..., None]).view(w.shape)
 
 
 def _gptq_w4g128(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,13 +144,35 @@ def _gptq_w4g128(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return gptq_tensors(codes, scale, zero, (torch.arange(w.shape[1]) // GROUP).int(), 4, v2=False)
 
 
-def _ct_w4a16(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    codes, scale, zero = quantize_groups(w.float(), 4, GROUP, sym=True)
-    return ct_packed_tensors(codes, scale, zero, None, 4, sym=True)
+def _ct_packed(bits: int):
+    def write(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale, zero = quantize_groups(w.float(), bits, GROUP, sym=True)
+        return ct_packed_tensors(codes, scale, zero, None, bits, sym=True)
+    return write
 
 
+def _fp8_w8a16(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale = quantize_fp8(w.float(), None)
+    return {"weight": q, "weight_scale": scale}
+
+
+def _fp8_b128(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale = quantize_fp8(w.float(), FP8_BLOCK)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+FP8_BLOCK = (128, 128)
+FP8_W8A16_CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                    "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                                  "input_activations": None,
+                                                  "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                              "dynamic": False, "strategy": "channel"}}}}
 WRITERS = {"gptq-w4g128": (_gptq_w4g128, gptq_config(4, GROUP, True, False, "gptq")),
-           "ct-w4a16": (_ct_w4a16, ct_config(4, GROUP, True, "pack-quantized"))}
+           "ct-w4a16": (_ct_packed(4), ct_config(4, GROUP, True, "pack-quantized")),
+           "ct-w8a16": (_ct_packed(8), ct_config(8, GROUP, True, "pack-quantized")),
+           "fp8-w8a16": (_fp8_w8a16, FP8_W8A16_CONFIG),
+           "fp8-b128": (_fp8_b128, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(FP8_BLOCK)})}
 
 
 def ensure_variant(model_dir: Path, name: str) -> Path:

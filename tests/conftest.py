@@ -165,3 +165,20 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+def fp8_act_hook(mode: str, group: int, input_scale: float | None):
+    """A forward pre-hook rounding a reference model's activations as an FP8 checkpoint's
+    ``mode`` (token / group / static) defines it, written out from the formats."""
+    def hook(module, args):
+        x = args[0]
+        if mode == "static":
+            s = torch.tensor(input_scale)
+        else:
+            xs = x.unflatten(-1, (-1, group)) if mode == "group" else x
+            s = xs.abs().amax(-1, keepdim=True) / 448
+            s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+            if mode == "group":
+                return ((xs / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2),
+        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,
+    return hook

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import check_greedy_against, load_benchmark, make_model_dir, random_prompts
+from conftest import check_greedy_against, fp8_act_hook, load_benchmark, make_model_dir, random_prompts
 
 tp = load_benchmark("pagedllm_bench_throughput", "throughput.py")
 import quant_variants as qv  # noqa: E402  (benchmarks/ is on sys.path once throughput.py is loaded)
@@ -175,13 +175,15 @@ def test_variant_copy_loads_as_its_format_and_matches_transformers(variant, wide
     assert path == tmp_path / f"{Path(wide_llama).name}-{variant}"
     assert qv.ensure_variant(Path(wide_llama), variant) == path  # written once, reused
     qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == {"gptq-w4g128": "gptq", "ct-w4a16": "compressed-tensors"}[variant]
+    assert qcfg["quant_method"] == ("fp8" if variant == "fp8-b128" else "gptq" if variant.startswith("gptq")
+                                    else "compressed-tensors")
     reference = tf.AutoModelForCausalLM.from_pretrained(wide_llama, torch_dtype=torch.float32).eval()
-    with torch.no_grad():  # transformers on the weights the codes stand for: (code - 8) * scale
-        for name, p in reference.named_parameters():
-            if name.rsplit(".", 2)[-2] in qv.PROJECTIONS:
-                codes, scale = qv.quantize_sym4(p)
-                p.copy_(((codes - 8).float().view(p.shape[0], -1, qv.GROUP) * scale[..., None]).view(p.shape))
+    with torch.no_grad():  # transformers on the weights the codes stand for
+        for name, module in reference.named_modules():
+            if name.rsplit(".", 1)[-1] in qv.PROJECTIONS:
+                module.weight.copy_(qv.dequantize(variant, module.weight))
+                if variant == "fp8-b128":  # the format rounds activations to e4m3 per token and 128 inputs
+                    module.register_forward_pre_hook(fp8_act_hook("group", qv.FP8_BLOCK[1], None))
     llm = LLM(str(path), block_size=8, num_gpu_blocks_override=64)
     check_greedy_against(llm, reference, random_prompts(4, seed=3, hi=20), 6)
 

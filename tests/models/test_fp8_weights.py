@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_greedy_against, hf_greedy, random_prompts
+from conftest import check_greedy_against, fp8_act_hook, hf_greedy, random_prompts
 from safetensors.torch import load_file
 from test_quantized_checkpoints import PROJECTIONS, finish_checkpoint, projection_weights, start_checkpoint, tp2_llm
 
@@ -200,22 +200,6 @@ def ct_quantize(w: torch.Tensor, strategy: str, block=(32, 32)) -> tuple[torch.T
     return q, scale, q.float() * full
 
 
-def act_hook(mode: str, group: int, input_scale: float | None):
-    """The reference's activation rounding (the formats' definition, written out)."""
-    def hook(module, args):
-        x = args[0]
-        if mode == "static":
-            s = torch.tensor(input_scale)
-        else:
-            xs = x.unflatten(-1, (-1, group)) if mode == "group" else x
-            s = xs.abs().amax(-1, keepdim=True) / 448
-            s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
-            if mode == "group":
-                return ((xs / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2),
-        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,
-    return hook
-
-
 # case id: (arch, format, block / strategy, activation mode)
 CASES = {
     "fp8-per-tensor-dynamic": ("llama", "fp8", None, "token"),
@@ -257,7 +241,7 @@ def _hook_activations(reference, act: str, group: int) -> None:
         return
     for name, module in reference.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(act_hook(act, group, 0.02))
+            module.register_forward_pre_hook(fp8_act_hook(act, group, 0.02))
 
 
 def check_against_reference(llm, reference, prompts=PROMPTS):
