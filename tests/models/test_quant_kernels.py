@@ -101,8 +101,8 @@ def _assert_within(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> 
                                                       (8, 192, 384), (4, 32, 96), (8, 16, 96)])
 def test_small_batch_kernel_within_the_activation_level_bound(bits, group, in_features):
     """Every token count the one-call decoder hands the kernel (each tail of its 2-token passes
-    and of its 4-row work units: 70 rows), on the VNNI path's groups (4 bits: whole 128-column
-    blocks, 8 bits: whole 64-column steps) and two it leaves to the float kernels, against
+    and of its 4-row work units: 70 rows), on the VNNI path's 4-bit groups (whole 128-column
+    blocks), 8-bit ones (the float kernel: the bound holds for it too) and 4-bit group 32, against
     float64 within the bound of _level_tolerance; an input with a 1000x outlier (the levels'
     step scales with max|x|) and an all-zero one (exactly the bias)."""
     from pagedllm.native.bindings import library
@@ -174,8 +174,8 @@ def test_avx2_build_matches_float64_reference(avx2_library, bits, group):
 
 @pytest.fixture(scope="module")
 def avx512_no_vnni_library(tmp_path_factory):
-    """The kernels built for AVX-512 without VNNI (Skylake-X): the value-table 4-bit path and the
-    16-lane 8-bit one, which a -march=native build on a VNNI machine leaves to its VNNI path."""
+    """The kernels built for AVX-512 without VNNI (Skylake-X): the value-table 4-bit path, which a
+    -march=native build on a VNNI machine leaves to its VNNI path, and the 16-lane 8-bit one."""
     from pagedllm.native.bindings import NativeLibrary
     if not cpu_ops.usable(torch.zeros(1)) or "avx512bw" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("no C compiler or no AVX-512 CPU")

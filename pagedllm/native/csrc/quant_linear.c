@@ -285,8 +285,9 @@ static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsu
 
 #if QG_AVX512 && defined(__AVX512VNNI__)
 #define QV_VNNI 1
-/* The VNNI path (AVX512-VNNI CPUs) for 4-bit groups of whole 128-column blocks and 8-bit groups
- * of whole 64-column steps: integer dot products with vpdpbusd (64 u8 x s8 products summed into
+/* The VNNI path (AVX512-VNNI CPUs) for 4-bit groups of whole 128-column blocks and our own
+ * int8 (signed, one scale per row: qg_linear_i8; group-wise 8-bit codes measured ~17% slower
+ * here than on qtile4_512 and keep it): integer dot products with vpdpbusd (64 u8 x s8 products summed into
  * 16 int32 lanes per instruction), the codes on its unsigned side as they are stored (4 bits:
  * one and, one shift and one and per 128 columns; 8 bits: none), the activations quantized once
  * per call into QV_LEVELS int8 levels:
@@ -514,8 +515,9 @@ int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale,
 int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
-#if QV_VNNI
-    if (qv_fits(group, bits)) return qv_linear(x, T, q, scale, szero, bias, in, out, group, bits, y, threads);
+#if QV_VNNI /* 4 bits only: group-wise 8-bit codes measured slower here than on qtile4_512 (RESULTS.md) */
+    if (bits == 4 && qv_fits(group, bits))
+        return qv_linear(x, T, q, scale, szero, bias, in, out, group, bits, y, threads);
 #endif
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
     const int lut = qg_lut(group, bits), shuffled = !lut && bits == 4 && qg_wide(group, bits);
