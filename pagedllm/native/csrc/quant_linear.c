@@ -285,31 +285,26 @@ static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsu
 
 #if QG_AVX512 && defined(__AVX512VNNI__)
 #define QV_VNNI 1
-/* The VNNI path (AVX512-VNNI CPUs) for 4-bit groups of whole 128-column blocks and our own
- * int8 (signed, one scale per row: qg_linear_i8; group-wise 8-bit codes measured ~17% slower
- * here than on qtile4_512 and keep it): integer dot products with vpdpbusd (64 u8 x s8 products summed into
- * 16 int32 lanes per instruction), the codes on its unsigned side as they are stored (4 bits:
- * one and, one shift and one and per 128 columns; 8 bits: none), the activations quantized once
- * per call into QV_LEVELS int8 levels:
+/* The VNNI path (AVX512-VNNI CPUs) of our own int8 (quantization="int8": signed codes, one
+ * scale per row; qg_linear_i8): integer dot products with vpdpbusd (64 u8 x s8 products summed
+ * into 16 int32 lanes per instruction), the codes on its unsigned side as c + 128 (one xor per
+ * 64 columns; zero point 128), the activations quantized once per call into QV_LEVELS int8 levels:
  *     x ~= sx * (q1 + q2 / 254 + q3 / 254^2),  sx = max|x| / 127,  each level the rounded
  *     residual of the ones before (|residual| <= 1/2, so 254 * residual fits in [-127, 127]),
  * so the dot product keeps float32 accuracy: |x - x~| <= sx / 2 / 254^(L - 1) per element
  * (L = 2: max|x| * 1.55e-5, L = 3: max|x| * 6.1e-8), plus float32 rounding of x * 127 / max|x|
- * (relative 2^-24). Why: qtile4_lut spends ~24 vector ops per row and 128 columns, and was
- * compute-bound at batch 1 (it ran only 1.0-1.15x faster from L2 than from memory); here it is
- * ~3 unpack ops + 2 L vpdpbusd, plus 2 L ops per group to convert the group's int32 sums and
- * FMA them by its scale (benchmarks/RESULTS.md, "The batch-1 int4 step: VNNI").
- * The zero term uses the group sums of the same levels (exact integers), so the result is the
- * dequantized weight times x~ with no cancellation against a differently rounded sum:
- *     W_k . x~ = sx * sum_g (s[k][g] * (c_k . x~_g) / sx - sz[k][g] * xsum~[g] / sx).
- * Level bytes [T][L][in], in the lanes' column order: 8 bits as x; 4 bits per 128-column block
- * the 64 even columns (low nibbles: byte 4d + e of the block's codes holds columns 8d + 2e and
- * 8d + 2e + 1, so vpdpbusd's dword d of the low nibbles sums columns 8d, 8d + 2, 8d + 4, 8d + 6)
- * then the 64 odd ones. */
+ * (relative 2^-24). Two levels failed the kernels' float64 checks (benchmarks/RESULTS.md, "The
+ * batch-1 int4 step: VNNI"). Why: llama_decode.c's int8 tile widens 8 codes per 256-bit step with
+ * no prefetch and ran the 200M model's int8 step at 2.2-2.4x the read time; here 3 vpdpbusd per
+ * 64 columns and token, with the prefetch of qtile4_lut. The zero term uses the levels' exact
+ * sums, so the result is the dequantized weight times x~ with no cancellation against a
+ * differently rounded sum:  W_k . x~ = s[k] * (sx * (c + 128) . levels - 128 * xsum~).
+ * (The same path for 4-bit groups of 128 and group-wise 8-bit codes was built and measured:
+ * the 200M model's projections alone -13% for 4 bits, +17% for 8, but the int4 engine step did
+ * not move in two same-process A/Bs, so both keep the kernels above.) */
 #define QV_LEVELS 3
 #define QV_STEP_F 254.0f
-#define QV_COLS(BITS) ((BITS) == 4 ? 128 : 64) /* columns of one 64-byte load of codes */
-static inline int qv_fits(int64_t group, int bits) { return group % QV_COLS(bits) == 0; }
+#define QV_COLS 64 /* columns of one 64-byte load of codes */
 
 /* The int8 levels of 16 floats r (x already times 127 / max|x|) to lv[l * in], l < QV_LEVELS;
  * adds each level to sums[l]. */
@@ -323,107 +318,57 @@ static inline void qv_levels16(__m512 r, int8_t *lv, int64_t in, __m512i *sums) 
     }
 }
 
-/* One token: lv [QV_LEVELS][in] bytes in lane order, xsum[g] = sx * the group's sum of the
- * levels (q1 + q2 / 254 + ...), returns sx. in is a multiple of group, group of QV_COLS(bits). */
-static float qv_quantize(const float *x, int64_t in, int64_t group, int bits, int8_t *lv, float *xsum) {
+/* One token: lv [QV_LEVELS][in] bytes, returns sx and sets *xsum = sx * the sum of the levels
+ * (q1 + q2 / 254 + ...) over the row. in is a multiple of 16. */
+static float qv_quantize(const float *x, int64_t in, int8_t *lv, float *xsum) {
     __m512 m = _mm512_setzero_ps();
     for (int64_t i = 0; i < in; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     const float amax = _mm512_reduce_max_ps(m), sx = amax > 0.0f ? amax / 127.0f : 0.0f;
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t g = 0; g < in / group; g++) {
-        __m512i sums[QV_LEVELS];
-        for (int l = 0; l < QV_LEVELS; l++) sums[l] = _mm512_setzero_si512();
-        for (int64_t i = g * group; i < (g + 1) * group; i += 32) {
-            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), inv), b = _mm512_mul_ps(_mm512_loadu_ps(x + i + 16), inv);
-            if (bits == 4) { /* block i / 128: its even columns at +0..63, its odd ones at +64..127 */
-                int8_t *at = lv + i / 128 * 128 + i % 128 / 2;
-                qv_levels16(_mm512_permutex2var_ps(a, even, b), at, in, sums);
-                qv_levels16(_mm512_permutex2var_ps(a, odd, b), at + 64, in, sums);
-            } else {
-                qv_levels16(a, lv + i, in, sums);
-                qv_levels16(b, lv + i + 16, in, sums);
-            }
-        }
-        double s = 0.0, unit = 1.0;
-        for (int l = 0; l < QV_LEVELS; l++, unit /= QV_STEP_F) s += unit * _mm512_reduce_add_epi32(sums[l]);
-        xsum[g] = (float)(sx * s);
-    }
+    __m512i sums[QV_LEVELS];
+    for (int l = 0; l < QV_LEVELS; l++) sums[l] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < in; i += 16) qv_levels16(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), lv + i, in, sums);
+    double s = 0.0, unit = 1.0;
+    for (int l = 0; l < QV_LEVELS; l++, unit /= QV_STEP_F) s += unit * _mm512_reduce_add_epi32(sums[l]);
+    *xsum = (float)(sx * s);
     return sx;
 }
 
-/* dots[t][k] = W_k . x~_t for 4 rows and NT <= 2 tokens (see above); lv the levels of token 0
- * ([T][QV_LEVELS][n] bytes), xsum its group sums, sx the tokens' level scales. */
+/* dots[t][k] = W_k . x~_t for 4 rows of signed int8 codes and NT <= 2 tokens (see above); lv the
+ * levels of token 0 ([T][QV_LEVELS][n] bytes), xsum and sx its level sum and scale. */
 static inline __attribute__((always_inline)) void qv_tile(const Rows4 *r, const int8_t *lv, const float *xsum,
-                                                          const float *sx, int64_t n, int64_t group, const int NT,
-                                                          const int BITS, const int SIGNED, float dots[3][4]) {
-    const int64_t groups = n / group, cols = QV_COLS(BITS);
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 tot[2][4];
+                                                          const float *sx, int64_t n, const int NT, float dots[3][4]) {
+    __m512i acc[2][4][QV_LEVELS];
     for (int t = 0; t < NT; t++)
-        for (int k = 0; k < 4; k++) tot[t][k] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i acc[2][4][QV_LEVELS];
-        for (int t = 0; t < NT; t++)
-            for (int k = 0; k < 4; k++)
-                for (int l = 0; l < QV_LEVELS; l++) acc[t][k][l] = _mm512_setzero_si512();
-        for (int64_t b = g * group; b < (g + 1) * group; b += cols) {
-            const char *ahead = r->prefetch + b / cols * 256; /* a later unit's line per row (qtile4_lut) */
-            for (int k = 0; k < 4; k++) {
-                __m512i v = _mm512_loadu_si512((const void *)(r->q[k] + (BITS == 4 ? b / 2 : b)));
-                if (SIGNED) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); /* c + 128: zero point 128 */
-                _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
-                const __m512i lo = BITS == 4 ? _mm512_and_si512(v, low) : v;
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low); /* unused for 8 bits */
-                for (int t = 0; t < NT; t++)
-                    for (int l = 0; l < QV_LEVELS; l++) {
-                        const int8_t *x = lv + (t * QV_LEVELS + l) * n + b;
-                        acc[t][k][l] = _mm512_dpbusd_epi32(acc[t][k][l], lo, _mm512_loadu_si512((const void *)x));
-                        if (BITS == 4)
-                            acc[t][k][l] = _mm512_dpbusd_epi32(acc[t][k][l], hi, _mm512_loadu_si512((const void *)(x + 64)));
-                    }
-            }
-        }
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < QV_LEVELS; l++) acc[t][k][l] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < n; b += QV_COLS) {
+        const char *ahead = r->prefetch + b / QV_COLS * 256; /* a later unit's line per row (qtile4_lut) */
         for (int k = 0; k < 4; k++) {
-            const __m512 s = _mm512_set1_ps(r->s[k][g]);
-            for (int t = 0; t < NT; t++) {
-                __m512 f = _mm512_cvtepi32_ps(acc[t][k][QV_LEVELS - 1]);
-                for (int l = QV_LEVELS - 2; l >= 0; l--) /* Horner: q1 + (q2 + q3 / 254) / 254 */
-                    f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / QV_STEP_F), _mm512_cvtepi32_ps(acc[t][k][l]));
-                tot[t][k] = _mm512_fmadd_ps(f, s, tot[t][k]);
-            }
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r->q[k] + b)),
+                                               _mm512_set1_epi8((char)0x80)); /* c + 128 */
+            _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
+            for (int t = 0; t < NT; t++)
+                for (int l = 0; l < QV_LEVELS; l++)
+                    acc[t][k][l] = _mm512_dpbusd_epi32(
+                        acc[t][k][l], v, _mm512_loadu_si512((const void *)(lv + (t * QV_LEVELS + l) * n + b)));
         }
     }
     for (int t = 0; t < NT; t++)
         for (int k = 0; k < 4; k++) {
-            float zsum = 0.0f;
-            for (int64_t g = 0; g < groups; g++) zsum += (SIGNED ? 128.0f * r->s[k][g] : r->z[k][g]) * xsum[t * groups + g];
-            dots[t][k] = sx[t] * _mm512_reduce_add_ps(tot[t][k]) - zsum;
+            __m512 f = _mm512_cvtepi32_ps(acc[t][k][QV_LEVELS - 1]);
+            for (int l = QV_LEVELS - 2; l >= 0; l--) /* Horner: q1 + (q2 + q3 / 254) / 254 */
+                f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / QV_STEP_F), _mm512_cvtepi32_ps(acc[t][k][l]));
+            dots[t][k] = r->s[k][0] * (sx[t] * _mm512_reduce_add_ps(f) - 128.0f * xsum[t]);
         }
 }
 
-/* dots[t][k] for all T tokens, two at a time (three would not fit the 32 registers); signed:
- * int8 codes with no zero point (bits 8, qg_linear_i8). */
-static void qv_dot_rows(const Rows4 *r, int bits, int sign, const int8_t *lv, const float *xsum, const float *sx,
-                        int64_t T, int64_t n, int64_t group, float (*dots)[4]) {
-    const int64_t groups = n / group;
+/* dots[t][k] for all T tokens, two at a time (three would not fit the 32 registers). */
+static void qv_dot_rows(const Rows4 *r, const int8_t *lv, const float *xsum, const float *sx, int64_t T, int64_t n,
+                        float (*dots)[4]) {
     int64_t t = 0;
-#define QV(NT, BITS, SIGNED) \
-    qv_tile(r, lv + t * QV_LEVELS * n, xsum + t * groups, sx + t, n, group, NT, BITS, SIGNED, dots + t)
-#define QV_ALL(BITS, SIGNED)                                   \
-    do {                                                       \
-        for (; t + 2 <= T; t += 2) QV(2, BITS, SIGNED);        \
-        if (T - t == 1) QV(1, BITS, SIGNED);                   \
-    } while (0)
-    if (bits == 4)
-        QV_ALL(4, 0);
-    else if (sign)
-        QV_ALL(8, 1);
-    else
-        QV_ALL(8, 0);
-#undef QV_ALL
-#undef QV
+    for (; t + 2 <= T; t += 2) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 2, dots + t);
+    if (T - t == 1) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 1, dots + t);
 }
 #else
 #define QV_VNNI 0
@@ -472,40 +417,34 @@ static void store_unit(float (*dots)[4], const float *bias, int64_t T, int64_t o
 }
 
 #if QV_VNNI
-/* qg_linear on the VNNI path (above): x quantized into levels once, then the row units;
- * szero NULL: signed 8-bit codes, W = c * scale (qg_linear_i8). */
-static int qv_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
-                     const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
-    const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
+/* qg_linear_i8 on the VNNI path (above): x quantized into levels once, then the row units. */
+static int qv_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias,
+                        int64_t in, int64_t out, float *y, int threads) {
+    const int64_t units = (out + 3) / 4;
     int8_t *lv = malloc((size_t)(T * QV_LEVELS * in));
-    float *xsum = malloc(sizeof(float) * T * groups), sx[LD_MAX_TOKENS];
-    if (!lv || !xsum) {
-        free(lv), free(xsum);
-        return PN_ERR_NOMEM;
-    }
-    for (int64_t t = 0; t < T; t++) sx[t] = qv_quantize(x + t * in, in, group, bits, lv + t * QV_LEVELS * in, xsum + t * groups);
+    float xsum[LD_MAX_TOKENS], sx[LD_MAX_TOKENS];
+    if (!lv) return PN_ERR_NOMEM;
+    for (int64_t t = 0; t < T; t++) sx[t] = qv_quantize(x + t * in, in, lv + t * QV_LEVELS * in, xsum + t);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
-        const Rows4 r = unit_rows(q, scale, szero, u * 4, out, row_bytes, groups, QG_LUT_PREFETCH_UNITS);
+        const Rows4 r = unit_rows((const uint8_t *)q, scale, NULL, u * 4, out, in, 1, QG_LUT_PREFETCH_UNITS);
         float dots[LD_MAX_TOKENS][4];
-        qv_dot_rows(&r, bits, szero == NULL, lv, xsum, sx, T, in, group, dots);
+        qv_dot_rows(&r, lv, xsum, sx, T, in, dots);
         store_unit(dots, bias, T, u * 4, out, y);
     }
-    free(lv), free(xsum);
+    free(lv);
     return PN_OK;
 }
 #endif
 
-/* Own int8 (quantization="int8": signed codes, one scale per row) on the VNNI path, the whole
- * row one group. Why: llama_decode.c's int8 tile widens 8 codes per 256-bit step with no
- * prefetch and ran the 200M model's step at 2.39x the read time (benchmarks/RESULTS.md).
+/* Own int8 (quantization="int8": signed codes, one scale per row) on the VNNI path (above).
  * PN_ERR_ARG where this path does not apply (no AVX512-VNNI, in not a multiple of 64): the
  * caller then keeps its own kernel. */
 int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias, int64_t in,
                  int64_t out, float *y, int threads) {
 #if QV_VNNI
-    if (T > 0 && T <= LD_MAX_TOKENS && !bad_args(in, out, in, 8, threads) && qv_fits(in, 8))
-        return qv_linear(x, T, (const uint8_t *)q, scale, NULL, bias, in, out, in, 8, y, threads);
+    if (T > 0 && T <= LD_MAX_TOKENS && !bad_args(in, out, in, 8, threads) && in % QV_COLS == 0)
+        return qv_linear_i8(x, T, q, scale, bias, in, out, y, threads);
 #endif
     (void)x, (void)T, (void)q, (void)scale, (void)bias, (void)in, (void)out, (void)y, (void)threads;
     return PN_ERR_ARG;
@@ -515,10 +454,6 @@ int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale,
 int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
-#if QV_VNNI /* 4 bits only: group-wise 8-bit codes measured slower here than on qtile4_512 (RESULTS.md) */
-    if (bits == 4 && qv_fits(group, bits))
-        return qv_linear(x, T, q, scale, szero, bias, in, out, group, bits, y, threads);
-#endif
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
     const int lut = qg_lut(group, bits), shuffled = !lut && bits == 4 && qg_wide(group, bits);
     float *xsum = malloc(sizeof(float) * T * (groups + (shuffled || lut ? in : 0)));
