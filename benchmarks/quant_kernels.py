@@ -8,6 +8,8 @@ through each CPU weight kernel alone, against the time reading their bytes once 
 Kinds: ``f32`` (the register-tile kernel up to cpu_decode.DEFAULT_MAX_TOKENS, else torch's GEMM), ``f32-packed``
 (oneDNN's prepacked GEMM, what the engine's float32 linears run for 4..512 rows:
 cpu_ops.linear), ``int4`` / ``int8`` (group-wise codes, group 128: quant_linear.c's kernel),
+``int8-row`` (our own ``quantization="int8"``: signed
+codes, one scale per row, through ``ld_linear`` as the one-call decoder runs them),
 ``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + torch's GEMM),
 ``int4-panel`` / ``int8-panel`` (the panel GEMM of quant_gemm.c on grouped.pack_panels'
 layout), ``int4-auto`` / ``int8-auto`` (whichever of these grouped.grouped_matmul routes the
@@ -33,14 +35,14 @@ import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 
 from pagedllm.layers import cpu_ops  # noqa: E402
-from pagedllm.layers.quantization import grouped  # noqa: E402
+from pagedllm.layers.quantization import grouped, int8  # noqa: E402
 from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
 from pagedllm.models.cpu_decode import DEFAULT_MAX_TOKENS  # noqa: E402
 from pagedllm.native import bindings  # noqa: E402
 
 HIDDEN, INTER, LAYERS, GROUP = 1024, 2816, 16, 128
-KINDS = ("f32", "f32-packed", "int4", "int8", "int4-gemm", "int8-gemm", "int4-panel", "int8-panel", "int4-auto",
-         "int8-auto", "fp8", "fp8-b128", "fp8-gemm")
+KINDS = ("f32", "f32-packed", "int4", "int8", "int8-row", "int4-gemm", "int8-gemm", "int4-panel", "int8-panel",
+         "int4-auto", "int8-auto", "fp8", "fp8-b128", "fp8-gemm")
 
 
 def shapes(hidden: int, inter: int) -> list[tuple[int, int]]:
@@ -56,6 +58,8 @@ def random_weight(kind: str, out_f: int, in_f: int) -> dict[str, torch.Tensor]:
     with float32 ``scale [out, groups]``; or ``codes`` with ``scale`` / ``szero [out, in / GROUP]``."""
     if kind.startswith("f32"):
         return dict(w=torch.randn(out_f, in_f))
+    if kind == "int8-row":
+        return dict(q=torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), scale=torch.rand(out_f))
     if kind.startswith("fp8"):
         groups = in_f // GROUP if kind == "fp8-b128" else 1
         w8 = (torch.randn(out_f, in_f) * 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -70,6 +74,8 @@ def kernel_tensors(kind: str, raw: dict[str, torch.Tensor]) -> tuple[tuple, int]
     if kind.startswith("f32"):
         w = raw["w"]
         return (w, cpu_ops.pack_weight(w) if kind == "f32-packed" else None), w.numel() * 4
+    if kind == "int8-row":
+        return (raw["q"], raw["scale"]), raw["q"].numel() + 4 * raw["scale"].numel()
     if kind.startswith("fp8"):
         return (raw["w8"], raw["scale"]), raw["w8"].numel() + 4 * raw["scale"].numel()
     bits = 4 if kind.startswith("int4") else 8
@@ -90,6 +96,8 @@ def dense_weight(kind: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float32 ``[out, in]`` weight ``raw`` stands for, in plain torch: the reference."""
     if "w" in raw:
         return raw["w"]
+    if "q" in raw:
+        return raw["q"].float() * raw["scale"][:, None]
     if "w8" in raw:
         w, scale = raw["w8"].view(torch.float8_e4m3fn).float(), raw["scale"]
         return w * scale.repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
@@ -117,6 +125,12 @@ def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, thre
         if tokens > DEFAULT_MAX_TOKENS:  # the engine's limit for the C decoder's float32 tile
             return torch.nn.functional.linear(x, tensors[0])
         lib.linear(x, tensors[0], None, None, y, threads)
+    elif kind == "int8-row":
+        if tokens > int8.C_MAX_ROWS:  # the engine's route past it (int8.int8_linear): widen + GEMM
+            w = scratch_buffer(tensors[0].numel()).view(tensors[0].shape)  # [out, in]
+            lib.dequantize_int8(tensors[0], tensors[1], w, threads)
+            return torch.nn.functional.linear(x, w)
+        lib.linear(x, tensors[0], tensors[1], None, y, threads)
     elif kind in ("fp8", "fp8-b128"):
         lib.fp8_linear(x, tensors[0], tensors[1], None, x.shape[1] // tensors[1].shape[1], y, threads)
     elif kind == "fp8-gemm":

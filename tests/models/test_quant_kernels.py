@@ -79,6 +79,71 @@ def test_small_batch_kernel_every_token_count_matches_float64_reference(group, i
         torch.testing.assert_close(got.double(), x.double() @ want64.t() + bias.double(), atol=2e-4, rtol=2e-4)
 
 
+def _level_tolerance(x: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """The error quant_linear.c's VNNI path (own int8) allows per token and output row: the activation
+    levels' |x - x~| <= max|x| / 127 / 2 / 254^2 per element, float32 rounding of x * 127 / max|x|
+    (2^-24 relative, doubled), and of the float sums it forms: ~1e-6 of sum |terms|, with
+    ``magnitude [out, in]`` = |code * scale| + |zero * scale| (the two terms it subtracts). The
+    float paths are within it too."""
+    x64, m64 = x.double(), magnitude.double()
+    per_element = x64.abs().amax(dim=1, keepdim=True) * (0.5 / 127 / 254**2) + x64.abs() * 2**-23  # [T, in]
+    return per_element @ m64.t() + 1e-6 * (x64.abs() @ m64.t())  # [T, out]
+
+
+def _assert_within(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> None:
+    err = (got.double() - want).abs()
+    ratio = (err / tol).max().item()
+    assert bool((err <= tol).all()), f"error {err.max().item():.3g} past the bound (worst ratio {ratio:.3g})"
+
+
+@needs_c
+@pytest.mark.parametrize("bits, group, in_features", [(4, 128, 384), (4, 256, 512), (8, 64, 192), (8, 128, 384),
+                                                      (8, 192, 384), (4, 32, 96), (8, 16, 96)])
+def test_small_batch_kernel_within_the_activation_level_bound(bits, group, in_features):
+    """Every token count the one-call decoder hands the group-wise kernel (each tail of its token
+    passes and of its 4-row work units: 70 rows), groups 32-256, against float64 within the bound
+    of _level_tolerance (which the float paths meet too); an input with a 1000x outlier and an
+    all-zero one (exactly the bias)."""
+    from pagedllm.native.bindings import library
+    codes, scale, zero = _random_layout(70, in_features, group, bits, seed=group + bits)
+    layer = _layer(codes, scale, zero, bits)
+    want64 = _reference64(codes, scale, zero, group)
+    magnitude = (codes.double().abs() + zero.double().repeat_interleave(group, 1)) * scale.double().repeat_interleave(
+        group, 1)
+    bias = torch.randn(70)
+    for rows in range(1, grouped.C_MAX_ROWS[bits] + 1):
+        x = torch.randn(rows, in_features)
+        x[0, 5] = 1000.0
+        if rows > 1:
+            x[-1] = 0.0
+        got = torch.empty(rows, 70)
+        library().grouped_linear(x, layer.weight, layer.weight_scale, layer.weight_szero, bias, group, bits, got, 2)
+        _assert_within(got, x.double() @ want64.t() + bias.double(), _level_tolerance(x, magnitude))
+        if rows > 1:
+            assert torch.equal(got[-1], bias)
+
+
+@needs_c
+@pytest.mark.parametrize("in_features", [192, 45])  # 192: the VNNI path (whole 64-column steps); 45: the tile
+def test_own_int8_small_batch_kernel_within_the_activation_level_bound(in_features):
+    """quantization="int8"'s signed codes with one scale per row through ld_linear (the one-call
+    decoder's matmul; on an AVX512-VNNI CPU quant_linear.c's VNNI path), every token count up to
+    5, 70 rows, against float64 within the levels' bound; an input with a 1000x outlier."""
+    from pagedllm.layers.quantization.int8 import quantize_int8
+    from pagedllm.native.bindings import library
+    g = torch.Generator().manual_seed(in_features)
+    q, s = quantize_int8(torch.randn(70, in_features, generator=g))
+    want64 = q.double() * s.double()[:, None]  # [out, in]
+    magnitude = (q.double().abs() + 128) * s.double()[:, None]  # the VNNI path's codes + 128 and zero point 128
+    bias = torch.randn(70, generator=g)
+    for rows in range(1, 6):
+        x = torch.randn(rows, in_features, generator=g)
+        x[0, 3] = -1000.0
+        got = torch.empty(rows, 70)
+        library().linear(x, q, s, bias, got, 2)
+        _assert_within(got, x.double() @ want64.t() + bias.double(), _level_tolerance(x, magnitude))
+
+
 @pytest.fixture(scope="module")
 def avx2_library(tmp_path_factory):
     """The kernels built for AVX2/FMA/F16C without AVX-512 (the 8-lane paths, which a

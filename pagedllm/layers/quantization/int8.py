@@ -12,8 +12,10 @@ float32 GEMM).
 
 Why: decoding small batches streams every weight once per step, so on a CPU it runs at memory
 bandwidth; int8 weights are a quarter of float32's bytes. The one-call C decoder and
-``ld_linear`` widen int8 to float32 in registers (8 lanes per load) and apply the row scale to
-each finished dot product. Larger batches (prefill chunks) dequantize the layer's weight for one
+``ld_linear`` run them on ``quant_linear.c``'s VNNI path where the CPU has AVX512-VNNI and the
+input size is a multiple of 64 (integer dot products against activation levels, the whole row
+one group), else widen int8 to float32 in registers (8 lanes per load) and apply the row scale
+to each finished dot product. Larger batches (prefill chunks) dequantize the layer's weight for one
 MKL GEMM, where the arithmetic dwarfs the conversion. On CUDA the Triton GEMM
 (``layers/triton_ops/int8_gemm.py``) does the same widening in registers for every batch size
 (when triton is installed); elsewhere the weight is dequantized per call: correct, no speed-up.

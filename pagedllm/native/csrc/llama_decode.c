@@ -110,6 +110,8 @@ static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t i
                    float *y, int threads) {
     if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
         return qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
+    if (W.scale && qg_linear_i8(x, T, W.data, W.scale, b, in, out, y, threads) == PN_OK)
+        return PN_OK; /* int8 on the VNNI kernel where it applies, else the tile below */
     const int64_t units = (out + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -131,7 +133,7 @@ static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t i
  * exists in memory. */
 static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
                          int64_t inter, float *act, float *gate_up, int threads) {
-    if (W.bits) { /* group-wise codes: the [T, 2I] product goes through gate_up (a scratch buffer) */
+    if (W.bits || W.scale) { /* quantized: the [T, 2I] product of matmul's kernels through gate_up (scratch) */
         const int rc = matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
         if (rc != PN_OK) return rc;
         for (int64_t t = 0; t < T; t++)
@@ -208,8 +210,8 @@ static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
     B->qkv = malloc(sizeof(float) * T * qkv);
     B->attn = malloc(sizeof(float) * T * m->num_heads * m->head_dim);
     B->act = malloc(sizeof(float) * T * m->intermediate);
-    B->gate_up = m->quant_bits ? malloc(sizeof(float) * T * 2 * m->intermediate) : NULL;
-    return B->residual && B->normed && B->qkv && B->attn && B->act && (B->gate_up || !m->quant_bits);
+    B->gate_up = malloc(sizeof(float) * T * 2 * m->intermediate);
+    return B->residual && B->normed && B->qkv && B->attn && B->act && B->gate_up;
 }
 
 static void free_buffers(Buffers *B) {

@@ -221,6 +221,10 @@ PN_EXPORT int ld_forward(const LdModel *m, const LdBatch *b, float *out, int thr
 PN_EXPORT int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
                         const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y,
                         int threads);
+/* Internal (llama_decode.c): signed int8 codes with one scale per row on quant_linear.c's VNNI
+ * path; PN_ERR_ARG where that path does not apply (the caller keeps its own kernel). */
+int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias, int64_t in,
+                 int64_t out, float *y, int threads);
 PN_EXPORT int qg_dequant(const uint8_t *q, const float *scale, const float *szero, float *out, int64_t rows,
                          int64_t in, int64_t group, int bits, int threads);
 

@@ -283,6 +283,97 @@ static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsu
 #undef QTILE
 }
 
+#if QG_AVX512 && defined(__AVX512VNNI__)
+#define QV_VNNI 1
+/* The VNNI path (AVX512-VNNI CPUs) of our own int8 (quantization="int8": signed codes, one
+ * scale per row; qg_linear_i8): integer dot products with vpdpbusd (64 u8 x s8 products summed
+ * into 16 int32 lanes per instruction), the codes on its unsigned side as c + 128 (one xor per
+ * 64 columns; zero point 128), the activations quantized once per call into QV_LEVELS int8 levels:
+ *     x ~= sx * (q1 + q2 / 254 + q3 / 254^2),  sx = max|x| / 127,  each level the rounded
+ *     residual of the ones before (|residual| <= 1/2, so 254 * residual fits in [-127, 127]),
+ * so the dot product keeps float32 accuracy: |x - x~| <= sx / 2 / 254^(L - 1) per element
+ * (L = 2: max|x| * 1.55e-5, L = 3: max|x| * 6.1e-8), plus float32 rounding of x * 127 / max|x|
+ * (relative 2^-24). Two levels failed the kernels' float64 checks (benchmarks/RESULTS.md, "The
+ * batch-1 int4 step: VNNI"). Why: llama_decode.c's int8 tile widens 8 codes per 256-bit step with
+ * no prefetch and ran the 200M model's int8 step at 2.2-2.4x the read time; here 3 vpdpbusd per
+ * 64 columns and token, with the prefetch of qtile4_lut. The zero term uses the levels' exact
+ * sums, so the result is the dequantized weight times x~ with no cancellation against a
+ * differently rounded sum:  W_k . x~ = s[k] * (sx * (c + 128) . levels - 128 * xsum~).
+ * (The same path for 4-bit groups of 128 and group-wise 8-bit codes was built and measured:
+ * the 200M model's projections alone -13% for 4 bits, +17% for 8, but the int4 engine step did
+ * not move in two same-process A/Bs, so both keep the kernels above.) */
+#define QV_LEVELS 3
+#define QV_STEP_F 254.0f
+#define QV_COLS 64 /* columns of one 64-byte load of codes */
+
+/* The int8 levels of 16 floats r (x already times 127 / max|x|) to lv[l * in], l < QV_LEVELS;
+ * adds each level to sums[l]. */
+static inline void qv_levels16(__m512 r, int8_t *lv, int64_t in, __m512i *sums) {
+    for (int l = 0; l < QV_LEVELS; l++) {
+        const __m512 q = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128((__m128i *)(lv + l * in), _mm512_cvtepi32_epi8(qi));
+        sums[l] = _mm512_add_epi32(sums[l], qi);
+        r = _mm512_mul_ps(_mm512_sub_ps(r, q), _mm512_set1_ps(QV_STEP_F)); /* r - q exact (|r - q| <= 1/2) */
+    }
+}
+
+/* One token: lv [QV_LEVELS][in] bytes, returns sx and sets *xsum = sx * the sum of the levels
+ * (q1 + q2 / 254 + ...) over the row. in is a multiple of 16. */
+static float qv_quantize(const float *x, int64_t in, int8_t *lv, float *xsum) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float amax = _mm512_reduce_max_ps(m), sx = amax > 0.0f ? amax / 127.0f : 0.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m512i sums[QV_LEVELS];
+    for (int l = 0; l < QV_LEVELS; l++) sums[l] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < in; i += 16) qv_levels16(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), lv + i, in, sums);
+    double s = 0.0, unit = 1.0;
+    for (int l = 0; l < QV_LEVELS; l++, unit /= QV_STEP_F) s += unit * _mm512_reduce_add_epi32(sums[l]);
+    *xsum = (float)(sx * s);
+    return sx;
+}
+
+/* dots[t][k] = W_k . x~_t for 4 rows of signed int8 codes and NT <= 2 tokens (see above); lv the
+ * levels of token 0 ([T][QV_LEVELS][n] bytes), xsum and sx its level sum and scale. */
+static inline __attribute__((always_inline)) void qv_tile(const Rows4 *r, const int8_t *lv, const float *xsum,
+                                                          const float *sx, int64_t n, const int NT, float dots[3][4]) {
+    __m512i acc[2][4][QV_LEVELS];
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < QV_LEVELS; l++) acc[t][k][l] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < n; b += QV_COLS) {
+        const char *ahead = r->prefetch + b / QV_COLS * 256; /* a later unit's line per row (qtile4_lut) */
+        for (int k = 0; k < 4; k++) {
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r->q[k] + b)),
+                                               _mm512_set1_epi8((char)0x80)); /* c + 128 */
+            _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
+            for (int t = 0; t < NT; t++)
+                for (int l = 0; l < QV_LEVELS; l++)
+                    acc[t][k][l] = _mm512_dpbusd_epi32(
+                        acc[t][k][l], v, _mm512_loadu_si512((const void *)(lv + (t * QV_LEVELS + l) * n + b)));
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < 4; k++) {
+            __m512 f = _mm512_cvtepi32_ps(acc[t][k][QV_LEVELS - 1]);
+            for (int l = QV_LEVELS - 2; l >= 0; l--) /* Horner: q1 + (q2 + q3 / 254) / 254 */
+                f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / QV_STEP_F), _mm512_cvtepi32_ps(acc[t][k][l]));
+            dots[t][k] = r->s[k][0] * (sx[t] * _mm512_reduce_add_ps(f) - 128.0f * xsum[t]);
+        }
+}
+
+/* dots[t][k] for all T tokens, two at a time (three would not fit the 32 registers). */
+static void qv_dot_rows(const Rows4 *r, const int8_t *lv, const float *xsum, const float *sx, int64_t T, int64_t n,
+                        float (*dots)[4]) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 2, dots + t);
+    if (T - t == 1) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 1, dots + t);
+}
+#else
+#define QV_VNNI 0
+#endif
+
 /* xsum[t, g] = sum of x[t] over input group g. */
 static void group_sums(const float *x, int64_t T, int64_t in, int64_t group, float *xsum) {
     const int64_t groups = in / group;
@@ -304,6 +395,61 @@ static int bad_args(int64_t in, int64_t out, int64_t group, int bits, int thread
            in % group != 0;
 }
 
+/* The 4 rows of the work unit from output row o (missing rows repeat a valid one), and the
+ * codes of the unit `units_ahead` later to prefetch (its own when there is none). */
+static Rows4 unit_rows(const uint8_t *q, const float *scale, const float *szero, int64_t o, int64_t out,
+                       int64_t row_bytes, int64_t groups, int units_ahead) {
+    Rows4 r;
+    const int64_t later = o + 4 * units_ahead;
+    r.prefetch = (const char *)(q + (later < out - 3 ? later : o) * row_bytes);
+    for (int k = 0; k < 4; k++) {
+        const int64_t row = o + (k < out - o ? k : 0);
+        r.q[k] = q + row * row_bytes, r.s[k] = scale + row * groups, r.z[k] = szero ? szero + row * groups : NULL;
+    }
+    return r;
+}
+
+/* y[t, o + k] = dots[t][k] (+ bias) for the unit's valid rows. */
+static void store_unit(float (*dots)[4], const float *bias, int64_t T, int64_t o, int64_t out, float *y) {
+    const int nr = out - o < 4 ? (int)(out - o) : 4;
+    for (int64_t t = 0; t < T; t++)
+        for (int k = 0; k < nr; k++) y[t * out + o + k] = dots[t][k] + (bias ? bias[o + k] : 0.0f);
+}
+
+#if QV_VNNI
+/* qg_linear_i8 on the VNNI path (above): x quantized into levels once, then the row units. */
+static int qv_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias,
+                        int64_t in, int64_t out, float *y, int threads) {
+    const int64_t units = (out + 3) / 4;
+    int8_t *lv = malloc((size_t)(T * QV_LEVELS * in));
+    float xsum[LD_MAX_TOKENS], sx[LD_MAX_TOKENS];
+    if (!lv) return PN_ERR_NOMEM;
+    for (int64_t t = 0; t < T; t++) sx[t] = qv_quantize(x + t * in, in, lv + t * QV_LEVELS * in, xsum + t);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; u++) {
+        const Rows4 r = unit_rows((const uint8_t *)q, scale, NULL, u * 4, out, in, 1, QG_LUT_PREFETCH_UNITS);
+        float dots[LD_MAX_TOKENS][4];
+        qv_dot_rows(&r, lv, xsum, sx, T, in, dots);
+        store_unit(dots, bias, T, u * 4, out, y);
+    }
+    free(lv);
+    return PN_OK;
+}
+#endif
+
+/* Own int8 (quantization="int8": signed codes, one scale per row) on the VNNI path (above).
+ * PN_ERR_ARG where this path does not apply (no AVX512-VNNI, in not a multiple of 64): the
+ * caller then keeps its own kernel. */
+int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias, int64_t in,
+                 int64_t out, float *y, int threads) {
+#if QV_VNNI
+    if (T > 0 && T <= LD_MAX_TOKENS && !bad_args(in, out, in, 8, threads) && in % QV_COLS == 0)
+        return qv_linear_i8(x, T, q, scale, bias, in, out, y, threads);
+#endif
+    (void)x, (void)T, (void)q, (void)scale, (void)bias, (void)in, (void)out, (void)y, (void)threads;
+    return PN_ERR_ARG;
+}
+
 /* y [T, out] = x [T, in] . W^T (+ bias) with W the group-quantized matrix described above. */
 int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
@@ -321,20 +467,11 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
-        const int64_t o = u * 4;
-        const int nr = out - o < 4 ? (int)(out - o) : 4;
-        Rows4 r;
-        const int64_t later = o + 4 * (lut ? QG_LUT_PREFETCH_UNITS : QG_PREFETCH_UNITS);
-        const int64_t ahead = later < out - 3 ? later : o;
-        r.prefetch = (const char *)(q + ahead * row_bytes);
-        for (int k = 0; k < 4; k++) {
-            const int64_t row = o + (k < nr ? k : 0); /* missing rows repeat a valid one */
-            r.q[k] = q + row * row_bytes, r.s[k] = scale + row * groups, r.z[k] = szero + row * groups;
-        }
+        const Rows4 r = unit_rows(q, scale, szero, u * 4, out, row_bytes, groups,
+                                  lut ? QG_LUT_PREFETCH_UNITS : QG_PREFETCH_UNITS);
         float dots[LD_MAX_TOKENS][4];
         qdot_rows(&r, bits, x, xsum, T, in, group, dots);
-        for (int64_t t = 0; t < T; t++)
-            for (int k = 0; k < nr; k++) y[t * out + o + k] = dots[t][k] + (bias ? bias[o + k] : 0.0f);
+        store_unit(dots, bias, T, u * 4, out, y);
     }
     free(xsum);
     return PN_OK;
