@@ -8,7 +8,8 @@ decode batches) are compute bound and keep the torch path, where oneDNN/MKL GEMM
 
 Used only when it computes exactly what the torch path computes: float32 weights (or int8
 projection weights with per-row scales, ``quantization="int8"``, or group-wise 4/8-bit codes of
-one bit width without act-order permutation: own int4, GPTQ, AWQ, compressed-tensors) and KV cache
+one bit width without act-order permutation: own int4, GPTQ, AWQ, compressed-tensors; or FP8
+e4m3 weights with float, per-token or per-group dynamic activations, as fp8.py computes them) and KV cache
 on the CPU, one tensor-parallel rank, the compiled CPU attention backend selected, and
 ``PAGEDLLM_FUSED_DECODE`` not ``0`` (the A/B switch for benchmarks).
 """
@@ -48,6 +49,12 @@ def _ptr_array(values: list) -> ctypes.Array:
     return (_VP * len(values))(*values)
 
 
+# projection weights the decoder reads: int8 (own, per row), uint8 4/8-bit codes, FP8 e4m3 bytes
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+# LdModel.fp8_act: how an FP8 layer's activations enter its matmul (layers/quantization/fp8.py's modes)
+FP8_ACT_CODES = {"none": 1, "token": 2, "group": 3}
+
+
 def unsupported_reason(model, backend) -> str | None:
     """Why ``model`` (a LlamaModel) cannot take the fused path, or None if it can."""
     if not envs.PAGEDLLM_FUSED_DECODE:
@@ -57,7 +64,7 @@ def unsupported_reason(model, backend) -> str | None:
     if model.tp.size != 1:
         return "tensor parallelism"
     for name, p in model.named_parameters():
-        quantized = p.dtype in (torch.int8, torch.uint8) and name.endswith("proj.weight")  # weight-only
+        quantized = p.dtype in QUANTIZED_DTYPES and name.endswith("proj.weight")
         if p.device.type != "cpu" or not (p.dtype == torch.float32 or quantized) or not p.is_contiguous():
             return f"parameter {name} is not a contiguous float32 (or quantized projection) CPU tensor"
     return _projection_mix_reason(model)
@@ -76,15 +83,27 @@ def _projection_mix_reason(model) -> str | None:
         return f"projections mix weight kinds {sorted(str(k) for k in kinds)}"
     if any(getattr(p, "act_perm", None) is not None for p in projections):
         return "act-order (desc_act) projections gather their inputs per call"
+    acts = {getattr(p, "fp8_act", None) for p in projections}
+    if len(acts) > 1 or not acts <= {None, *FP8_ACT_CODES}:
+        return f"FP8 activation schemes {sorted(map(str, acts))} (the decoder rounds none, per token or per group)"
     return None
 
 
 def _quantized_max_tokens(model) -> int:
-    """Group-wise 4/8-bit projections: the measured token count (grouped.C_MAX_ROWS) past which
-    the module path, with its panel GEMM, beats the one-call decoder; no limit otherwise."""
-    from pagedllm.layers.quantization import grouped
-    bits = getattr(_projections(model)[0], "quant_bits", None)
+    """Group-wise 4/8-bit or FP8 projections: the measured token count (grouped.C_MAX_ROWS,
+    fp8.C_MAX_ROWS) past which the module path, widening the weights for one GEMM, beats the
+    one-call decoder; no limit otherwise."""
+    from pagedllm.layers.quantization import fp8, grouped
+    first = _projections(model)[0]
+    if getattr(first, "fp8_act", None) is not None:
+        return fp8.C_MAX_ROWS
+    bits = getattr(first, "quant_bits", None)
     return grouped.C_MAX_ROWS[bits] if bits in grouped.C_MAX_ROWS else DEFAULT_MAX_TOKENS
+
+
+def _group(linear) -> int:
+    """A projection's group size as LdModel takes it: 4/8-bit codes' or FP8 scales' inputs per group."""
+    return getattr(linear, "quant_group", 0) or getattr(linear, "fp8_group", 0)
 
 
 class FusedCpuDecoder:
@@ -125,9 +144,9 @@ class FusedCpuDecoder:
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.gate_up_proj.weight.shape[0] // 2,  # rows: not packed (codes pack along inputs)
             quant_bits=getattr(attn.qkv_proj, "quant_bits", 0),
-            qkv_group=getattr(attn.qkv_proj, "quant_group", 0), o_group=getattr(attn.o_proj, "quant_group", 0),
-            gate_up_group=getattr(mlp.gate_up_proj, "quant_group", 0),
-            down_group=getattr(mlp.down_proj, "quant_group", 0),
+            fp8_act=FP8_ACT_CODES.get(getattr(attn.qkv_proj, "fp8_act", None), 0),
+            qkv_group=_group(attn.qkv_proj), o_group=_group(attn.o_proj),
+            gate_up_group=_group(mlp.gate_up_proj), down_group=_group(mlp.down_proj),
             vocab_size=model.embed_tokens.weight.shape[0], max_position=rotary.cos.shape[0],
             eps=model.norm.eps, scale=attn.scale, embed=_ptr(model.embed_tokens.weight),
             final_norm=_ptr(model.norm.weight), cos=_ptr(rotary.cos), sin=_ptr(rotary.sin),

@@ -5,10 +5,14 @@ End-to-end greedy parity with transformers through this path is covered by test_
 """
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from conftest import make_model_dir
+from conftest import load_benchmark, make_model_dir
 
 from pagedllm import LLM
 from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
@@ -32,6 +36,24 @@ def wide_llama_dir(tmp_path_factory):
     """Inputs in whole groups of 128 for quantization="int4" (3 groups in down_proj)."""
     return make_model_dir(tmp_path_factory.mktemp("wide"), "llama", hidden_size=128, num_attention_heads=4,
                           num_key_value_heads=1, intermediate_size=384)
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory, wide_llama_dir):
+    """FP8 copies of the wide model, one per activation mode the decoder rounds: "none"
+    (compressed-tensors per-channel W8A16), "group" (quant_method fp8, 128 x 128 blocks, dynamic)
+    and "token" (the W8A16 copy with dynamic per-token e4m3 activations)."""
+    qv = load_benchmark("quant_variants", "quant_variants.py")
+    qv.CACHE_DIR = tmp_path_factory.mktemp("fp8")
+    dirs = {"none": qv.ensure_variant(Path(wide_llama_dir), "fp8-w8a16"),
+            "group": qv.ensure_variant(Path(wide_llama_dir), "fp8-b128")}
+    token = qv.CACHE_DIR / "token"
+    shutil.copytree(dirs["none"], token)
+    config = json.loads((token / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    (token / "config.json").write_text(json.dumps(config))
+    return {**dirs, "token": token}
 
 
 def _model(model_dir, **kwargs):
@@ -64,11 +86,18 @@ def _clone(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8", "wide-int4"])
-def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir, wide_llama_dir):
-    quant = arch.split("-")[1] if "-" in arch else None
-    dirs = {"odd": odd_llama_dir, "wide": wide_llama_dir}
-    model, caches = _model(dirs.get(arch.split("-")[0]) or model_dirs[arch], quantization=quant)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8", "wide-int4", "fp8-none", "fp8-token",
+                                  "fp8-group"])
+def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir, wide_llama_dir, request):
+    quant = arch.split("-")[1] if "-" in arch and not arch.startswith("fp8") else None
+    if arch.startswith("fp8"):  # a checkpoint whose config says FP8: its weights load as e4m3
+        model_dir = str(request.getfixturevalue("fp8_dirs")[arch.split("-")[1]])
+    else:
+        model_dir = {"odd": odd_llama_dir, "wide": wide_llama_dir}.get(arch.split("-")[0]) or model_dirs[arch]
+    model, caches = _model(model_dir, quantization=quant)
+    if arch.startswith("fp8"):
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.fp8_act == arch.split("-")[1]
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
     # histories written by the torch path: A has 20 tokens (3 blocks), B has 9 (2 blocks)

@@ -89,13 +89,16 @@ static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T,
 #undef TILE
 }
 
-/* A weight matrix [out, in]: float32 (scale NULL), int8 with one float32 scale per row, or
- * group-wise 4/8-bit codes (bits != 0; scale and szero per row and group, quant_linear.c). */
+/* A weight matrix [out, in]: float32 (scale NULL), int8 with one float32 scale per row,
+ * group-wise 4/8-bit codes (bits != 0; scale and szero per row and group, quant_linear.c), or
+ * e4m3 bytes (fp8 != 0, LdModel.fp8_act's modes; scale per row and group, fp8_linear.c), whose
+ * rounded activations go to xq (scratch [T, in]). */
 typedef struct {
     const void *data;
     const float *scale, *szero;
-    int bits;
+    int bits, fp8;
     int64_t group;
+    float *xq;
 } Weight;
 
 static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
@@ -106,8 +109,21 @@ static inline float row_scale(Weight W, int64_t row) { return W.scale ? W.scale[
 
 /* y[t, o] = x[t] . W[o] (+ b[o]) for t < T; x, y contiguous [T, in] / [T, out]. Returns 0
  * or qg_linear's error code (group-wise codes: bad group size, scratch allocation). */
+/* FP8 weights: the format's activation rounding (fp8_act_quant, the same bits as the module
+ * path's layers/quantization/fp8.py), then fp8_linear's kernel. */
+static int fp8_matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out, float *y,
+                      int threads) {
+    if (W.fp8 > 1) {
+        const int rc = fp8_act_quant(x, T, in, W.fp8 == 3 ? W.group : in, 0.0f, W.xq, threads);
+        if (rc != PN_OK) return rc;
+        x = W.xq;
+    }
+    return fp8_linear(x, T, (const uint8_t *)W.data, W.scale, b, in, out, W.group, y, threads);
+}
+
 static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
-                   float *y, int threads) {
+                  float *y, int threads) {
+    if (W.fp8) return fp8_matmul(x, T, W, b, in, out, y, threads);
     if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
         return qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
     if (W.scale && qg_linear_i8(x, T, W.data, W.scale, b, in, out, y, threads) == PN_OK)
@@ -190,17 +206,17 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    return matmul(x, T, (Weight){w, scale, NULL, 0, 0}, bias, in, out, y, threads);
+    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, NULL}, bias, in, out, y, threads);
 }
 
 typedef struct {
-    float *residual, *normed, *qkv, *attn, *act, *gate_up;
+    float *residual, *normed, *qkv, *attn, *act, *gate_up, *xq;
 } Buffers;
 
 /* Layer l's weight of one projection (arrays of the LdModel fields {proj}_w/_s/_z). */
 static inline Weight proj_weight(const LdModel *m, const void *const *w, const float *const *s,
-                                 const float *const *z, int64_t group, int l) {
-    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, group};
+                                 const float *const *z, int64_t group, int l, float *xq) {
+    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, group, xq};
 }
 
 static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
@@ -211,7 +227,10 @@ static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
     B->attn = malloc(sizeof(float) * T * m->num_heads * m->head_dim);
     B->act = malloc(sizeof(float) * T * m->intermediate);
     B->gate_up = malloc(sizeof(float) * T * 2 * m->intermediate);
-    return B->residual && B->normed && B->qkv && B->attn && B->act && B->gate_up;
+    const int64_t widest = m->intermediate > m->hidden ? m->intermediate : m->hidden; /* a projection's inputs */
+    const int64_t xq_in = widest > (int64_t)m->num_heads * m->head_dim ? widest : (int64_t)m->num_heads * m->head_dim;
+    B->xq = m->fp8_act > 1 ? malloc(sizeof(float) * T * xq_in) : NULL;
+    return B->residual && B->normed && B->qkv && B->attn && B->act && B->gate_up && (B->xq || m->fp8_act <= 1);
 }
 
 static void free_buffers(Buffers *B) {
@@ -221,6 +240,7 @@ static void free_buffers(Buffers *B) {
     free(B->attn);
     free(B->act);
     free(B->gate_up);
+    free(B->xq);
 }
 
 /* Attention block of layer l: normed -> qkv -> (q/k norm, rotary, KV write, attention) -> attn. */
@@ -228,7 +248,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l), m->qkv_b[l],
+    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l, B->xq), m->qkv_b[l],
                     m->hidden, qkv_size, B->qkv, threads);
     if (rc != PN_OK) return rc;
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
@@ -256,6 +276,7 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     const int64_t T = b->num_tokens, H = m->hidden;
     if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
     if (m->quant_bits != 0 && m->quant_bits != 4 && m->quant_bits != 8) return PN_ERR_ARG;
+    if (m->fp8_act < 0 || m->fp8_act > 3 || (m->fp8_act && m->quant_bits)) return PN_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
         if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return PN_ERR_META;
     Buffers B;
@@ -271,14 +292,14 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
         if (rc == 0)
-            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l), m->o_b[l], q_size, H,
+            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l, B.xq), m->o_b[l], q_size, H,
                         B.normed, threads);
         if (rc != 0) break;
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l),
+        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l, B.xq),
                           m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
         if (rc == 0)
-            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l), m->down_b[l],
+            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l, B.xq), m->down_b[l],
                         m->intermediate, H, B.normed, threads);
         if (rc != 0) break;
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;

@@ -131,19 +131,21 @@ static inline __m512 pn_exp512(__m512 x) {
 
 /* The model of the one-call decoder. Per-layer pointers: one array entry per layer; bias /
  * q_norm / k_norm entries may be NULL. Projection weights are all float32 (scales NULL), all
- * int8 with per-row scales (quant_bits 0), or all group-wise 4/8-bit codes (quant_bits 4 or 8;
- * scales and scaled zeros [out, in / group], the layout of quant_linear.c). */
+ * int8 with per-row scales (quant_bits 0), all group-wise 4/8-bit codes (quant_bits 4 or 8;
+ * scales and scaled zeros [out, in / group], the layout of quant_linear.c), or all FP8 e4m3
+ * bytes (fp8_act != 0; scales [out, in / group], fp8_linear.c's layout) whose activations stay
+ * float32 (fp8_act 1) or are rounded to e4m3 per token (2) or per token and group (3). */
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t block_size, cache_dtype, quant_bits, pad_;
+    int32_t block_size, cache_dtype, quant_bits, fp8_act;
     int64_t num_blocks, vocab_size, max_position;
-    int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits != 0 */
+    int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits or fp8_act != 0 */
     float eps, scale;
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
     const float *cos, *sin;  /* [max_position, head_dim / 2] */
     const float *const *input_norm, *const *post_norm;
-    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32, int8 or uint8 codes */
+    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32, int8, uint8 codes or e4m3 */
     const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* scales or NULL */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
