@@ -107,32 +107,30 @@ def ct_config(bits, group, sym, fmt):
         "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": fmt}}}
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight [out, in], scale): per-channel scales [out, 1] (``block`` None) or one per
-    ``block`` = (rows, inputs) tile [ceil(out / rows), in / inputs]; scale = amax / 448 (e4m3's max),
-    as llm-compressor and transformers' FineGrainedFP8 compute it."""
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [out, in], scale, the scale spread over the weight [out, in] or [out, 1]):
+    per-channel scales [out, 1] (``block`` None) or one per ``block`` = (rows, inputs) tile
+    [ceil(out / rows), in / inputs]; scale = amax / 448 (e4m3's max), as llm-compressor and
+    transformers' FineGrainedFP8 compute it."""
     out_features, in_features = w.shape
     if block is None:
-        scale = w.abs().amax(dim=1, keepdim=True) / 448  # [out, 1]
+        scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)  # [out, 1]
         full = scale
     else:
         bn, bk = block
         tiles = -(-out_features // bn)
         padded = torch.cat([w, w.new_zeros(tiles * bn - out_features, in_features)])  # [tiles * bn, in]
-        scale = padded.reshape(tiles, bn, in_features // bk, bk).abs().amax(dim=(1, 3)) / 448  # [tiles, in / bk]
+        amax = padded.reshape(tiles, bn, in_features // bk, bk).abs().amax(dim=(1, 3))  # [tiles, in / bk]
+        scale = (amax / 448).clamp(min=1e-12)
         full = scale.repeat_interleave(bn, 0)[:out_features].repeat_interleave(bk, 1)  # [out, in]
-    scale = scale.clamp(min=1e-12)
-    full = full.clamp(min=1e-12)
-    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale, full
 
 
 def dequantize(name: str, w: torch.Tensor) -> torch.Tensor:
     """The float weight that ``name``'s copy of ``w`` stands for (what transformers computes with)."""
     if name.startswith("fp8"):
-        block = FP8_BLOCK if name == "fp8-b128" else None
-        q, scale = quantize_fp8(w.float(), block)
-        rows = scale.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1) if block else scale
-        return q.float() * rows
+        q, _, full = quantize_fp8(w.float(), FP8_BLOCK if name == "fp8-b128" else None)
+        return q.float() * full
     bits = 8 if name == "ct-w8a16" else 4
     codes, scale, zero = quantize_groups(w.float(), bits, GROUP, sym=True)
     grouped = (codes - zero.repeat_interleave(GROUP, 1)).float().view(w.shape[0], -1, GROUP)  # [out, G, GROUP]
@@ -152,12 +150,12 @@ def _ct_packed(bits: int):
 
 
 def _fp8_w8a16(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    q, scale = quantize_fp8(w.float(), None)
+    q, scale, _ = quantize_fp8(w.float(), None)
     return {"weight": q, "weight_scale": scale}
 
 
 def _fp8_b128(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    q, scale = quantize_fp8(w.float(), FP8_BLOCK)
+    q, scale, _ = quantize_fp8(w.float(), FP8_BLOCK)
     return {"weight": q, "weight_scale_inv": scale}
 
 

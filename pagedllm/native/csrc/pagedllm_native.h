@@ -80,22 +80,33 @@ static inline float pn_hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* exp's constants, one set for both widths: log2(e), ln2 in two parts, the polynomial */
+#define PN_EXP_LOG2E 1.44269504088896341f
+#define PN_EXP_LN2_HI 0.693359375f
+#define PN_EXP_LN2_LO (-2.12194440e-4f)
+#define PN_EXP_P0 1.9875691500e-4f
+#define PN_EXP_P1 1.3981999507e-3f
+#define PN_EXP_P2 8.3334519073e-3f
+#define PN_EXP_P3 4.1665795894e-2f
+#define PN_EXP_P4 1.6666665459e-1f
+#define PN_EXP_P5 5.0000001201e-1f
+
 /* e^x lane-wise for x <= 88 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial,
  * ~2 ulp). Inputs below -87 give ~1e-38 (2^n stays a normal float), i.e. 0 next to a softmax
  * row max whose weight is exactly 1; callers whose x may exceed 88 clamp it (2^n overflows). */
 static inline __m256 pn_exp256(__m256 x) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 log2e = _mm256_set1_ps(PN_EXP_LOG2E);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
     /* x - fx * ln2 with ln2 split in two for accuracy */
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(PN_EXP_LN2_HI), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(PN_EXP_LN2_LO), x);
+    __m256 y = _mm256_set1_ps(PN_EXP_P0);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(PN_EXP_P1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(PN_EXP_P2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(PN_EXP_P3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(PN_EXP_P4));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(PN_EXP_P5));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i biased = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
     const __m256i e = _mm256_slli_epi32(biased, 23); /* 2^fx as float bits */
@@ -106,16 +117,16 @@ static inline __m256 pn_exp256(__m256 x) {
 /* pn_exp256 on 16 lanes: the same operations, so the same bits lane for lane */
 static inline __m512 pn_exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+    const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(PN_EXP_LOG2E),
                                                            _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(PN_EXP_LN2_HI), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(PN_EXP_LN2_LO), x);
+    __m512 y = _mm512_set1_ps(PN_EXP_P0);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(PN_EXP_P1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(PN_EXP_P2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(PN_EXP_P3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(PN_EXP_P4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(PN_EXP_P5));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
