@@ -212,7 +212,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     return _DTYPES[dtype]
 
 
-# fp8: e4m3 with per-tensor scales per layer (attention/kv_quant.py)
+# fp8: e4m3 with scales per layer or per layer and KV head (attention/kv_quant.py)
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 KV_CACHE_DTYPES = {"auto": None, **_DTYPES, **FP8_KV_CACHE_DTYPES}
 

@@ -1,9 +1,12 @@
-"""FP8 KV cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``): per-tensor scales.
+"""FP8 KV cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``): per-tensor or
+per-head scales.
 
 Each attention layer keeps one float32 scale for its keys and one for its values (vLLM's
-``k_scale`` / ``v_scale``): the cache stores ``round_fp8(k / k_scale)`` and
-``round_fp8(v / v_scale)``, saturated at the format's largest finite value. The scales reach
-every backend the same way, folded into the tensors the backend already takes:
+``k_scale`` / ``v_scale``), or one per KV head when the checkpoint has them per head
+(llm-compressor's ``attn_head`` strategy; vLLM's ``k/v_scale = [num_kv_heads]``): the cache stores
+``round_fp8(k / k_scale)`` and ``round_fp8(v / v_scale)``, saturated at the format's largest
+finite value. The scales reach every backend the same way, folded into the tensors the backend
+already takes (per head: query head h takes the scales of its KV head, h // group):
 
     softmax(q . k^T * scale) v  =  softmax((q * k_scale) . (k / k_scale)^T * scale) (v / v_scale) * v_scale
 
@@ -22,6 +25,7 @@ CUDA-graph capture run on dummy tokens and do not count (``calibration_paused``)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -43,11 +47,13 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-limit, limit).to(dtype)
 
 
-def add_scales(attn: nn.Module) -> None:
-    """Gives an attention layer its ``k_scale`` / ``v_scale`` (1.0 unless the checkpoint has them)."""
+def add_scales(attn: nn.Module, kv_heads: range, total_kv_heads: int) -> None:
+    """Gives an attention layer its ``k_scale`` / ``v_scale`` (1.0 unless the checkpoint has them):
+    0-d, or ``[len(kv_heads)]`` when the checkpoint has one per head (this rank's ``kv_heads`` of
+    the model's ``total_kv_heads``)."""
     for name in ("k_scale", "v_scale"):
         param = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
-        param.weight_loader = _load_scale
+        param.weight_loader = functools.partial(_load_scale, kv_heads=kv_heads, total=total_kv_heads)
         param.optional_in_checkpoint = True
         attn.register_parameter(name, param)
     attn.calibrate_kv_scales = False
@@ -66,11 +72,14 @@ def checkpoint_scale_name(name: str) -> str:
     return name
 
 
-def _load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if loaded.numel() != 1:
-        raise ValueError(f"checkpoint KV scale of shape {tuple(loaded.shape)}: only per-tensor (one element) k_scale "
-                         "/ v_scale are supported")
-    param.data.copy_(loaded.reshape(()))
+def _load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, *, kv_heads: range, total: int) -> None:
+    if loaded.numel() == 1:
+        param.data.copy_(loaded.reshape(()))
+    elif loaded.numel() == total:  # per KV head ([heads] or compressed-tensors' [heads, 1, 1]): this rank's
+        param.data = loaded.reshape(total)[kv_heads.start:kv_heads.stop].to(param.device, torch.float32).clone()
+    else:
+        raise ValueError(f"checkpoint KV scale of shape {tuple(loaded.shape)}: k_scale / v_scale must have one "
+                         f"element (per tensor) or num_key_value_heads={total} (per head)")
 
 
 def scale_inputs(attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
@@ -80,11 +89,22 @@ def scale_inputs(attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
     if attn.calibrate_kv_scales and k.shape[0] > 0:
         _calibrate(attn, k, v)
     k_scale, v_scale = attn.k_scale.to(q.dtype), attn.v_scale.to(q.dtype)
+    if k_scale.dim():  # per KV head [kv_heads] against q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+        return q * _per_query_head(attn, k_scale), k / k_scale[:, None], v / v_scale[:, None]
     return q * k_scale, k / k_scale, v / v_scale
 
 
 def scale_output(attn: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    return out * attn.v_scale.to(out.dtype)
+    """``out * v_scale`` (``out``: the backend's ``[tokens, heads, head_dim]``)."""
+    v_scale = attn.v_scale.to(out.dtype)
+    if v_scale.dim():
+        return out.view(out.shape[0], attn.num_heads, -1) * _per_query_head(attn, v_scale)
+    return out * v_scale
+
+
+def _per_query_head(attn: nn.Module, per_kv_head: torch.Tensor) -> torch.Tensor:
+    """``[heads, 1]``: query head h takes its KV head's scale (heads of a GQA group are adjacent)."""
+    return per_kv_head.repeat_interleave(attn.num_heads // attn.num_kv_heads)[:, None]
 
 
 def _calibrate(attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -81,8 +81,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.total_kv_heads = num_kv_heads
         total = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim
         super().__init__(hidden, total, bias, tp=tp)
+
+    def kv_heads_of_rank(self) -> range:
+        """The checkpoint's KV heads this rank holds (ranks that replicate a head share it)."""
+        start = (self.tp_rank // self.kv_replicas) * self.num_kv_heads
+        return range(start, start + self.num_kv_heads)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

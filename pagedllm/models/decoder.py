@@ -110,7 +110,8 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
         self.logits_soft_cap = spec.attn_logit_softcap
-        kv_quant.add_scales(self)  # k_scale / v_scale of an fp8 KV cache
+        # k_scale / v_scale of an fp8 KV cache (per tensor, or per this rank's KV heads)
+        kv_quant.add_scales(self, self.qkv_proj.kv_heads_of_rank(), self.qkv_proj.total_kv_heads)
 
     def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
@@ -123,7 +124,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         fp8_cache = kv_quant.is_fp8(kv_cache[0].dtype)
-        if fp8_cache:  # the per-tensor K/V scales folded into q, k, v and the output
+        if fp8_cache:  # the K/V scales folded into q, k, v and the output
             q, k, v = kv_quant.scale_inputs(self, q, k, v)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                    logits_soft_cap=self.logits_soft_cap)

@@ -205,13 +205,15 @@ def test_checkpoint_kv_scales_are_loaded(scaled_embeddings, tmp_path, monkeypatc
     check_tracks_transformers(llm, _generate(llm), hf, "fp8", monkeypatch)
 
 
-def test_checkpoint_kv_scale_that_is_not_per_tensor_is_refused(llama_dir, tmp_path):
-    dst = tmp_path / "per_head"
+def test_checkpoint_kv_scale_neither_per_tensor_nor_per_head_is_refused(llama_dir, tmp_path):
+    """One scale per tensor or per KV head (2 here; tests/models/test_ct_kv_cache_scheme.py reads
+    those); 3 is neither."""
+    dst = tmp_path / "three"
     shutil.copytree(llama_dir, dst)
     state = load_file(str(dst / "model.safetensors"))
-    state["model.layers.0.self_attn.k_scale"] = torch.ones(2)
+    state["model.layers.0.self_attn.k_scale"] = torch.ones(3)
     save_file(state, str(dst / "model.safetensors"))
-    with pytest.raises(ValueError, match="only per-tensor"):
+    with pytest.raises(ValueError, match=r"shape \(3,\).*one element \(per tensor\) or num_key_value_heads=2"):
         _llm(str(dst), kv_cache_dtype="fp8")
 
 

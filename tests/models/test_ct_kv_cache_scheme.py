@@ -32,25 +32,43 @@ from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsMet
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
                    "dynamic": False}  # as compressed-tensors 0.20.1 serializes it
 K_SCALES, V_SCALES = [0.03, 0.05], [0.02, 0.04]  # per layer (a misplaced scale changes the tokens)
+# per layer and KV head (the tiny Llama has 2); heads apart by 4-8x, so a head given the other's
+# scale rounds its K/V 2-3 bits off and changes the tokens
+K_HEAD_SCALES, V_HEAD_SCALES = [[0.01, 0.06], [0.05, 0.012]], [[0.04, 0.006], [0.008, 0.05]]
 SCALE_NAMES = {"current": "model.layers.{i}.self_attn.{kv}_scale",
                "legacy": "model.layers.{i}.self_attn.{kv}_proj.output_scale"}
 MAX_NEW = 8
 
 
-def write_kv_checkpoint(model_dirs, hf_models, dst: Path, naming: str = "current"):
-    """A W4A16 compressed-tensors checkpoint plus the FP8 kv_cache_scheme and per-layer scales;
-    returns its path and transformers' model on the dequantized weights."""
+def write_kv_checkpoint(model_dirs, hf_models, dst: Path, naming: str = "current", per_head: bool = False):
+    """A W4A16 compressed-tensors checkpoint plus the FP8 kv_cache_scheme and per-layer scales
+    (``per_head``: the ``attn_head`` strategy, ``[kv_heads, 1, 1]`` per layer, as
+    ``initialize_qparams`` shapes them); returns its path and transformers' model on the
+    dequantized weights."""
     case = CASES["ct-packed-w4a16-g64-asym"]
     path, reference = write_checkpoint(model_dirs[case[0]], dst, case, hf_models[case[0]])
     state = load_file(str(dst / "model.safetensors"))
-    for i, (k, v) in enumerate(zip(K_SCALES, V_SCALES)):
-        state[SCALE_NAMES[naming].format(i=i, kv="k")] = torch.tensor([k])
-        state[SCALE_NAMES[naming].format(i=i, kv="v")] = torch.tensor([v])
+    k_scales, v_scales = (K_HEAD_SCALES, V_HEAD_SCALES) if per_head else (K_SCALES, V_SCALES)
+    shape = (-1, 1, 1) if per_head else (1,)
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        state[SCALE_NAMES[naming].format(i=i, kv="k")] = torch.tensor(k).reshape(shape)
+        state[SCALE_NAMES[naming].format(i=i, kv="v")] = torch.tensor(v).reshape(shape)
     save_file(state, str(dst / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"]["kv_cache_scheme"] = KV_CACHE_SCHEME
+    config["quantization_config"]["kv_cache_scheme"] = {**KV_CACHE_SCHEME,
+                                                        "strategy": "attn_head" if per_head else "tensor"}
     (dst / "config.json").write_text(json.dumps(config))
     return path, reference
+
+
+def kv_only_checkpoint(model_dir: str, dst: Path, k_scales, v_scales, strategy: str = "tensor") -> str:
+    """Float weights plus a ``kv_cache_scheme`` and its scales, no ``config_groups``."""
+    with_kv_scales(model_dir, dst, k_scales, v_scales)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": {**KV_CACHE_SCHEME, "strategy": strategy}, "ignore": []}
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
 
 
 def _llm(path: str, **kwargs) -> LLM:
@@ -72,14 +90,36 @@ def test_kv_cache_scheme_scales_drive_the_fp8_cache(naming, model_dirs, hf_model
     check_greedy_against(llm, hf, PROMPTS, MAX_NEW)
 
 
+def test_per_head_kv_scales_drive_the_fp8_cache(model_dirs, hf_models, tmp_path, monkeypatch):
+    """llm-compressor's ``attn_head`` strategy: one K and one V scale per KV head and layer; query
+    head h uses its KV head's (h // 2 here), against transformers rounding each head at its own."""
+    path, reference = write_kv_checkpoint(model_dirs, hf_models, tmp_path / "per_head", per_head=True)
+    llm = _llm(path, kv_cache_dtype="fp8")
+    layers = [layer.self_attn for layer in llm.llm_engine.executor.runner.model.model.layers]
+    assert [a.k_scale.tolist() for a in layers] == [pytest.approx(s) for s in K_HEAD_SCALES]
+    assert [a.v_scale.tolist() for a in layers] == [pytest.approx(s) for s in V_HEAD_SCALES]
+    hf = fp8_rounded_transformers(reference, monkeypatch, torch.float8_e4m3fn, K_HEAD_SCALES, V_HEAD_SCALES)
+    check_greedy_against(llm, hf, PROMPTS, MAX_NEW)
+
+
+def test_per_head_kv_scales_shard_with_the_heads_under_tp2(llama_dir, hf_models, tmp_path, monkeypatch):
+    """Two ranks, one KV head each (float weights, a kv_cache_scheme only): each rank must read its
+    own head's scales; against transformers rounding each head at its own."""
+    path = kv_only_checkpoint(llama_dir, tmp_path / "per_head_tp", K_HEAD_SCALES, V_HEAD_SCALES, "attn_head")
+    tp = _llm(path, kv_cache_dtype="fp8", tensor_parallel_size=2, num_threads=1)
+    try:
+        hf = fp8_rounded_transformers(copy.deepcopy(hf_models["llama"]), monkeypatch, torch.float8_e4m3fn,
+                                      K_HEAD_SCALES, V_HEAD_SCALES)
+        check_greedy_against(tp, hf, PROMPTS[:6], MAX_NEW, logprob_prompts=0)
+    finally:
+        tp.llm_engine.shutdown()
+
+
 def test_kv_cache_only_checkpoint_has_float_weights(llama_dir, hf_models, tmp_path, monkeypatch):
     """A kv_cache_scheme and no config_groups: only the KV cache is quantized."""
     dst = tmp_path / "kv_only"
-    with_kv_scales(llama_dir, dst, K_SCALES, V_SCALES)
+    kv_only_checkpoint(llama_dir, dst, K_SCALES, V_SCALES)
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-                                     "kv_cache_scheme": KV_CACHE_SCHEME, "ignore": []}
-    (dst / "config.json").write_text(json.dumps(config))
     llm = _llm(str(dst), kv_cache_dtype="fp8")
     runner = llm.llm_engine.executor.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
@@ -103,7 +143,7 @@ def test_auto_cache_dtype_keeps_the_model_dtype_as_vllm_does(model_dirs, hf_mode
 
 
 @pytest.mark.parametrize("field, value", [
-    ("type", "int"), ("num_bits", 4), ("strategy", "attn_head"), ("strategy", "channel"), ("symmetric", False),
+    ("type", "int"), ("num_bits", 4), ("strategy", "token"), ("strategy", "channel"), ("symmetric", False),
     ("dynamic", True), ("group_size", 64),
 ])
 def test_other_kv_cache_schemes_are_refused_naming_the_field(field, value):

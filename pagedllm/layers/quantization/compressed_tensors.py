@@ -19,19 +19,21 @@ Signed codes and zero points are moved to unsigned by adding 2^(bits-1) to both,
 W unchanged. ``float-quantized`` (FP8 weights, FP8 or float activations) is read by ``fp8.py``;
 integer activation quantization and sparsity are refused.
 
-``kv_cache_scheme`` (llm-compressor's FP8 KV cache): static per-tensor symmetric float8,
+``kv_cache_scheme`` (llm-compressor's FP8 KV cache): static symmetric float8, per tensor or per
+attention head,
 
-    {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": true, "dynamic": false, ...}
+    {"num_bits": 8, "type": "float", "strategy": "tensor" | "attn_head", "symmetric": true, "dynamic": false, ...}
 
-with one scale per attention layer for its keys and one for its values, ``k = fp8(k / k_scale)``
-(after rotary) as the FP8 KV cache of ``attention/kv_quant.py`` stores them. compressed-tensors
-registers them on the attention module (``initialize_attn_qparams``: ``self_attn.k_scale`` /
-``v_scale``, shape ``[1]``); older releases quantized the outputs of ``k_proj`` / ``v_proj``
+with one scale per attention layer (per KV head of it with ``attn_head``) for its keys and one for
+its values, ``k = fp8(k / k_scale)`` (after rotary) as the FP8 KV cache of
+``attention/kv_quant.py`` stores them. compressed-tensors registers them on the attention module
+(``initialize_attn_qparams``: ``self_attn.k_scale`` / ``v_scale``, shape ``[1]``, or
+``[num_key_value_heads, 1, 1]`` per head); older releases quantized the outputs of ``k_proj`` / ``v_proj``
 (``self_attn.k_proj.output_scale``), which ``kv_quant.checkpoint_scale_name`` renames as vLLM's
 ``get_cache_scale`` does. A checkpoint with a ``kv_cache_scheme`` and no ``config_groups`` has
 float weights (:meth:`CompressedTensorsMethod.kv_cache_only`). As in vLLM the scales take
 effect with ``kv_cache_dtype="fp8"``; the default "auto" keeps the model's dtype for the cache
-and leaves them unused. Any other KV scheme (integer, other widths, per-head or per-token,
+and leaves them unused. Any other KV scheme (integer, other widths, per-token or per-channel,
 asymmetric, dynamic) is refused.
 """
 from __future__ import annotations
@@ -47,22 +49,25 @@ FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
 STRATEGIES = ("group", "channel")
 # modules outside pagedllm's quantized projections that a checkpoint may leave unquantized
 IGNORABLE = ("lm_head",)
-# the one kv_cache_scheme read (module docstring); a missing field takes compressed-tensors'
-# QuantizationArgs default (a missing strategy without groups resolves to "tensor" there)
-KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
-                   "group_size": None}
-KV_CACHE_DEFAULTS = {**KV_CACHE_SCHEME, "type": "int"}
+# the kv_cache_schemes read (module docstring), each field's allowed values; a missing field takes
+# compressed-tensors' QuantizationArgs default (a missing strategy without groups resolves to
+# "tensor" there)
+KV_CACHE_SCHEME = {"num_bits": (8,), "type": ("float",), "strategy": ("tensor", "attn_head"), "symmetric": (True,),
+                   "dynamic": (False,), "group_size": (None,)}
+KV_CACHE_DEFAULTS = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False,
+                     "group_size": None}
 
 
 def check_kv_cache_scheme(scheme: dict | None) -> None:
-    """Refuses a ``kv_cache_scheme`` other than per-tensor FP8, naming the field."""
+    """Refuses a ``kv_cache_scheme`` other than static symmetric FP8 per tensor or per attention
+    head, naming the field."""
     if scheme is None:
         return
-    require(isinstance(scheme, dict), "kv_cache_scheme", scheme, "null or an FP8 per-tensor scheme")
+    require(isinstance(scheme, dict), "kv_cache_scheme", scheme, "null or an FP8 per-tensor / per-head scheme")
     for field, allowed in KV_CACHE_SCHEME.items():
         value = scheme.get(field, KV_CACHE_DEFAULTS[field])
-        require(value == allowed, f"kv_cache_scheme.{field}", value,
-                f"{allowed!r} (only static per-tensor symmetric FP8 KV caches: {KV_CACHE_SCHEME})")
+        require(value in allowed, f"kv_cache_scheme.{field}", value,
+                f"one of {allowed!r} (only static symmetric FP8 KV caches, per tensor or per attention head)")
 
 
 class CompressedTensorsMethod(CheckpointMethod):
