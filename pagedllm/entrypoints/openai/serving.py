@@ -652,9 +652,9 @@ class OpenAIServing:
         check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
-        if req.messages is not None:
-            text = await self.render_chat(req.messages, req.add_generation_prompt)
-            ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, text, False, "messages"))
+        if req.messages is not None:  # rendered and encoded in one tokenizer-thread job (one hop, not two)
+            ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, render_chat(
+                tokenizer, self.chat_template, req.messages, req.add_generation_prompt), False, "messages"))
         else:
             ids = await self.engine.with_tokenizer(
                 lambda tokenizer: _encode(tokenizer, req.prompt, req.add_special_tokens, "prompt"))
