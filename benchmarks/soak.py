@@ -292,6 +292,50 @@ async def one_bad_prompt(ctx: Ctx, r: random.Random) -> None:
     raise Bad("a batch with an invalid prompt was accepted")
 
 
+async def dead_end_constraints(ctx: Ctx, r: random.Random) -> None:
+    """Constraints that leave no token: never a forbidden token; the sequence ends "constraint" (or
+    "stop" once its grammar is complete); masked at the first step: a 400 naming allowed_token_ids.
+    "a" is one token and "aa" two, so allowed ["a"] with the bad word "aa" allows one "a"."""
+    a = (await ctx.http.post(f"{ctx.url}/tokenize", json={"prompt": "a", "add_special_tokens": False})).json()["tokens"]
+    kw = dict(model=ctx.model, prompt=prompt(r), max_tokens=8, n=r.choice([1, 2]), temperature=r.choice([0, 1.0]),
+              seed=r.randint(0, 999))
+    kind = r.choice(["bad_words", "grammar", "grammar_done", "refused"])
+    body = {"allowed_token_ids": a, **{"bad_words": {"bad_words": ["aa"]}, "refused": {"bad_words": ["a"]},
+                                       "grammar": {"guided_choice": ["yes"]},
+                                       "grammar_done": {"guided_choice": ["a"]}}[kind]}
+    if kind == "refused":
+        try:
+            await ctx.client.completions.create(**kw, extra_body=body, stream=r.random() < 0.5)
+        except openai.BadRequestError as exc:
+            check(exc.body.get("param") == "allowed_token_ids", f"param {exc.body.get('param')!r}")
+            return
+        raise Bad("allowed_token_ids that bad_words mask whole were accepted")
+    want = {"bad_words": ("a", "constraint"), "grammar": ("", "constraint"), "grammar_done": ("a", "stop")}[kind]
+    if r.random() < 0.5:
+        texts, finishes, _ = await streamed_texts(await ctx.client.completions.create(**kw, extra_body=body,
+                                                                                     stream=True))
+        got = [(texts[i], finishes.get(i)) for i in range(kw["n"])]
+    else:
+        out = await ctx.client.completions.create(**kw, extra_body=body)
+        got = [(c.text, c.finish_reason) for c in sorted(out.choices, key=lambda c: c.index)]
+    check(got == [want] * kw["n"], f"{kind}: {got}, want {want}")
+
+
+async def many_prompts(ctx: Ctx, r: random.Random) -> None:
+    """A list of a few hundred prompts answers each; past the server's limit (1024) a 400 naming prompt."""
+    if r.random() < 0.3:
+        resp = await ctx.http.post(f"{ctx.url}/v1/completions",
+                                   json={"model": ctx.model, "prompt": ["hi"] * 1025, "max_tokens": 1})
+        expect_400(resp, "prompt", "1025 prompts")
+        return
+    num = r.randint(50, 400)
+    ids = [[r.randint(3, 499) for _ in range(r.randint(1, 4))] for _ in range(num)]
+    out = await ctx.client.completions.create(model=ctx.model, prompt=ids, max_tokens=r.randint(1, 3),
+                                              temperature=1.0, seed=r.randint(0, 999))
+    check(sorted(c.index for c in out.choices) == list(range(num)), f"{len(out.choices)} choices for {num}")
+    check(out.usage.prompt_tokens == sum(map(len, ids)), f"usage {out.usage}")
+
+
 # ---------------------------------------------------------------------- rude clients
 async def cancel(ctx: Ctx, r: random.Random) -> None:
     """The client task is cancelled mid-request (the HTTP connection is closed)."""
@@ -415,8 +459,8 @@ async def bad_body(ctx: Ctx, r: random.Random) -> None:
 
 SCENARIOS = [completion, completion, completion_stream, completion_stream, chat, chat_stream, structured,
              forced_tool_call, up_to_max_model_len, pool_sized_n, token_prompts, echo_stream_n, legacy_generate,
-             one_bad_prompt, cancel, disconnect_stream, disconnect_stream, bad_field, bad_field, bad_field, bad_body,
-             bad_body]
+             one_bad_prompt, dead_end_constraints, many_prompts, cancel, disconnect_stream, disconnect_stream,
+             bad_field, bad_field, bad_field, bad_body, bad_body]
 
 
 # ---------------------------------------------------------------------- the storm
