@@ -77,6 +77,9 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_FUSED_DECODE": EnvVar(
         _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
     "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),
+    "PAGEDLLM_MAX_COMPLETION_PROMPTS": EnvVar(
+        _int("PAGEDLLM_MAX_COMPLETION_PROMPTS", 1024),
+        "most prompts one /v1/completions request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS); more is a 400"),
     "PAGEDLLM_PORT": EnvVar(
         _int("PAGEDLLM_PORT", 0),
         "first port tried for a tensor-parallel group's store (the next free one is taken; default: any free port)"),

@@ -47,8 +47,10 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 check_fits: Callable[[int, int, int], None], max_logprobs: int = 20):
+                 check_fits: Callable[[int, int, int], None], max_logprobs: int = 20,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids  # banned with stop_token_ids until min_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs  # vLLM: -1 = no cap
@@ -77,6 +79,7 @@ class InputProcessor:
         self.resolve_logprobs(params)
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        self.check_allowed_reachable(params)
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -127,6 +130,21 @@ class InputProcessor:
                 result.append(spaced)
         self._check_ids("bad_words", [t for ids in result for t in ids])
         return result
+
+    def check_allowed_reachable(self, params: SamplingParams) -> None:
+        """Refuses ``allowed_token_ids`` that the other fields mask at the first step: every one a
+        one-token bad word, or (with ``min_tokens``) every one a bad word or a stop/EOS token. Masks
+        that only bite later (longer bad words, a grammar) end the sequence with finish_reason
+        ``constraint`` instead (the sampler's NO_TOKEN)."""
+        if not params.allowed_token_ids:
+            return
+        blocked = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        if params.min_tokens > 0:
+            blocked |= set(self.eos_token_ids) | set(params.stop_token_ids)
+        if set(params.allowed_token_ids) <= blocked:
+            why = "bad_words" + (" and the stop/EOS tokens masked until min_tokens" if params.min_tokens else "")
+            raise ValueError(f"allowed_token_ids={params.allowed_token_ids[:8]} leaves no token to sample: {why} "
+                             f"mask every one of them; allow another token or drop the conflicting field")
 
     @staticmethod
     def _id_list(ids) -> list[int]:

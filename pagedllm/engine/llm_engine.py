@@ -17,7 +17,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
-from pagedllm.layers.sampler import Sampler, SamplingRow
+from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -56,7 +56,8 @@ class LLMEngine:
         self.sampler = Sampler(config.layer_ops, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
-                                              self.scheduler.check_fits, config.model.max_logprobs)
+                                              self.scheduler.check_fits, config.model.max_logprobs,
+                                              self.eos_token_ids)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
                            if config.speculative is not None else None)
@@ -293,7 +294,7 @@ class LLMEngine:
             req = self.scheduler.requests.get(c.request_id)
             if req is not None and c.start < req.num_prompt_tokens:
                 prompt += min(c.seq_len, req.num_prompt_tokens) - c.start
-        gen = sum(len(s.token_ids) for s in sampled)
+        gen = sum(len(s.token_ids) - s.token_ids.count(NO_TOKEN) for s in sampled)
         self.counters.prompt_tokens_computed += prompt
         self.counters.generation_tokens += gen
         self._log_window[0] += prompt

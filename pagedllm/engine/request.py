@@ -21,11 +21,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # its constraints (structured output, allowed_token_ids, bad_words, min_tokens) left no token
+    # to sample: it ends without one (never a token they forbid)
+    FINISHED_CONSTRAINT = "constraint"
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_CONSTRAINT)
 
 
 # torch's CPU generator state (CPUGeneratorImplState, kept stable for saved states): a header

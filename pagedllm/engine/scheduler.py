@@ -29,6 +29,7 @@ from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.kv_cache.offload.manager import OffloadManager
 from pagedllm.kv_cache.offload.ops import LoadReport
+from pagedllm.layers.sampler import NO_TOKEN
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
@@ -325,6 +326,9 @@ class Scheduler:
 
     def _append(self, req: Request, s: SampledTokens, k: int, now: float) -> None:
         token = s.token_ids[k]
+        if token == NO_TOKEN:
+            self.finish(req.request_id, _no_token_status(req))
+            return
         req.append_token(token)
         req.cumulative_logprob += s.logprobs[k]
         if req.logprobs is not None:
@@ -443,3 +447,14 @@ class Scheduler:
     def take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []
         return ids
+
+
+def _no_token_status(req: Request) -> RequestStatus:
+    """A sequence whose sampler row allowed no token (``NO_TOKEN``): ``stop`` when its grammar has
+    matched a whole string (only the stop token, excluded by another rule, could follow), else
+    ``constraint``."""
+    if req.grammar is not None and req.grammar.is_complete():
+        return RequestStatus.FINISHED_STOPPED
+    logger.warning("request %s: its constraints allow no next token after %d tokens; it ends with "
+                   "finish_reason 'constraint'", req.parent_id, req.num_output_tokens)
+    return RequestStatus.FINISHED_CONSTRAINT

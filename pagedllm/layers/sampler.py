@@ -5,6 +5,11 @@ Order: raw log-probs (reported, as vLLM's default) -> the structured-output gram
 greedy rows take argmax; random rows apply temperature, top-k, top-p, min-p and draw with the
 exponential-race trick ``argmax(p / q), q ~ Exp(1)``, where seeded rows draw ``q`` from their
 own generator so their tokens do not depend on the rest of the batch.
+
+A row whose rules leave no token (every logit -inf: a grammar step the other constraints exclude,
+``allowed_token_ids`` all in ``bad_words``, ...) samples ``NO_TOKEN`` instead of an argmax over
+-inf (which is token 0); ``distributions`` gives it all-zero probabilities. The engine ends that
+sequence (``Scheduler.update``) without appending anything.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from pagedllm.structured_output import GrammarState, StructuredOutputManager
 from pagedllm.structured_output.manager import apply_token_bitmask
 from pagedllm.worker.device_to_host import to_host
 from pagedllm.worker.host_to_device import to_device
+
+NO_TOKEN = -1  # a row's sampled id when its constraints allow no token at all
 
 
 @dataclass
@@ -96,10 +103,13 @@ class Sampler:
         inputs = inputs if inputs is not None else self._inputs(logits, rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if inputs.flags.need_logprobs else None
         logits = _process(logits, inputs, self._vocab_size())
+        empty = _empty_rows(logits, inputs)
         tokens = self._choose(logits, inputs)
+        if empty is not None:
+            tokens = tokens.masked_fill(empty, NO_TOKEN)
         out = dict(sampled_ids=tokens)
-        if raw_logprobs is not None:
-            out["sampled_logprobs"] = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if raw_logprobs is not None:  # an empty row's logprob is a placeholder: nothing is appended
+            out["sampled_logprobs"] = raw_logprobs.gather(1, tokens.clamp_min(0)[:, None]).squeeze(1)
             out.update(_top_logprob_tensors(raw_logprobs, inputs.flags.max_top_logprobs))
         return out
 
@@ -114,8 +124,9 @@ class Sampler:
     @torch.inference_mode()
     def distributions(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs, raw_logprobs)``, both ``[num_rows, vocab]``: the normalised distribution
-        ``__call__`` draws each row's token from (a greedy row: one-hot at its argmax) and the
-        raw log-probs it reports. Speculative decoding verifies drafts against these."""
+        ``__call__`` draws each row's token from (a greedy row: one-hot at its argmax; a row that
+        allows no token: all zeros) and the raw log-probs it reports. Speculative decoding
+        verifies drafts against these."""
         logits = logits.float()
         inputs = self._inputs(logits, rows, noise=False)  # the caller draws from ``probs`` itself
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -124,6 +135,9 @@ class Sampler:
         if not inputs.flags.all_greedy:
             weights = _random_probs(logits, inputs)
             probs = torch.where(inputs.tensors["greedy"][:, None], probs, weights / weights.sum(dim=-1, keepdim=True))
+        empty = _empty_rows(logits, inputs)
+        if empty is not None:  # not one-hot at 0 (argmax of -inf), not NaN (0 / 0)
+            probs = probs.masked_fill(empty[:, None], 0.0)
         return probs, raw_logprobs
 
     @staticmethod
@@ -134,6 +148,7 @@ class Sampler:
         tokens -> raw logprob (None if no row asks), in one host->device and one device->host
         transfer."""
         pairs = np.array([index, tokens], dtype=np.int64).reshape(2, -1)  # [2, len(index)]: rows, tokens
+        pairs[1] = pairs[1].clip(min=0)  # NO_TOKEN: a placeholder logprob, never appended
         pairs = to_device(dict(pairs=pairs), raw_logprobs.device)["pairs"]
         picked = raw_logprobs[pairs[0]]  # [len(index), vocab]
         chosen = picked.gather(1, pairs[1][:, None]).squeeze(1)  # [len(index)]
@@ -163,6 +178,15 @@ class Sampler:
             return tokens
         sampled = _sample_random(logits, inputs) if self.ops == "native" else _sample_random_triton(logits, inputs)
         return torch.where(inputs.tensors["greedy"], tokens, sampled)
+
+
+def _empty_rows(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor | None:
+    """``[rows]`` bool: the rows whose every logit is -inf after the rules; None when no rule that
+    masks (grammar, allowed ids, bad words / banned ids) is on. Stays on the device (no sync)."""
+    f = inputs.flags
+    if not (f.grammar or f.allowed or f.masked):
+        return None
+    return torch.isneginf(logits).all(dim=-1)
 
 
 def _process(logits: torch.Tensor, inputs: SamplingInputs, grammar_vocab: int | None) -> torch.Tensor:

@@ -52,7 +52,8 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt length of every request, counted at its first token (as vLLM)
     prompt_tokens_computed: int = 0  # prompt positions run through the model (no prefix hits, + recompute)
     generation_tokens: int = 0
-    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0,
+                                                                     "constraint": 0})
     num_steps: int = 0
     peak_used_blocks: int = 0
     peak_running: int = 0

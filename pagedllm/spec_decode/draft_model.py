@@ -23,8 +23,8 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
-from pagedllm.layers.sampler import Sampler, SamplingRow
-from pagedllm.spec_decode.rejection_sampler import draw
+from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
+from pagedllm.spec_decode.rejection_sampler import best, draw
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -38,6 +38,7 @@ class DraftSequence:
     cache_salt: str | None = None
     drafts: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per draft: what it was drawn from
+    stuck: bool = False  # its last row allowed no token: no more drafts this step
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +80,7 @@ class DraftModelProposer:
         active = [(req, k, self._sync(req)) for req, k in batch]
         requests = {req.request_id: req for req, _, _ in active}
         for step in range(max((k for _, k, _ in active), default=0)):
-            active = [(r, k, seq) for r, k, seq in active if k > step and self._allocate(seq, r)]
+            active = [(r, k, seq) for r, k, seq in active if k > step and not seq.stuck and self._allocate(seq, r)]
             if not active:
                 break
             self._step(active, requests)
@@ -95,7 +96,7 @@ class DraftModelProposer:
         same = _common_prefix(seq.all_token_ids, req.all_token_ids, min(seq.num_computed_tokens, req.num_tokens - 1))
         seq.all_token_ids = list(req.all_token_ids)
         seq.num_computed_tokens = same
-        seq.drafts, seq.probs = [], []
+        seq.drafts, seq.probs, seq.stuck = [], [], False
         self.kv.rollback(seq)
         return seq
 
@@ -115,7 +116,10 @@ class DraftModelProposer:
                 for req, _, seq in active]
         probs, _ = self.sampler.distributions(logits, rows)
         for (req, _, seq), p in zip(active, probs):
-            token = int(p.argmax()) if req.params.greedy else draw(p, req.generator)
+            token = best(p) if req.params.greedy else draw(p, req.generator)
+            if token == NO_TOKEN:  # the target's row there allows no token either: it ends the request
+                seq.stuck = True
+                continue
             seq.all_token_ids.append(token)
             seq.drafts.append(token)
             seq.probs.append(p)

@@ -6,11 +6,14 @@ at the first rejection draw the replacement from ``norm(max(0, p_j - q_j))`` and
 ``s`` drafts are accepted draw a bonus token from ``p_s``. A proposer without a distribution (the
 n-gram lookup) is a point mass ``q_j = one-hot(d_j)``: accept with probability ``p_j(d_j)``, on
 rejection draw from ``p_j`` with ``d_j`` removed. Greedy rows (``p`` one-hot at the argmax) reduce
-to "accept while the draft equals the target's argmax".
+to "accept while the draft equals the target's argmax". A position whose target row allows no token
+(all-zero ``p``: the sampler's empty row) rejects its draft and yields ``NO_TOKEN``.
 """
 from __future__ import annotations
 
 import torch
+
+from pagedllm.layers.sampler import NO_TOKEN
 
 
 def rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
@@ -49,6 +52,16 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, d: torch.Tensor, j: int) 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index drawn with probability proportional to ``weights`` (``[vocab]``, >= 0), by the
-    exponential race ``argmax(w / e), e ~ Exp(1)`` the sampler uses."""
+    exponential race ``argmax(w / e), e ~ Exp(1)`` the sampler uses; ``NO_TOKEN`` when every
+    weight is 0 (a row that allows no token)."""
     noise = torch.empty(weights.shape[0]).exponential_(generator=generator).to(weights.device)
-    return int((weights / noise).argmax())
+    return _positive_index((weights / noise).argmax(), weights)
+
+
+def best(weights: torch.Tensor) -> int:
+    """The index of the largest of ``weights`` (``[vocab]``, >= 0); ``NO_TOKEN`` when all are 0."""
+    return _positive_index(weights.argmax(), weights)
+
+
+def _positive_index(index: torch.Tensor, weights: torch.Tensor) -> int:
+    return int(torch.where(weights[index] > 0, index, NO_TOKEN))  # one device->host read, as before

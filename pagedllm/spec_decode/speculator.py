@@ -10,10 +10,10 @@ Per step (``LLMEngine.step``)::
     (engine)             appends them token by token (stops end a run exactly), then
                          Scheduler.end_verification rolls the K/V back past the accepted tokens
 
-A request gets no drafts while its structured-output grammar constrains it, when its remaining
-``max_tokens`` or ``max_model_len`` leave no room, or while it is backing off: after a verified
-run with nothing accepted it sits out 2, 4, ... 16 steps (reset by the next accepted draft), so
-low-acceptance text decodes at plain speed.
+A request gets no drafts before its first output token, while its structured-output grammar
+constrains it, when its remaining ``max_tokens`` or ``max_model_len`` leave no room, or while it
+is backing off: after a verified run with nothing accepted it sits out 2, 4, ... 16 steps (reset
+by the next accepted draft), so low-acceptance text decodes at plain speed.
 """
 from __future__ import annotations
 
@@ -82,8 +82,11 @@ class Speculator:
                 req.spec_token_ids = list(self.proposals[req.request_id].token_ids)
 
     def _num_drafts(self, req: Request) -> int:
-        """0 unless the request is decoding (one token to compute), unconstrained and not backing off."""
-        if req.num_computed_tokens != req.num_tokens - 1 or req.grammar is not None:
+        """0 unless the request is decoding (one token to compute, at least one generated: a prompt
+        whose last token a token budget left for the next chunk has one to compute too, and its
+        siblings still to fork), unconstrained and not backing off."""
+        decoding = req.num_computed_tokens == req.num_tokens - 1 and req.num_output_tokens > 0
+        if not decoding or req.grammar is not None:
             return 0
         backoff = self.backoff.get(req.request_id)
         if backoff is not None and self.step < backoff.resume_step:

@@ -84,6 +84,10 @@ class GrammarState:
         """The grammar is complete and has accepted its stop token: the sequence ends."""
         return self._matcher is not None and self._matcher.is_terminated()
 
+    def is_complete(self) -> bool:
+        """What it has accepted is a whole match: only the stop token may follow (or nothing)."""
+        return self._matcher is not None and self._matcher.is_completed()
+
     def fork(self) -> GrammarState:
         """A copy for a forked sequence: same grammar, matcher state copied."""
         return GrammarState(self._compiled, self.matcher().fork())

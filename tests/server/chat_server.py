@@ -43,14 +43,17 @@ def script_engine(monkeypatch, server, pieces: list[str], finish: str = "stop") 
     joined otherwise); returns the list the prompts it was given are appended to."""
     prompts = []
 
-    async def add_request(request_id, prompt, params, arrival_time=None):
-        prompts.append(prompt)
-        stream = RequestStream(request_id)
-        chunks = pieces if params.output_kind == "delta" else ["".join(pieces)]
-        for k, text in enumerate(chunks):
-            last = k == len(chunks) - 1
-            out = CompletionOutput(0, text, [5], None, None, finish if last else None)
-            stream.put(RequestOutput(request_id, None, [1, 2, 3], [out], finished=last))
-        return stream
-    monkeypatch.setattr(server.engine, "add_request", add_request)
+    async def add_requests(requests, params, arrival_time=None, queue=None):
+        streams = []
+        for request_id, prompt in requests:
+            prompts.append(prompt)
+            stream = RequestStream(request_id, queue)
+            chunks = pieces if params.output_kind == "delta" else ["".join(pieces)]
+            for k, text in enumerate(chunks):
+                last = k == len(chunks) - 1
+                out = CompletionOutput(0, text, [5], None, None, finish if last else None)
+                stream.put(RequestOutput(request_id, None, [1, 2, 3], [out], finished=last))
+            streams.append(stream)
+        return streams
+    monkeypatch.setattr(server.engine, "add_requests", add_requests)
     return prompts

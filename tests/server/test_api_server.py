@@ -64,6 +64,22 @@ def test_models_health_tokenize(live_server, client):  # noqa: F811
     assert "hello world" in text
 
 
+def test_tokenize_messages_is_one_tokenizer_thread_job(live_server, monkeypatch):  # noqa: F811
+    """/tokenize with messages renders the template and encodes in one job (it took two hops)."""
+    from transformers import AutoTokenizer
+    jobs, real = [], live_server.engine.with_tokenizer
+
+    async def counting(fn):
+        jobs.append(fn)
+        return await real(fn)
+    monkeypatch.setattr(live_server.engine, "with_tokenizer", counting)
+    messages = [{"role": "user", "content": "hello world"}]
+    toks = httpx.post(f"{live_server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(live_server.engine.model_config.tokenizer)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert len(jobs) == 1 and toks == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_completion_matches_offline_and_stream(client, offline):
     ref = greedy(offline, "hello world", 10)
     out = client.completions.create(model="tiny", prompt="hello world", max_tokens=10, temperature=0)

@@ -22,7 +22,9 @@ def speculator(llama_dir):
 
 
 def _decoding_request() -> Request:
-    req = Request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=100), frozenset({2}))
+    """Tokens 5 6 7 5 6 7 5 6, the last one generated and not yet computed."""
+    req = Request("r", [5, 6, 7, 5, 6, 7, 5], SamplingParams(temperature=0, max_tokens=100), frozenset({2}))
+    req.append_token(6)
     req.num_computed_tokens = req.num_tokens - 1
     return req
 
@@ -66,9 +68,13 @@ def test_rejected_drafts_back_off_and_an_accepted_one_resets(speculator):
 
 def test_no_drafts_past_max_tokens_or_for_a_prefilling_request(speculator):
     req = _decoding_request()
-    req.params.max_tokens = 2  # one output token may follow the next: room for one draft
+    req.params.max_tokens = 3  # one output token may follow the next: room for one draft
     speculator.propose([req])
     assert len(req.spec_token_ids) == 1
     req.num_computed_tokens = 0  # prefilling (e.g. recomputing after a preemption)
     speculator.propose([req])
     assert req.spec_token_ids == []
+    prompt_only = Request("p", req.all_token_ids, SamplingParams(temperature=0, max_tokens=100), frozenset({2}))
+    prompt_only.num_computed_tokens = prompt_only.num_tokens - 1  # a token budget left the prompt's last token
+    speculator.propose([prompt_only])
+    assert prompt_only.spec_token_ids == []

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm import envs
 from pagedllm.sampling_params import SEED_MAX, SEED_MIN
 
 # int64 range: larger values cannot become tensors or generator seeds
@@ -114,6 +115,17 @@ class CompletionRequest(SamplingFields):
     logprobs: Int64 | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompt_list(cls, value):
+        """Each listed prompt is an engine request: more than PAGEDLLM_MAX_COMPLETION_PROMPTS is
+        refused before the list's items are validated (vLLM's rule, its default 1024)."""
+        limit = envs.PAGEDLLM_MAX_COMPLETION_PROMPTS
+        if isinstance(value, list) and len(value) > limit and not isinstance(value[0], int):
+            raise ValueError(f"a list of {len(value)} prompts exceeds the maximum of {limit} per request; send "
+                             "them in several requests (the server's PAGEDLLM_MAX_COMPLETION_PROMPTS sets it)")
+        return value
 
 
 class ContentPart(StrictModel):

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
@@ -195,26 +195,31 @@ def _check_guided_options(req: SamplingFields) -> None:
 
 # ---------------------------------------------------------------------- engine requests
 class RequestGroup:
-    """The engine requests behind one HTTP request (several prompts -> several requests)."""
+    """The engine requests behind one HTTP request (several prompts -> several requests).
+
+    Its requests share one output queue, read by ``outputs()``: nothing per request runs on the
+    event loop but the engine's ``put``, so a request of many prompts costs the loop no more than
+    its outputs (no task per prompt).
+    """
 
     def __init__(self, engine: AsyncLLMEngine):
         self.engine = engine
         self.streams: list[RequestStream] = []
-        self._pumps: list[asyncio.Task] = []
+        self.queue: asyncio.Queue = asyncio.Queue()
 
     async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams, arrival: float) -> None:
-        """Queues every prompt's request at once: tokenized side by side on the tokenizer threads and
-        added in one pass of the engine thread (added one after another, each waited for a step).
-        The first invalid prompt, in prompt order, becomes the 400; ``close()`` aborts the others."""
-        slots: list[RequestStream | None] = [None] * len(requests)
+        """Queues every prompt's request: tokenized side by side on the tokenizer threads, a batch
+        of ``_ADD_BATCH`` per job, each batch added to the engine in one op. The first invalid
+        prompt, in prompt order, becomes the 400; ``close()`` aborts the others."""
+        batches = [requests[i:i + _ADD_BATCH] for i in range(0, len(requests), _ADD_BATCH)]
+        slots: list[list[RequestStream] | None] = [None] * len(batches)
 
-        async def add_one(i: int, request_id: str, prompt: PromptType) -> None:
-            slots[i] = await self.engine.add_request(request_id, prompt, params, arrival)
-            self.streams.append(slots[i])  # at once, so that close() aborts it whatever happens next
+        async def add_batch(k: int) -> None:
+            slots[k] = await self.engine.add_requests(batches[k], params, arrival, self.queue)
+            self.streams.extend(slots[k])  # at once, so that close() aborts them whatever happens next
 
-        results = await asyncio.gather(*(add_one(i, rid, prompt) for i, (rid, prompt) in enumerate(requests)),
-                                       return_exceptions=True)
-        self.streams = [stream for stream in slots if stream is not None]  # prompt order: outputs() indexes by it
+        results = await asyncio.gather(*(add_batch(k) for k in range(len(batches))), return_exceptions=True)
+        self.streams = [stream for batch in slots if batch is not None for stream in batch]  # prompt order
         for error in results:
             if isinstance(error, (ValueError, TypeError)):  # TypeError: the tokenizer refuses e.g. lone surrogates
                 raise bad_request(error) from None
@@ -223,21 +228,15 @@ class RequestGroup:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yields ``(prompt index, output)`` from all requests as they arrive."""
-        if len(self.streams) == 1:
-            async for out in self.streams[0]:
-                yield 0, out
-            return
-        merged: asyncio.Queue = asyncio.Queue()
-        self._pumps = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(self.streams)]
+        index = {stream.request_id: i for i, stream in enumerate(self.streams)}
         remaining = len(self.streams)
         while remaining:
-            i, item = await merged.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
                 raise item
-            else:
-                yield i, item
+            if item.finished:
+                remaining -= 1
+            yield index[item.request_id], item
 
     async def finals(self) -> list[RequestOutput]:
         """The last output of every request (requests run with output_kind="final_only")."""
@@ -248,19 +247,11 @@ class RequestGroup:
 
     def close(self) -> None:
         """Aborts every unfinished request (frees its blocks); safe to call more than once."""
-        for task in self._pumps:
-            task.cancel()
         for stream in self.streams:
             self.engine.abort(stream.request_id)
 
 
-async def _pump(i: int, stream: RequestStream, merged: asyncio.Queue) -> None:
-    try:
-        async for out in stream:
-            merged.put_nowait((i, out))
-        merged.put_nowait((i, None))
-    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        merged.put_nowait((i, exc))
+_ADD_BATCH = 256  # prompts per tokenizer-thread job and engine op (RequestGroup.add_all)
 
 
 # ---------------------------------------------------------------------- streaming helpers
@@ -483,7 +474,7 @@ class OpenAIServing:
         if req.stream:
             body = sse_body(self.completion_events(group, rid, model, req), group)
             return await start_streaming(body, "text/event-stream")
-        return self.completion_response(rid, model, req, await collect(group))
+        return await self.completion_json(rid, model, req, await collect(group))
 
     def completion_prompts(self, prompt) -> list[PromptType]:
         if isinstance(prompt, str):
@@ -503,16 +494,27 @@ class OpenAIServing:
         except ValueError as exc:
             raise ServingError(str(exc), 400, "prompt") from None
 
-    def prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+    def prompt_text(self, out: RequestOutput, tokenizer=None) -> str:
+        """``tokenizer``: the calling thread's own (None: the event loop's, ``self.tokenizer``)."""
+        tokenizer = tokenizer or self.tokenizer
+        return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+    async def completion_json(self, rid: str, model: str, req: CompletionRequest,
+                              finals: list[RequestOutput]) -> Response:
+        """The whole reply, built and serialized on a tokenizer thread (with that thread's tokenizer
+        for echoed token-id prompts): a reply of 100k choices takes seconds to build and encode,
+        which on the event loop would hold every stream and ``/health`` for as long."""
+        def build(tokenizer) -> bytes:
+            return self.completion_response(rid, model, req, finals, tokenizer).model_dump_json().encode()
+        return Response(await self.engine.with_tokenizer(build), media_type="application/json")
 
     def completion_response(self, rid: str, model: str, req: CompletionRequest,
-                            finals: list[RequestOutput]) -> CompletionResponse:
+                            finals: list[RequestOutput], tokenizer=None) -> CompletionResponse:
         choices = []
         for i, out in enumerate(finals):
-            prefix = self.prompt_text(out) if req.echo else ""
+            prefix = self.prompt_text(out, tokenizer) if req.echo else ""
             for j, c in enumerate(out.outputs):
-                lp = self.choice_logprobs(req, out, c, 0, echoed=bool(req.echo))
+                lp = self.choice_logprobs(req, out, c, 0, echoed=bool(req.echo), tokenizer=tokenizer)
                 choices.append(CompletionChoice(index=i * (req.n or 1) + j, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
@@ -542,14 +544,15 @@ class OpenAIServing:
         return CompletionResponse(id=rid, model=model, created=created, choices=[choice]).model_dump()
 
     def choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int,
-                        echoed: bool) -> CompletionLogprobs | None:
+                        echoed: bool, tokenizer=None) -> CompletionLogprobs | None:
         """A choice's logprobs; with echo the prompt's come first (generated offsets then continue
         after the prompt's tokens)."""
         if req.logprobs is None:
             return None
         if not echoed:
             return completion_logprobs(c, offset)
-        return completion_logprobs(c, offset, prompt_logprobs_entries(out, lambda t: self.tokenizer.decode([t])))
+        tokenizer = tokenizer or self.tokenizer
+        return completion_logprobs(c, offset, prompt_logprobs_entries(out, lambda t: tokenizer.decode([t])))
 
     # ------------------------------------------------------------------ chat
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
@@ -649,9 +652,9 @@ class OpenAIServing:
         check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
-        if req.messages is not None:
-            text = await self.render_chat(req.messages, req.add_generation_prompt)
-            ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, text, False, "messages"))
+        if req.messages is not None:  # rendered and encoded in one tokenizer-thread job (one hop, not two)
+            ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, render_chat(
+                tokenizer, self.chat_template, req.messages, req.add_generation_prompt), False, "messages"))
         else:
             ids = await self.engine.with_tokenizer(
                 lambda tokenizer: _encode(tokenizer, req.prompt, req.add_special_tokens, "prompt"))
