@@ -18,7 +18,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if importlib.util.find_spec("triton") is None:
     collect_ignore_glob = ["triton_ops/*"]  # the Triton path's tests need triton (test extra)
-torch.set_num_threads(2)
+# two torch threads; under pytest-xdist (-n N) each worker gets its share of the cores instead, so
+# N workers do not oversubscribe a small machine (engines still set their own, physical cores)
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(2 if _XDIST_WORKERS == 1 else max(1, min(2, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
