@@ -56,7 +56,7 @@ cat "$OUT/gpu.txt"
 # In 8 processes where pytest-xdist is installed (it is on the H200 image): a fresh machine JITs
 # every kernel variant, ~150 of them, one at a time per process (device_rehearsal.sh measured
 # 127 s of sm_90 compiles for the interpreted tests' launches on this CPU, with triton 3.6)
-XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8 --dist load")  # by test, not pyproject's by module
 step gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider $XDIST -m gpu --junitxml="$OUT/gpu-tests.xml" \
     tests/triton_ops tests/attention/test_triton_attention.py tests/e2e/test_cuda_graph_replay.py \
     tests/unit/test_sampler_syncs.py tests/distributed/test_tp_cuda_graphs.py

@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (pyproject's -n 2) OpenMP threads that wait sleep instead of spinning: with
+# two workers on two cores a spinning thread holds the core the other worker needs (measured on
+# two model test files: 46-52 s spinning, 28.6 s passive). OpenMP reads this once, when torch
+# loads it, hence before the import.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402 - after OMP_WAIT_POLICY is set (see above)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,7 +26,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if importlib.util.find_spec("triton") is None:
     collect_ignore_glob = ["triton_ops/*"]  # the Triton path's tests need triton (test extra)
-torch.set_num_threads(2)
+# two torch threads; under pytest-xdist (-n N) each worker gets its share of the cores instead, so
+# N workers do not oversubscribe a small machine (engines still set their own, physical cores)
+torch.set_num_threads(2 if _XDIST_WORKERS == 1 else max(1, min(2, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

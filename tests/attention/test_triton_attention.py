@@ -8,12 +8,12 @@ compiled kernels on it, and the ``gpu`` tests add what the interpreter cannot ch
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from concurrent_runs import run_side_by_side
 
 from pagedllm.attention.testing import PagedBatch, dense_attention_f64, gather_context, make_paged_batch
 from pagedllm.attention.torch_ref import TorchReferenceBackend
@@ -262,14 +262,15 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     """Every (kernel, dtypes, constexprs) the backend launches, compiled to cubin with the
-    wheel's ptxas. A subprocess: this process's triton is in interpreter mode; a fresh cache
-    directory: nothing is reused from an earlier run."""
+    wheel's ptxas. Subprocesses, one per arch side by side: this process's triton is in
+    interpreter mode; fresh cache directories: nothing is reused from an earlier run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.attention.triton.aot", "--arch", "80", "90"],
-                          capture_output=True, text=True, env=env, timeout=2400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    archs = ("80", "90")
+    envs = [dict(env, TRITON_CACHE_DIR=str(tmp_path / arch), PYTHONWARNINGS="ignore") for arch in archs]
+    done = run_side_by_side([[sys.executable, "-m", "pagedllm.attention.triton.aot", "--arch", arch]
+                             for arch in archs], envs, timeout=2400)
+    assert not done.failures, done.failures
+    lines = done.stdout.splitlines()
     from pagedllm.attention.triton.aot import shipped_launches
     # 11 (query, cache) dtype pairs x 4 attention launches, 7 K/V writes (fp8 caches take fp8 K/V:
     # one write each), 3 merges; the e4m3-cache kernels (3 x 4 + 1) on sm_90 only, and so the
