@@ -49,7 +49,7 @@ PANEL_MAX_ROWS = 96
 # bfloat16 weights: up to this many rows csrc/bf16_linear.c (float32 math on the widened weight,
 # at the weights' read time) beats oneDNN's bf16 GEMM (AMX), which wins on compute from there
 # (benchmarks/RESULTS.md, "bfloat16 on the CPU"); also the one-call decoder's bf16 limit.
-BF16_C_MAX_ROWS = 16
+BF16_C_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
