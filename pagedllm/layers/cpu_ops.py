@@ -46,6 +46,10 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 # contended), slower from ~128 rows (RESULTS.md).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
 PANEL_MAX_ROWS = 96
+# bfloat16 weights: up to this many rows csrc/bf16_linear.c (float32 math on the widened weight,
+# at the weights' read time) beats oneDNN's bf16 GEMM (AMX), which wins on compute from there
+# (benchmarks/RESULTS.md, "bfloat16 on the CPU"); also the one-call decoder's bf16 limit.
+BF16_C_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,31 @@ def panel_linear(x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None
     return out
 
 
+def bf16_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The C bf16 kernel takes this call: a bfloat16 CPU weight, 1..BF16_C_MAX_ROWS rows of x."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or x.device.type != "cpu" or x.dim() != 2:
+        return False
+    return 0 < x.shape[0] <= BF16_C_MAX_ROWS and not torch.compiler.is_compiling() and bindings.is_available()
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x . weight^T + bias`` with float32 math on the bf16 weight (csrc/bf16_linear.c), in x's
+    dtype: a bfloat16 x (the module path) gets its output rounded as oneDNN's would be; a float32
+    x (the one-call decoder's hidden states, into the LM head) gets float32 out."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    bindings.library().bf16_linear(x.float().contiguous(), weight.contiguous(), b, out, torch.get_num_threads())
+    return out.to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PanelWeight | torch.Tensor | None):
-    """F.linear, through a packed copy when the row count is in the range where it wins."""
+    """F.linear, through a packed copy when the row count is in the range where it wins; bf16
+    weights at a few rows through the C kernel (float32 activations may meet bf16 weights there)."""
+    if bf16_usable(x, weight):
+        return bf16_linear(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:  # the one-call decoder's hidden states,
+        x = x.to(weight.dtype)  # past the C kernel's rows: as the module path computes
     # under torch.compile inductor picks (and prepacks) the GEMM itself
     if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS \
             and not torch.compiler.is_compiling():

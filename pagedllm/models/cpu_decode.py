@@ -1,4 +1,4 @@
-"""The Llama-family decoder stack in one C call, for small float32 CPU batches.
+"""The Llama-family decoder stack in one C call, for small float32 or bfloat16 CPU batches.
 
 At decode batch sizes every matmul is a weight-streaming matrix-vector product that runs at
 memory bandwidth in MKL and in ``native/csrc/llama_decode.c`` alike; what the C path removes is the
@@ -12,6 +12,18 @@ one bit width without act-order permutation: own int4, GPTQ, AWQ, compressed-ten
 e4m3 weights with float, per-token or per-group dynamic activations, as fp8.py computes them) and KV cache
 on the CPU, one tensor-parallel rank, the compiled CPU attention backend selected, and
 ``PAGEDLLM_FUSED_DECODE`` not ``0`` (the A/B switch for benchmarks).
+
+bfloat16 models (every floating parameter bfloat16, projections not quantized): the projections
+run on ``csrc/bf16_linear.c`` (each weight widened in registers: half of float32's bytes read),
+and the activations inside the decoder are float32, not bfloat16. Why: the module path rounds
+every op's output to bfloat16 (8 significant bits), which is where a bf16 model's error against
+its float32 reference comes from; widening costs nothing here (the step is bound by reading the
+weights), so the decoder computes what transformers computes in float32 on the same bf16 weights,
+up to K/V, which a bfloat16 cache stores rounded (the bits the module path stores). Norm weights
+and biases are read as float32 copies made here (they are tiny); the final hidden states leave
+in float32, and the LM head takes them in float32 (``cpu_ops.linear``: logits in float32). The
+module path (prefill chunks, big batches) keeps bfloat16 activations: the two paths agree on
+greedy tokens up to near ties (tests/models/test_bf16_decode.py).
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers import cpu_ops
 from pagedllm.native import bindings
 from pagedllm.native.bindings import LAYER_ARRAY_FIELDS, LdBatch, LdModel
 
@@ -51,6 +64,9 @@ def _ptr_array(values: list) -> ctypes.Array:
 
 # projection weights the decoder reads: int8 (own, per row), uint8 4/8-bit codes, FP8 e4m3 bytes
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+# the model dtypes (every floating parameter but quantized projections) and KV cache dtypes it takes
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # LdModel.fp8_act: how an FP8 layer's activations enter its matmul (layers/quantization/fp8.py's modes)
 FP8_ACT_CODES = {"none": 1, "token": 2, "group": 3}
 
@@ -65,8 +81,12 @@ def unsupported_reason(model, backend) -> str | None:
         return "tensor parallelism"
     for name, p in model.named_parameters():
         quantized = p.dtype in QUANTIZED_DTYPES and name.endswith("proj.weight")
-        if p.device.type != "cpu" or not (p.dtype == torch.float32 or quantized) or not p.is_contiguous():
-            return f"parameter {name} is not a contiguous float32 (or quantized projection) CPU tensor"
+        if p.device.type != "cpu" or not (p.dtype in MODEL_DTYPES or quantized) or not p.is_contiguous():
+            return f"parameter {name} is not a contiguous float32 / bfloat16 (or quantized projection) CPU tensor"
+    # the embedding's dtype is the model's: a bf16 one takes bf16 projections (norms and biases are read as float32)
+    embed, proj = model.embed_tokens.weight.dtype, _projections(model)[0].weight.dtype
+    if (embed == torch.bfloat16) != (proj == torch.bfloat16):
+        return f"{proj} projections with a {embed} embedding"
     return _projection_mix_reason(model)
 
 
@@ -90,11 +110,14 @@ def _projection_mix_reason(model) -> str | None:
 
 
 def _quantized_max_tokens(model) -> int:
-    """Group-wise 4/8-bit or FP8 projections: the measured token count (grouped.C_MAX_ROWS,
-    fp8.C_MAX_ROWS) past which the module path, widening the weights for one GEMM, beats the
-    one-call decoder; no limit otherwise."""
+    """Group-wise 4/8-bit, FP8 or bfloat16 projections: the measured token count
+    (grouped.C_MAX_ROWS, fp8.C_MAX_ROWS, cpu_ops.BF16_C_MAX_ROWS) past which the module path
+    (one GEMM on widened weights; oneDNN's AMX GEMM for bf16) beats the one-call decoder; no
+    limit otherwise."""
     from pagedllm.layers.quantization import fp8, grouped
     first = _projections(model)[0]
+    if first.weight.dtype == torch.bfloat16:
+        return cpu_ops.BF16_C_MAX_ROWS
     if getattr(first, "fp8_act", None) is not None:
         return fp8.C_MAX_ROWS
     bits = getattr(first, "quant_bits", None)
@@ -111,19 +134,28 @@ class FusedCpuDecoder:
 
     Holds raw pointers into the model's parameters (which must not be replaced afterwards) and,
     per KV-cache list it has seen, into the cache tensors; keeps the tensors referenced so the
-    pointers stay valid.
+    pointers stay valid. In a bfloat16 model the norm weights and biases are float32 copies
+    taken here, so the weights must be loaded before it is built (``enable_fused_decode``).
     """
 
     def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
         self._native = bindings.library()
+        self._bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+        self._f32_copies: list[torch.Tensor] = []  # keeps the float32 copies of a bf16 model's small tensors alive
         self.max_tokens = min(max_tokens, self._native.max_decode_tokens, _quantized_max_tokens(model))
         self.parallel_work = backend.parallel_work // FUSED_WORK_DIVISOR
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
 
-    @staticmethod
-    def _layer_ptrs(model, field: str) -> list[int | None]:
+    def _f32_ptr(self, t: torch.Tensor | None) -> int | None:
+        """A norm weight or bias as the C side reads it: float32 (a bf16 model's: a copy)."""
+        if t is None or t.dtype == torch.float32:
+            return _ptr(t)
+        self._f32_copies.append(t.float().contiguous())
+        return self._f32_copies[-1].data_ptr()
+
+    def _layer_ptrs(self, model, field: str) -> list[int | None]:
         def pick(layer):
             attn, mlp = layer.self_attn, layer.mlp
             if field in ("input_norm", "post_norm"):
@@ -134,7 +166,8 @@ class FusedCpuDecoder:
             linear = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[proj]
             return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None),
                     "z": getattr(linear, "weight_szero", None)}[kind]
-        return [_ptr(pick(layer)) for layer in model.layers]
+        as_f32 = not field.endswith(("_w", "_s", "_z"))  # norms and biases; weights and their scales in place
+        return [self._f32_ptr(pick(layer)) if as_f32 else _ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
@@ -144,12 +177,12 @@ class FusedCpuDecoder:
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.gate_up_proj.weight.shape[0] // 2,  # rows: not packed (codes pack along inputs)
             quant_bits=getattr(attn.qkv_proj, "quant_bits", 0),
-            fp8_act=FP8_ACT_CODES.get(getattr(attn.qkv_proj, "fp8_act", None), 0),
+            fp8_act=FP8_ACT_CODES.get(getattr(attn.qkv_proj, "fp8_act", None), 0), bf16=int(self._bf16),
             qkv_group=_group(attn.qkv_proj), o_group=_group(attn.o_proj),
             gate_up_group=_group(mlp.gate_up_proj), down_group=_group(mlp.down_proj),
             vocab_size=model.embed_tokens.weight.shape[0], max_position=rotary.cos.shape[0],
             eps=model.norm.eps, scale=attn.scale, embed=_ptr(model.embed_tokens.weight),
-            final_norm=_ptr(model.norm.weight), cos=_ptr(rotary.cos), sin=_ptr(rotary.sin),
+            final_norm=self._f32_ptr(model.norm.weight), cos=_ptr(rotary.cos), sin=_ptr(rotary.sin),
         )  # fmt: skip
         for field, arr in self._arrays.items():
             setattr(m, field, ctypes.cast(arr, ctypes.POINTER(_VP)))
@@ -159,12 +192,13 @@ class FusedCpuDecoder:
         return m
 
     def _bind_caches(self, kv_caches) -> bool:
-        """Points the struct at this KV cache list; False if the cache is not float32 CPU."""
+        """Points the struct at this KV cache list; False if the cache is not a float32 or
+        bfloat16 CPU one."""
         key_cache = kv_caches[0][0]
         key = (id(kv_caches), key_cache.data_ptr())
         if key == self._caches_key:
             return True
-        if key_cache.dtype != torch.float32 or key_cache.device.type != "cpu":
+        if key_cache.dtype not in CACHE_DTYPES or key_cache.device.type != "cpu":
             return False
         if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return False
@@ -175,7 +209,7 @@ class FusedCpuDecoder:
         m.key_cache = ctypes.cast(self._cache_refs[1], ctypes.POINTER(_VP))
         m.value_cache = ctypes.cast(self._cache_refs[2], ctypes.POINTER(_VP))
         m.num_blocks, m.block_size = num_blocks, block_size
-        m.cache_dtype = self._native.dtype_code(torch.float32)
+        m.cache_dtype = self._native.dtype_code(key_cache.dtype)
         self._caches_key = key
         return True
 
@@ -183,7 +217,8 @@ class FusedCpuDecoder:
         return 0 < num_tokens <= self.max_tokens and self._bind_caches(kv_caches)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states ``[num_tokens, hidden]``; the KV cache is written in place."""
+        """Final-normed hidden states ``[num_tokens, hidden]`` (float32, in a bfloat16 model too);
+        the KV cache is written in place."""
         ids = input_ids.to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
         qsl = meta.query_start_loc.to(torch.int32).contiguous()

@@ -45,8 +45,8 @@ CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 
 class LdModel(ctypes.Structure):
     _fields_ = [
-        *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                              "head_dim", "intermediate", "block_size", "cache_dtype", "quant_bits", "fp8_act")],
+        *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+                              "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16")],
         *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
         *[(f"{p}_group", _I64) for p in _PROJECTIONS],
         ("eps", _F32), ("scale", _F32),
@@ -100,6 +100,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _I64, _VP, _VP, _VP,  # x, T, fp8 weight bytes, scale, bias
         _I64, _I64, _I64, _VP, _I32,  # in, out, group, y, threads
     ]),
+    "bf16_linear": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, weight, bias, in, out, y, threads
     "fp8_dequant": (_I32, [_VP, _VP, _VP, _I64, _I64, _I64, _I32]),
     "fp8_act_quant": (_I32, [_VP, _I64, _I64, _I64, _F32, _VP, _I32]),
     "moe_experts": (_I32, [
@@ -329,6 +330,16 @@ class NativeLibrary:
                                   _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "fp8_linear", f": x {tuple(x.shape)}, weight {tuple(w.shape)}, group {group}")
+
+    def bf16_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                    num_threads: int) -> None:
+        """``out [T, out] = x [T, in] . W^T (+ bias)`` with W bfloat16 ``[out, in]`` widened in registers
+        (``csrc/bf16_linear.c``); x, bias and out float32; all contiguous, T at most ``max_decode_tokens``."""
+        rows, in_features = x.shape
+        rc = self._lib.bf16_linear(_ptr(x), rows, _ptr(w), _ptr(bias), in_features, w.shape[0], _ptr(out),
+                                   num_threads)
+        if rc != 0:
+            self._raise(rc, "bf16_linear", f": x {tuple(x.shape)}, weight {tuple(w.shape)}")
 
     def dequantize_fp8(self, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, group: int,
                        num_threads: int) -> None:

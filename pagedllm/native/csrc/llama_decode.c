@@ -15,6 +15,11 @@
  *
  * Attention and the KV write are the paged-attention kernel's own functions (same library,
  * declared in pagedllm_native.h with the structs LdModel and LdBatch).
+ *
+ * bfloat16 models (LdModel.bf16): the projections run on bf16_linear.c's kernel and the
+ * embedding rows are widened, but every activation (residual stream, norms, q/k/v, attention,
+ * MLP) stays float32; only K/V are rounded to bfloat16 when the cache is bfloat16, as the module
+ * path rounds them. See models/cpu_decode.py for why float32 and not bfloat16 activations.
  */
 #include <math.h>
 #include <stdint.h>
@@ -96,7 +101,7 @@ static void dot_rows(const void *const *rows, int i8, const float *x, int64_t T,
 typedef struct {
     const void *data;
     const float *scale, *szero;
-    int bits, fp8;
+    int bits, fp8, bf16;
     int64_t group;
     float *xq;
 } Weight;
@@ -124,6 +129,7 @@ static int fp8_matmul(const float *x, int64_t T, Weight W, const float *b, int64
 static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
                   float *y, int threads) {
     if (W.fp8) return fp8_matmul(x, T, W, b, in, out, y, threads);
+    if (W.bf16) return bf16_linear(x, T, (const uint16_t *)W.data, b, in, out, y, threads);
     if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
         return qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
     if (W.scale && qg_linear_i8(x, T, W.data, W.scale, b, in, out, y, threads) == PN_OK)
@@ -149,7 +155,7 @@ static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t i
  * exists in memory. */
 static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
                          int64_t inter, float *act, float *gate_up, int threads) {
-    if (W.bits || W.scale) { /* quantized: the [T, 2I] product of matmul's kernels through gate_up (scratch) */
+    if (W.bits || W.scale || W.bf16) { /* not float32: the [T, 2I] product of matmul's kernels through gate_up */
         const int rc = matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
         if (rc != PN_OK) return rc;
         for (int64_t t = 0; t < T; t++)
@@ -206,17 +212,18 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, NULL}, bias, in, out, y, threads);
+    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL}, bias, in, out, y, threads);
 }
 
 typedef struct {
     float *residual, *normed, *qkv, *attn, *act, *gate_up, *xq;
+    uint16_t *kv16; /* [T, 2 * kv_size]: a step's K and V rounded for a bfloat16 cache */
 } Buffers;
 
 /* Layer l's weight of one projection (arrays of the LdModel fields {proj}_w/_s/_z). */
 static inline Weight proj_weight(const LdModel *m, const void *const *w, const float *const *s,
                                  const float *const *z, int64_t group, int l, float *xq) {
-    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, group, xq};
+    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, group, xq};
 }
 
 static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
@@ -230,7 +237,10 @@ static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
     const int64_t widest = m->intermediate > m->hidden ? m->intermediate : m->hidden; /* a projection's inputs */
     const int64_t xq_in = widest > (int64_t)m->num_heads * m->head_dim ? widest : (int64_t)m->num_heads * m->head_dim;
     B->xq = m->fp8_act > 1 ? malloc(sizeof(float) * T * xq_in) : NULL;
-    return B->residual && B->normed && B->qkv && B->attn && B->act && B->gate_up && (B->xq || m->fp8_act <= 1);
+    const int bf16_cache = m->cache_dtype == PN_DTYPE_BF16;
+    B->kv16 = bf16_cache ? malloc(sizeof(uint16_t) * T * 2 * m->num_kv_heads * m->head_dim) : NULL;
+    return B->residual && B->normed && B->qkv && B->attn && B->act && B->gate_up && (B->xq || m->fp8_act <= 1) &&
+           (B->kv16 || !bf16_cache);
 }
 
 static void free_buffers(Buffers *B) {
@@ -241,6 +251,25 @@ static void free_buffers(Buffers *B) {
     free(B->act);
     free(B->gate_up);
     free(B->xq);
+    free(B->kv16);
+}
+
+/* Writes the step's K and V (rows of the qkv buffer) into layer l's cache; a bfloat16 cache
+ * gets them rounded to nearest even, the bits torch's cast gives the module path. */
+static int write_kv(const LdModel *m, const LdBatch *b, int l, const float *k, const float *v, int64_t qkv_size,
+                    Buffers *B) {
+    const int64_t T = b->num_tokens, D = m->head_dim, kv_size = (int64_t)m->num_kv_heads * D;
+    if (m->cache_dtype != PN_DTYPE_BF16)
+        return pa_write_kv(k, v, m->key_cache[l], m->value_cache[l], b->slot_mapping, T, m->num_blocks,
+                           m->num_kv_heads, (int)D, m->block_size, qkv_size, D, qkv_size, D, m->cache_dtype, 1);
+    for (int64_t t = 0; t < T; t++) /* [T, 2 * kv_size]: K then V per token */
+        for (int64_t j = 0; j < kv_size; j++) {
+            B->kv16[t * 2 * kv_size + j] = pn_f32_to_bf16(k[t * qkv_size + j]);
+            B->kv16[t * 2 * kv_size + kv_size + j] = pn_f32_to_bf16(v[t * qkv_size + j]);
+        }
+    return pa_write_kv(B->kv16, B->kv16 + kv_size, m->key_cache[l], m->value_cache[l], b->slot_mapping, T,
+                       m->num_blocks, m->num_kv_heads, (int)D, m->block_size, 2 * kv_size, D, 2 * kv_size, D,
+                       m->cache_dtype, 1);
 }
 
 /* Attention block of layer l: normed -> qkv -> (q/k norm, rotary, KV write, attention) -> attn. */
@@ -258,15 +287,26 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     }
     rc = pl_rotary_neox(q, b->positions, m->cos, m->sin, T, m->num_heads, (int)D, qkv_size, D, m->max_position, 1);
     if (rc == 0) rc = pl_rotary_neox(k, b->positions, m->cos, m->sin, T, m->num_kv_heads, (int)D, qkv_size, D, m->max_position, 1);
-    if (rc == 0)
-        rc = pa_write_kv(k, v, m->key_cache[l], m->value_cache[l], b->slot_mapping, T, m->num_blocks,
-                         m->num_kv_heads, (int)D, m->block_size, qkv_size, D, qkv_size, D, m->cache_dtype, 1);
+    if (rc == 0) rc = write_kv(m, b, l, k, v, qkv_size, B);
     if (rc == 0)
         rc = pa_attention(q, B->attn, m->key_cache[l], m->value_cache[l], b->block_tables,
                           b->query_start_loc, b->seq_lens, b->num_reqs, T, m->num_blocks, b->max_blocks,
                           b->bt_stride, m->num_heads, m->num_kv_heads, (int)D, m->block_size, qkv_size, D,
                           q_size, D, m->scale, m->window[l], m->cache_dtype, threads, b->parallel_work);
     return rc;
+}
+
+/* residual [T, H] = the embedding rows of the step's tokens, as float32. */
+static void embed_rows(const LdModel *m, const LdBatch *b, float *residual) {
+    const int64_t H = m->hidden;
+    for (int64_t t = 0; t < b->num_tokens; t++) {
+        if (!m->bf16) {
+            memcpy(residual + t * H, (const float *)m->embed + b->input_ids[t] * H, sizeof(float) * H);
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)m->embed + b->input_ids[t] * H;
+        for (int64_t i = 0; i < H; i++) residual[t * H + i] = pn_bf16_to_f32(row[i]);
+    }
 }
 
 /* Runs the decoder on b->num_tokens tokens and writes the final-normed hidden states
@@ -277,6 +317,8 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
     if (m->quant_bits != 0 && m->quant_bits != 4 && m->quant_bits != 8) return PN_ERR_ARG;
     if (m->fp8_act < 0 || m->fp8_act > 3 || (m->fp8_act && m->quant_bits)) return PN_ERR_ARG;
+    if (m->bf16 < 0 || m->bf16 > 1 || (m->bf16 && (m->fp8_act || m->quant_bits))) return PN_ERR_ARG;
+    if (m->cache_dtype != PN_DTYPE_F32 && m->cache_dtype != PN_DTYPE_BF16) return PN_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
         if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return PN_ERR_META;
     Buffers B;
@@ -284,7 +326,7 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
         free_buffers(&B);
         return PN_ERR_NOMEM;
     }
-    for (int64_t t = 0; t < T; t++) memcpy(B.residual + t * H, m->embed + b->input_ids[t] * H, sizeof(float) * H);
+    embed_rows(m, b, B.residual);
     const int64_t q_size = (int64_t)m->num_heads * m->head_dim;
     int rc = 0;
     /* the residual stream lives in B.residual; each norm first adds the block's output to it */

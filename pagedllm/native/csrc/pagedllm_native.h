@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, quant_gemm.c, fp8_linear.c, moe_experts.c, dense_gemm.c) plus
+ * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -18,7 +18,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 7
+#define PN_ABI_VERSION 8
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -145,18 +145,20 @@ static inline __m512 pn_exp512(__m512 x) {
  * int8 with per-row scales (quant_bits 0), all group-wise 4/8-bit codes (quant_bits 4 or 8;
  * scales and scaled zeros [out, in / group], the layout of quant_linear.c), or all FP8 e4m3
  * bytes (fp8_act != 0; scales [out, in / group], fp8_linear.c's layout) whose activations stay
- * float32 (fp8_act 1) or are rounded to e4m3 per token (2) or per token and group (3). */
+ * float32 (fp8_act 1) or are rounded to e4m3 per token (2) or per token and group (3), or all
+ * bfloat16 (bf16 1: the embedding is bfloat16 too; norm weights, biases and cos / sin stay
+ * float32, and activations are float32 throughout). The KV cache is float32 or bfloat16. */
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t block_size, cache_dtype, quant_bits, fp8_act;
+    int32_t block_size, cache_dtype, quant_bits, fp8_act, bf16;
     int64_t num_blocks, vocab_size, max_position;
     int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits or fp8_act != 0 */
     float eps, scale;
-    const float *embed;      /* [vocab, hidden] */
+    const void *embed;       /* [vocab, hidden], float32 or (bf16) bfloat16 */
     const float *final_norm; /* [hidden] */
     const float *cos, *sin;  /* [max_position, head_dim / 2] */
     const float *const *input_norm, *const *post_norm;
-    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32, int8, uint8 codes or e4m3 */
+    const void *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w; /* f32, int8, uint8 codes, e4m3, bf16 */
     const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* scales or NULL */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
@@ -261,6 +263,19 @@ PN_EXPORT int fp8_dequant(const uint8_t *w, const float *scale, float *out, int6
                           int64_t group, int threads);
 PN_EXPORT int fp8_act_quant(const float *x, int64_t T, int64_t in, int64_t group, float static_scale, float *out,
                             int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* bfloat16 weight matmuls (bf16_linear.c)                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/* y [T, out] = x [T, in] . W^T (+ bias) with W bfloat16 [out, in]; x, y, bias float32; T at most
+ * LD_MAX_TOKENS. */
+PN_EXPORT int bf16_linear(const float *x, int64_t T, const uint16_t *w, const float *bias, int64_t in, int64_t out,
+                          float *y, int threads);
+/* Internal: one bfloat16 as float32 (exact), and float32 rounded to bfloat16 as torch casts it
+ * (nearest, ties to even). */
+float pn_bf16_to_f32(uint16_t h);
+uint16_t pn_f32_to_bf16(float f);
 
 /* ------------------------------------------------------------------------------------------ */
 /* the routed experts of a float32 MoE layer (moe_experts.c; packed layout in that file)     */
