@@ -10,18 +10,16 @@ and ours is below NEAR_TIE (asserted, not skipped).
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import _tokenizer, hf_greedy, make_model_dir, random_prompts
+from test_cpu_decode import BLOCK, decoder_step
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
 from pagedllm.layers import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 
-BLOCK = 8
 # logits of these tiny models are O(1); bf16 activations (8 significant bits) in a prefill move
 # them by up to ~1e-2, so a gap below this is a tie bf16 cannot resolve
 NEAR_TIE = 0.05
@@ -91,25 +89,6 @@ def test_module_path_prefill_tracks_the_oracle_too(rounded):
         _first_divergence_is_a_near_tie(oracle, p, o.outputs[0].token_ids, hf_greedy(oracle, p, 10))
 
 
-def _step(model, caches, fused: bool, reqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-    """One forward over requests given as (new token ids, history length, block ids)."""
-    query_lens = np.array([len(ids) for ids, _, _ in reqs])
-    seq_lens = np.array([h + len(ids) for ids, h, _ in reqs])
-    tables = np.full((len(reqs), max(len(b) for _, _, b in reqs)), -1, dtype=np.int32)
-    for i, (_, _, blocks) in enumerate(reqs):
-        tables[i, : len(blocks)] = blocks
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
-    ids = torch.tensor([t for ids, _, _ in reqs for t in ids])
-    positions = torch.from_numpy(positions_from_lens(query_lens, seq_lens))
-    saved = model.model.fused_decoder
-    model.model.fused_decoder = saved if fused else None
-    try:
-        with torch.inference_mode():
-            return model(ids, positions, caches, meta)
-    finally:
-        model.model.fused_decoder = saved
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decoder_computes_float32_math_on_the_bf16_weights(arch, rounded):
     """The bf16 model's decoder against the float32 module path on the same (rounded) weights
@@ -128,7 +107,8 @@ def test_decoder_computes_float32_math_on_the_bf16_weights(arch, rounded):
     for r in runners:  # unwritten slots hold garbage: zero them to compare whole caches
         for k, v in r.cache.layer_caches:
             k.zero_(), v.zero_()
-    outs = [[_step(r.model, r.cache.layer_caches, fused, s) for s in steps] for r, fused in zip(runners, (True, False))]
+    outs = [[decoder_step(r.model, r.cache.layer_caches, fused, s) for s in steps]
+            for r, fused in zip(runners, (True, False))]
     got, want = outs[0][-1], outs[1][-1]
     assert got.dtype == want.dtype == torch.float32 and got.shape == (8, runners[0].model.config.hidden_size)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -63,8 +63,9 @@ def _model(model_dir, **kwargs):
     return runner.model, runner.cache.layer_caches
 
 
-def _step(model, caches, fused: bool, reqs: list[tuple[list[int], int, list[int]]]):
-    """One forward over requests given as (new token ids, history length, block ids)."""
+def decoder_step(model, caches, fused: bool, reqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    """One forward over requests given as (new token ids, history length, block ids), through the
+    one-call decoder (``fused``) or the module path (blocks of ``BLOCK`` tokens)."""
     query_lens = np.array([len(ids) for ids, _, _ in reqs])
     seq_lens = np.array([h + len(ids) for ids, h, _ in reqs])
     tables = np.full((len(reqs), max(len(b) for _, _, b in reqs)), -1, dtype=np.int32)
@@ -102,13 +103,13 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
     rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
     # histories written by the torch path: A has 20 tokens (3 blocks), B has 9 (2 blocks)
     hist_a, hist_b = rand(20), rand(9)
-    _step(model, caches, False, [(hist_a, 0, [5, 17, 2]), (hist_b, 0, [30, 8])])
+    decoder_step(model, caches, False, [(hist_a, 0, [5, 17, 2]), (hist_b, 0, [30, 8])])
     # then: A decodes one token (into its partial 3rd block), B prefills a 7-token chunk with
     # history that crosses into a new block, C is a fresh 3-token prompt; shuffled block ids
     batch = [(rand(1), 20, [5, 17, 2]), (rand(7), 9, [30, 8, 11]), (rand(3), 0, [39])]
     fused_caches, torch_caches = _clone(caches), _clone(caches)
-    got = _step(model, fused_caches, True, batch)
-    want = _step(model, torch_caches, False, batch)
+    got = decoder_step(model, fused_caches, True, batch)
+    want = decoder_step(model, torch_caches, False, batch)
     assert got.shape == want.shape == (11, model.config.hidden_size)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     for (fk, fv), (tk, tv) in zip(fused_caches, torch_caches):  # same K/V written to the same slots
@@ -128,7 +129,7 @@ def test_batches_over_the_limit_take_the_torch_path(llama_dir):
 def test_bad_metadata_raises_instead_of_writing_outside_the_cache(llama_dir):
     model, caches = _model(llama_dir)
     with pytest.raises(ValueError, match="out of range"):
-        _step(model, caches, True, [([5, 6], 0, [10_000])])
+        decoder_step(model, caches, True, [([5, 6], 0, [10_000])])
 
 
 @pytest.mark.parametrize("field", ["qkv_group", "o_group", "gate_up_group", "down_group"])
@@ -137,7 +138,7 @@ def test_a_group_size_the_kernel_refuses_raises_instead_of_returning_garbage(wid
     struct = model.model.fused_decoder._struct
     setattr(struct, field, 7)  # not a multiple of 8: qg_linear's ERR_ARG must reach the caller
     with pytest.raises(ValueError, match="ld_forward: bad dimensions"):
-        _step(model, caches, True, [([5, 6], 0, [3])])
+        decoder_step(model, caches, True, [([5, 6], 0, [3])])
 
 
 def test_fused_path_off_when_not_applicable(llama_dir, monkeypatch):
