@@ -139,6 +139,18 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def first_divergence_is_a_near_tie(oracle, prompt: list[int], ours: list[int], ref: list[int], bound: float) -> int:
+    """The index where ``ours`` leaves the oracle's greedy ``ref`` (len if never), asserting that the
+    oracle's own logits there prefer its token over ours by less than ``bound``."""
+    d = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+    if d < len(ref):
+        with torch.no_grad():
+            logits = oracle(torch.tensor([prompt + ref[:d]])).logits[0, -1]
+        gap = (logits[ref[d]] - logits[ours[d]]).item()
+        assert 0 <= gap < bound, f"step {d}: the oracle prefers {ref[d]} over our {ours[d]} by {gap:.4f}"
+    return d
+
+
 def token_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
     """``model``'s (transformers) logprob of each token of ``gen`` after ``prompt``: ``[len(gen)]``."""
     with torch.no_grad():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _tokenizer, hf_greedy, make_model_dir, random_prompts
+from conftest import _tokenizer, first_divergence_is_a_near_tie, hf_greedy, make_model_dir, random_prompts
 from test_cpu_decode import BLOCK, decoder_step
 
 from pagedllm import LLM, SamplingParams
@@ -47,17 +47,6 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, num_gpu_blocks_override=64, block_size=BLOCK, max_model_len=256, **kwargs)
 
 
-def _first_divergence_is_a_near_tie(oracle, prompt: list[int], ours: list[int], ref: list[int]) -> int:
-    """The index where ``ours`` leaves ``ref`` (len if never), asserting the oracle's logits there nearly tie."""
-    d = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
-    if d < len(ref):
-        with torch.no_grad():
-            logits = oracle(torch.tensor([prompt + ref[:d]])).logits[0, -1]
-        gap = (logits[ref[d]] - logits[ours[d]]).item()
-        assert 0 <= gap < NEAR_TIE, f"step {d}: oracle prefers {ref[d]} over our {ours[d]} by {gap:.4f}"
-    return d
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_tracks_float32_transformers_on_the_bf16_weights(arch, rounded):
     path, oracle = rounded[arch]
@@ -72,7 +61,7 @@ def test_greedy_tracks_float32_transformers_on_the_bf16_weights(arch, rounded):
     outs += llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)
     assert llm.get_kv_cache_stats().prefix_cache_hits >= 16
     assert llm.llm_engine.executor.runner.cache.kv.dtype == torch.bfloat16
-    matched = [_first_divergence_is_a_near_tie(oracle, p, o.outputs[0].token_ids, hf_greedy(oracle, p, 12))
+    matched = [first_divergence_is_a_near_tie(oracle, p, o.outputs[0].token_ids, hf_greedy(oracle, p, 12), NEAR_TIE)
                for p, o in zip(prompts, outs)]
     assert sum(d == 12 for d in matched) >= 3, matched  # near ties are rare: most sequences match all the way
 
@@ -86,7 +75,7 @@ def test_module_path_prefill_tracks_the_oracle_too(rounded):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, o in zip(prompts, outs):
-        _first_divergence_is_a_near_tie(oracle, p, o.outputs[0].token_ids, hf_greedy(oracle, p, 10))
+        first_divergence_is_a_near_tie(oracle, p, o.outputs[0].token_ids, hf_greedy(oracle, p, 10), NEAR_TIE)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
