@@ -37,14 +37,6 @@ uint16_t pn_f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-#if PN_AVX2
-/* W[row, i..i+7] as float32 lanes: zero-extend to 32 bits, shift into the high half. */
-static inline __attribute__((always_inline)) __m256 load_bf16x8(const uint16_t *row, int64_t i) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-#endif
-
 #if defined(__AVX512F__)
 #define BF16_AVX512 1
 static inline __attribute__((always_inline)) __m512 load_bf16x16(const uint16_t *row, int64_t i) {
@@ -95,7 +87,7 @@ static inline __attribute__((always_inline)) void bf16_tile4(const Bf16Rows4 *r,
         __m256 xv[3];
         for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(x + t * n + i);
         for (int k = 0; k < 4; k++) {
-            const __m256 wv = load_bf16x8(r->w[k], i);
+            const __m256 wv = pn_load_bf16x8(r->w[k] + i);
             for (int t = 0; t < NT; t++) acc8[t][k] = _mm256_fmadd_ps(wv, xv[t], acc8[t][k]);
         }
     }

@@ -61,22 +61,12 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Converts n 16-bit values to float32. */
 static void convert_to_f32(const uint16_t *src, float *dst, int64_t n, int dtype) {
     int64_t i = 0;
 #if PN_AVX2
     if (dtype == PN_DTYPE_BF16) {
-        for (; i + 8 <= n; i += 8) {
-            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, pn_load_bf16x8(src + i));
     }
 #if defined(__F16C__)
     if (dtype == PN_DTYPE_F16) {
@@ -85,7 +75,7 @@ static void convert_to_f32(const uint16_t *src, float *dst, int64_t n, int dtype
     }
 #endif
 #endif
-    for (; i < n; i++) dst[i] = dtype == PN_DTYPE_BF16 ? bf16_to_float(src[i]) : half_to_float(src[i]);
+    for (; i < n; i++) dst[i] = dtype == PN_DTYPE_BF16 ? pn_bf16_to_f32(src[i]) : half_to_float(src[i]); /* bf16_linear.c */
 }
 
 /* Converts n fp8 values to float32 (their per-tensor scales are folded in by the caller,

@@ -80,6 +80,12 @@ static inline float pn_hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* 8 bfloat16 values at p as float32 lanes (exact): zero-extend to 32 bits, shift into the high half */
+static inline __m256 pn_load_bf16x8(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
 /* exp's constants, one set for both widths: log2(e), ln2 in two parts, the polynomial */
 #define PN_EXP_LOG2E 1.44269504088896341f
 #define PN_EXP_LN2_HI 0.693359375f
