@@ -34,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 
+from pagedllm import envs  # noqa: E402
 from pagedllm.layers import cpu_ops  # noqa: E402
 from pagedllm.layers.quantization import grouped, int8  # noqa: E402
 from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
 from pagedllm.models.cpu_decode import DEFAULT_MAX_TOKENS  # noqa: E402
 from pagedllm.native import bindings  # noqa: E402
+from pagedllm.platform import huge_page_copies, huge_pages_supported  # noqa: E402
 
 HIDDEN, INTER, LAYERS, GROUP = 1024, 2816, 16, 128
 KINDS = ("f32", "f32-packed", "int4", "int8", "int8-row", "int4-gemm", "int8-gemm", "int4-panel", "int8-panel",
@@ -90,6 +92,16 @@ def kernel_tensors(kind: str, raw: dict[str, torch.Tensor]) -> tuple[tuple, int]
 def make_weight(kind: str, out_f: int, in_f: int) -> tuple[tuple, int]:
     """One projection's tensors for ``kind`` and the bytes a step reads from them."""
     return kernel_tensors(kind, random_weight(kind, out_f, in_f))
+
+
+def to_huge_pages(layers: list[tuple[tuple, int, int]]) -> list[tuple[tuple, int, int]]:
+    """The projections' plain tensors moved into one mapping in 2 MiB pages, as the engine places
+    its weights (platform.module_to_huge_pages; PAGEDLLM_HUGE_PAGES=0: left where they are)."""
+    if not (envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported()):
+        return layers
+    flat = [t for tensors, _, _ in layers for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+    moved = dict(zip(map(id, flat), huge_page_copies(flat)))
+    return [(tuple(moved.get(id(t), t) for t in tensors), in_f, out_f) for tensors, in_f, out_f in layers]
 
 
 def dense_weight(kind: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -161,6 +173,7 @@ def time_kind(lib, kind: str, tokens: int, threads: int, step_shapes: list[tuple
             tensors, n = make_weight(kind, out_f, in_f)
             layers.append((tensors, in_f, out_f))
             nbytes += n
+    layers = to_huge_pages(layers)
     xs = {in_f: torch.randn(tokens, in_f) for _, in_f in step_shapes}
     ys = {out_f: torch.empty(tokens, out_f) for out_f, _ in step_shapes}
 
@@ -195,7 +208,8 @@ def main(argv=None) -> dict[str, float]:
     torch.set_num_threads(args.threads)  # MKL / oneDNN kinds: as many threads as the C kernels
     lib, step_shapes = bindings.library(), shapes(args.hidden, args.inter)
     bw = measure_bandwidth(args.bandwidth_mib, 5)["read_gbs"]
-    print(f"read bandwidth {bw:.1f} GB/s; {args.tokens} token(s), {args.threads} threads")
+    print(f"read bandwidth {bw:.1f} GB/s; {args.tokens} token(s), {args.threads} threads; weights in "
+          f"{'2 MiB' if envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported() else '4 KiB'} pages")
     print(f"{'kind':10s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'x read':>7s}")
     results = {}
     for kind in kinds:

@@ -74,6 +74,9 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_PACKED_LINEAR": EnvVar(
         _flag("PAGEDLLM_PACKED_LINEAR", True),
         "0 turns off packed float32 linear weights on CPU (oneDNN-packed and panel copies)"),
+    "PAGEDLLM_HUGE_PAGES": EnvVar(
+        _flag("PAGEDLLM_HUGE_PAGES", True),
+        "0 keeps CPU weights and the CPU KV pool in ordinary 4 KiB pages (default: 2 MiB transparent huge pages)"),
     "PAGEDLLM_FUSED_DECODE": EnvVar(
         _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
     "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import ModelConfig
+from pagedllm.platform import huge_page_empty, huge_pages_supported
 
 
 class CacheEngine:
@@ -17,8 +19,12 @@ class CacheEngine:
                  dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0, num_layers: int | None = None):
         """``num_layers``: the layers this rank's pipeline stage holds (default: all)."""
         shape = (num_layers or model_config.num_layers, 2, num_blocks, num_kv_heads, block_size, model_config.head_dim)
-        # torch.empty: pages are only committed as blocks are written
-        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        # pages are only committed as blocks are written; on the CPU in 2 MiB pages, which
+        # attention streams ~1.4x faster (platform.huge_page_empty)
+        if device.type == "cpu" and envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported():
+            self.kv = huge_page_empty(shape, dtype)
+        else:
+            self.kv = torch.empty(shape, dtype=dtype, device=device)
         cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]
         pin = device.type == "cuda"
         self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None

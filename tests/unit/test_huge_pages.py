@@ -1,0 +1,111 @@
+"""CPU tensors in 2 MiB pages (platform.py): placement, values, ties, and the engine's use of them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.platform import (
+    HUGE_PAGE,
+    huge_page_copies,
+    huge_page_empty,
+    huge_pages_supported,
+    module_to_huge_pages,
+)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_empty_is_aligned_writable_and_advised():
+    t = huge_page_empty((3, 1000, 7), torch.bfloat16)
+    assert (t.shape, t.dtype, t.is_contiguous()) == ((3, 1000, 7), torch.bfloat16, True)
+    assert t.data_ptr() % HUGE_PAGE == 0
+    t.fill_(2.5)
+    assert t.float().sum().item() == 2.5 * 21000
+    if huge_pages_supported():  # MADV_HUGEPAGE shows as "hg" on the mapping
+        assert "hg" in _vm_flags(t.data_ptr())
+
+
+def test_copies_share_one_mapping_at_page_boundaries_with_exact_values():
+    g = torch.Generator().manual_seed(0)
+    originals = [torch.randn(300, 17, generator=g), torch.randint(0, 255, (5000,), dtype=torch.uint8, generator=g),
+                 torch.randn(64, 33, generator=g).to(torch.bfloat16), torch.arange(12, dtype=torch.int64).view(3, 4),
+                 torch.randn(40, 40, generator=g).t()]  # a transposed view: copied contiguous
+    copies = huge_page_copies(originals)
+    base = copies[0].data_ptr()
+    assert base % HUGE_PAGE == 0
+    for orig, copy in zip(originals, copies):
+        assert copy.dtype == orig.dtype and copy.shape == orig.shape and copy.is_contiguous()
+        assert torch.equal(copy, orig)
+        assert (copy.data_ptr() - base) % 4096 == 0
+        assert copy.untyped_storage().data_ptr() == copies[0].untyped_storage().data_ptr()
+    ends = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in zip(ends, ends[1:]))  # no overlap
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 64)  # 128 KiB
+        self.proj = torch.nn.Linear(64, 64)  # 16 KiB: below the threshold
+        self.head = torch.nn.Linear(64, 512, bias=False)
+        self.head.weight = self.embed.weight  # tied, as tie_word_embeddings
+        self.register_buffer("table", torch.randn(256, 128))  # 128 KiB
+
+
+def test_module_moves_large_tensors_once_and_keeps_ties():
+    torch.manual_seed(0)
+    m = _Tied()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randint(0, 512, (5,))
+    ref = m.head(m.proj(m.embed(x)))
+    param, small_ptr = m.embed.weight, m.proj.weight.data_ptr()
+    moved = module_to_huge_pages(m)
+    assert moved == 512 * 64 * 4 + 256 * 128 * 4  # the tied weight counted once
+    assert m.embed.weight is param and m.head.weight is param  # same Parameter objects, still tied
+    assert isinstance(m.embed.weight, torch.nn.Parameter)
+    assert m.embed.weight.untyped_storage().data_ptr() == m.table.untyped_storage().data_ptr()  # one mapping
+    assert m.proj.weight.data_ptr() == small_ptr  # under min_bytes: left alone
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(m.head(m.proj(m.embed(x))), ref)
+
+
+def test_engine_places_weights_and_kv_in_huge_pages_and_generates_the_same(llama_dir, monkeypatch):
+    from pagedllm import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [40, 3, 99]}]
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", flag)
+        llm = LLM(llama_dir, device="cpu", block_size=8, max_model_len=64, kv_cache_memory=2**20)
+        runner = llm.llm_engine.executor.runner
+        aligned = runner.cache.kv.data_ptr() % HUGE_PAGE == 0
+        embed = runner.model.model.embed_tokens.weight
+        runs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if flag == "1" and huge_pages_supported():
+            assert aligned and "hg" in _vm_flags(runner.cache.kv.data_ptr())
+            assert "hg" in _vm_flags(embed.data_ptr())  # the tiny model's embedding table is 64+ KiB
+        if flag == "0":
+            assert "hg" not in _vm_flags(runner.cache.kv.data_ptr())
+    assert runs["1"] == runs["0"]
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="no transparent huge pages here")
+def test_switch_reads_the_environment(monkeypatch):
+    from pagedllm import envs
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    assert envs.PAGEDLLM_HUGE_PAGES is False
+    monkeypatch.delenv("PAGEDLLM_HUGE_PAGES")
+    assert envs.PAGEDLLM_HUGE_PAGES is True
