@@ -761,7 +761,9 @@ def main(argv=None) -> dict:
     sweep_results = run_workloads(sweep, {args.quantization[0]: llm}, hf, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
     with args.timing.exclusive():
-        read_gbs = measure_bandwidth(512, 5)["read_gbs"]
+        probe = measure_bandwidth(512, 5)
+    read_gbs = probe["read_gbs"]
+    meta["read_gbs_4k_pages"] = probe.get("read_gbs_4k")
     by_q = {q: weight_read(engine, results, read_gbs, q) for q, engine in llms.items()}
     meta["weight_read"] = next(iter(by_q.values()))  # the first method's (or dtype's)
     if len(llms) > 1:
@@ -772,9 +774,9 @@ def main(argv=None) -> dict:
     print_header(meta)
     if results:
         print_report(results, info)
-    print_weight_read(meta["weight_read"])
+    print_weight_read(meta["weight_read"], meta["read_gbs_4k_pages"])
     if len(llms) > 1:
-        print_quantizations(results, by_q, read_gbs)
+        print_quantizations(results, by_q, read_gbs, meta["read_gbs_4k_pages"])
     if sweep:
         data["sweep"] = finish_sweep(sweep_results, args, meta)
         print_sweep(data["sweep"], info)
@@ -850,8 +852,15 @@ def weight_read(llm, results: dict, bw: float, q: str) -> dict:
     return out
 
 
-def print_weight_read(w: dict) -> None:
-    line = (f"\nread bandwidth {w['read_gbs']:.1f} GB/s (sum of 512 MiB, median of 5); a decode step reads "
+def bandwidth_source(gbs_4k: float | None) -> str:
+    """How the read bandwidth was measured (attention.measure_bandwidth)."""
+    if gbs_4k is None:
+        return "sum of 512 MiB, median of 5"
+    return f"sum of 512 MiB in 2 MiB pages, as the engine's weights, median of 5; 4 KiB pages: {gbs_4k:.1f} GB/s"
+
+
+def print_weight_read(w: dict, gbs_4k: float | None = None) -> None:
+    line = (f"\nread bandwidth {w['read_gbs']:.1f} GB/s ({bandwidth_source(gbs_4k)}); a decode step reads "
             f"{w['weight_mb']:.1f} MB of weights: {w['read_ms']:.2f} ms at that bandwidth")
     if "decode_x_read" in w:
         line += (f"; single: decode step {w['single_decode_step_ms']:.2f} ms (forward "
@@ -881,9 +890,9 @@ def quantization_rows(results: dict, by_q: dict) -> list[list[str]]:
     return rows
 
 
-def print_quantizations(results: dict, by_q: dict, read_gbs: float) -> None:
+def print_quantizations(results: dict, by_q: dict, read_gbs: float, gbs_4k: float | None = None) -> None:
     print(f"\npagedllm per quantization (or dtype), all in this run (alternated, median of the repeats); read "
-          f"bandwidth {read_gbs:.1f} GB/s (sum of 512 MiB, median of 5)")
+          f"bandwidth {read_gbs:.1f} GB/s ({bandwidth_source(gbs_4k)})")
     print(format_table(["", *by_q], quantization_rows(results, by_q)))
 
 
