@@ -52,13 +52,14 @@ sys.path.insert(0, str(BENCH_DIR))  # benchmarks/common.py
 
 import common  # noqa: E402  (format_table, save_json, git_commit)
 
+from pagedllm import envs  # noqa: E402
 from pagedllm.attention.backend import write_kv  # noqa: E402
 from pagedllm.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.attention.selector import get_attention_backend  # noqa: E402
 from pagedllm.attention.testing import PagedBatch, make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_ref import TorchReferenceBackend  # noqa: E402
-from pagedllm.platform import huge_page_empty, huge_pages_supported  # noqa: E402
+from pagedllm.platform import huge_page_copies, huge_page_empty, huge_pages_supported  # noqa: E402
 
 RESULTS_DIR = common.RESULTS_DIR
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
@@ -187,6 +188,8 @@ def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor |
     """(median seconds, last output) of full forward steps on a private copy of the pool;
     ``flush`` (if given) is read before each call to evict the caches, outside the timing."""
     kc, vc = batch.fresh_caches()
+    if batch.query.device.type == "cpu" and envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported():
+        kc, vc = huge_page_copies([kc, vc])  # where the engine keeps its pool (worker/cache_engine.py)
     times, out = [], None
 
     def step():
