@@ -79,6 +79,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the tensor (the storage holds it); pages are committed only as they are first written, as
     with ``torch.empty``.
     """
+    if any(d < 0 for d in shape):  # as torch.empty refuses it: a negative size would map a wrong-sized area
+        raise ValueError(f"huge_page_empty: shape {tuple(shape)} has a negative dimension")
     nbytes = math.prod(shape) * dtype.itemsize
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)

@@ -37,6 +37,11 @@ def test_empty_is_aligned_writable_and_advised():
         assert "hg" in _vm_flags(t.data_ptr())
 
 
+def test_negative_dimension_is_refused():
+    with pytest.raises(ValueError, match=r"shape \(2, -1, 4\) has a negative dimension"):
+        huge_page_empty((2, -1, 4), torch.float32)
+
+
 def test_copies_share_one_mapping_at_page_boundaries_with_exact_values():
     g = torch.Generator().manual_seed(0)
     originals = [torch.randn(300, 17, generator=g), torch.randint(0, 255, (5000,), dtype=torch.uint8, generator=g),
