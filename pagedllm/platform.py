@@ -89,20 +89,23 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
-def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of the CPU ``tensors``, side by side in one mapping in 2 MiB pages
-    (``huge_page_empty``), each at a 4 KiB boundary: one mapping wastes at most one page, where
-    one per tensor would commit a whole 2 MiB page for each small one."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
+def huge_page_views(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialised contiguous CPU tensors of the given (shape, dtype)s, side by side in one
+    mapping in 2 MiB pages (``huge_page_empty``), each at a 4 KiB boundary: one mapping wastes at
+    most one page, where one per tensor would commit a whole 2 MiB page for each small one."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // 4096) * 4096)
     arena = huge_page_empty((starts[-1],), torch.uint8)
-    copies = []
-    for t, start, n in zip(tensors, starts, sizes):
-        copy = arena[start:start + n].view(t.dtype).view(t.shape)  # the arena's storage, t's shape
-        copies.append(copy.copy_(t))
-    return copies
+    return [arena[start:start + n].view(dtype).view(shape)  # the arena's storage, the spec's shape
+            for (shape, dtype), start, n in zip(specs, starts, sizes)]
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of the CPU ``tensors`` in one mapping in 2 MiB pages (``huge_page_views``)."""
+    views = huge_page_views([(tuple(t.shape), t.dtype) for t in tensors])
+    return [view.copy_(t) for view, t in zip(views, tensors)]
 
 
 def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -112,18 +115,23 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 def module_to_huge_pages(module: torch.nn.Module, min_bytes: int = 64 * 1024) -> int:
     """Moves every CPU parameter and buffer of ``module`` of at least ``min_bytes`` into 2 MiB
-    pages, all in one mapping (``huge_page_copies``); returns the bytes moved. A tensor shared
-    between modules (tied embeddings) stays shared: each distinct view is copied once."""
-    slots: dict[tuple, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}  # view -> where it is held
+    pages, all in one mapping (``huge_page_views``); returns the bytes moved. A tensor shared
+    between modules (tied embeddings) stays shared: each distinct view is copied once. Tensors
+    move one at a time and the original is let go at once, so loading peaks at the model plus
+    one tensor, not twice the model (the mapping commits pages only as they are written)."""
+    slots: dict[tuple, list[tuple[torch.nn.Module, str, bool]]] = {}  # view -> (module, name, is a Parameter)
     for sub in module.modules():
         for name, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
             if t.device.type == "cpu" and t.numel() * t.element_size() >= min_bytes:
-                slots.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append((sub, name, t))
-    originals = [held[0][2].detach() for held in slots.values()]
-    for held, copy in zip(slots.values(), huge_page_copies(originals)):
-        for sub, name, t in held:
-            if isinstance(t, torch.nn.Parameter):
-                t.data = copy  # the same Parameter object: ties and optimizer-free references hold
+                key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                slots.setdefault(key, []).append((sub, name, isinstance(t, torch.nn.Parameter)))
+    views = huge_page_views([(shape, dtype) for _, dtype, shape, _ in slots])
+    for held, view in zip(slots.values(), views):
+        first, name, _ = held[0]
+        view.copy_(getattr(first, name).detach())
+        for sub, name, is_param in held:
+            if is_param:
+                getattr(sub, name).data = view  # the same Parameter object: ties and outside references hold
             else:
-                setattr(sub, name, copy)
-    return sum(t.numel() * t.element_size() for t in originals)
+                setattr(sub, name, view)
+    return sum(v.numel() * v.element_size() for v in views)

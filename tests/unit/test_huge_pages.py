@@ -114,3 +114,23 @@ def test_switch_reads_the_environment(monkeypatch):
     assert envs.PAGEDLLM_HUGE_PAGES is False
     monkeypatch.delenv("PAGEDLLM_HUGE_PAGES")
     assert envs.PAGEDLLM_HUGE_PAGES is True
+
+
+PEAK_SCRIPT = """
+import resource, torch
+from pagedllm.platform import module_to_huge_pages
+m = torch.nn.Sequential(*[torch.nn.Linear(2048, 1280, bias=False) for _ in range(10)])  # 10 x 10 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+moved = module_to_huge_pages(m)
+print(moved, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_moving_a_module_peaks_at_one_tensor_not_a_second_model():
+    """A model that fits in RAM once must load: the originals are let go one by one."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True).stdout
+    moved, growth = (int(x) for x in out.split())
+    assert moved == 10 * 2048 * 1280 * 4
+    assert growth < moved / 4, f"peak RSS grew {growth / 2**20:.0f} MiB moving {moved / 2**20:.0f} MiB"
