@@ -78,6 +78,9 @@ class ModelRunner:
             if envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported():
                 moved = module_to_huge_pages(self.model)
                 logger.info("weights in 2 MiB pages: %.1f MiB", moved / 2**20)
+            elif envs.PAGEDLLM_HUGE_PAGES:
+                logger.info("weights stay in 4 KiB pages: no transparent huge pages here (not Linux, or "
+                            "/sys/kernel/mm/transparent_hugepage/enabled is [never])")
             cpu_ops.pack_model(self.model, available_ram())
             reason = self.model.enable_fused_decode(self.backend) if pp is None else \
                 "pipeline parallelism: the C decoder runs the whole layer stack in one call"

@@ -134,3 +134,17 @@ def test_moving_a_module_peaks_at_one_tensor_not_a_second_model():
     moved, growth = (int(x) for x in out.split())
     assert moved == 10 * 2048 * 1280 * 4
     assert growth < moved / 4, f"peak RSS grew {growth / 2**20:.0f} MiB moving {moved / 2**20:.0f} MiB"
+
+
+def test_without_huge_pages_the_engine_says_so_and_keeps_4k_pages(llama_dir, monkeypatch, caplog):
+    import logging
+
+    from pagedllm import LLM
+    monkeypatch.setattr("pagedllm.worker.model_runner.huge_pages_supported", lambda: False)
+    monkeypatch.setattr("pagedllm.worker.cache_engine.huge_pages_supported", lambda: False)
+    with caplog.at_level(logging.INFO, logger="pagedllm.worker.model_runner"):
+        llm = LLM(llama_dir, device="cpu", block_size=8, max_model_len=64, kv_cache_memory=2**20)
+    assert "weights stay in 4 KiB pages" in caplog.text
+    runner = llm.llm_engine.executor.runner
+    assert "hg" not in _vm_flags(runner.model.model.embed_tokens.weight.data_ptr())
+    assert "hg" not in _vm_flags(runner.cache.kv.data_ptr())
