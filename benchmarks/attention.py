@@ -52,14 +52,13 @@ sys.path.insert(0, str(BENCH_DIR))  # benchmarks/common.py
 
 import common  # noqa: E402  (format_table, save_json, git_commit)
 
-from pagedllm import envs  # noqa: E402
 from pagedllm.attention.backend import write_kv  # noqa: E402
 from pagedllm.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.attention.selector import get_attention_backend  # noqa: E402
 from pagedllm.attention.testing import PagedBatch, make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_ref import TorchReferenceBackend  # noqa: E402
-from pagedllm.platform import huge_page_copies, huge_page_empty, huge_pages_supported  # noqa: E402
+from pagedllm.platform import huge_page_copies, huge_page_empty, huge_pages_enabled, huge_pages_supported  # noqa: E402
 
 RESULTS_DIR = common.RESULTS_DIR
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
@@ -95,7 +94,7 @@ def filled(numel: int, device: str = "cpu", huge_pages: bool = True) -> torch.Te
     """A float32 buffer whose pages are really backed (torch.empty pages that were never written
     map the shared zero page and read at absurd speeds). On the CPU in 2 MiB pages where the
     kernel offers them, as the engine keeps its weights and KV pool (platform.huge_page_empty):
-    the best this machine reads, ~1.4x the 4 KiB-page figure on this project's hosts."""
+    the best this machine reads, 1.0-1.4x the 4 KiB-page figure on this project's hosts."""
     if device == "cpu" and huge_pages and huge_pages_supported():
         return huge_page_empty((numel,), torch.float32).fill_(1.0)
     return torch.empty(numel, device=device).fill_(1.0)
@@ -103,14 +102,14 @@ def filled(numel: int, device: str = "cpu", huge_pages: bool = True) -> torch.Te
 
 def measure_bandwidth(mib: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     """Median GB/s of ``dst.copy_(src)`` (read + write bytes) and ``src.sum()`` (read bytes);
-    on the CPU also ``read_gbs_4k``, the sum over a buffer in ordinary 4 KiB pages."""
+    where those buffers are in 2 MiB pages also ``read_gbs_4k``, the sum over one in 4 KiB pages."""
     src, dst = filled(mib * MiB // 4, device), filled(mib * MiB // 4, device)
     copy_s = _median_time(lambda: dst.copy_(src), repeats, device=device)
     read_s = _median_time(lambda: src.sum(), repeats, device=device)
     nbytes = src.numel() * 4
     out = dict(buffer_mib=mib, copy_gbs=2 * nbytes / copy_s / 1e9, read_gbs=nbytes / read_s / 1e9,
                copy_ms=1e3 * copy_s, read_ms=1e3 * read_s)
-    if device == "cpu":
+    if device == "cpu" and huge_pages_supported():
         del dst
         small = filled(mib * MiB // 4, device, huge_pages=False)
         out["read_gbs_4k"] = nbytes / _median_time(lambda: small.sum(), repeats) / 1e9
@@ -188,7 +187,7 @@ def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor |
     """(median seconds, last output) of full forward steps on a private copy of the pool;
     ``flush`` (if given) is read before each call to evict the caches, outside the timing."""
     kc, vc = batch.fresh_caches()
-    if batch.query.device.type == "cpu" and envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported():
+    if batch.query.device.type == "cpu" and huge_pages_enabled():
         kc, vc = huge_page_copies([kc, vc])  # where the engine keeps its pool (worker/cache_engine.py)
     times, out = [], None
 

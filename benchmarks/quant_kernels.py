@@ -34,13 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 
-from pagedllm import envs  # noqa: E402
 from pagedllm.layers import cpu_ops  # noqa: E402
 from pagedllm.layers.quantization import grouped, int8  # noqa: E402
 from pagedllm.layers.quantization.base import scratch_buffer  # noqa: E402
 from pagedllm.models.cpu_decode import DEFAULT_MAX_TOKENS  # noqa: E402
 from pagedllm.native import bindings  # noqa: E402
-from pagedllm.platform import huge_page_copies, huge_pages_supported  # noqa: E402
+from pagedllm.platform import huge_page_copies, huge_pages_enabled  # noqa: E402
 
 HIDDEN, INTER, LAYERS, GROUP = 1024, 2816, 16, 128
 KINDS = ("f32", "f32-packed", "int4", "int8", "int8-row", "int4-gemm", "int8-gemm", "int4-panel", "int8-panel",
@@ -97,7 +96,7 @@ def make_weight(kind: str, out_f: int, in_f: int) -> tuple[tuple, int]:
 def to_huge_pages(layers: list[tuple[tuple, int, int]]) -> list[tuple[tuple, int, int]]:
     """The projections' plain tensors moved into one mapping in 2 MiB pages, as the engine places
     its weights (platform.module_to_huge_pages; PAGEDLLM_HUGE_PAGES=0: left where they are)."""
-    if not (envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported()):
+    if not huge_pages_enabled():
         return layers
     flat = [t for tensors, _, _ in layers for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided]
     moved = dict(zip(map(id, flat), huge_page_copies(flat)))
@@ -209,7 +208,7 @@ def main(argv=None) -> dict[str, float]:
     lib, step_shapes = bindings.library(), shapes(args.hidden, args.inter)
     bw = measure_bandwidth(args.bandwidth_mib, 5)["read_gbs"]
     print(f"read bandwidth {bw:.1f} GB/s; {args.tokens} token(s), {args.threads} threads; weights in "
-          f"{'2 MiB' if envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported() else '4 KiB'} pages")
+          f"{'2 MiB' if huge_pages_enabled() else '4 KiB'} pages")
     print(f"{'kind':10s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'x read':>7s}")
     results = {}
     for kind in kinds:

@@ -9,6 +9,8 @@ import resource
 
 import torch
 
+from pagedllm import envs
+
 _FALLBACK_RAM = 8 * 1024**3  # no /proc/meminfo (not Linux): assume a small machine
 
 
@@ -66,11 +68,17 @@ def huge_pages_supported() -> bool:
         return False
 
 
+def huge_pages_enabled() -> bool:
+    """The engine keeps CPU weights and the CPU KV pool in 2 MiB pages: ``PAGEDLLM_HUGE_PAGES``
+    is on and the host can give them (``huge_pages_supported``)."""
+    return envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported()
+
+
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in an anonymous mapping of its own, aligned to 2 MiB and
     advised ``MADV_HUGEPAGE``, so the kernel backs it with 2 MiB pages as it is touched.
 
-    Why: streaming reads (a decode step's weights, the KV blocks attention reads) run ~1.4x
+    Why: streaming reads (a decode step's weights, the KV blocks attention reads) run up to ~1.4x
     faster from 2 MiB pages on this project's CPU hosts (benchmarks/RESULTS.md, "2 MiB pages"):
     with 4 KiB pages every 4 KiB of a stream costs a TLB miss, and under a hypervisor each miss
     is a two-level page walk. torch's allocator advises huge pages only under
@@ -106,11 +114,6 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of the CPU ``tensors`` in one mapping in 2 MiB pages (``huge_page_views``)."""
     views = huge_page_views([(tuple(t.shape), t.dtype) for t in tensors])
     return [view.copy_(t) for view, t in zip(views, tensors)]
-
-
-def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of the CPU tensor ``t`` in 2 MiB pages (``huge_page_empty``)."""
-    return huge_page_copies([t])[0]
 
 
 def module_to_huge_pages(module: torch.nn.Module, min_bytes: int = 64 * 1024) -> int:

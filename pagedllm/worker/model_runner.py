@@ -23,7 +23,7 @@ from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
-from pagedllm.platform import available_ram, huge_pages_supported, module_to_huge_pages
+from pagedllm.platform import available_ram, huge_pages_enabled, module_to_huge_pages
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
@@ -75,7 +75,7 @@ class ModelRunner:
         if config.cache.calculate_kv_scales:
             kv_quant.start_calibration(self.model)
         if self.device.type == "cpu":
-            if envs.PAGEDLLM_HUGE_PAGES and huge_pages_supported():
+            if huge_pages_enabled():
                 moved = module_to_huge_pages(self.model)
                 logger.info("weights in 2 MiB pages: %.1f MiB", moved / 2**20)
             elif envs.PAGEDLLM_HUGE_PAGES:

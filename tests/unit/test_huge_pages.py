@@ -107,7 +107,6 @@ def test_engine_places_weights_and_kv_in_huge_pages_and_generates_the_same(llama
     assert runs["1"] == runs["0"]
 
 
-@pytest.mark.skipif(not huge_pages_supported(), reason="no transparent huge pages here")
 def test_switch_reads_the_environment(monkeypatch):
     from pagedllm import envs
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
@@ -140,8 +139,7 @@ def test_without_huge_pages_the_engine_says_so_and_keeps_4k_pages(llama_dir, mon
     import logging
 
     from pagedllm import LLM
-    monkeypatch.setattr("pagedllm.worker.model_runner.huge_pages_supported", lambda: False)
-    monkeypatch.setattr("pagedllm.worker.cache_engine.huge_pages_supported", lambda: False)
+    monkeypatch.setattr("pagedllm.platform.huge_pages_supported", lambda: False)
     with caplog.at_level(logging.INFO, logger="pagedllm.worker.model_runner"):
         llm = LLM(llama_dir, device="cpu", block_size=8, max_model_len=64, kv_cache_memory=2**20)
     assert "weights stay in 4 KiB pages" in caplog.text
