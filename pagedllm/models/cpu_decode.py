@@ -124,6 +124,22 @@ def _quantized_max_tokens(model) -> int:
     return grouped.C_MAX_ROWS[bits] if bits in grouped.C_MAX_ROWS else DEFAULT_MAX_TOKENS
 
 
+def _panels(linear) -> torch.Tensor | None:
+    """A float32 projection's copy in ``dense_gemm.c``'s panel layout (``cpu_ops.pack_model``), or None."""
+    packed = getattr(linear, "packed_weight", None)
+    return packed.panels if isinstance(packed, cpu_ops.PanelWeight) and linear.weight.dtype == torch.float32 else None
+
+
+def _max_tokens(model, native) -> int:
+    """The decoder's token limit: the measured one per weight kind (``_quantized_max_tokens``),
+    raised to ``cpu_ops.PANEL_MAX_ROWS`` when every projection is float32 with a panel copy (the
+    decoder then runs them on ``dense_gemm.c`` from LD_PANEL_MIN_TOKENS rows, the module path's
+    GEMM for those rows, without the module path's Python and unfused ops between them)."""
+    if all(_panels(p) is not None for p in _projections(model)):
+        return min(cpu_ops.PANEL_MAX_ROWS, native.max_panel_decode_tokens)
+    return min(native.max_decode_tokens, _quantized_max_tokens(model))
+
+
 def _group(linear) -> int:
     """A projection's group size as LdModel takes it: 4/8-bit codes' or FP8 scales' inputs per group."""
     return getattr(linear, "quant_group", 0) or getattr(linear, "fp8_group", 0)
@@ -138,11 +154,12 @@ class FusedCpuDecoder:
     taken here, so the weights must be loaded before it is built (``enable_fused_decode``).
     """
 
-    def __init__(self, model, backend, max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, model, backend, max_tokens: int | None = None):
         self._native = bindings.library()
         self._bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
         self._f32_copies: list[torch.Tensor] = []  # keeps the float32 copies of a bf16 model's small tensors alive
-        self.max_tokens = min(max_tokens, self._native.max_decode_tokens, _quantized_max_tokens(model))
+        limit = _max_tokens(model, self._native)
+        self.max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         self.parallel_work = backend.parallel_work // FUSED_WORK_DIVISOR
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
@@ -164,9 +181,11 @@ class FusedCpuDecoder:
                 return getattr(attn, field).weight if attn.qk_norm else None
             proj, kind = field.rsplit("_", 1)
             linear = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[proj]
+            if kind == "p":
+                return _panels(linear)
             return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None),
                     "z": getattr(linear, "weight_szero", None)}[kind]
-        as_f32 = not field.endswith(("_w", "_s", "_z"))  # norms and biases; weights and their scales in place
+        as_f32 = not field.endswith(("_w", "_s", "_z", "_p"))  # norms and biases; weights and their scales in place
         return [self._f32_ptr(pick(layer)) if as_f32 else _ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:

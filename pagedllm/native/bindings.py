@@ -38,7 +38,7 @@ _P64 = ctypes.POINTER(ctypes.c_int64)
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # LdModel's per-layer parameter arrays (one pointer per layer), in the C field order
-LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsbz" for p in _PROJECTIONS),
+LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsbzp" for p in _PROJECTIONS),
                       "q_norm", "k_norm")  # fmt: skip
 CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 
@@ -138,7 +138,8 @@ class NativeLibrary:
     Loading binds every exported function and checks the bindings against the C side; any
     mismatch raises :class:`NativeLibraryError` naming the function, constant or struct field.
     Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
-    of one ``decoder_forward`` / ``linear`` call), ``has_avx2`` (built with AVX2/FMA paths) and
+    of one ``decoder_forward`` / ``linear`` call), ``max_panel_decode_tokens`` (most tokens of a
+    ``decoder_forward`` whose float32 projections all have panel copies), ``has_avx2`` (built with AVX2/FMA paths) and
     ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down) and
     ``qg_panel`` (the output columns per panel of ``grouped_gemm``'s packed weights), ``dg_panel``
     and ``dg_rows`` (``dense_gemm``'s panel width and register-tile rows: 8 in AVX-512 builds).
@@ -159,6 +160,7 @@ class NativeLibrary:
         for mirror in STRUCTS:
             self.check_struct(mirror)
         self.max_decode_tokens = self.constant("MAX_DECODE_TOKENS")
+        self.max_panel_decode_tokens = self.constant("MAX_PANEL_DECODE_TOKENS")
         self.has_avx2 = bool(self.constant("HAS_AVX2"))
         self.moe_panels = (self.constant("MOE_GATE_PANEL"), self.constant("MOE_DOWN_PANEL"))
         self.qg_panel = self.constant("QG_PANEL")

@@ -117,6 +117,44 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("prefill", [20, 71])  # 28 / 79 tokens: panels from 24 tokens, past the tile's 64
+def test_panel_projections_match_torch_path(arch, prefill, model_dirs):
+    """Float32 projections with panel copies (every output a multiple of 32, AVX-512 build): the
+    decoder takes up to PANEL_MAX_ROWS tokens and runs them on dense_gemm.c from 24."""
+    model, caches = _model(model_dirs[arch])
+    if cpu_decode._panels(model.model.layers[0].self_attn.qkv_proj) is None:
+        pytest.skip("no panel copies here (the library's panel GEMM has no AVX-512 tile on this CPU)")
+    assert model.model.fused_decoder.max_tokens == cpu_ops.PANEL_MAX_ROWS
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    hist = rand(10)
+    decoder_step(model, caches, False, [(hist, 0, [4, 21])])
+    blocks = [3, 9, 30, 1, 12, 25, 7, 33, 18, 2]  # shuffled; 10 blocks of 8 hold 79 tokens
+    batch = [(rand(1), 10, [4, 21]), (rand(prefill), 0, blocks[: -(-prefill // BLOCK)]), (rand(7), 0, [39])]
+    fused_caches, torch_caches = _clone(caches), _clone(caches)
+    got = decoder_step(model, fused_caches, True, batch)
+    want = decoder_step(model, torch_caches, False, batch)
+    assert got.shape == want.shape == (prefill + 8, model.config.hidden_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for (fk, fv), (tk, tv) in zip(fused_caches, torch_caches):
+        torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5, equal_nan=True)
+        torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_past_the_tile_limit_the_decoder_needs_every_panel(llama_dir):
+    """ld_forward refuses more than the register tile's 64 tokens when a projection has no panel
+    copy, instead of overrunning its tile buffers."""
+    model, caches = _model(llama_dir)
+    fused = model.model.fused_decoder
+    if fused.max_tokens <= 64:
+        pytest.skip("no panel copies here")
+    fused._arrays["down_p"][1] = None  # the last layer's down projection loses its panel copy
+    with pytest.raises(ValueError, match="ld_forward: bad dimensions"):
+        decoder_step(model, caches, True, [(list(range(3, 68)), 0, list(range(9)))])
+    decoder_step(model, caches, True, [(list(range(3, 67)), 0, list(range(8)))])  # 64 tokens: the tile runs
+
+
 def test_batches_over_the_limit_take_the_torch_path(llama_dir):
     model, caches = _model(llama_dir)
     fused = model.model.fused_decoder

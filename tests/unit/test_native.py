@@ -24,6 +24,7 @@ def test_real_build_matches_its_header():
     lib = bindings.library()
     assert lib.abi_version == abi.header_constant(HEADER_TEXT, "PN_ABI_VERSION")
     assert lib.max_decode_tokens == abi.header_constant(HEADER_TEXT, "LD_MAX_TOKENS")
+    assert lib.max_panel_decode_tokens == abi.header_constant(HEADER_TEXT, "LD_PANEL_MAX_TOKENS")
     assert [lib.dtype_code(dt) for dt in (torch.float32, torch.float16, torch.bfloat16)] == [0, 1, 2]
     for mirror in (LdModel, LdBatch):
         lib.check_struct(mirror)

@@ -104,7 +104,18 @@ typedef struct {
     int bits, fp8, bf16;
     int64_t group;
     float *xq;
+    const float *panels; /* float32 weights: the dense_gemm.c copy, or NULL */
 } Weight;
+
+/* From this many tokens a float32 projection with a panel copy runs on dg_gemm (an 8-row x
+ * 32-column AVX-512 tile, the weight streamed once per 64 rows with its next panel prefetched)
+ * instead of tile4 below (3 tokens x 4 rows, AVX2). Decode steps of the 34M model alternated
+ * between the two (benchmarks/RESULTS.md): tile4 10-15% faster at 8-16 tokens, dg_gemm 5-10%
+ * at 24 and 16-20% at 32-64 (equal or behind only while the host's memory bandwidth is
+ * contended by other tenants). */
+#define LD_PANEL_MIN_TOKENS 24
+
+static inline int use_panels(Weight W, int64_t T) { return W.panels && T >= LD_PANEL_MIN_TOKENS; }
 
 static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
     return (const char *)W.data + row * in * (W.scale ? 1 : (int64_t)sizeof(float));
@@ -129,6 +140,8 @@ static int fp8_matmul(const float *x, int64_t T, Weight W, const float *b, int64
 static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
                   float *y, int threads) {
     if (W.fp8) return fp8_matmul(x, T, W, b, in, out, y, threads);
+    if (use_panels(W, T)) return dg_gemm(x, T, W.panels, b, in, out, y, threads);
+    if (T > LD_MAX_TOKENS) return PN_ERR_ARG; /* sizes dots[] below */
     if (W.bf16) return bf16_linear(x, T, (const uint16_t *)W.data, b, in, out, y, threads);
     if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
         return qg_linear(x, T, W.data, W.scale, W.szero, b, in, out, W.group, W.bits, y, threads);
@@ -150,17 +163,38 @@ static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t i
     return PN_OK;
 }
 
-/* act[t, j] = silu(x[t] . W[j] + b[j]) * (x[t] . W[I + j] + b[I + j]) with I = inter: the
- * gate and up rows of one j are computed by the same thread, so the [T, 2I] product never
- * exists in memory. */
+/* act[t, j] = silu(gate_up[t, j]) * gate_up[t, I + j] with I = inter, gate_up [T, 2I]; vectorised
+ * (pn_exp256, ~2 ulp against expf): at 64 tokens x 1536 a scalar expf loop took ~0.3 ms of each
+ * layer. Split over the threads from SILU_PARALLEL_MIN elements (below, waking the team costs more). */
+#define SILU_PARALLEL_MIN 32768
+static void silu_and_mul(const float *gate_up, int64_t T, int64_t inter, float *act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * inter >= SILU_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * inter, *u = g + inter;
+        float *a = act + t * inter;
+        int64_t j = 0;
+#if PN_AVX2
+        for (; j + 8 <= inter; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            /* g / (1 + e^-g), e^-g clamped to pn_exp256's range: past it silu(g) ~ g e^g is ~0 */
+            const __m256 e = pn_exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.0f)));
+            const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(sg, _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < inter; j++) a[j] = silu(g[j]) * u[j];
+    }
+}
+
+/* act[t, j] = silu(x[t] . W[j] + b[j]) * (x[t] . W[I + j] + b[I + j]) with I = inter, through
+ * the [T, 2I] product in gate_up. On float32 tile4 the gate and up rows of one j are computed
+ * by the same unit (their x rows stay in L1 for both). */
 static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
                          int64_t inter, float *act, float *gate_up, int threads) {
-    if (W.bits || W.scale || W.bf16) { /* not float32: the [T, 2I] product of matmul's kernels through gate_up */
+    if (W.bits || W.scale || W.bf16 || use_panels(W, T)) { /* matmul's kernels */
         const int rc = matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
         if (rc != PN_OK) return rc;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < inter; j++)
-                act[t * inter + j] = silu(gate_up[t * 2 * inter + j]) * gate_up[t * 2 * inter + inter + j];
+        silu_and_mul(gate_up, T, inter, act, threads);
         return PN_OK;
     }
     const int64_t units = (inter + 1) / 2;
@@ -179,10 +213,12 @@ static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int
         for (int64_t t = 0; t < T; t++)
             for (int k = 0; k < nj; k++) {
                 const float g = dots[t][k] * row_scale(W, j + k) + (b ? b[j + k] : 0.0f);
-                const float up = dots[t][2 + k] * row_scale(W, inter + j + k) + (b ? b[inter + j + k] : 0.0f);
-                act[t * inter + j + k] = silu(g) * up;
+                gate_up[t * 2 * inter + j + k] = g;
+                gate_up[t * 2 * inter + inter + j + k] = dots[t][2 + k] * row_scale(W, inter + j + k) +
+                                                         (b ? b[inter + j + k] : 0.0f);
             }
     }
+    silu_and_mul(gate_up, T, inter, act, threads);
     return PN_OK;
 }
 
@@ -212,7 +248,7 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL}, bias, in, out, y, threads);
+    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL, NULL}, bias, in, out, y, threads);
 }
 
 typedef struct {
@@ -222,8 +258,21 @@ typedef struct {
 
 /* Layer l's weight of one projection (arrays of the LdModel fields {proj}_w/_s/_z). */
 static inline Weight proj_weight(const LdModel *m, const void *const *w, const float *const *s,
-                                 const float *const *z, int64_t group, int l, float *xq) {
-    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, group, xq};
+                                 const float *const *z, const float *const *p, int64_t group, int l, float *xq) {
+    const int f32 = !m->quant_bits && !m->fp8_act && !m->bf16 && !s[l];
+    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, group, xq,
+                    f32 && p ? p[l] : NULL};
+}
+
+/* Every projection of every layer is float32 with a panel copy: the decoder may take up to
+ * LD_PANEL_MAX_TOKENS tokens (past LD_MAX_TOKENS only dg_gemm runs). */
+static int panels_cover(const LdModel *m) {
+    if (m->quant_bits || m->fp8_act || m->bf16 || !m->qkv_p || !m->o_p || !m->gate_up_p || !m->down_p) return 0;
+    for (int l = 0; l < m->num_layers; l++)
+        if (m->qkv_s[l] || m->o_s[l] || m->gate_up_s[l] || m->down_s[l] || !m->qkv_p[l] || !m->o_p[l] ||
+            !m->gate_up_p[l] || !m->down_p[l])
+            return 0;
+    return 1;
 }
 
 static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
@@ -277,7 +326,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_group, l, B->xq), m->qkv_b[l],
+    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_p, m->qkv_group, l, B->xq), m->qkv_b[l],
                     m->hidden, qkv_size, B->qkv, threads);
     if (rc != PN_OK) return rc;
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
@@ -314,7 +363,8 @@ static void embed_rows(const LdModel *m, const LdBatch *b, float *residual) {
  * negative error code of a step (the kernels validate metadata before writing anything). */
 int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     const int64_t T = b->num_tokens, H = m->hidden;
-    if (T <= 0 || T > LD_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
+    if (T <= 0 || T > LD_PANEL_MAX_TOKENS || threads <= 0) return PN_ERR_ARG;
+    if (T > LD_MAX_TOKENS && !panels_cover(m)) return PN_ERR_ARG;
     if (m->quant_bits != 0 && m->quant_bits != 4 && m->quant_bits != 8) return PN_ERR_ARG;
     if (m->fp8_act < 0 || m->fp8_act > 3 || (m->fp8_act && m->quant_bits)) return PN_ERR_ARG;
     if (m->bf16 < 0 || m->bf16 > 1 || (m->bf16 && (m->fp8_act || m->quant_bits))) return PN_ERR_ARG;
@@ -334,14 +384,14 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
         if (rc == 0)
-            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_group, l, B.xq), m->o_b[l], q_size, H,
+            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_p, m->o_group, l, B.xq), m->o_b[l], q_size, H,
                         B.normed, threads);
         if (rc != 0) break;
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_group, l, B.xq),
+        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_p, m->gate_up_group, l, B.xq),
                           m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
         if (rc == 0)
-            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_group, l, B.xq), m->down_b[l],
+            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_p, m->down_group, l, B.xq), m->down_b[l],
                         m->intermediate, H, B.normed, threads);
         if (rc != 0) break;
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;

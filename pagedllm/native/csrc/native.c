@@ -18,6 +18,7 @@ typedef struct {
 static const Constant CONSTANTS[] = {
     {"ABI_VERSION", PN_ABI_VERSION},
     {"MAX_DECODE_TOKENS", LD_MAX_TOKENS},
+    {"MAX_PANEL_DECODE_TOKENS", LD_PANEL_MAX_TOKENS},
     {"HAS_AVX2", PN_AVX2},
     {"DTYPE_F32", PN_DTYPE_F32},
     {"DTYPE_F16", PN_DTYPE_F16},
@@ -56,7 +57,8 @@ static const Field FIELDS[] = {
     FIELD(LdModel, o_s), FIELD(LdModel, gate_up_s), FIELD(LdModel, down_s),
     FIELD(LdModel, qkv_b), FIELD(LdModel, o_b), FIELD(LdModel, gate_up_b),
     FIELD(LdModel, down_b), FIELD(LdModel, qkv_z), FIELD(LdModel, o_z), FIELD(LdModel, gate_up_z),
-    FIELD(LdModel, down_z), FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
+    FIELD(LdModel, down_z), FIELD(LdModel, qkv_p), FIELD(LdModel, o_p), FIELD(LdModel, gate_up_p),
+    FIELD(LdModel, down_p), FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
     FIELD(LdModel, key_cache), FIELD(LdModel, value_cache), FIELD(LdModel, window),
 
     FIELD(LdBatch, query_start_loc), FIELD(LdBatch, seq_lens), FIELD(LdBatch, block_tables),

@@ -18,7 +18,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 8
+#define PN_ABI_VERSION 9
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -51,9 +51,12 @@ static inline __attribute__((always_inline)) void pn_tile32(const int M, const f
     }
 }
 
-/* Most tokens one ld_forward / ld_linear call takes (the Python side sends batches up to its
- * own, smaller, limit). Sizes stack arrays in llama_decode.c. */
+/* Most tokens one call of the small-batch kernels (ld_linear, qg_linear, fp8_linear,
+ * bf16_linear) and of ld_forward takes (the Python side sends batches up to its own, smaller,
+ * limits). Sizes stack arrays. ld_forward takes up to LD_PANEL_MAX_TOKENS when every projection
+ * is float32 with a panel copy (LdModel.qkv_p ...), which dg_gemm runs. */
 #define LD_MAX_TOKENS 64
+#define LD_PANEL_MAX_TOKENS 96
 
 /* KV cache dtypes (the math is float32 whatever the cache holds; fp8 caches' scales are folded
  * into the softmax scale and the output by the caller). */
@@ -168,6 +171,9 @@ typedef struct {
     const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* scales or NULL */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
+    /* float32 weights in dense_gemm.c's panel layout, or NULL: past LD_TILE_MAX_TOKENS tokens the
+     * projections run on dg_gemm (a float32 model needs them all to take more tokens than that) */
+    const float *const *qkv_p, *const *o_p, *const *gate_up_p, *const *down_p;
     const float *const *q_norm, *const *k_norm;
     void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
     const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
