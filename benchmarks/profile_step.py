@@ -7,15 +7,20 @@ not model math ("overhead"). Optionally dumps a torch profiler table.
 
     python benchmarks/profile_step.py [--batches 1,64] [--output-len 64] [--torch-profile]
     python benchmarks/profile_step.py --ops [--ops-batch 64] [--prefill-tokens 2048]
+    python benchmarks/profile_step.py --ab-fused --batches 16,32,64,96 --output-len 96
 
 ``--ops``: op by op (benchmarks/op_profile.py) for a batch-64 decode step and a 2048-token
 prefill step (4 prompts of 512) through the module path: ms per step of each module role, and
 for every projection its achieved GFLOP/s next to the best GEMM measured for that shape here.
+
+``--ab-fused``: per batch, decode steps alternated between the one-call C decoder and the
+module path in one engine (medians of the step's wall time, and module / decoder).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -51,9 +56,41 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
                 for k in ("schedule", "prepare", "forward", "sample", "update")}, overhead=t.overhead_share)
 
 
-def _prompts(n: int, length: int, seed: int) -> list[dict]:
+def ab_fused(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
+    """Decode steps alternated in pairs between the one-call C decoder and the module path
+    (``fused_decoder`` unset for the step) inside one engine, so both see the same contexts and
+    the same machine state; medians of the engine step's wall time."""
+    engine, inner = llm.llm_engine, llm.llm_engine.executor.runner.model.model
+    fused = inner.fused_decoder
+    if fused is None or batch > fused.max_tokens:
+        raise SystemExit(f"batch {batch}: the one-call decoder does not take it "
+                         f"(limit {None if fused is None else fused.max_tokens})")
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    vocab = min(8000, llm.llm_engine.executor.runner.model.config.vocab_size)
+    for i, p in enumerate(_prompts(batch, prompt_len, batch, vocab)):
+        engine.add_request(f"ab{batch}-{i}", p, params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    k = 0
+    try:
+        while engine.has_unfinished_requests():
+            on = (k // 2) % 2 == 0  # on, on, off, off, ...: each mode follows each about equally often
+            inner.fused_decoder = fused if on else None
+            t = time.perf_counter()
+            engine.step()
+            times[on].append(time.perf_counter() - t)
+            k += 1
+    finally:
+        inner.fused_decoder = fused
+    a, b = (1e3 * statistics.median(times[m]) for m in (True, False))
+    return dict(batch=batch, fused_ms=a, module_ms=b, speedup=b / a, steps=k)
+
+
+def _prompts(n: int, length: int, seed: int, vocab: int = 8000) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(10, 8000, (length,), generator=g).tolist()} for _ in range(n)]
+    return [{"prompt_token_ids": torch.randint(10, vocab, (length,), generator=g).tolist()} for _ in range(n)]
 
 
 def op_decode(llm: LLM, timer: ModuleTimer, batch: int, prompt_len: int, steps: int) -> float:
@@ -141,6 +178,8 @@ def main(argv=None) -> int:
     add_engine_args(ap, ["attention_backend", "quantization"])
     ap.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top ops for the last batch")
     ap.add_argument("--ops", action="store_true", help="op-by-op table with GFLOP/s against the best GEMM here")
+    ap.add_argument("--ab-fused", action="store_true",
+                    help="alternate decode steps between the one-call C decoder and the module path")
     ap.add_argument("--ops-batch", type=int, default=64)
     ap.add_argument("--ops-steps", type=int, default=16, help="decode steps timed (prefill: a quarter as many)")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
@@ -152,6 +191,12 @@ def main(argv=None) -> int:
     print(f"attention backend: {llm.llm_engine.executor.runner.backend.name}, threads: {torch.get_num_threads()}")
     if args.ops:
         run_ops(llm, args)
+        return 0
+    if args.ab_fused:
+        rows = [ab_fused(llm, int(b), args.prompt_len, args.output_len) for b in args.batches.split(",")]
+        print(format_table(["batch", "decode steps", "one-call decoder ms", "module path ms", "module / decoder"],
+                           [[r["batch"], r["steps"], f"{r['fused_ms']:.2f}", f"{r['module_ms']:.2f}",
+                             f"{r['speedup']:.3f}x"] for r in rows]))
         return 0
     rows = [run(llm, int(b), args.prompt_len, args.output_len) for b in args.batches.split(",")]
     cols = ["batch", "ms_per_step", "tok_s", "schedule", "prepare", "forward", "sample", "update", "overhead"]

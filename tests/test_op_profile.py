@@ -44,3 +44,28 @@ def test_module_timer_charges_exclusive_time_per_role_and_rows():
 def test_best_gemm_times_every_method_on_one_shape():
     best = op.best_gemm(4, 16, 8, repeats=2)  # each method is checked against F.linear first
     assert {"F.linear", "mm(x, W^T)"} <= set(best) and all(v > 0 for v in best.values())
+
+
+def test_ab_fused_alternates_decoder_and_module_path_and_restores_the_decoder(llama_dir):
+    from pagedllm import LLM
+    ps = load_benchmark("pagedllm_bench_profile_step", "profile_step.py")
+    llm = LLM(llama_dir, num_gpu_blocks_override=64, max_model_len=256)
+    inner = llm.llm_engine.executor.runner.model.model
+    if inner.fused_decoder is None:
+        import pytest
+        pytest.skip("no one-call decoder here (no C compiler)")
+    seen = []
+    real = inner.fused_decoder.__class__.__call__
+
+    def spy(self, *a, **k):
+        seen.append(len(seen))
+        return real(self, *a, **k)
+
+    type(inner.fused_decoder).__call__ = spy
+    try:
+        row = ps.ab_fused(llm, 3, 8, 9)  # 8 decode steps after the prefill: 4 through each path
+    finally:
+        type(inner.fused_decoder).__call__ = real
+    assert row["batch"] == 3 and row["steps"] == 8 and row["fused_ms"] > 0 and row["module_ms"] > 0
+    assert len(seen) == 1 + 4  # the 24-token prefill step, then the "on" half of the decode steps
+    assert inner.fused_decoder is not None and not llm.llm_engine.has_unfinished_requests()
