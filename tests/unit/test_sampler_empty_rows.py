@@ -72,3 +72,14 @@ def test_rejection_sampling_never_emits_a_token_an_empty_row_forbids():
     q = torch.full((2, VOCAB), 1.0 / VOCAB)
     p[1] = 0.0
     assert rejection_sample(p, [4, 5], q, None) == [4, NO_TOKEN]  # residual of an empty row
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    """Greedy rows take the lowest id among equal maximal logits, as torch.argmax (and
+    transformers' greedy search) does."""
+    logits = torch.zeros(3, 40)
+    logits[0, [7, 3, 30]] = 2.0
+    logits[1, [39, 38]] = 1.0
+    logits[2] = torch.arange(40.0).flip(0)  # strictly decreasing: id 0
+    rows = [SamplingRow(SamplingParams(temperature=0), [], 0, None, ()) for _ in range(3)]
+    assert Sampler("native")(logits, rows).token_ids == [3, 38, 0]
