@@ -26,8 +26,11 @@
 /* The first row tile reads its panel this many floats ahead (16 k steps of 32 floats). */
 #define DG_PREFETCH 512
 /* Row tiles 1 .. DG_SPREAD of a panel fetch the thread's next panel, into L2 (not L1: the
- * current panel and x rows live there), a slice each. */
-#define DG_SPREAD 4
+ * current panel and x rows live there), a slice each: every tile after the first of a 64-row
+ * pass (8 tiles of 8 rows). Spreading the fetch over 7 tiles rather than 4 took a chain of the
+ * 200M model's 64 projections at 64 rows from 87.6 to 81.5 ms (48 rows: 71.0 -> 68.4; 96:
+ * 137.9 -> 134.4), the 34M shapes within 1% (benchmarks/RESULTS.md). */
+#define DG_SPREAD 7
 /* Rows per pass over the thread's panels: x's block stays in L2 while the panels stream. */
 #define DG_ROW_BLOCK 64
 

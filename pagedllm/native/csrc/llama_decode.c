@@ -11,7 +11,10 @@
  * Matrix products: y[t, o] = sum_i x[t, i] * W[o, i] with W [out, in] row-major (torch's
  * Linear layout). Threads split the output rows; each work unit reads 4 weight rows once from
  * memory and applies them to all T tokens while they sit in L1, so the weights are streamed
- * once per step whatever T is. 8-lane FMA accumulators, summed pairwise at the end.
+ * once per step whatever T is (register tiles of 4 rows x 6 tokens on 16 lanes in AVX-512
+ * builds, 4 x 3 on 8 lanes with AVX2). From LD_PANEL_MIN_TOKENS tokens, float32 projections
+ * with a panel copy (LdModel.qkv_p ...) run on dense_gemm.c's GEMM instead, which lets the
+ * decoder take decode batches of up to LD_PANEL_MAX_TOKENS.
  *
  * Attention and the KV write are the paged-attention kernel's own functions (same library,
  * declared in pagedllm_native.h with the structs LdModel and LdBatch).
