@@ -65,6 +65,8 @@ def _ptr_array(values: list) -> ctypes.Array:
     return (_VP * len(values))(*values)
 
 
+# group-wise code widths (LdModel.quant_bits) whose layers keep quant_gemm.c's panel copies
+GROUPED_BITS = (4, 8)
 # projection weights the decoder reads: int8 (own, per row), uint8 4/8-bit codes, FP8 e4m3 bytes
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 # the model dtypes (every floating parameter but quantized projections) and KV cache dtypes it takes
@@ -128,19 +130,32 @@ def _quantized_max_tokens(model) -> int:
 
 
 def _panels(linear) -> torch.Tensor | None:
-    """A float32 projection's copy in ``dense_gemm.c``'s panel layout (``cpu_ops.pack_model``), or None."""
+    """A projection's panel copy, or None: a float32 weight's in ``dense_gemm.c``'s layout
+    (``cpu_ops.pack_model``), group-wise 4/8-bit codes' in ``quant_gemm.c``'s (``grouped.install``;
+    with ``panel_scale`` / ``panel_szero``)."""
+    if getattr(linear, "quant_bits", None) in GROUPED_BITS and getattr(linear, "act_perm", None) is None:
+        return getattr(linear, "panel_codes", None)
     packed = getattr(linear, "packed_weight", None)
     return packed.panels if isinstance(packed, cpu_ops.PanelWeight) and linear.weight.dtype == torch.float32 else None
 
 
 def _max_tokens(model, native) -> int:
     """The decoder's token limit: the measured one per weight kind (``_quantized_max_tokens``),
-    raised to ``cpu_ops.PANEL_MAX_ROWS`` when every projection is float32 with a panel copy (the
-    decoder then runs them on ``dense_gemm.c`` from LD_PANEL_MIN_TOKENS rows, the module path's
-    GEMM for those rows, without the module path's Python and unfused ops between them)."""
+    raised to ``cpu_ops.PANEL_MAX_ROWS`` when every projection has a panel copy: the decoder then
+    runs them on the module path's GEMM for those rows (float32: ``dense_gemm.c`` from
+    LD_PANEL_MIN_TOKENS rows; 4/8-bit codes: ``quant_gemm.c`` past ``grouped.SMALL_MAX_ROWS``),
+    without the module path's Python and unfused ops between them."""
     if all(_panels(p) is not None for p in _projections(model)):
         return min(cpu_ops.PANEL_MAX_ROWS, native.max_panel_decode_tokens)
     return min(native.max_decode_tokens, _quantized_max_tokens(model))
+
+
+def _qg_gemm_min(model) -> int:
+    """LdModel.qg_gemm_min: group-wise codes take quant_gemm.c's panel GEMM from the row count
+    where the module path does (grouped.SMALL_MAX_ROWS + 1); 0 for other weights."""
+    from pagedllm.layers.quantization import grouped
+    bits = getattr(_projections(model)[0], "quant_bits", None)
+    return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else 0
 
 
 def _group(linear) -> int:
@@ -187,8 +202,9 @@ class FusedCpuDecoder:
             if kind == "p":
                 return _panels(linear)
             return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None),
-                    "z": getattr(linear, "weight_szero", None)}[kind]
-        as_f32 = not field.endswith(("_w", "_s", "_z", "_p"))  # norms and biases; weights and their scales in place
+                    "z": getattr(linear, "weight_szero", None), "ps": getattr(linear, "panel_scale", None),
+                    "pz": getattr(linear, "panel_szero", None)}[kind]
+        as_f32 = not field.endswith(("_w", "_s", "_z", "_p", "_ps", "_pz"))  # norms, biases; the rest in place
         return [self._f32_ptr(pick(layer)) if as_f32 else _ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:
@@ -198,7 +214,7 @@ class FusedCpuDecoder:
             num_layers=len(model.layers), hidden=model.embed_tokens.weight.shape[1],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.gate_up_proj.weight.shape[0] // 2,  # rows: not packed (codes pack along inputs)
-            quant_bits=getattr(attn.qkv_proj, "quant_bits", 0),
+            quant_bits=getattr(attn.qkv_proj, "quant_bits", 0), qg_gemm_min=_qg_gemm_min(model),
             fp8_act=FP8_ACT_CODES.get(getattr(attn.qkv_proj, "fp8_act", None), 0), bf16=int(self._bf16),
             qkv_group=_group(attn.qkv_proj), o_group=_group(attn.o_proj),
             gate_up_group=_group(mlp.gate_up_proj), down_group=_group(mlp.down_proj),

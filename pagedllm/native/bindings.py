@@ -38,7 +38,8 @@ _P64 = ctypes.POINTER(ctypes.c_int64)
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # LdModel's per-layer parameter arrays (one pointer per layer), in the C field order
-LAYER_ARRAY_FIELDS = ("input_norm", "post_norm", *(f"{p}_{kind}" for kind in "wsbzp" for p in _PROJECTIONS),
+LAYER_ARRAY_FIELDS = ("input_norm", "post_norm",
+                      *(f"{p}_{kind}" for kind in ("w", "s", "b", "z", "p", "ps", "pz") for p in _PROJECTIONS),
                       "q_norm", "k_norm")  # fmt: skip
 CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 
@@ -46,7 +47,7 @@ CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 class LdModel(ctypes.Structure):
     _fields_ = [
         *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-                              "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16")],
+                              "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16", "qg_gemm_min")],
         *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
         *[(f"{p}_group", _I64) for p in _PROJECTIONS],
         ("eps", _F32), ("scale", _F32),

@@ -117,12 +117,17 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "wide-int4"])
 @pytest.mark.parametrize("prefill", [20, 71])  # 28 / 79 tokens: panels from 24 tokens, past the tile's 64
-def test_panel_projections_match_torch_path(arch, prefill, model_dirs):
-    """Float32 projections with panel copies (every output a multiple of 32, AVX-512 build): the
-    decoder takes up to PANEL_MAX_ROWS tokens and runs them on dense_gemm.c from 24."""
-    model, caches = _model(model_dirs[arch])
+def test_panel_projections_match_torch_path(arch, prefill, model_dirs, wide_llama_dir):
+    """Projections with panel copies (float32: every output a multiple of 32, AVX-512 build;
+    int4: quant_gemm.c's): the decoder takes up to PANEL_MAX_ROWS tokens and runs them on the
+    module path's panel GEMM (dense_gemm.c from 24 tokens, quant_gemm.c from 3)."""
+    if arch == "wide-int4":
+        model, caches = _model(wide_llama_dir, quantization="int4")
+        assert model.model.fused_decoder._struct.qg_gemm_min == 3
+    else:
+        model, caches = _model(model_dirs[arch])
     if cpu_decode._panels(model.model.layers[0].self_attn.qkv_proj) is None:
         pytest.skip("no panel copies here (the library's panel GEMM has no AVX-512 tile on this CPU)")
     assert model.model.fused_decoder.max_tokens == cpu_ops.PANEL_MAX_ROWS

@@ -153,7 +153,9 @@ typedef struct {
     int bits, fp8, bf16;
     int64_t group;
     float *xq;
-    const float *panels; /* float32 weights: the dense_gemm.c copy, or NULL */
+    const void *panels;          /* the panel copy (LdModel.qkv_p ...): float32 or codes, or NULL */
+    const float *pscale, *pszero; /* codes' panel scales and scaled zeros */
+    int qg_gemm_min;             /* codes: qg_gemm from this many tokens */
 } Weight;
 
 /* From this many tokens a float32 projection with a panel copy runs on dg_gemm (an 8-row x
@@ -164,7 +166,9 @@ typedef struct {
  * contended by other tenants). */
 #define LD_PANEL_MIN_TOKENS 24
 
-static inline int use_panels(Weight W, int64_t T) { return W.panels && T >= LD_PANEL_MIN_TOKENS; }
+static inline int use_panels(Weight W, int64_t T) {
+    return W.panels && T >= (W.bits ? W.qg_gemm_min : LD_PANEL_MIN_TOKENS);
+}
 
 static inline const void *weight_row(Weight W, int64_t row, int64_t in) {
     return (const char *)W.data + row * in * (W.scale ? 1 : (int64_t)sizeof(float));
@@ -189,7 +193,9 @@ static int fp8_matmul(const float *x, int64_t T, Weight W, const float *b, int64
 static int matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in, int64_t out,
                   float *y, int threads) {
     if (W.fp8) return fp8_matmul(x, T, W, b, in, out, y, threads);
-    if (use_panels(W, T)) return dg_gemm(x, T, W.panels, b, in, out, y, threads);
+    if (use_panels(W, T) && W.bits) /* the module path's GEMM for these rows (grouped.py) */
+        return qg_gemm(x, T, (const uint8_t *)W.panels, W.pscale, W.pszero, b, in, out, W.group, W.bits, y, threads);
+    if (use_panels(W, T)) return dg_gemm(x, T, (const float *)W.panels, b, in, out, y, threads);
     if (T > LD_MAX_TOKENS) return PN_ERR_ARG; /* sizes dots[] below */
     if (W.bf16) return bf16_linear(x, T, (const uint16_t *)W.data, b, in, out, y, threads);
     if (W.bits) /* group sizes were checked when the weights were installed (grouped.py) */
@@ -297,7 +303,7 @@ int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int64_t rows,
 int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias, int64_t in,
               int64_t out, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || in <= 0 || out <= 0 || threads <= 0) return PN_ERR_ARG;
-    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL, NULL}, bias, in, out, y, threads);
+    return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL, NULL, NULL, NULL, 0}, bias, in, out, y, threads);
 }
 
 typedef struct {
@@ -306,21 +312,39 @@ typedef struct {
 } Buffers;
 
 /* Layer l's weight of one projection (arrays of the LdModel fields {proj}_w/_s/_z). */
-static inline Weight proj_weight(const LdModel *m, const void *const *w, const float *const *s,
-                                 const float *const *z, const float *const *p, int64_t group, int l, float *xq) {
-    const int f32 = !m->quant_bits && !m->fp8_act && !m->bf16 && !s[l];
-    return (Weight){w[l], s[l], m->quant_bits ? z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, group, xq,
-                    f32 && p ? p[l] : NULL};
+/* One projection's arrays of LdModel (layer-indexed). */
+typedef struct {
+    const void *const *w, *const *p;
+    const float *const *s, *const *z, *const *ps, *const *pz;
+    int64_t group;
+} Proj;
+
+#define PROJ(m, name) ((Proj){(m)->name##_w, (m)->name##_p, (m)->name##_s, (m)->name##_z, (m)->name##_ps, \
+                              (m)->name##_pz, (m)->name##_group})
+
+/* Layer l's panel copy of a projection, or NULL where it has none or its kind takes none:
+ * float32 (no scale) or group-wise codes with their panel scales and zeros. */
+static inline const void *proj_panels(const LdModel *m, Proj P, int l) {
+    if (!P.p || !P.p[l] || m->fp8_act || m->bf16) return NULL;
+    if (m->quant_bits) return P.ps && P.pz && P.ps[l] && P.pz[l] ? P.p[l] : NULL;
+    return P.s[l] ? NULL : P.p[l]; /* own int8 (per-row scales) has none */
 }
 
-/* Every projection of every layer is float32 with a panel copy: the decoder may take up to
- * LD_PANEL_MAX_TOKENS tokens (past LD_MAX_TOKENS only dg_gemm runs). */
+static inline Weight proj_weight(const LdModel *m, Proj P, int l, float *xq) {
+    const void *panels = proj_panels(m, P, l);
+    return (Weight){P.w[l], P.s[l], m->quant_bits ? P.z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, P.group, xq,
+                    panels, panels && m->quant_bits ? P.ps[l] : NULL, panels && m->quant_bits ? P.pz[l] : NULL,
+                    m->qg_gemm_min > 0 ? m->qg_gemm_min : LD_MAX_TOKENS + 1};
+}
+
+/* Every projection of every layer has its panel copy: the decoder may take up to
+ * LD_PANEL_MAX_TOKENS tokens (past LD_MAX_TOKENS only the panel GEMMs run). */
 static int panels_cover(const LdModel *m) {
-    if (m->quant_bits || m->fp8_act || m->bf16 || !m->qkv_p || !m->o_p || !m->gate_up_p || !m->down_p) return 0;
+    const Proj all[4] = {PROJ(m, qkv), PROJ(m, o), PROJ(m, gate_up), PROJ(m, down)};
+    if (m->quant_bits && !(m->qg_gemm_min > 0 && m->qg_gemm_min <= LD_MAX_TOKENS + 1)) return 0;
     for (int l = 0; l < m->num_layers; l++)
-        if (m->qkv_s[l] || m->o_s[l] || m->gate_up_s[l] || m->down_s[l] || !m->qkv_p[l] || !m->o_p[l] ||
-            !m->gate_up_p[l] || !m->down_p[l])
-            return 0;
+        for (int k = 0; k < 4; k++)
+            if (!proj_panels(m, all[k], l)) return 0;
     return 1;
 }
 
@@ -375,7 +399,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t T = b->num_tokens, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    int rc = matmul(B->normed, T, proj_weight(m, m->qkv_w, m->qkv_s, m->qkv_z, m->qkv_p, m->qkv_group, l, B->xq), m->qkv_b[l],
+    int rc = matmul(B->normed, T, proj_weight(m, PROJ(m, qkv), l, B->xq), m->qkv_b[l],
                     m->hidden, qkv_size, B->qkv, threads);
     if (rc != PN_OK) return rc;
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
@@ -433,14 +457,14 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         rc = attention_block(m, b, l, &B, threads);
         if (rc == 0)
-            rc = matmul(B.attn, T, proj_weight(m, m->o_w, m->o_s, m->o_z, m->o_p, m->o_group, l, B.xq), m->o_b[l], q_size, H,
+            rc = matmul(B.attn, T, proj_weight(m, PROJ(m, o), l, B.xq), m->o_b[l], q_size, H,
                         B.normed, threads);
         if (rc != 0) break;
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        rc = gate_up_silu(B.normed, T, proj_weight(m, m->gate_up_w, m->gate_up_s, m->gate_up_z, m->gate_up_p, m->gate_up_group, l, B.xq),
+        rc = gate_up_silu(B.normed, T, proj_weight(m, PROJ(m, gate_up), l, B.xq),
                           m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
         if (rc == 0)
-            rc = matmul(B.act, T, proj_weight(m, m->down_w, m->down_s, m->down_z, m->down_p, m->down_group, l, B.xq), m->down_b[l],
+            rc = matmul(B.act, T, proj_weight(m, PROJ(m, down), l, B.xq), m->down_b[l],
                         m->intermediate, H, B.normed, threads);
         if (rc != 0) break;
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;
