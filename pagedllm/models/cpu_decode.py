@@ -4,10 +4,11 @@ At decode batch sizes every matmul is a weight-streaming matrix-vector product t
 memory bandwidth in MKL and in ``native/csrc/llama_decode.c`` alike; what the C path removes is the
 Python and dispatch cost of the ~25 ops per layer around them (~1.7 ms of a ~9 ms batch-1 step
 on the 34M benchmark model; ``benchmarks/RESULTS.md``). Decode batches of 24-96 tokens are
-compute bound: where every float32 projection has its panel copy (``cpu_ops.pack_model``) the
-decoder runs them on that copy's GEMM (``csrc/dense_gemm.c``, the module path's for those rows)
-and still saves the Python and the unfused ops between them (batch 64: 1.18-1.25x). Larger
-batches (prefill chunks) keep the torch path, where oneDNN/MKL GEMMs win.
+compute bound: where every projection has its panel copy (float32: ``cpu_ops.pack_model``,
+``csrc/dense_gemm.c``; 4/8-bit codes: ``grouped.install``, ``csrc/quant_gemm.c``) the decoder
+runs them on that copy's GEMM, the module path's for those rows, and still saves the Python and
+the unfused ops between them (batch 64: 1.23x on the 34M model, 1.09x on the 200M in float32
+and int4). Larger batches (prefill chunks) keep the torch path, where oneDNN/MKL GEMMs win.
 
 Used only when it computes exactly what the torch path computes: float32 weights (or int8
 projection weights with per-row scales, ``quantization="int8"``, or group-wise 4/8-bit codes of

@@ -47,12 +47,14 @@ from pagedllm.native import bindings
 # once per call), beyond them (prefill chunks) dequantize + MKL's GEMM.
 SMALL_MAX_ROWS = {4: 2, 8: 3}
 GEMM_MAX_ROWS = {4: 384, 8: 384}
-# The most tokens the one-call decoder takes with these weights (models/cpu_decode.py), capped
-# at run time by the library's NativeLibrary.max_decode_tokens: it runs the small-batch kernel
-# with no Python between layers, which beats the module path's panel GEMM up to here (int4 on
-# the 200M model, decode step ms, decoder / module path: 4 tokens 27.6 / 30.0, 6: 38.2 / 39.5,
-# 8: 50.5 / 46.1; 8 bits: the kernels' crossovers are within a token of 4 bits', not timed end
-# to end).
+# The most tokens the one-call decoder takes with these weights when they have no panel copy
+# (models/cpu_decode.py; capped by NativeLibrary.max_decode_tokens): it runs the small-batch
+# kernel with no Python between layers, which beat the module path's panel GEMM up to here
+# (int4 on the 200M model, decode step ms, decoder / module path: 4 tokens 27.6 / 30.0, 6: 38.2
+# / 39.5, 8: 50.5 / 46.1). With the panel copies (every CPU layer keeps them) the decoder runs
+# the panel GEMM itself past SMALL_MAX_ROWS, as the module path does, and takes up to
+# cpu_ops.PANEL_MAX_ROWS tokens (200M int4, decoder / module path: 4 tokens 13.30 / 19.09 ms,
+# 16: 33.04 / 40.41, 64: 104.76 / 114.34; benchmarks/RESULTS.md).
 C_MAX_ROWS = {4: 6, 8: 6}
 BITS = (4, 8)
 
