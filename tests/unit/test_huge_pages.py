@@ -146,3 +146,29 @@ def test_without_huge_pages_the_engine_says_so_and_keeps_4k_pages(llama_dir, mon
     runner = llm.llm_engine.executor.runner
     assert "hg" not in _vm_flags(runner.model.model.embed_tokens.weight.data_ptr())
     assert "hg" not in _vm_flags(runner.cache.kv.data_ptr())
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Share of the 4 KiB pages under ``t``'s storage that are in memory (mincore(2))."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_the_cpu_kv_pool_is_written_once_at_start_up(llama_dir, monkeypatch, flag):
+    """Every page of the pool is resident before the first request (nothing faults in while
+    serving) and reads zero."""
+    from pagedllm import LLM
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", flag)
+    llm = LLM(llama_dir, device="cpu", block_size=8, max_model_len=64, kv_cache_memory=8 * 2**20)
+    kv = llm.llm_engine.executor.runner.cache.kv
+    assert kv.numel() * kv.element_size() >= 4 * 2**20
+    assert _resident_fraction(kv) == 1.0
+    assert not kv.any()
