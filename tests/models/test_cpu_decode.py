@@ -118,11 +118,11 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "wide-int4"])
-@pytest.mark.parametrize("prefill", [20, 71])  # 28 / 79 tokens: panels from 24 tokens, past the tile's 64
+@pytest.mark.parametrize("prefill", [20, 71])  # 28 / 79 tokens: panels from 18 tokens, past the tile's 64
 def test_panel_projections_match_torch_path(arch, prefill, model_dirs, wide_llama_dir):
     """Projections with panel copies (float32: every output a multiple of 32, AVX-512 build;
     int4: quant_gemm.c's): the decoder takes up to PANEL_MAX_ROWS tokens and runs them on the
-    module path's panel GEMM (dense_gemm.c from 24 tokens, quant_gemm.c from 3)."""
+    module path's panel GEMM (dense_gemm.c from 18 tokens, quant_gemm.c from 3)."""
     if arch == "wide-int4":
         model, caches = _model(wide_llama_dir, quantization="int4")
         assert model.model.fused_decoder._struct.qg_gemm_min == 3

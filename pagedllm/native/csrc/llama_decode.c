@@ -160,11 +160,12 @@ typedef struct {
 
 /* From this many tokens a float32 projection with a panel copy runs on dg_gemm (an 8-row x
  * 32-column AVX-512 tile, the weight streamed once per 64 rows with its next panel prefetched)
- * instead of tile4 below (3 tokens x 4 rows, AVX2). Decode steps of the 34M model alternated
- * between the two (benchmarks/RESULTS.md): tile4 10-15% faster at 8-16 tokens, dg_gemm 5-10%
- * at 24 and 16-20% at 32-64 (equal or behind only while the host's memory bandwidth is
- * contended by other tenants). */
-#define LD_PANEL_MIN_TOKENS 24
+ * instead of the register tiles below. Decode steps alternated between the two in one engine
+ * (benchmarks/RESULTS.md), against the 16-lane tile: at 12 tokens the tile 6% faster, at 16
+ * equal (34M) or 8% faster (200M), from 18 dg_gemm 20-30% faster on the 34M model and 9% on
+ * the 200M (at 16 rows dg_gemm has two row tiles, one of which must fetch the whole next
+ * panel; from 17 rows a third shares it). */
+#define LD_PANEL_MIN_TOKENS 18
 
 static inline int use_panels(Weight W, int64_t T) {
     return W.panels && T >= (W.bits ? W.qg_gemm_min : LD_PANEL_MIN_TOKENS);
