@@ -3,7 +3,7 @@
 At decode batch sizes every matmul is a weight-streaming matrix-vector product that runs at
 memory bandwidth in MKL and in ``native/csrc/llama_decode.c`` alike; what the C path removes is the
 Python and dispatch cost of the ~25 ops per layer around them (~1.7 ms of a ~9 ms batch-1 step
-on the 34M benchmark model; ``benchmarks/RESULTS.md``). Decode batches of 24-96 tokens are
+on the 34M benchmark model; ``benchmarks/RESULTS.md``). Decode batches of 18-96 tokens are
 compute bound: where every projection has its panel copy (float32: ``cpu_ops.pack_model``,
 ``csrc/dense_gemm.c``; 4/8-bit codes: ``grouped.install``, ``csrc/quant_gemm.c``) the decoder
 runs them on that copy's GEMM, the module path's for those rows, and still saves the Python and
@@ -66,8 +66,6 @@ def _ptr_array(values: list) -> ctypes.Array:
     return (_VP * len(values))(*values)
 
 
-# group-wise code widths (LdModel.quant_bits) whose layers keep quant_gemm.c's panel copies
-GROUPED_BITS = (4, 8)
 # projection weights the decoder reads: int8 (own, per row), uint8 4/8-bit codes, FP8 e4m3 bytes
 QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 # the model dtypes (every floating parameter but quantized projections) and KV cache dtypes it takes
@@ -134,7 +132,8 @@ def _panels(linear) -> torch.Tensor | None:
     """A projection's panel copy, or None: a float32 weight's in ``dense_gemm.c``'s layout
     (``cpu_ops.pack_model``), group-wise 4/8-bit codes' in ``quant_gemm.c``'s (``grouped.install``;
     with ``panel_scale`` / ``panel_szero``)."""
-    if getattr(linear, "quant_bits", None) in GROUPED_BITS and getattr(linear, "act_perm", None) is None:
+    from pagedllm.layers.quantization import grouped
+    if getattr(linear, "quant_bits", None) in grouped.BITS and getattr(linear, "act_perm", None) is None:
         return getattr(linear, "panel_codes", None)
     packed = getattr(linear, "packed_weight", None)
     return packed.panels if isinstance(packed, cpu_ops.PanelWeight) and linear.weight.dtype == torch.float32 else None

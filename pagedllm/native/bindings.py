@@ -140,7 +140,8 @@ class NativeLibrary:
     mismatch raises :class:`NativeLibraryError` naming the function, constant or struct field.
     Attributes read back from the library: ``abi_version``, ``max_decode_tokens`` (most tokens
     of one ``decoder_forward`` / ``linear`` call), ``max_panel_decode_tokens`` (most tokens of a
-    ``decoder_forward`` whose float32 projections all have panel copies), ``has_avx2`` (built with AVX2/FMA paths) and
+    ``decoder_forward`` whose projections all have panel copies, float32 or 4/8-bit codes),
+    ``has_avx2`` (built with AVX2/FMA paths) and
     ``moe_panels`` (the column panels of ``moe_experts``' packed weights: gate/up, down) and
     ``qg_panel`` (the output columns per panel of ``grouped_gemm``'s packed weights), ``dg_panel``
     and ``dg_rows`` (``dense_gemm``'s panel width and register-tile rows: 8 in AVX-512 builds).

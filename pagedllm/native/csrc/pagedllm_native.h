@@ -173,7 +173,8 @@ typedef struct {
     const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
     /* panel copies, or NULL: float32 weights in dense_gemm.c's layout (from LD_PANEL_MIN_TOKENS
      * tokens the projection runs on dg_gemm), or 4/8-bit codes in quant_gemm.c's with their
-     * panel scales (_ps) and scaled zeros (_pz) (from qg_gemm_min tokens, qg_gemm). Past
+     * panel scales (_ps) and scaled zeros (_pz) (from qg_gemm_min tokens, qg_gemm; the Python
+     * side sets it where the module path switches, grouped.SMALL_MAX_ROWS + 1). Past
      * LD_MAX_TOKENS tokens every projection needs its panel copy. */
     const void *const *qkv_p, *const *o_p, *const *gate_up_p, *const *down_p;
     const float *const *qkv_ps, *const *o_ps, *const *gate_up_ps, *const *down_ps;
