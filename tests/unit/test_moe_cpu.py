@@ -35,7 +35,9 @@ def test_kernel_matches_torch_path_and_reference(num_tokens, experts, top_k):
     assert moe.kernel_weights is not None and ref.kernel_weights is None
     x, logits = torch.randn(num_tokens, HIDDEN) * 3, torch.randn(num_tokens, experts)  # SiLU far into both tails
     got = moe(x, logits)
-    torch.testing.assert_close(got, ref(x, logits), atol=1e-5, rtol=1e-5)
+    # outputs reach ~70 and cancel inside the down projection: float32 rounding alone differs
+    # by up to ~2e-5 between summation orders (AMD EPYC's oneDNN vs the kernel: 1.2e-5 at 9 tokens)
+    torch.testing.assert_close(got, ref(x, logits), atol=5e-5, rtol=1e-5)
     expected = _reference(x, logits, moe.w13, moe.w2, top_k, True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
