@@ -35,6 +35,18 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's ``vendor_id`` ("GenuineIntel", "AuthenticAMD", ...); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def count_physical_cores(cpuinfo_lines) -> int:
     """Distinct (physical id, core id) pairs in /proc/cpuinfo's lines: "core id" restarts at 0 on
     each socket, so the pair, not the core id, names a core."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm import envs
+from pagedllm import envs, platform
 from pagedllm.native import bindings
 
 
@@ -37,15 +37,34 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     bindings.library().rotary_neox_(x, positions, cos, sin, torch.get_num_threads())
 
 
-# oneDNN's prepacked float32 GEMM beats MKL's by 1.3-4x for 4..512 rows on this kind of CPU
-# (decode batches), MKL stays ahead for 1-2 rows and for big prefill chunks: measured per shape
-# in benchmarks/RESULTS.md. Packing keeps a second copy of each weight. Where the library's
-# panel GEMM (csrc/dense_gemm.c) has its AVX-512 tile, linear layers also keep a copy in its
-# layout, used up to PANEL_MAX_ROWS rows: 3-14% faster than oneDNN's at 16-96 rows with the
-# weights streamed from memory as in a decode step (equal when the host's memory bandwidth is
-# contended), slower from ~128 rows (RESULTS.md).
-PACKED_MIN_ROWS, PACKED_MAX_ROWS = 4, 512
+# Which float32 GEMM takes how many rows. MKL runs its tuned kernels only on Intel CPUs (on
+# others it dispatches to its generic "def" code). Measured per shape (benchmarks/RESULTS.md):
+# - Intel Xeon (AVX-512): oneDNN's prepacked GEMM beats MKL's by 1.3-4x for 4..512 rows (decode
+#   batches); MKL stays ahead for 1-2 rows and for big prefill chunks.
+# - AMD EPYC (Zen 5): MKL is 2-4x slower than oneDNN at every row count, 1 to 2048 (the 34M
+#   model's 8192 x 512 LM head at one row: MKL 1.68 ms, oneDNN 0.58, the panel GEMM 0.47), so
+#   every row count goes to the packed copies there.
+# Packing keeps a second copy of each weight. Where the library's panel GEMM
+# (csrc/dense_gemm.c) has its AVX-512 tile, linear layers also keep a copy in its layout, used
+# up to PANEL_MAX_ROWS rows: 3-14% faster than oneDNN's at 16-96 rows with the weights streamed
+# from memory as in a decode step (equal when the host's memory bandwidth is contended), slower
+# from ~128 rows (RESULTS.md).
+#
+# DECODE_PANEL_MIN_ROWS: the one-call decoder's float32 projections run on the panel GEMM from
+# this many tokens (models/cpu_decode.py), below on its register tile (llama_decode.c). Decode
+# steps alternated between the two in one engine (RESULTS.md): on the Xeon the 16-lane tile is
+# 6% faster at 12 tokens, equal at 16, and the panel GEMM 20-30% faster from 18; on Zen 5 the
+# panel GEMM is 1.4-2.9x faster than the tile from one token (one contiguous stream per thread,
+# prefetched in software, against the tile's four weight rows at a time).
 PANEL_MAX_ROWS = 96
+
+
+def gemm_routing(vendor: str) -> tuple[int, int, int]:
+    """``(PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS)`` for a CPU vendor id."""
+    return (4, 512, 18) if vendor == "GenuineIntel" else (1, 1 << 62, 1)
+
+
+PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS = gemm_routing(platform.cpu_vendor())
 # bfloat16 weights: up to this many rows csrc/bf16_linear.c (float32 math on the widened weight,
 # at the weights' read time) beats oneDNN's bf16 GEMM (AMX), which wins on compute from there
 # (benchmarks/RESULTS.md, "bfloat16 on the CPU"); also the one-call decoder's bf16 limit.

@@ -143,19 +143,21 @@ def _max_tokens(model, native) -> int:
     """The decoder's token limit: the measured one per weight kind (``_quantized_max_tokens``),
     raised to ``cpu_ops.PANEL_MAX_ROWS`` when every projection has a panel copy: the decoder then
     runs them on the module path's GEMM for those rows (float32: ``dense_gemm.c`` from
-    LD_PANEL_MIN_TOKENS rows; 4/8-bit codes: ``quant_gemm.c`` past ``grouped.SMALL_MAX_ROWS``),
+    ``cpu_ops.DECODE_PANEL_MIN_ROWS`` rows; 4/8-bit codes: ``quant_gemm.c`` past
+    ``grouped.SMALL_MAX_ROWS``),
     without the module path's Python and unfused ops between them."""
     if all(_panels(p) is not None for p in _projections(model)):
         return min(cpu_ops.PANEL_MAX_ROWS, native.max_panel_decode_tokens)
     return min(native.max_decode_tokens, _quantized_max_tokens(model))
 
 
-def _qg_gemm_min(model) -> int:
-    """LdModel.qg_gemm_min: group-wise codes take quant_gemm.c's panel GEMM from the row count
-    where the module path does (grouped.SMALL_MAX_ROWS + 1); 0 for other weights."""
+def _panel_min(model) -> int:
+    """LdModel.panel_min: projections with a panel copy take its GEMM from this many tokens.
+    Group-wise codes: quant_gemm.c's where the module path switches (grouped.SMALL_MAX_ROWS + 1);
+    float32: dense_gemm.c's from ``cpu_ops.DECODE_PANEL_MIN_ROWS`` (measured per host CPU)."""
     from pagedllm.layers.quantization import grouped
     bits = getattr(_projections(model)[0], "quant_bits", None)
-    return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else 0
+    return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else cpu_ops.DECODE_PANEL_MIN_ROWS
 
 
 def _group(linear) -> int:
@@ -214,7 +216,7 @@ class FusedCpuDecoder:
             num_layers=len(model.layers), hidden=model.embed_tokens.weight.shape[1],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.gate_up_proj.weight.shape[0] // 2,  # rows: not packed (codes pack along inputs)
-            quant_bits=getattr(attn.qkv_proj, "quant_bits", 0), qg_gemm_min=_qg_gemm_min(model),
+            quant_bits=getattr(attn.qkv_proj, "quant_bits", 0), panel_min=_panel_min(model),
             fp8_act=FP8_ACT_CODES.get(getattr(attn.qkv_proj, "fp8_act", None), 0), bf16=int(self._bf16),
             qkv_group=_group(attn.qkv_proj), o_group=_group(attn.o_proj),
             gate_up_group=_group(mlp.gate_up_proj), down_group=_group(mlp.down_proj),

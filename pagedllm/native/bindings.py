@@ -47,7 +47,7 @@ CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 class LdModel(ctypes.Structure):
     _fields_ = [
         *[(n, _I32) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-                              "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16", "qg_gemm_min")],
+                              "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16", "panel_min")],
         *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
         *[(f"{p}_group", _I64) for p in _PROJECTIONS],
         ("eps", _F32), ("scale", _F32),

@@ -89,7 +89,11 @@ def _clone(caches):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "odd", "odd-int8", "wide-int4", "fp8-none", "fp8-token",
                                   "fp8-group"])
-def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir, wide_llama_dir, request):
+def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_dir, wide_llama_dir, request,
+                                                     monkeypatch):
+    """The decoder's own kernels: float32 projections on its register tile (the panel GEMM, which
+    some hosts take from one token, is test_panel_projections_match_torch_path's)."""
+    monkeypatch.setattr(cpu_ops, "DECODE_PANEL_MIN_ROWS", 18)
     quant = arch.split("-")[1] if "-" in arch and not arch.startswith("fp8") else None
     if arch.startswith("fp8"):  # a checkpoint whose config says FP8: its weights load as e4m3
         model_dir = str(request.getfixturevalue("fp8_dirs")[arch.split("-")[1]])
@@ -117,17 +121,22 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "wide-int4"])
-@pytest.mark.parametrize("prefill", [20, 71])  # 28 / 79 tokens: panels from 18 tokens, past the tile's 64
-def test_panel_projections_match_torch_path(arch, prefill, model_dirs, wide_llama_dir):
+@pytest.mark.parametrize("arch,panel_min", [("llama", 18), ("llama", 1), ("qwen2", 18), ("qwen2", 1),
+                                            ("wide-int4", None)])
+@pytest.mark.parametrize("prefill", [3, 20, 71])  # 11 / 28 / 79 tokens: past the tile's 64 only panels
+def test_panel_projections_match_torch_path(arch, panel_min, prefill, model_dirs, wide_llama_dir, monkeypatch):
     """Projections with panel copies (float32: every output a multiple of 32, AVX-512 build;
     int4: quant_gemm.c's): the decoder takes up to PANEL_MAX_ROWS tokens and runs them on the
-    module path's panel GEMM (dense_gemm.c from 18 tokens, quant_gemm.c from 3)."""
+    module path's panel GEMM (dense_gemm.c from cpu_ops.DECODE_PANEL_MIN_ROWS tokens: 18 on Intel
+    CPUs, 1 elsewhere, both tested on every host; quant_gemm.c from 3)."""
+    if panel_min is not None:
+        monkeypatch.setattr(cpu_ops, "DECODE_PANEL_MIN_ROWS", panel_min)
     if arch == "wide-int4":
         model, caches = _model(wide_llama_dir, quantization="int4")
-        assert model.model.fused_decoder._struct.qg_gemm_min == 3
+        assert model.model.fused_decoder._struct.panel_min == 3
     else:
         model, caches = _model(model_dirs[arch])
+        assert model.model.fused_decoder._struct.panel_min == panel_min
     if cpu_decode._panels(model.model.layers[0].self_attn.qkv_proj) is None:
         pytest.skip("no panel copies here (the library's panel GEMM has no AVX-512 tile on this CPU)")
     assert model.model.fused_decoder.max_tokens == cpu_ops.PANEL_MAX_ROWS

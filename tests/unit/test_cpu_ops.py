@@ -22,6 +22,33 @@ def test_packed_linear_matches_f_linear(rows, bias):
 PANELS = cpu_ops.panels_apply(torch.zeros(32, 1))  # an AVX-512 build of the library
 
 
+def test_gemm_routing_per_cpu_vendor():
+    """MKL's tuned kernels run only on Intel CPUs: elsewhere every row count takes the packed
+    copies, and the decoder the panel GEMM from one token."""
+    assert cpu_ops.gemm_routing("GenuineIntel") == (4, 512, 18)
+    lo, hi, decode = cpu_ops.gemm_routing("AuthenticAMD")
+    assert (lo, decode) == (1, 1) and hi >= 1 << 40
+    assert cpu_ops.gemm_routing("") == cpu_ops.gemm_routing("AuthenticAMD")
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 96, 97, 512, 700])
+def test_linear_routes_rows_as_the_vendor_table_says(vendor, rows, monkeypatch):
+    """Each row count reaches the GEMM gemm_routing gives it (F.linear, i.e. MKL, only inside the
+    Intel table's range), with F.linear's result."""
+    lo, hi, _ = cpu_ops.gemm_routing(vendor)
+    monkeypatch.setattr(cpu_ops, "PACKED_MIN_ROWS", lo)
+    monkeypatch.setattr(cpu_ops, "PACKED_MAX_ROWS", hi)
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(64, 48, generator=g), torch.randn(64, generator=g), torch.randn(rows, 48, generator=g)
+    want = F.linear(x, w, b)
+    packed = cpu_ops.pack_weight(w, panels=True)
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(1) or want)
+    torch.testing.assert_close(cpu_ops.linear(x, w, b, packed), want, atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (packed is None or not lo <= rows <= hi)
+
+
 @pytest.mark.skipif(not PANELS, reason="the panel GEMM needs an AVX-512 build of the C library")
 @pytest.mark.parametrize("rows", [4, 7, 8, 9, 17, 63, 64, 65, 96, 97, 300])
 @pytest.mark.parametrize("bias", [False, True])

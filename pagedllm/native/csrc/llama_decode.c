@@ -12,9 +12,9 @@
  * Linear layout). Threads split the output rows; each work unit reads 4 weight rows once from
  * memory and applies them to all T tokens while they sit in L1, so the weights are streamed
  * once per step whatever T is (register tiles of 4 rows x 6 tokens on 16 lanes in AVX-512
- * builds, 4 x 3 on 8 lanes with AVX2). From LD_PANEL_MIN_TOKENS tokens, float32 projections
- * with a panel copy (LdModel.qkv_p ...) run on dense_gemm.c's GEMM instead, which lets the
- * decoder take decode batches of up to LD_PANEL_MAX_TOKENS.
+ * builds, 4 x 3 on 8 lanes with AVX2). From LdModel.panel_min tokens, projections with a
+ * panel copy (LdModel.qkv_p ...) run on dense_gemm.c's or quant_gemm.c's GEMM instead, which
+ * lets the decoder take decode batches of up to LD_PANEL_MAX_TOKENS.
  *
  * Attention and the KV write are the paged-attention kernel's own functions (same library,
  * declared in pagedllm_native.h with the structs LdModel and LdBatch).
@@ -158,14 +158,8 @@ typedef struct {
     int panel_min;               /* the panel GEMM from this many tokens (always past LD_MAX_TOKENS) */
 } Weight;
 
-/* From this many tokens a float32 projection with a panel copy runs on dg_gemm (an 8-row x
- * 32-column AVX-512 tile, the weight streamed once per 64 rows with its next panel prefetched)
- * instead of the register tiles below. Decode steps alternated between the two in one engine
- * (benchmarks/RESULTS.md), against the 16-lane tile: at 12 tokens the tile 6% faster, at 16
- * equal (34M) or 8% faster (200M), from 18 dg_gemm 20-30% faster on the 34M model and 9% on
- * the 200M (at 16 rows dg_gemm has two row tiles, one of which must fetch the whole next
- * panel; from 17 rows a third shares it). */
-#define LD_PANEL_MIN_TOKENS 18
+/* A projection with a panel copy runs on the panel GEMM from W.panel_min tokens
+ * (LdModel.panel_min: the Python side picks it per host CPU, models/cpu_decode.py). */
 
 static inline int use_panels(Weight W, int64_t T) {
     return W.panels && (T >= W.panel_min || T > LD_MAX_TOKENS);
@@ -337,7 +331,7 @@ static inline Weight proj_weight(const LdModel *m, Proj P, int l, float *xq) {
     const int codes = panels && m->quant_bits;
     return (Weight){P.w[l], P.s[l], m->quant_bits ? P.z[l] : NULL, m->quant_bits, m->fp8_act, m->bf16, P.group, xq,
                     panels, codes ? P.ps[l] : NULL, codes ? P.pz[l] : NULL,
-                    m->quant_bits ? m->qg_gemm_min : LD_PANEL_MIN_TOKENS};
+                    m->panel_min};
 }
 
 /* Every projection of every layer has its panel copy: the decoder may take up to

@@ -47,7 +47,7 @@ static const Field FIELDS[] = {
     FIELD(LdModel, num_layers), FIELD(LdModel, hidden), FIELD(LdModel, num_heads),
     FIELD(LdModel, num_kv_heads), FIELD(LdModel, head_dim), FIELD(LdModel, intermediate),
     FIELD(LdModel, block_size), FIELD(LdModel, cache_dtype), FIELD(LdModel, quant_bits),
-    FIELD(LdModel, fp8_act), FIELD(LdModel, bf16), FIELD(LdModel, qg_gemm_min), FIELD(LdModel, num_blocks),
+    FIELD(LdModel, fp8_act), FIELD(LdModel, bf16), FIELD(LdModel, panel_min), FIELD(LdModel, num_blocks),
     FIELD(LdModel, qkv_group),
     FIELD(LdModel, o_group), FIELD(LdModel, gate_up_group), FIELD(LdModel, down_group),
     FIELD(LdModel, vocab_size), FIELD(LdModel, max_position), FIELD(LdModel, eps),

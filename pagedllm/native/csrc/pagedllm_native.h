@@ -18,7 +18,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 10
+#define PN_ABI_VERSION 11
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -159,7 +159,7 @@ static inline __m512 pn_exp512(__m512 x) {
  * float32, and activations are float32 throughout). The KV cache is float32 or bfloat16. */
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t block_size, cache_dtype, quant_bits, fp8_act, bf16, qg_gemm_min;
+    int32_t block_size, cache_dtype, quant_bits, fp8_act, bf16, panel_min;
     int64_t num_blocks, vocab_size, max_position;
     int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits or fp8_act != 0 */
     float eps, scale;
@@ -171,11 +171,12 @@ typedef struct {
     const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s; /* scales or NULL */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;
     const float *const *qkv_z, *const *o_z, *const *gate_up_z, *const *down_z; /* scaled zeros or NULL */
-    /* panel copies, or NULL: float32 weights in dense_gemm.c's layout (from LD_PANEL_MIN_TOKENS
-     * tokens the projection runs on dg_gemm), or 4/8-bit codes in quant_gemm.c's with their
-     * panel scales (_ps) and scaled zeros (_pz) (from qg_gemm_min tokens, qg_gemm; the Python
-     * side sets it where the module path switches, grouped.SMALL_MAX_ROWS + 1). Past
-     * LD_MAX_TOKENS tokens every projection needs its panel copy. */
+    /* panel copies, or NULL: float32 weights in dense_gemm.c's layout (dg_gemm), or 4/8-bit
+     * codes in quant_gemm.c's with their panel scales (_ps) and scaled zeros (_pz) (qg_gemm).
+     * A projection with its copy runs on that GEMM from panel_min tokens: the Python side picks
+     * the switch (models/cpu_decode.py: float32 per host CPU, codes where the module path
+     * switches, grouped.SMALL_MAX_ROWS + 1). Past LD_MAX_TOKENS tokens every projection needs
+     * its panel copy. */
     const void *const *qkv_p, *const *o_p, *const *gate_up_p, *const *down_p;
     const float *const *qkv_ps, *const *o_ps, *const *gate_up_ps, *const *down_ps;
     const float *const *qkv_pz, *const *o_pz, *const *gate_up_pz, *const *down_pz;
