@@ -77,6 +77,9 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_HUGE_PAGES": EnvVar(
         _flag("PAGEDLLM_HUGE_PAGES", True),
         "0 keeps CPU weights and the CPU KV pool in ordinary 4 KiB pages (default: 2 MiB transparent huge pages)"),
+    "PAGEDLLM_HEAP_MALLOC": EnvVar(
+        _flag("PAGEDLLM_HEAP_MALLOC", True),
+        "0 leaves glibc malloc's settings alone in a CPU engine (default: freed memory stays in the heap)"),
     "PAGEDLLM_FUSED_DECODE": EnvVar(
         _flag("PAGEDLLM_FUSED_DECODE", True), "0 turns off the one-call C decoder for small CPU batches"),
     "PAGEDLLM_API_KEY": EnvVar(_str("PAGEDLLM_API_KEY"), "API key the server requires when --api-key is not given"),

@@ -23,7 +23,7 @@ from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
-from pagedllm.platform import available_ram, huge_pages_enabled, module_to_huge_pages
+from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
@@ -82,6 +82,8 @@ class ModelRunner:
                 logger.info("weights stay in 4 KiB pages: no transparent huge pages here (not Linux, or "
                             "/sys/kernel/mm/transparent_hugepage/enabled is [never])")
             cpu_ops.pack_model(self.model, available_ram())
+            if keep_freed_memory():
+                logger.debug("glibc malloc keeps freed memory in its heaps (PAGEDLLM_HEAP_MALLOC)")
             reason = self.model.enable_fused_decode(self.backend) if pp is None else \
                 "pipeline parallelism: the C decoder runs the whole layer stack in one call"
             if reason:

@@ -1,4 +1,10 @@
-"""Machine facts the engine sizes itself from."""
+"""Machine facts the engine sizes itself from, and the process's malloc settings."""
+import resource
+
+import pytest
+import torch
+
+from pagedllm import platform
 from pagedllm.platform import count_physical_cores, physical_cores
 
 
@@ -19,3 +25,32 @@ def test_cores_are_counted_per_socket_and_hyperthreads_once():
 
 def test_this_machine_has_at_least_one_core():
     assert physical_cores() >= 1
+
+
+def _faults_to_fill(nbytes: int) -> int:
+    """Minor page faults taken to allocate and write ``nbytes`` of CPU tensor (then freed)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_freed_activations_stay_in_the_heap(monkeypatch):
+    """After keep_freed_memory a freed 40 MiB block (above glibc's largest mmap threshold, 32 MiB)
+    is reused without faulting its pages in again; by default glibc unmaps it and the next one
+    takes a fault per 4 KiB page. (Below 64 MiB: a thread moved off the main arena, as a worker
+    that ran engine threads may be, allocates from 64 MiB heaps and maps anything larger.)"""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[always]" in f.read():
+                pytest.skip("THP [always]: malloc's own mappings fault 2 MiB at a time, nothing to tell apart")
+    except OSError:
+        pass
+    monkeypatch.setenv("PAGEDLLM_HEAP_MALLOC", "0")
+    assert platform.keep_freed_memory() is False
+    monkeypatch.setenv("PAGEDLLM_HEAP_MALLOC", "1")
+    if not platform.keep_freed_memory():
+        pytest.skip("not glibc")
+    nbytes = 40 * 2**20
+    _faults_to_fill(nbytes)  # the heap grows to hold it once
+    faults = _faults_to_fill(nbytes)
+    assert faults < nbytes // 4096 // 8, faults
