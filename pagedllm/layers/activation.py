@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import cpu_ops
 from pagedllm.layers.ops import check_layer_ops
 
 
@@ -22,4 +23,6 @@ class SiluAndMul(nn.Module):
         if self.ops == "triton" and x.dim() == 2 and x.stride(-1) == 1:
             from pagedllm.layers.triton_ops.activation import silu_and_mul as triton_silu_and_mul
             return triton_silu_and_mul(x)
+        if x.dim() == 2 and x.is_contiguous() and x.shape[-1] % 2 == 0 and cpu_ops.usable(x):
+            return cpu_ops.silu_and_mul(x)  # one pass over the [rows, 2d] output (C, vectorised)
         return silu_and_mul(x)

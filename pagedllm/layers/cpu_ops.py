@@ -37,6 +37,15 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     bindings.library().rotary_neox_(x, positions, cos, sin, torch.get_num_threads())
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a contiguous ``[rows, 2 * d]`` gate_up output in one pass (torch's
+    ``F.silu(gate).mul_(up)`` makes two over a strided view)."""
+    rows, width = x.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    bindings.library().silu_and_mul(x, out, torch.get_num_threads())
+    return out
+
+
 # Which float32 GEMM takes how many rows. MKL runs its tuned kernels only on Intel CPUs (on
 # others it dispatches to its generic "def" code). Measured per shape (benchmarks/RESULTS.md):
 # - Intel Xeon (AVX-512): oneDNN's prepacked GEMM beats MKL's by 1.3-4x for 4..512 rows (decode

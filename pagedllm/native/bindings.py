@@ -87,6 +87,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
     "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
+    "ld_silu_and_mul": (_I32, [_VP, _I64, _I64, _VP, _I32]),
     "ld_forward": (_I32, [ctypes.POINTER(LdModel), ctypes.POINTER(LdBatch), _VP, _I32]),
     "qg_linear": (_I32, [
         _VP, _I64, _VP, _VP, _VP, _VP,  # x, T, codes, scale, scaled zero, bias
@@ -275,6 +276,13 @@ class NativeLibrary:
                                  weight.shape[0], _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "ld_linear", f": x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]``, both contiguous float32."""
+        rows, inter = out.shape
+        rc = self._lib.ld_silu_and_mul(_ptr(gate_up), rows, inter, _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "ld_silu_and_mul", f": gate_up {tuple(gate_up.shape)}")
 
     def dequantize_int8(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
         """``out [rows, in] = q [rows, in] (int8) * scale[row]``, all contiguous."""

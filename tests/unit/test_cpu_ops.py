@@ -118,3 +118,23 @@ def test_rotary_matches_reference_and_rejects_bad_positions():
     torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError):
         cpu_ops.rotary_neox_(q, torch.tensor([0, 1, 2, 3, 99]), cos, sin)
+
+
+@pytest.mark.parametrize("rows,inter", [(0, 8), (1, 7), (5, 101), (64, 96)])
+def test_silu_and_mul_matches_torch_in_one_c_pass(rows, inter, monkeypatch):
+    """SiluAndMul on a contiguous float32 CPU gate_up takes the C pass (vector body and scalar
+    tail, both SiLU tails: |gate| up to ~100), a strided one the torch ops; both equal torch's."""
+    from pagedllm.layers.activation import SiluAndMul
+    g = torch.Generator().manual_seed(rows * 1000 + inter)
+    x = torch.randn(rows, 2 * inter, generator=g) * 30
+    gate, up = x[:, :inter], x[:, inter:]
+    want = F.silu(gate) * up
+    calls = []
+    c_pass = cpu_ops.silu_and_mul
+    monkeypatch.setattr(cpu_ops, "silu_and_mul", lambda t: calls.append(t.shape) or c_pass(t))
+    torch.testing.assert_close(SiluAndMul()(x), want, atol=1e-5, rtol=1e-5)
+    assert calls == [x.shape]
+    if rows > 1:  # (one row of a wider tensor is still contiguous)
+        strided = torch.cat([x, x], dim=1)[:, : 2 * inter]  # not contiguous: torch's ops
+        torch.testing.assert_close(SiluAndMul()(strided), want, atol=1e-5, rtol=1e-5)
+        assert calls == [x.shape]

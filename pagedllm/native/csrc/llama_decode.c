@@ -302,6 +302,12 @@ int ld_linear(const float *x, int64_t T, const void *w, const float *scale, cons
     return matmul(x, T, (Weight){w, scale, NULL, 0, 0, 0, 0, NULL}, bias, in, out, y, threads);
 }
 
+int ld_silu_and_mul(const float *gate_up, int64_t T, int64_t inter, float *act, int threads) {
+    if (T < 0 || inter <= 0 || threads <= 0) return PN_ERR_ARG;
+    silu_and_mul(gate_up, T, inter, act, threads);
+    return PN_OK;
+}
+
 typedef struct {
     float *residual, *normed, *qkv, *attn, *act, *gate_up, *xq;
     uint16_t *kv16; /* [T, 2 * kv_size]: a step's K and V rounded for a bfloat16 cache */

@@ -246,6 +246,8 @@ PN_EXPORT int ld_dequant_i8(const int8_t *q, const float *scale, float *out, int
 PN_EXPORT int ld_linear(const float *x, int64_t T, const void *w, const float *scale, const float *bias,
                         int64_t in, int64_t out, float *y, int threads);
 PN_EXPORT int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads);
+/* act [T, inter] = silu(gate) * up of gate_up [T, 2 * inter] (gate first), both contiguous. */
+PN_EXPORT int ld_silu_and_mul(const float *gate_up, int64_t T, int64_t inter, float *act, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* group-wise 4/8-bit weight-only matmuls (quant_linear.c; layout in that file's comment)     */
