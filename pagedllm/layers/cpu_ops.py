@@ -73,9 +73,15 @@ def gemm_routing(vendor: str) -> tuple[int, int, int]:
     (/proc/cpuinfo's ``vendor_id``): Intel's table, measured on a Xeon, for Intel and where there
     is none (other architectures, where torch's BLAS is not MKL: not measured, as before); every
     row count on the packed copies for other x86 vendors (measured on AMD Zen 5)."""
-    return (4, 512, 18) if vendor in ("GenuineIntel", "") else (1, 1 << 62, 1)
+    return (4, 512, 18) if mkl_tuned(vendor) else (1, 1 << 62, 1)
 
 
+def mkl_tuned(vendor: str) -> bool:
+    """MKL's GEMMs are the ones measured (and kept) for this vendor: Intel, or no x86 vendor."""
+    return vendor in ("GenuineIntel", "")
+
+
+MKL_TUNED = mkl_tuned(platform.cpu_vendor())
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS = gemm_routing(platform.cpu_vendor())
 # bfloat16 weights: up to this many rows csrc/bf16_linear.c (float32 math on the widened weight,
 # at the weights' read time) beats oneDNN's bf16 GEMM (AMX), which wins on compute from there
@@ -161,6 +167,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def unpacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a float32 CPU weight that has no packed copy (a quantized layer's weight
+    widened into a scratch buffer for this call): MKL where its tuned kernels run (Intel), else
+    oneDNN on the plain weight, 2-2.4x MKL's rate at 512-2048 rows on AMD Zen 5 (296-382 against
+    152-171 GFLOP/s on the 200M shapes, RESULTS.md)."""
+    if MKL_TUNED or not torch.backends.mkldnn.is_available() or x.dim() != 2 \
+            or torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:

@@ -138,3 +138,17 @@ def test_silu_and_mul_matches_torch_in_one_c_pass(rows, inter, monkeypatch):
         strided = torch.cat([x, x], dim=1)[:, : 2 * inter]  # not contiguous: torch's ops
         torch.testing.assert_close(SiluAndMul()(strided), want, atol=1e-5, rtol=1e-5)
         assert calls == [x.shape]
+
+
+@pytest.mark.parametrize("mkl_tuned", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 600])
+def test_unpacked_linear_takes_onednn_where_mkl_is_untuned(mkl_tuned, rows, monkeypatch):
+    """A widened (quantized) weight's GEMM: F.linear (MKL) on Intel, oneDNN elsewhere; same result."""
+    monkeypatch.setattr(cpu_ops, "MKL_TUNED", mkl_tuned)
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(96, 72, generator=g), torch.randn(96, generator=g), torch.randn(rows, 72, generator=g)
+    want = F.linear(x, w, b)
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(1) or want)
+    torch.testing.assert_close(cpu_ops.unpacked_linear(x, w, b), want, atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (mkl_tuned or not torch.backends.mkldnn.is_available())

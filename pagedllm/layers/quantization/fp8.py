@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
 from pagedllm.layers.quantization.config import require
@@ -314,7 +315,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     else:
         w = scratch_buffer(out_features * in_features).view(out_features, in_features)  # [out, in]
         native.dequantize_fp8(codes, scale, w, group, torch.get_num_threads())
-        y = torch.nn.functional.linear(x2, w, bias)
+        y = cpu_ops.unpacked_linear(x2, w, bias)
     return y.view(*lead, out_features)
 
 

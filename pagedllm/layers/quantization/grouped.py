@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers import cpu_ops
 from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import native_f32, scratch_buffer
 from pagedllm.native import bindings
@@ -194,7 +195,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
     else:
         w = scratch_buffer(q.shape[0] * in_features).view(q.shape[0], in_features)  # [out, in]
         native.dequantize_grouped(q, scale, szero, w, group, bits, torch.get_num_threads())
-        y = torch.nn.functional.linear(x2, w, bias)
+        y = cpu_ops.unpacked_linear(x2, w, bias)
     return y.view(*lead, q.shape[0])
 
 
