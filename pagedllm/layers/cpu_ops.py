@@ -68,21 +68,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 PANEL_MAX_ROWS = 96
 
 
-def gemm_routing(vendor: str) -> tuple[int, int, int]:
-    """``(PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS)`` for an x86 vendor id
-    (/proc/cpuinfo's ``vendor_id``): Intel's table, measured on a Xeon, for Intel and where there
-    is none (other architectures, where torch's BLAS is not MKL: not measured, as before); every
-    row count on the packed copies for other x86 vendors (measured on AMD Zen 5)."""
-    return (4, 512, 18) if mkl_tuned(vendor) else (1, 1 << 62, 1)
-
-
 def mkl_tuned(vendor: str) -> bool:
-    """MKL's GEMMs are the ones measured (and kept) for this vendor: Intel, or no x86 vendor."""
+    """MKL's GEMMs are the ones measured (and kept) for this vendor id (/proc/cpuinfo's
+    ``vendor_id``): Intel, or none (other architectures, where torch's BLAS is not MKL: not
+    measured, and routed as before)."""
     return vendor in ("GenuineIntel", "")
 
 
-MKL_TUNED = mkl_tuned(platform.cpu_vendor())
-PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS = gemm_routing(platform.cpu_vendor())
+def gemm_routing(vendor: str) -> tuple[int, int, int]:
+    """``(PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS)`` for a vendor id: the table
+    measured on a Xeon where MKL is tuned; every row count on the packed copies for other x86
+    vendors (measured on AMD Zen 5)."""
+    return (4, 512, 18) if mkl_tuned(vendor) else (1, 1 << 62, 1)
+
+
+_VENDOR = platform.cpu_vendor()
+MKL_TUNED = mkl_tuned(_VENDOR)
+PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS = gemm_routing(_VENDOR)
 # bfloat16 weights: up to this many rows csrc/bf16_linear.c (float32 math on the widened weight,
 # at the weights' read time) beats oneDNN's bf16 GEMM (AMX), which wins on compute from there
 # (benchmarks/RESULTS.md, "bfloat16 on the CPU"); also the one-call decoder's bf16 limit.

@@ -61,10 +61,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     native = native_f32(x)
     if native is not None and x.dim() == 2 and x.shape[0] <= min(C_MAX_ROWS, native.max_decode_tokens):
         return _c_linear(native, x.contiguous(), q, scale, bias)
-    if native is not None and x.dim() == 2:
-        return cpu_ops.unpacked_linear(x, _dequantize_c(native, q, scale), bias)
     if native is not None:
-        return torch.nn.functional.linear(x, _dequantize_c(native, q, scale), bias)
+        return cpu_ops.unpacked_linear(x, _dequantize_c(native, q, scale), bias)
     w = q.to(x.dtype) * scale.to(x.dtype)[:, None]  # [out, in]
     return torch.nn.functional.linear(x, w, bias)
 
