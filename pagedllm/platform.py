@@ -167,9 +167,10 @@ def keep_freed_memory() -> bool:
     Why: glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it on
     free, and trims the heap top past twice that, so each prefill step's big activations (a
     2048-token chunk: 16-46 MiB per GEMM output) are faulted in and zeroed by the kernel page by
-    page, every layer, every step. Kept in the heap they are reused: 2048-token prefill steps ran
-    1.35x faster on the 34M model and 1.19x on the 200M one (benchmarks/RESULTS.md). vLLM's CPU
-    backend gets the same from tcmalloc through ``LD_PRELOAD``. Call it once the weights are
+    page, every layer, every step. Kept in the heap they are reused (after a few steps' growth:
+    an aligned request does not always fit the chunk just freed): 2048-token prefill steps ran
+    1.35x faster on the 34M model and 1.19x on the 200M one (benchmarks/RESULTS.md); vLLM's CPU
+    docs recommend preloading TCMalloc for its allocations. Call it once the weights are
     loaded (their load-time copies are gone by then); the process then keeps up to the peak of
     its activations' memory, not more than the trim threshold above what is in use at the top.
     """
@@ -177,8 +178,8 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt, gnu_version = libc.mallopt, libc.gnu_get_libc_version  # glibc only (musl has no gnu_get_libc_version)
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu_version
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl's mallopt does nothing)
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))

@@ -168,15 +168,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed = packed.onednn
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)
+    return unpacked_linear(x, weight, bias)
 
 
 def unpacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a float32 CPU weight that has no packed copy (a quantized layer's weight
-    widened into a scratch buffer for this call): MKL where its tuned kernels run (Intel), else
-    oneDNN on the plain weight, 2-2.4x MKL's rate at 512-2048 rows on AMD Zen 5 (296-382 against
-    152-171 GFLOP/s on the 200M shapes, RESULTS.md)."""
-    if MKL_TUNED or not torch.backends.mkldnn.is_available() or x.dim() != 2 \
+    """F.linear for a weight without a packed copy for these rows (a quantized layer's weight
+    widened into a scratch buffer for this call, or an unpacked one): for float32 CPU tensors
+    where MKL is not tuned, oneDNN on the plain weight, 1.7-2.7x faster than MKL at 1-2048 rows
+    on AMD Zen 5 (RESULTS.md); F.linear otherwise."""
+    on_cpu_f32 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    if MKL_TUNED or not on_cpu_f32 or x.dim() != 2 or not torch.backends.mkldnn.is_available() \
             or torch.compiler.is_compiling():
         return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

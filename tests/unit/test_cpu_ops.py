@@ -35,9 +35,10 @@ def test_gemm_routing_per_cpu_vendor():
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 96, 97, 512, 700])
 def test_linear_routes_rows_as_the_vendor_table_says(vendor, rows, monkeypatch):
-    """Each row count reaches the GEMM gemm_routing gives it (F.linear, i.e. MKL, only inside the
-    Intel table's range), with F.linear's result."""
+    """Each row count reaches the GEMM gemm_routing gives it (F.linear, i.e. MKL, only outside the
+    Intel table's packed range, and only where MKL is tuned), with F.linear's result."""
     lo, hi, _ = cpu_ops.gemm_routing(vendor)
+    monkeypatch.setattr(cpu_ops, "MKL_TUNED", cpu_ops.mkl_tuned(vendor))
     monkeypatch.setattr(cpu_ops, "PACKED_MIN_ROWS", lo)
     monkeypatch.setattr(cpu_ops, "PACKED_MAX_ROWS", hi)
     g = torch.Generator().manual_seed(rows)

@@ -35,10 +35,12 @@ def _faults_to_fill(nbytes: int) -> int:
 
 
 def test_freed_activations_stay_in_the_heap(monkeypatch):
-    """After keep_freed_memory a freed 40 MiB block (above glibc's largest mmap threshold, 32 MiB)
-    is reused without faulting its pages in again; by default glibc unmaps it and the next one
-    takes a fault per 4 KiB page. (Below 64 MiB: a thread moved off the main arena, as a worker
-    that ran engine threads may be, allocates from 64 MiB heaps and maps anything larger.)"""
+    """After keep_freed_memory, 40 MiB blocks (above glibc's largest mmap threshold, 32 MiB)
+    allocated and freed in turn stop faulting once the heap holds enough free space for them
+    (a few rounds: torch's aligned allocations do not always fit the chunk just freed); by
+    default glibc unmaps each one and every round takes a fault per 4 KiB page. (Below 64 MiB:
+    a thread moved off the main arena, as a worker that ran engine threads may be, allocates
+    from 64 MiB heaps and maps anything larger.)"""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[always]" in f.read():
@@ -50,7 +52,6 @@ def test_freed_activations_stay_in_the_heap(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_HEAP_MALLOC", "1")
     if not platform.keep_freed_memory():
         pytest.skip("not glibc")
-    nbytes = 40 * 2**20
-    _faults_to_fill(nbytes)  # the heap grows to hold it once
-    faults = _faults_to_fill(nbytes)
-    assert faults < nbytes // 4096 // 8, faults
+    nbytes, few = 40 * 2**20, 40 * 2**20 // 4096 // 8
+    rounds = [_faults_to_fill(nbytes) for _ in range(16)]  # the heap grows until the sizes fit
+    assert all(f < few for f in rounds[-3:]), rounds

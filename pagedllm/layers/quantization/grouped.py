@@ -45,7 +45,7 @@ from pagedllm.native import bindings
 # (AVX-512, 2 threads, benchmarks/RESULTS.md "4-bit, 8-bit and FP8 weights"):
 # up to SMALL_MAX_ROWS the small-batch kernel (quant_linear.c: codes widened in registers per
 # pair / triple of tokens), up to GEMM_MAX_ROWS the panel GEMM (quant_gemm.c: each code widened
-# once per call), beyond them (prefill chunks) dequantize + MKL's GEMM.
+# once per call), beyond them (prefill chunks) dequantize + one GEMM (cpu_ops.unpacked_linear).
 SMALL_MAX_ROWS = {4: 2, 8: 3}
 GEMM_MAX_ROWS = {4: 384, 8: 384}
 # The most tokens the one-call decoder takes with these weights when they have no panel copy
@@ -175,7 +175,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
                    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """On float32 CPU batches: the small-batch C kernel up to ``SMALL_MAX_ROWS`` rows, the panel GEMM
     (``panels``: :func:`pack_panels` of the same weight) up to ``GEMM_MAX_ROWS``, else the weight
-    widened in C into a reused buffer for one MKL GEMM. Elsewhere the weight widened in torch;
+    widened in C into a reused buffer for one GEMM (``cpu_ops.unpacked_linear``). Elsewhere the weight widened in torch;
     on CUDA the Triton GEMM, which widens the codes in registers
     (``layers/triton_ops/grouped_gemm.py``)."""
     if x.device.type == "cuda" and triton_available():

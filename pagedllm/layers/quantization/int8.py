@@ -68,7 +68,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 
 
 def _dequantize_c(native: bindings.NativeLibrary, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 weight, in a buffer that the next call overwrites (used at once by F.linear)."""
+    """The float32 weight, in a buffer that the next call overwrites (used at once by the GEMM)."""
     w = scratch_buffer(q.numel()).view(q.shape)  # [out, in]
     native.dequantize_int8(q, scale, w, torch.get_num_threads())
     return w
