@@ -72,6 +72,33 @@ def test_sliding_window(window, block_size):
         assert not torch.allclose(out.double(), dense_attention_f64(batch), atol=1e-3)
 
 
+# Decode rows (q_len 1) at contexts on and around block edges. With at least 8 decode items per
+# thread, a decode item takes several kv heads of its request and walks each chunk of blocks
+# head after head (paged_attention.c: decode_heads_per_item): 24 decodes on 2 threads -> all
+# heads in one item.
+DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 63, 64, 65, 100, 200, 5, 33)] * 2
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("group", [1, 2, 16])  # 16: each head's rows take the wide path
+def test_decode_items_over_several_kv_heads(block_size, group):
+    num_kv_heads = 4 if group == 16 else 8
+    batch = make_paged_batch(DECODES + [(40, 33), (0, 20)], num_heads=group * num_kv_heads,
+                             num_kv_heads=num_kv_heads, head_dim=64, block_size=block_size,
+                             seed=block_size + group)  # fmt: skip
+    check_against_oracles(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_items_with_a_remainder_of_heads(dtype, window):
+    """10 decodes on 2 threads with 5 kv heads: items of 3 heads and of 2 (the heads per item
+    halve, rounding up, until each thread has 8 items); windows and a float16 cache on that path."""
+    batch = make_paged_batch(DECODES[:10], num_heads=10, num_kv_heads=5, head_dim=64, block_size=16,
+                             cache_dtype=dtype, seed=7)  # fmt: skip
+    check_against_oracles(batch, window=window)
+
+
 @pytest.mark.parametrize("group", [1, 8])
 def test_head_dim_128(group):
     test_mixed_batch_matches_reference_and_dense(16, 128, group)

@@ -471,8 +471,8 @@ int pa_write_kv(const void *key, const void *value, void *key_cache, void *value
 /* ------------------------------------------------------------------------------------------ */
 
 typedef struct {
-    int req, kv_head, t0, t1; /* query tokens [t0, t1) of the request's chunk */
-    int64_t cost;             /* ~ rows * keys visited, for largest-first ordering */
+    int req, kv_head, nheads, t0, t1; /* kv heads [kv_head, kv_head + nheads), query tokens [t0, t1) */
+    int64_t cost;                     /* ~ rows * keys visited, for largest-first ordering */
 } WorkItem;
 
 typedef struct {
@@ -491,6 +491,9 @@ typedef struct {
     float *qt, *st;              /* wide items: q^T [head_dim][rows_pad], scores [keys][rows_pad] */
     const float **kp, **vp;      /* wide items: the chunk's key / value rows */
 } Scratch;
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
 
 static int cmp_cost_desc(const void *a, const void *b) {
     int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
@@ -525,11 +528,28 @@ static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, in
     return PN_OK;
 }
 
-static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *count) {
+/* kv heads per item of a decode token (a request with one query token). An item with several
+ * heads walks each chunk of blocks head after head (run_item), and while it works on head h it
+ * prefetches head h + 1's tiles of the same blocks: the next 4 KiB of the pool for float32, 64
+ * floats x 16 keys (a block's heads are adjacent). Reads then come in head-interleaved runs over
+ * a few blocks, which this memory serves far better than 4 KiB pieces at random (28-33 against
+ * 40-46 GB/s in a read probe on AMD Zen 5); a decode batch of 64 at context 192 took 1.2-1.6x
+ * less time than with one item per (request, head) (benchmarks/RESULTS.md). Halved while that
+ * leaves fewer than 8 items per thread, so a few long decodes still spread over the cores. */
+static int decode_heads_per_item(const Problem *P, int num_reqs, int num_threads) {
+    int decodes = 0;
+    for (int r = 0; r < num_reqs; r++) decodes += P->query_start_loc[r + 1] - P->query_start_loc[r] == 1;
+    int h = P->num_kv_heads;
+    while (h > 1 && (int64_t)decodes * ((P->num_kv_heads + h - 1) / h) < 8 * (int64_t)num_threads) h = (h + 1) / 2;
+    return h;
+}
+
+static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int decode_heads, int64_t *count) {
     int64_t n = 0;
+    const int decode_items = (P->num_kv_heads + decode_heads - 1) / decode_heads;
     for (int r = 0; r < num_reqs; r++) {
         int q_len = P->query_start_loc[r + 1] - P->query_start_loc[r];
-        if (q_len > 0) n += (int64_t)((q_len + tile - 1) / tile) * P->num_kv_heads;
+        if (q_len > 0) n += q_len == 1 ? decode_items : (int64_t)((q_len + tile - 1) / tile) * P->num_kv_heads;
     }
     WorkItem *items = (WorkItem *)malloc((size_t)(n > 0 ? n : 1) * sizeof(WorkItem));
     if (!items) return NULL;
@@ -540,8 +560,11 @@ static WorkItem *build_items(const Problem *P, int num_reqs, int tile, int64_t *
         const int ctx_start = P->seq_lens[r] - q_len;
         for (int t0 = 0; t0 < q_len; t0 += tile) {
             const int t1 = t0 + tile < q_len ? t0 + tile : q_len;
-            const int64_t cost = (int64_t)(t1 - t0) * group * (ctx_start + t1);
-            for (int g = 0; g < P->num_kv_heads; g++) items[i++] = (WorkItem){r, g, t0, t1, cost};
+            const int hs = q_len == 1 ? decode_heads : 1;
+            for (int g = 0; g < P->num_kv_heads; g += hs) {
+                const int nh = imin(hs, P->num_kv_heads - g);
+                items[i++] = (WorkItem){r, g, nh, t0, t1, (int64_t)(t1 - t0) * group * nh * (ctx_start + t1)};
+            }
         }
     }
     qsort(items, (size_t)n, sizeof(WorkItem), cmp_cost_desc);
@@ -558,12 +581,11 @@ typedef struct {
     const float *k[CHUNK_KEYS], *v[CHUNK_KEYS]; /* [n[b], head_dim] each */
     int n[CHUNK_KEYS];                          /* valid keys per block */
     int nblocks, nkeys, start;                  /* start = position of the first key */
+    const char *pk[CHUNK_KEYS], *pv[CHUNK_KEYS]; /* tiles to prefetch while block b's are used (NULL: none) */
+    int pbytes;                                  /* bytes per prefetched tile */
 } Chunk;
 
 static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
-
-static inline int imin(int a, int b) { return a < b ? a : b; }
-static inline int imax(int a, int b) { return a > b ? a : b; }
 
 static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv_head, int b0,
                        int b1, int seq_len, Chunk *c) {
@@ -571,6 +593,7 @@ static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv
     const size_t es = dtype_size(P->dtype);
     c->nblocks = b1 - b0;
     c->start = b0 * B;
+    for (int i = 0; i < c->nblocks; i++) c->pk[i] = c->pv[i] = NULL;
     c->nkeys = 0;
     for (int b = b0; b < b1; b++) {
         const int i = b - b0, n = imin(B, seq_len - b * B);
@@ -600,11 +623,32 @@ static inline __attribute__((always_inline)) void prefetch_blocks(const Problem 
     }
 }
 
+/* While the chunk's block i is used, kv head kv_head's tiles of block b0 + i (up to b1) are
+ * prefetched, spread over the chunk's work rather than asked for all at once: a burst of a whole
+ * chunk's prefetches measured no better than none here. */
+static void plan_prefetch(const Problem *P, const int32_t *btab, int kv_head, int b0, int b1, Chunk *c) {
+    const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
+    c->pbytes = (int)bytes;
+    for (int i = 0; i < c->nblocks; i++) {
+        if (b0 + i < b1) {
+            const int64_t off = ((int64_t)btab[b0 + i] * P->num_kv_heads + kv_head) * bytes;
+            c->pk[i] = (const char *)P->key_cache + off;
+            c->pv[i] = (const char *)P->value_cache + off;
+        } else c->pk[i] = c->pv[i] = NULL;
+    }
+}
+
+static inline __attribute__((always_inline)) void prefetch_tile(const char *p, int bytes) {
+    if (p)
+        for (int i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* s0[j] = q0 . key j (and s1[j] = q1 . key j unless q1 is NULL) for the chunk's first nv keys. */
 static void chunk_scores(const Chunk *c, const float *q0, const float *q1, int nv, int D,
                          float *s0, float *s1) {
     for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++) {
         const int m = imin(c->n[b], nv - off);
+        prefetch_tile(c->pk[b], c->pbytes);
         if (q1)
             qk_scores2(q0, q1, c->k[b], m, D, s0 + off, s1 + off);
         else
@@ -638,6 +682,7 @@ static void chunk_pv(const Chunk *c, float *acc0, const float *p0, float *acc1, 
         const int lo = from > off ? from : off, hi = imin(off + c->n[b], to);
         if (lo >= hi) continue;
         const float *v = c->v[b] + (int64_t)(lo - off) * D;
+        if (from == 0) prefetch_tile(c->pv[b], c->pbytes);
         if (acc1)
             pv_rows2(acc0, p0 + lo, acc1, p1 + lo, v, hi - lo, D);
         else
@@ -851,24 +896,64 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
 }
 #endif
 
-/* One item: rows = (token i in [t0, t1)) x (query head h of kv head g's group), row-major in
- * that order; all rows of a token share one causal limit. */
+/* Scratch for the rows of the item's i-th kv head (rows_h rows each, padded). */
+static Scratch head_view(const Scratch *S, int i, int rows_h, int D) {
+    Scratch V = *S;
+    const int64_t base = (int64_t)i * rows_pad(rows_h);
+    V.q += base * D;
+    V.acc += base * D;
+    V.m += base;
+    V.l += base;
+    return V;
+}
+
+/* Rows [0, rows) of one kv head against a loaded chunk: scores, softmax update, p.v. Rows in
+ * pairs: two rows x four keys give eight independent FMA chains. Rows are token-major, so the
+ * second row sees at least as many keys as the first; scores past a row's own limit are computed
+ * on real keys and then ignored. */
+static void chunk_pairs(const Problem *P, Scratch *S, const Chunk *c, int rows, int first_visible, int smax) {
+    const int D = P->head_dim, group = P->num_heads / P->num_kv_heads;
+    for (int r = 0; r < rows; r += 2) {
+        const int pair = r + 1 < rows;
+        const int nv0 = imin(first_visible + r / group, c->nkeys);
+        const int nv1 = pair ? imin(first_visible + (r + 1) / group, c->nkeys) : 0;
+        if (nv0 <= 0 && nv1 <= 0) continue;
+        const float *q0 = S->q + (int64_t)r * D;
+        chunk_scores(c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
+        /* sliding window: keys before a row's window start drop out of its softmax */
+        const int lo0 = P->window ? first_visible + r / group - P->window : 0;
+        const int lo1 = P->window && pair ? first_visible + (r + 1) / group - P->window : 0;
+        pair_softmax_pv(S, c, r, S->s, nv0, lo0, S->s + smax, nv1, lo1, D);
+    }
+}
+
+/* One item: for each of its kv heads, rows = (token i in [t0, t1)) x (query head h of the kv
+ * head's group), row-major in that order; all rows of a token share one causal limit. The
+ * chunk loop is outside the head loop, so one chunk's blocks are read for every head in turn. */
 static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     const int D = P->head_dim, B = P->block_size, group = P->num_heads / P->num_kv_heads;
     const int q_begin = P->query_start_loc[it->req];
     const int q_len = P->query_start_loc[it->req + 1] - q_begin;
     const int seq_len = P->seq_lens[it->req];
     const int ctx_start = seq_len - q_len; /* position of the chunk's first token */
-    const int ntok = it->t1 - it->t0, rows = ntok * group;
+    const int ntok = it->t1 - it->t0, rows = ntok * group, nh = it->nheads;
     const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
-
-    load_rows(P, it, S, rows_pad(rows));
+    Scratch V[nh];
+    for (int i = 0; i < nh; i++) {
+        WorkItem one = *it;
+        one.kv_head += i;
+        one.nheads = 1;
+        V[i] = head_view(S, i, rows, D);
+        load_rows(P, &one, &V[i], rows_pad(rows));
 #if PA_AVX512
-    if (wide_ok(P, rows)) {
-        run_item_wide(P, it, S);
-        store_rows(P, it, S);
-        return;
+        if (wide_ok(P, rows)) {
+            run_item_wide(P, &one, &V[i]);
+            store_rows(P, &one, &V[i]);
+        }
+#endif
     }
+#if PA_AVX512
+    if (wide_ok(P, rows)) return;
 #endif
 
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
@@ -879,32 +964,28 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     Chunk c;
     for (int b0 = first_block; b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
-        load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
-        prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
-        /* rows in pairs: two rows x four keys give eight independent FMA chains. Rows are
-         * token-major, so the second row sees at least as many keys as the first; scores past
-         * a row's own limit are computed on real keys and then ignored. */
-        const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
-        for (int r = 0; r < rows; r += 2) {
-            const int pair = r + 1 < rows;
-            const int nv0 = imin(first_visible + r / group, c.nkeys);
-            const int nv1 = pair ? imin(first_visible + (r + 1) / group, c.nkeys) : 0;
-            if (nv0 <= 0 && nv1 <= 0) continue;
-            const float *q0 = S->q + (int64_t)r * D;
-            chunk_scores(&c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
-            /* sliding window: keys before a row's window start drop out of its softmax */
-            const int lo0 = P->window ? first_visible + r / group - P->window : 0;
-            const int lo1 = P->window && pair ? first_visible + (r + 1) / group - P->window : 0;
-            pair_softmax_pv(S, &c, r, S->s, nv0, lo0, S->s + smax, nv1, lo1, D);
+        const int first_visible = ctx_start + it->t0 - b0 * B + 1; /* token 0's causal prefix */
+        for (int i = 0; i < nh; i++) {
+            load_chunk(P, S, btab, it->kv_head + i, b0, b1, seq_len, &c);
+            if (i + 1 < nh) /* the next head's tiles of these blocks, else the first head's of the next chunk */
+                plan_prefetch(P, btab, it->kv_head + i + 1, b0, b1, &c);
+            else
+                plan_prefetch(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks), &c);
+            chunk_pairs(P, &V[i], &c, rows, first_visible, smax);
         }
     }
 
-    store_rows(P, it, S);
+    for (int i = 0; i < nh; i++) {
+        WorkItem one = *it;
+        one.kv_head += i;
+        one.nheads = 1;
+        store_rows(P, &one, &V[i]);
+    }
 }
 
 static int scratch_alloc(Scratch *S, int rows, int D, int B) {
     const size_t fl = sizeof(float), chunk = (size_t)chunk_blocks(B) * B;
-    S->q = (float *)malloc(fl * (size_t)rows * D);
+    S->q = (float *)malloc(fl * (size_t)rows_pad(rows) * D);
     S->acc = (float *)malloc(fl * (size_t)rows_pad(rows) * D);
     S->m = (float *)malloc(fl * (size_t)rows_pad(rows));
     S->l = (float *)malloc(fl * (size_t)rows_pad(rows));
@@ -956,7 +1037,8 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
     if (meta_status != PN_OK) return meta_status;
-    WorkItem *items = build_items(&P, num_reqs, tile, &n_items);
+    const int decode_heads = decode_heads_per_item(&P, num_reqs, num_threads);
+    WorkItem *items = build_items(&P, num_reqs, tile, decode_heads, &n_items);
     if (!items) return PN_ERR_NOMEM;
     int nt = num_threads < n_items ? num_threads : (int)n_items;
     /* waking a thread team costs microseconds (far more when cores are oversubscribed), so
@@ -969,7 +1051,8 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
 #pragma omp parallel num_threads(nt)
     {
         Scratch S;
-        const int ok = scratch_alloc(&S, tile * group, head_dim, block_size);
+        /* rows: a tile of one head's rows, or a decode item's heads' rows (each padded) */
+        const int ok = scratch_alloc(&S, imax(tile * group, decode_heads * rows_pad(group)), head_dim, block_size);
         if (!ok) {
 #pragma omp atomic write
             status = PN_ERR_NOMEM;
