@@ -166,13 +166,29 @@ static inline float dot(const float *a, const float *b, int D) {
     return s;
 }
 
+/* A later tile of the pool, fetched while one is used (p NULL: none); its key rows are
+ * key_bytes apart. The loops over the current tile's keys fetch the same keys of it as they go,
+ * so the reads overlap the math: asked for a whole tile (64 lines) at a time, a decode batch of
+ * 64 at context 192 read 24 GB/s, spread this way 29-32 (AMD Zen 5, benchmarks/RESULTS.md). */
+typedef struct {
+    const char *p;
+    int key_bytes;
+} Ahead;
+
+static inline __attribute__((always_inline)) void fetch_keys(Ahead a, int j, int n) {
+    if (a.p)
+        for (int i = 0; i < n * a.key_bytes; i += 64) __builtin_prefetch(a.p + (int64_t)j * a.key_bytes + i, 0, 3);
+}
+
 /* s[j] = q . k[j] for j < n (k rows are D apart). */
-static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
+static void qk_scores(const float *q, const float *k, int n, int D, float *s, Ahead ahead) {
     int j = 0;
+    if (!PN_AVX2 || D % 8) fetch_keys(ahead, 0, n); /* no vector loop below to spread it over */
 #if PA_AVX512
     if (D % 16 == 0) {
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + (int64_t)j * D;
+            fetch_keys(ahead, j, 4);
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
             __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             for (int d = 0; d < D; d += 16) {
@@ -191,6 +207,7 @@ static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
         /* four keys at a time: one q load feeds four independent FMA chains */
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + (int64_t)j * D;
+            fetch_keys(ahead, j, 4);
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
             for (int d = 0; d < D; d += 8) {
@@ -209,12 +226,14 @@ static void qk_scores(const float *q, const float *k, int n, int D, float *s) {
 
 /* Two rows at once: s0[j] = q0 . k[j], s1[j] = q1 . k[j] for j < n. */
 static void qk_scores2(const float *q0, const float *q1, const float *k, int n, int D, float *s0,
-                       float *s1) {
+                       float *s1, Ahead ahead) {
     int j = 0;
+    if (!PN_AVX2 || D % 8) fetch_keys(ahead, 0, n);
 #if PA_AVX512
     if (D % 16 == 0) {
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + (int64_t)j * D;
+            fetch_keys(ahead, j, 4);
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
             __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -243,6 +262,7 @@ static void qk_scores2(const float *q0, const float *q1, const float *k, int n, 
     if (D % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + (int64_t)j * D;
+            fetch_keys(ahead, j, 4);
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
             __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
@@ -320,14 +340,16 @@ static void scale_row(float *acc, float f, int D) {
 /* acc += sum_j p[j] * v[j] over j < n (v rows are D apart), one row. FMA latency is several
  * cycles and two units issue per cycle, so the vector loops keep eight independent
  * accumulator chains: even and odd keys go to separate sets, summed at the end. */
-static void pv_row(float *acc, const float *p, const float *v, int n, int D) {
+static void pv_row(float *acc, const float *p, const float *v, int n, int D, Ahead ahead) {
     int d = 0;
+    if (!PN_AVX2 || D < 64) fetch_keys(ahead, 0, n); /* the loops below that fetch as they go need 64 columns */
 #if PA_AVX512
     for (; d + 64 <= D; d += 64) {
         __m512 a[4], b[4];
         for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc + d + 16 * u), b[u] = _mm512_setzero_ps();
         int j = 0;
         for (; j + 2 <= n; j += 2) {
+            if (d == 0) fetch_keys(ahead, j, 2);
             const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
             const float *v0 = v + (int64_t)j * D + d, *v1 = v0 + D;
             for (int u = 0; u < 4; u++) {
@@ -349,6 +371,7 @@ static void pv_row(float *acc, const float *p, const float *v, int n, int D) {
         __m256 a[8];
         for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + d + 8 * u);
         for (int j = 0; j < n; j++) {
+            if (d == 0) fetch_keys(ahead, j, 1);
             const __m256 pj = _mm256_set1_ps(p[j]);
             const float *vj = v + (int64_t)j * D + d;
             for (int u = 0; u < 8; u++)
@@ -373,13 +396,15 @@ static void pv_row(float *acc, const float *p, const float *v, int n, int D) {
 /* pv_row for two rows over the same n keys: each V row is loaded once for both, and the two
  * rows' accumulators are the independent FMA chains. */
 static void pv_rows2(float *acc0, const float *p0, float *acc1, const float *p1, const float *v, int n,
-                     int D) {
+                     int D, Ahead ahead) {
     int d = 0;
 #if PA_AVX512
+    if (D < 64) fetch_keys(ahead, 0, n);
     for (; d + 64 <= D; d += 64) {
         __m512 a[4], b[4];
         for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc0 + d + 16 * u), b[u] = _mm512_loadu_ps(acc1 + d + 16 * u);
         for (int j = 0; j < n; j++) {
+            if (d == 0) fetch_keys(ahead, j, 1);
             const __m512 x = _mm512_set1_ps(p0[j]), y = _mm512_set1_ps(p1[j]);
             const float *vj = v + (int64_t)j * D + d;
             for (int u = 0; u < 4; u++) {
@@ -391,11 +416,13 @@ static void pv_rows2(float *acc0, const float *p0, float *acc1, const float *p1,
         for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc0 + d + 16 * u, a[u]), _mm512_storeu_ps(acc1 + d + 16 * u, b[u]);
     }
 #elif PN_AVX2
+    if (D < 32) fetch_keys(ahead, 0, n);
     /* 32 columns: eight accumulators, within the 16 ymm registers plain AVX2 has */
     for (; d + 32 <= D; d += 32) {
         __m256 a[4], b[4];
         for (int u = 0; u < 4; u++) a[u] = _mm256_loadu_ps(acc0 + d + 8 * u), b[u] = _mm256_loadu_ps(acc1 + d + 8 * u);
         for (int j = 0; j < n; j++) {
+            if (d == 0) fetch_keys(ahead, j, 1);
             const __m256 x = _mm256_set1_ps(p0[j]), y = _mm256_set1_ps(p1[j]);
             const float *vj = v + (int64_t)j * D + d;
             for (int u = 0; u < 4; u++) {
@@ -406,6 +433,9 @@ static void pv_rows2(float *acc0, const float *p0, float *acc1, const float *p1,
         }
         for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc0 + d + 8 * u, a[u]), _mm256_storeu_ps(acc1 + d + 8 * u, b[u]);
     }
+#endif
+#if !PN_AVX2
+    fetch_keys(ahead, 0, n);
 #endif
 #if PN_AVX2
     for (; d + 8 <= D; d += 8) {
@@ -582,7 +612,7 @@ typedef struct {
     int n[CHUNK_KEYS];                          /* valid keys per block */
     int nblocks, nkeys, start;                  /* start = position of the first key */
     const char *pk[CHUNK_KEYS], *pv[CHUNK_KEYS]; /* tiles to prefetch while block b's are used (NULL: none) */
-    int pbytes;                                  /* bytes per prefetched tile */
+    int key_bytes;                               /* bytes per key row of those tiles */
 } Chunk;
 
 static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
@@ -624,11 +654,11 @@ static inline __attribute__((always_inline)) void prefetch_blocks(const Problem 
 }
 
 /* While the chunk's block i is used, kv head kv_head's tiles of block b0 + i (up to b1) are
- * prefetched, spread over the chunk's work rather than asked for all at once: a burst of a whole
- * chunk's prefetches measured no better than none here. */
+ * prefetched (Ahead): spread over the chunk's work, where a burst of a whole chunk's prefetches
+ * at its start measured no better than none. */
 static void plan_prefetch(const Problem *P, const int32_t *btab, int kv_head, int b0, int b1, Chunk *c) {
     const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
-    c->pbytes = (int)bytes;
+    c->key_bytes = (int)(dtype_size(P->dtype) * P->head_dim);
     for (int i = 0; i < c->nblocks; i++) {
         if (b0 + i < b1) {
             const int64_t off = ((int64_t)btab[b0 + i] * P->num_kv_heads + kv_head) * bytes;
@@ -638,21 +668,16 @@ static void plan_prefetch(const Problem *P, const int32_t *btab, int kv_head, in
     }
 }
 
-static inline __attribute__((always_inline)) void prefetch_tile(const char *p, int bytes) {
-    if (p)
-        for (int i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
-}
-
 /* s0[j] = q0 . key j (and s1[j] = q1 . key j unless q1 is NULL) for the chunk's first nv keys. */
 static void chunk_scores(const Chunk *c, const float *q0, const float *q1, int nv, int D,
                          float *s0, float *s1) {
     for (int b = 0, off = 0; b < c->nblocks && off < nv; off += c->n[b], b++) {
         const int m = imin(c->n[b], nv - off);
-        prefetch_tile(c->pk[b], c->pbytes);
+        const Ahead ahead = {c->pk[b], c->key_bytes};
         if (q1)
-            qk_scores2(q0, q1, c->k[b], m, D, s0 + off, s1 + off);
+            qk_scores2(q0, q1, c->k[b], m, D, s0 + off, s1 + off, ahead);
         else
-            qk_scores(q0, c->k[b], m, D, s0 + off);
+            qk_scores(q0, c->k[b], m, D, s0 + off, ahead);
     }
 }
 
@@ -682,11 +707,12 @@ static void chunk_pv(const Chunk *c, float *acc0, const float *p0, float *acc1, 
         const int lo = from > off ? from : off, hi = imin(off + c->n[b], to);
         if (lo >= hi) continue;
         const float *v = c->v[b] + (int64_t)(lo - off) * D;
-        if (from == 0) prefetch_tile(c->pv[b], c->pbytes);
+        /* the tile ahead once per block: on its first pass (the rows' shared keys) */
+        const Ahead ahead = {from == 0 ? c->pv[b] : NULL, c->key_bytes};
         if (acc1)
-            pv_rows2(acc0, p0 + lo, acc1, p1 + lo, v, hi - lo, D);
+            pv_rows2(acc0, p0 + lo, acc1, p1 + lo, v, hi - lo, D, ahead);
         else
-            pv_row(acc0, p0 + lo, v, hi - lo, D);
+            pv_row(acc0, p0 + lo, v, hi - lo, D, ahead);
     }
 }
 
