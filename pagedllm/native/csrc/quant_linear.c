@@ -18,7 +18,8 @@
  * (qtile4) a step is 8 lanes (4 bytes of nibbles: broadcast, per-lane shift, mask), with the
  * same prefetch (~1.6x the read time for 4 bits). 4-bit codes in groups of whole 128-column
  * blocks (the usual group 128) take qtile4_lut instead: each code looked up in a table of its
- * group's 16 weight values, fewer vector ops per weight than widening it. Threads
+ * group's 16 weight values, fewer vector ops per weight than widening it; on AVX512-VNNI CPUs
+ * they take qv_tile4: integer dot products of the codes with x's int8 levels. Threads
  * split the output rows; each work unit reads 4 weight rows once and applies them to up to 3
  * tokens per pass (2 for 4 bits), as the float32/int8 kernel in llama_decode.c does. Larger
  * batches widen the weight into a float32 buffer (qg_dequant) for one MKL GEMM.
@@ -299,9 +300,10 @@ static void qdot_rows(const Rows4 *r, int bits, const float *x, const float *xsu
  * 64 columns and token, with the prefetch of qtile4_lut. The zero term uses the levels' exact
  * sums, so the result is the dequantized weight times x~ with no cancellation against a
  * differently rounded sum:  W_k . x~ = s[k] * (sx * (c + 128) . levels - 128 * xsum~).
- * (The same path for 4-bit groups of 128 and group-wise 8-bit codes was built and measured:
- * the 200M model's projections alone -13% for 4 bits, +17% for 8, but the int4 engine step did
- * not move in two same-process A/Bs, so both keep the kernels above.) */
+ * (The same path for group-wise 8-bit codes measured +17% slower on the Xeon and is not built.
+ * For 4-bit groups of whole 128-column blocks it is qv_tile4 below: on the Xeon the projections
+ * alone were 13% faster but the engine step did not move; on AMD Zen 5, where qtile4_lut is
+ * compute-bound, the int4 engine step went from 7.10 to 5.97 ms.) */
 #define QV_LEVELS 3
 #define QV_STEP_F 254.0f
 #define QV_COLS 64 /* columns of one 64-byte load of codes */
@@ -370,6 +372,76 @@ static void qv_dot_rows(const Rows4 *r, const int8_t *lv, const float *xsum, con
     for (; t + 2 <= T; t += 2) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 2, dots + t);
     if (T - t == 1) qv_tile(r, lv + t * QV_LEVELS * n, xsum + t, sx + t, n, 1, dots + t);
 }
+
+/* 4-bit codes in groups of whole 128-column blocks on the VNNI path. qtile4_lut spends a shift, a
+ * 512-bit permute and an FMA per 16 weights and token; on AMD Zen 5 it ran compute-bound at ~6
+ * weights per cycle and core, ~1.8x the codes' read time at batch 1 (benchmarks/RESULTS.md).
+ * Here a block's 64 bytes of codes split into its even columns (low nibbles) and odd ones (high
+ * nibbles, one shift) as unsigned bytes, and vpdpbusd multiplies 64 of them by x's int8 levels at
+ * a time, 3 levels as qv_tile (x~ = sx * (q1 + q2 / 254 + q3 / 254^2)), the levels laid out per
+ * block as the block's 64 even columns then its 64 odd ones (qv_levels4). Per group the three
+ * integer sums fold into floats with the group's scale; the zero term uses the levels' exact
+ * group sums (lsum, in units of sx):  W_k . x~ = sx * sum_g (s[k][g] * codes . levels_g -
+ * sz[k][g] * lsum[g]). One token per pass: 12 integer accumulators, 6 level vectors and 4
+ * float totals fill the registers; the unit's 4 rows stay in L1 for the next token. */
+static inline __attribute__((always_inline)) void qv_tile4(const Rows4 *r, const int8_t *lv, const float *lsum,
+                                                           float sx, int64_t n, int64_t group, float dots[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 tot[4];
+    float zs[4];
+    for (int k = 0; k < 4; k++) tot[k] = _mm512_setzero_ps(), zs[k] = 0.0f;
+    for (int64_t g = 0; g < n / group; g++) {
+        __m512i acc[4][QV_LEVELS];
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < QV_LEVELS; l++) acc[k][l] = _mm512_setzero_si512();
+        for (int64_t b = g * group; b < (g + 1) * group; b += QG_BLOCK) {
+            const char *ahead = r->prefetch + b / QG_BLOCK * 256; /* a later unit's line per row (qtile4_lut) */
+            __m512i xe[QV_LEVELS], xo[QV_LEVELS];
+            for (int l = 0; l < QV_LEVELS; l++)
+                xe[l] = _mm512_loadu_si512((const void *)(lv + l * n + b)),
+                xo[l] = _mm512_loadu_si512((const void *)(lv + l * n + b + 64));
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(r->q[k] + b / 2));
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
+                for (int l = 0; l < QV_LEVELS; l++)
+                    acc[k][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[k][l], lo, xe[l]), hi, xo[l]);
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            __m512 f = _mm512_cvtepi32_ps(acc[k][QV_LEVELS - 1]);
+            for (int l = QV_LEVELS - 2; l >= 0; l--)
+                f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / QV_STEP_F), _mm512_cvtepi32_ps(acc[k][l]));
+            tot[k] = _mm512_fmadd_ps(f, _mm512_set1_ps(r->s[k][g]), tot[k]);
+            zs[k] += r->z[k][g] * lsum[g];
+        }
+    }
+    for (int k = 0; k < 4; k++) dots[k] = sx * (_mm512_reduce_add_ps(tot[k]) - zs[k]);
+}
+
+/* One token's levels for qv_tile4: out [QV_LEVELS][in] in its per-block order (each 128-column
+ * block's even columns, then its odd ones), lsum[g] = the levels' sum over group g in units of
+ * sx; returns sx. lv: scratch of QV_LEVELS * in bytes. */
+static float qv_levels4(const float *x, int64_t in, int64_t group, int8_t *lv, int8_t *out, float *lsum) {
+    float unused;
+    const float sx = qv_quantize(x, in, lv, &unused);
+    for (int l = 0; l < QV_LEVELS; l++)
+        for (int64_t b = 0; b < in; b += QG_BLOCK)
+            for (int j = 0; j < 64; j++) {
+                out[l * in + b + j] = lv[l * in + b + 2 * j];
+                out[l * in + b + 64 + j] = lv[l * in + b + 2 * j + 1];
+            }
+    for (int64_t g = 0; g < in / group; g++) {
+        double s = 0.0, unit = 1.0;
+        for (int l = 0; l < QV_LEVELS; l++, unit /= QV_STEP_F) {
+            int64_t sum = 0;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) sum += lv[l * in + i];
+            s += unit * (double)sum;
+        }
+        lsum[g] = (float)s;
+    }
+    return sx;
+}
 #else
 #define QV_VNNI 0
 #endif
@@ -417,6 +489,32 @@ static void store_unit(float (*dots)[4], const float *bias, int64_t T, int64_t o
 }
 
 #if QV_VNNI
+/* qg_linear for 4-bit codes in groups of whole 128-column blocks on the VNNI path (qv_tile4). */
+static int qv_linear4(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
+                      const float *bias, int64_t in, int64_t out, int64_t group, float *y, int threads) {
+    const int64_t groups = in / group, units = (out + 3) / 4;
+    int8_t *lv = malloc((size_t)((T + 1) * QV_LEVELS * in));
+    float *lsum = malloc(sizeof(float) * (size_t)(T * groups)), sx[LD_MAX_TOKENS];
+    if (!lv || !lsum) {
+        free(lv), free(lsum);
+        return PN_ERR_NOMEM;
+    }
+    int8_t *scratch = lv + T * QV_LEVELS * in;
+    for (int64_t t = 0; t < T; t++)
+        sx[t] = qv_levels4(x + t * in, in, group, scratch, lv + t * QV_LEVELS * in, lsum + t * groups);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; u++) {
+        const Rows4 r = unit_rows(q, scale, szero, u * 4, out, in / 2, groups, QG_LUT_PREFETCH_UNITS);
+        float dots[LD_MAX_TOKENS][4];
+        for (int64_t t = 0; t < T; t++)
+            qv_tile4(&r, lv + t * QV_LEVELS * in, lsum + t * groups, sx[t], in, group, dots[t]);
+        store_unit(dots, bias, T, u * 4, out, y);
+    }
+    free(lv);
+    free(lsum);
+    return PN_OK;
+}
+
 /* qg_linear_i8 on the VNNI path (above): x quantized into levels once, then the row units. */
 static int qv_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale, const float *bias,
                         int64_t in, int64_t out, float *y, int threads) {
@@ -454,6 +552,9 @@ int qg_linear_i8(const float *x, int64_t T, const int8_t *q, const float *scale,
 int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, const float *szero,
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
+#if QV_VNNI
+    if (qg_lut(group, bits) && szero) return qv_linear4(x, T, q, scale, szero, bias, in, out, group, y, threads);
+#endif
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
     const int lut = qg_lut(group, bits), shuffled = !lut && bits == 4 && qg_wide(group, bits);
     float *xsum = malloc(sizeof(float) * T * (groups + (shuffled || lut ? in : 0)));
