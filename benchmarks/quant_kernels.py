@@ -10,7 +10,8 @@ Kinds: ``f32`` (the register-tile kernel up to cpu_decode.DEFAULT_MAX_TOKENS, el
 cpu_ops.linear), ``int4`` / ``int8`` (group-wise codes, group 128: quant_linear.c's kernel),
 ``int8-row`` (our own ``quantization="int8"``: signed
 codes, one scale per row, through ``ld_linear`` as the one-call decoder runs them),
-``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + torch's GEMM),
+``int4-gemm`` / ``int8-gemm`` (the same weights widened into a float32 buffer + the engine's GEMM
+for it, ``cpu_ops.unpacked_linear``),
 ``int4-panel`` / ``int8-panel`` (the panel GEMM of quant_gemm.c on grouped.pack_panels'
 layout), ``int4-auto`` / ``int8-auto`` (whichever of these grouped.grouped_matmul routes the
 row count to), ``fp8`` (e4m3 with per-row scales: fp8_linear.c), ``fp8-b128`` (block-wise
@@ -156,7 +157,7 @@ def apply(lib, kind: str, tensors: tuple, x: torch.Tensor, y: torch.Tensor, thre
         q, scale, szero, bits, _ = tensors
         w = scratch_buffer(q.shape[0] * x.shape[1]).view(q.shape[0], x.shape[1])  # [out, in]
         lib.dequantize_grouped(q, scale, szero, w, GROUP, bits, threads)
-        return torch.nn.functional.linear(x, w)
+        return cpu_ops.unpacked_linear(x, w, None)  # the engine's GEMM for a widened weight
     else:
         q, scale, szero, bits, _ = tensors
         lib.grouped_linear(x, q, scale, szero, None, GROUP, bits, y, threads)

@@ -65,10 +65,22 @@ def test_symmetric_zeros_and_a_single_short_panel(bits):
     _check(_gemm(bindings.library(), x, codes, scale, zero, 32, bits), x, codes, scale, zero, 32)
 
 
+def test_gemm_limits_per_vendor():
+    """The Xeon's measured limits where MKL is tuned; elsewhere 4-bit codes stay on the panel GEMM
+    at every row count (it beat dequantize + oneDNN at 1024-2048 rows on AMD Zen 5), 8-bit ones
+    keep 384."""
+    assert grouped.gemm_max_rows(True) == {4: 384, 8: 384}
+    off_intel = grouped.gemm_max_rows(False)
+    assert off_intel[8] == 384 and off_intel[4] >= 1 << 40
+    assert grouped.GEMM_MAX_ROWS == grouped.gemm_max_rows(cpu_ops.MKL_TUNED)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_layer_routes_rows_between_the_limits_to_the_gemm(bits, monkeypatch):
     """Rows in (SMALL_MAX_ROWS, GEMM_MAX_ROWS] take the panel GEMM, others the small-batch kernel
-    or dequantize + GEMM; every route gives the reference's result."""
+    or dequantize + GEMM; every route gives the reference's result (at the Xeon's limits, so
+    both ends are reachable on any host)."""
+    monkeypatch.setattr(grouped, "GEMM_MAX_ROWS", grouped.gemm_max_rows(True))
     codes, scale, zero = _layout(40, 128, 64, bits, sym=False, seed=3)
     layer = ReplicatedLinear(128, 40, bias=False)
     grouped.install(layer, codes, scale, zero, None, bits)

@@ -47,7 +47,18 @@ from pagedllm.native import bindings
 # pair / triple of tokens), up to GEMM_MAX_ROWS the panel GEMM (quant_gemm.c: each code widened
 # once per call), beyond them (prefill chunks) dequantize + one GEMM (cpu_ops.unpacked_linear).
 SMALL_MAX_ROWS = {4: 2, 8: 3}
-GEMM_MAX_ROWS = {4: 384, 8: 384}
+
+
+def gemm_max_rows(mkl_tuned: bool) -> dict[int, int]:
+    """The panel GEMM's row limit per bits: 384 where it was measured against MKL on the Xeon
+    (``cpu_ops.MKL_TUNED``); elsewhere unbounded for 4 bits, where on AMD Zen 5 it ties
+    dequantize + oneDNN at 512 rows and beats it 1.10-1.20x at 1024-2048 (a 4-bit code widens to
+    a float32 weight for a fraction of the widened buffer's write and read), and 384 for 8 bits,
+    where the widened GEMM stays 3-6% ahead at 1024-2048 (benchmarks/RESULTS.md)."""
+    return {4: 384, 8: 384} if mkl_tuned else {4: 1 << 62, 8: 384}
+
+
+GEMM_MAX_ROWS = gemm_max_rows(cpu_ops.MKL_TUNED)
 # The most tokens the one-call decoder takes with these weights when they have no panel copy
 # (models/cpu_decode.py; capped by NativeLibrary.max_decode_tokens): it runs the small-batch
 # kernel with no Python between layers, which beat the module path's panel GEMM up to here
