@@ -563,8 +563,9 @@ static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, in
  * prefetches head h + 1's tiles of the same blocks: the next 4 KiB of the pool for float32, 64
  * floats x 16 keys (a block's heads are adjacent). Reads then come in head-interleaved runs over
  * a few blocks, which this memory serves far better than 4 KiB pieces at random (28-33 against
- * 40-46 GB/s in a read probe on AMD Zen 5); a decode batch of 64 at context 192 took 1.2-1.6x
- * less time than with one item per (request, head) (benchmarks/RESULTS.md). Halved while that
+ * 40-46 GB/s in a read probe on AMD Zen 5); with the fetch spread over the key loops (Ahead), a
+ * decode batch of 64 at context 192 ran 1.73x faster than with one item per (request, head)
+ * (benchmarks/attention_ab.py; benchmarks/RESULTS.md). Halved while that
  * leaves fewer than 8 items per thread, so a few long decodes still spread over the cores. */
 static int decode_heads_per_item(const Problem *P, int num_reqs, int num_threads) {
     int decodes = 0;
@@ -617,21 +618,25 @@ typedef struct {
 
 static int chunk_blocks(int B) { return B >= CHUNK_KEYS ? 1 : (CHUNK_KEYS + B - 1) / B; }
 
+/* Bytes from the start of the pool to kv head kv_head's tile of logical block b (in the cache
+ * dtype: block_size x head_dim elements, the same offset in the K and the V pool). */
+static inline int64_t tile_offset(const Problem *P, const int32_t *btab, int b, int kv_head) {
+    return ((int64_t)btab[b] * P->num_kv_heads + kv_head) * P->block_size * P->head_dim *
+           (int64_t)dtype_size(P->dtype);
+}
+
 static void load_chunk(const Problem *P, Scratch *S, const int32_t *btab, int kv_head, int b0,
                        int b1, int seq_len, Chunk *c) {
     const int B = P->block_size, D = P->head_dim;
-    const size_t es = dtype_size(P->dtype);
     c->nblocks = b1 - b0;
     c->start = b0 * B;
     for (int i = 0; i < c->nblocks; i++) c->pk[i] = c->pv[i] = NULL;
     c->nkeys = 0;
     for (int b = b0; b < b1; b++) {
         const int i = b - b0, n = imin(B, seq_len - b * B);
-        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * B * D;
-        c->k[i] = load_f32((const char *)P->key_cache + off * es, (int64_t)n * D, P->dtype,
-                           S->kbuf + (int64_t)i * B * D);
-        c->v[i] = load_f32((const char *)P->value_cache + off * es, (int64_t)n * D, P->dtype,
-                           S->vbuf + (int64_t)i * B * D);
+        const int64_t off = tile_offset(P, btab, b, kv_head);
+        c->k[i] = load_f32((const char *)P->key_cache + off, (int64_t)n * D, P->dtype, S->kbuf + (int64_t)i * B * D);
+        c->v[i] = load_f32((const char *)P->value_cache + off, (int64_t)n * D, P->dtype, S->vbuf + (int64_t)i * B * D);
         c->n[i] = n;
         c->nkeys += n;
     }
@@ -644,7 +649,7 @@ static inline __attribute__((always_inline)) void prefetch_blocks(const Problem 
                                                                   int kv_head, int b0, int b1) {
     const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
     for (int b = b0; b < b1; b++) {
-        const int64_t off = ((int64_t)btab[b] * P->num_kv_heads + kv_head) * bytes;
+        const int64_t off = tile_offset(P, btab, b, kv_head);
         const char *k = (const char *)P->key_cache + off, *v = (const char *)P->value_cache + off;
         for (size_t i = 0; i < bytes; i += 64) {
             __builtin_prefetch(k + i);
@@ -657,14 +662,11 @@ static inline __attribute__((always_inline)) void prefetch_blocks(const Problem 
  * prefetched (Ahead): spread over the chunk's work, where a burst of a whole chunk's prefetches
  * at its start measured no better than none. */
 static void plan_prefetch(const Problem *P, const int32_t *btab, int kv_head, int b0, int b1, Chunk *c) {
-    const size_t bytes = dtype_size(P->dtype) * (size_t)P->block_size * P->head_dim;
     c->key_bytes = (int)(dtype_size(P->dtype) * P->head_dim);
-    for (int i = 0; i < c->nblocks; i++) {
-        if (b0 + i < b1) {
-            const int64_t off = ((int64_t)btab[b0 + i] * P->num_kv_heads + kv_head) * bytes;
-            c->pk[i] = (const char *)P->key_cache + off;
-            c->pv[i] = (const char *)P->value_cache + off;
-        } else c->pk[i] = c->pv[i] = NULL;
+    for (int i = 0; i < c->nblocks && b0 + i < b1; i++) { /* load_chunk left the rest NULL */
+        const int64_t off = tile_offset(P, btab, b0 + i, kv_head);
+        c->pk[i] = (const char *)P->key_cache + off;
+        c->pv[i] = (const char *)P->value_cache + off;
     }
 }
 
@@ -923,6 +925,14 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
 #endif
 
 /* Scratch for the rows of the item's i-th kv head (rows_h rows each, padded). */
+/* The item's i-th kv head as an item of its own (what load_rows / store_rows / run_item_wide take). */
+static WorkItem head_item(const WorkItem *it, int i) {
+    WorkItem one = *it;
+    one.kv_head += i;
+    one.nheads = 1;
+    return one;
+}
+
 static Scratch head_view(const Scratch *S, int i, int rows_h, int D) {
     Scratch V = *S;
     const int64_t base = (int64_t)i * rows_pad(rows_h);
@@ -964,23 +974,23 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     const int ctx_start = seq_len - q_len; /* position of the chunk's first token */
     const int ntok = it->t1 - it->t0, rows = ntok * group, nh = it->nheads;
     const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
+#if PA_AVX512
+    if (wide_ok(P, rows)) { /* each head's rows walk the blocks on their own (run_item_wide) */
+        for (int i = 0; i < nh; i++) {
+            const WorkItem one = head_item(it, i);
+            load_rows(P, &one, S, rows_pad(rows));
+            run_item_wide(P, &one, S);
+            store_rows(P, &one, S);
+        }
+        return;
+    }
+#endif
     Scratch V[nh];
     for (int i = 0; i < nh; i++) {
-        WorkItem one = *it;
-        one.kv_head += i;
-        one.nheads = 1;
+        const WorkItem one = head_item(it, i);
         V[i] = head_view(S, i, rows, D);
         load_rows(P, &one, &V[i], rows_pad(rows));
-#if PA_AVX512
-        if (wide_ok(P, rows)) {
-            run_item_wide(P, &one, &V[i]);
-            store_rows(P, &one, &V[i]);
-        }
-#endif
     }
-#if PA_AVX512
-    if (wide_ok(P, rows)) return;
-#endif
 
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
     const int cb = chunk_blocks(B), smax = cb * B;
@@ -1002,9 +1012,7 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
     }
 
     for (int i = 0; i < nh; i++) {
-        WorkItem one = *it;
-        one.kv_head += i;
-        one.nheads = 1;
+        const WorkItem one = head_item(it, i);
         store_rows(P, &one, &V[i]);
     }
 }

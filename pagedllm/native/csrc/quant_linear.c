@@ -553,7 +553,7 @@ int qg_linear(const float *x, int64_t T, const uint8_t *q, const float *scale, c
               const float *bias, int64_t in, int64_t out, int64_t group, int bits, float *y, int threads) {
     if (T <= 0 || T > LD_MAX_TOKENS || bad_args(in, out, group, bits, threads)) return PN_ERR_ARG;
 #if QV_VNNI
-    if (qg_lut(group, bits) && szero) return qv_linear4(x, T, q, scale, szero, bias, in, out, group, y, threads);
+    if (qg_lut(group, bits)) return qv_linear4(x, T, q, scale, szero, bias, in, out, group, y, threads);
 #endif
     const int64_t row_bytes = bits == 4 ? in / 2 : in, groups = in / group, units = (out + 3) / 4;
     const int lut = qg_lut(group, bits), shuffled = !lut && bits == 4 && qg_wide(group, bits);
