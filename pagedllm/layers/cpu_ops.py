@@ -49,15 +49,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # Which float32 GEMM takes how many rows. MKL runs its tuned kernels only on Intel CPUs (on
 # others it dispatches to its generic "def" code). Measured per shape (benchmarks/RESULTS.md):
 # - Intel Xeon (AVX-512): oneDNN's prepacked GEMM beats MKL's by 1.3-4x for 4..512 rows (decode
-#   batches); MKL stays ahead for 1-2 rows and for big prefill chunks.
+#   batches); MKL stays ahead of oneDNN for 1-2 rows and for big prefill chunks.
 # - AMD EPYC (Zen 5): MKL is 2-4x slower than oneDNN at every row count, 1 to 2048 (the 34M
 #   model's 8192 x 512 LM head at one row: MKL 1.68 ms, oneDNN 0.58, the panel GEMM 0.47), so
 #   every row count goes to the packed copies there.
 # Packing keeps a second copy of each weight. Where the library's panel GEMM
 # (csrc/dense_gemm.c) has its AVX-512 tile, linear layers also keep a copy in its layout, used
-# up to PANEL_MAX_ROWS rows: 3-14% faster than oneDNN's at 16-96 rows with the weights streamed
-# from memory as in a decode step (equal when the host's memory bandwidth is contended), slower
-# from ~128 rows (RESULTS.md).
+# for 1 to PANEL_MAX_ROWS rows on every vendor: 3-14% faster than oneDNN's at 16-96 rows with the
+# weights streamed from memory as in a decode step (equal when the host's memory bandwidth is
+# contended), slower from ~128 rows; at 1-3 rows, on a Xeon with AMX, as fast as MKL on the
+# 200M model's big shapes and 10-30% faster on the 34M model's (its LM head 0.80 -> 0.71 ms,
+# 2.5% of a batch-1 step; RESULTS.md).
 #
 # DECODE_PANEL_MIN_ROWS: the one-call decoder's float32 projections run on the panel GEMM from
 # this many tokens (models/cpu_decode.py), below on its register tile (llama_decode.c). Decode
@@ -160,13 +162,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:  # the one-call decoder's hidden states,
         x = x.to(weight.dtype)  # past the C kernel's rows: as the module path computes
     # under torch.compile inductor picks (and prepacks) the GEMM itself
-    if packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS \
-            and not torch.compiler.is_compiling():
+    if packed is not None and x.dim() == 2 and not torch.compiler.is_compiling():
+        rows = x.shape[0]
         if isinstance(packed, PanelWeight):
-            if x.shape[0] <= PANEL_MAX_ROWS:
+            if rows <= PANEL_MAX_ROWS:
                 return panel_linear(x, packed, bias)
             packed = packed.onednn
-        if packed is not None:
+        if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return unpacked_linear(x, weight, bias)
 
