@@ -26,7 +26,7 @@ def library(request, tmp_path_factory):
                                cflags=("-O2", *march, "-fopenmp", "-shared", "-fPIC"))
 
 
-@pytest.mark.parametrize("in_features", [64, 45, 16 * 3 + 9])
+@pytest.mark.parametrize("in_features", [64, 45, 16 * 3 + 9, 64 * 2 + 16 + 3])
 @pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
 def test_every_token_count_matches_float64(library, in_features, int8):
     g = torch.Generator().manual_seed(in_features + int8)
@@ -42,6 +42,23 @@ def test_every_token_count_matches_float64(library, in_features, int8):
         got = torch.empty(rows, OUT)
         library.linear(x, weight, scale, bias, got, 2)
         torch.testing.assert_close(got.double(), x.double() @ want_w.t() + bias.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("out", [2, 70, 71, 130])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_token_rows_split_over_threads_match_float64(library, out, threads):
+    """One float32 token: in AVX-512 builds each thread walks the two halves of its rows together
+    (matvec_two_streams; an odd row count takes the register tile); every row once, with its bias,
+    whatever the thread count (3 threads split 35 row pairs unevenly; 2 rows give one a pair and
+    the others nothing)."""
+    g = torch.Generator().manual_seed(out * 10 + threads)
+    in_features = 64 * 3 + 5  # the 64-wide loop and a tail
+    weight, bias = torch.randn(out, in_features, generator=g), torch.randn(out, generator=g)
+    x = torch.randn(1, in_features, generator=g)
+    got = torch.full((1, out), float("nan"))
+    library.linear(x, weight, None, bias, got, threads)
+    want = x.double() @ weight.double().t() + bias.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_refuses_more_tokens_than_its_tiles_hold():
