@@ -63,10 +63,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 #
 # DECODE_PANEL_MIN_ROWS: the one-call decoder's float32 projections run on the panel GEMM from
 # this many tokens (models/cpu_decode.py), below on its register tile (llama_decode.c). Decode
-# steps alternated between the two in one engine (RESULTS.md): on the Xeon the 16-lane tile is
-# 6% faster at 12 tokens, equal at 16, and the panel GEMM 20-30% faster from 18; on Zen 5 the
-# panel GEMM is 1.4-2.9x faster than the tile from one token (one contiguous stream per thread,
-# prefetched in software, against the tile's four weight rows at a time).
+# steps alternated between the two in one engine (RESULTS.md): on a Xeon without AMX the 16-lane
+# tile is 6% faster at 12 tokens, equal at 16, and the panel GEMM 20-30% faster from 18; on a
+# Xeon with AMX at 16 tokens the panel GEMM is 8% faster on the 34M model (weights mostly in the
+# L3) and within 2% either way on the 200M one (DRAM-bound), where the tile stays 2-7% ahead at
+# 2-12 tokens; on Zen 5 the panel GEMM is 1.4-2.9x faster than the tile from one token (one
+# contiguous stream per thread, prefetched in software, against the tile's four weight rows at a
+# time).
 PANEL_MAX_ROWS = 96
 
 
@@ -81,7 +84,7 @@ def gemm_routing(vendor: str) -> tuple[int, int, int]:
     """``(PACKED_MIN_ROWS, PACKED_MAX_ROWS, DECODE_PANEL_MIN_ROWS)`` for a vendor id: the table
     measured on a Xeon where MKL is tuned; every row count on the packed copies for other x86
     vendors (measured on AMD Zen 5)."""
-    return (4, 512, 18) if mkl_tuned(vendor) else (1, 1 << 62, 1)
+    return (4, 512, 16) if mkl_tuned(vendor) else (1, 1 << 62, 1)
 
 
 _VENDOR = platform.cpu_vendor()

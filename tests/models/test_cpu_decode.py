@@ -121,13 +121,13 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("arch,panel_min", [("llama", 18), ("llama", 1), ("qwen2", 18), ("qwen2", 1),
+@pytest.mark.parametrize("arch,panel_min", [("llama", 16), ("llama", 1), ("qwen2", 16), ("qwen2", 1),
                                             ("wide-int4", None)])
 @pytest.mark.parametrize("prefill", [3, 20, 71])  # 11 / 28 / 79 tokens: past the tile's 64 only panels
 def test_panel_projections_match_torch_path(arch, panel_min, prefill, model_dirs, wide_llama_dir, monkeypatch):
     """Projections with panel copies (float32: every output a multiple of 32, AVX-512 build;
     int4: quant_gemm.c's): the decoder takes up to PANEL_MAX_ROWS tokens and runs them on the
-    module path's panel GEMM (dense_gemm.c from cpu_ops.DECODE_PANEL_MIN_ROWS tokens: 18 on Intel
+    module path's panel GEMM (dense_gemm.c from cpu_ops.DECODE_PANEL_MIN_ROWS tokens: 16 on Intel
     CPUs, 1 elsewhere, both tested on every host; quant_gemm.c from 3)."""
     if panel_min is not None:
         monkeypatch.setattr(cpu_ops, "DECODE_PANEL_MIN_ROWS", panel_min)
