@@ -173,8 +173,8 @@ static inline void dot_two_rows(const float *a, const float *b, const float *x, 
  * rows and walks its two halves together, a row of each at a time, so it reads two sequential
  * weight streams. tile4_512 reads four rows at a time, four streams a row apart; on a Xeon with
  * AMX (2 cores, DRAM-bound at 1 token) this took the 200M model's batch-1 decode step from
- * 26.74 to 25.64 ms (steps alternated with the tile in one engine; RESULTS.md), the 34M model's
- * (weights in the L3) within 1%. */
+ * 28.19 to 26.54 ms (steps alternated between the two builds in one engine; RESULTS.md), the 34M
+ * model's (weights mostly in the L3) within 1%. */
 static void matvec_two_streams(const float *x, const float *w, const float *b, int64_t in, int64_t out, float *y,
                                int threads) {
 #pragma omp parallel num_threads(threads)
