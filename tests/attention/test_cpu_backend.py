@@ -72,7 +72,7 @@ def test_sliding_window(window, block_size):
         assert not torch.allclose(out.double(), dense_attention_f64(batch), atol=1e-3)
 
 
-# Decode rows (q_len 1) at contexts on and around block edges. With at least 8 decode items per
+# Decode rows (q_len 1) at contexts on and around block edges. With at least one decode item per
 # thread, a decode item takes several kv heads of its request and walks each chunk of blocks
 # head after head (paged_attention.c: decode_heads_per_item): 24 decodes on 2 threads -> all
 # heads in one item.
@@ -92,9 +92,9 @@ def test_decode_items_over_several_kv_heads(block_size, group):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_items_with_a_remainder_of_heads(dtype, window):
-    """10 decodes on 2 threads with 5 kv heads: items of 3 heads and of 2 (the heads per item
-    halve, rounding up, until each thread has 8 items); windows and a float16 cache on that path."""
-    batch = make_paged_batch(DECODES[:10], num_heads=10, num_kv_heads=5, head_dim=64, block_size=16,
+    """One decode on 2 threads with 5 kv heads: items of 3 heads and of 2 (the heads per item
+    halve, rounding up, until each thread has an item); windows and a float16 cache on that path."""
+    batch = make_paged_batch([(200, 1)], num_heads=10, num_kv_heads=5, head_dim=64, block_size=16,
                              cache_dtype=dtype, seed=7)  # fmt: skip
     check_against_oracles(batch, window=window)
 

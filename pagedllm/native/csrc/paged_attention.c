@@ -572,13 +572,20 @@ static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, in
  * a few blocks, which this memory serves far better than 4 KiB pieces at random (28-33 against
  * 40-46 GB/s in a read probe on AMD Zen 5); with the fetch spread over the key loops (Ahead), a
  * decode batch of 64 at context 192 ran 1.73x faster than with one item per (request, head)
- * (benchmarks/attention_ab.py; benchmarks/RESULTS.md). Halved while that
- * leaves fewer than 8 items per thread, so a few long decodes still spread over the cores. */
+ * (benchmarks/attention_ab.py; benchmarks/RESULTS.md). Halved while that leaves fewer than
+ * DECODE_ITEMS_PER_THREAD items per thread, so a few long decodes still spread over the cores:
+ * each item's first tiles come cold (nothing before them fetched them), so the fewer items the
+ * better once every thread has one. On a Xeon with AMX, one item per thread rather than 8 ran
+ * decode batches of 1 x 192 .. 1 x 2048 and 4 x 256 .. 4 x 1024 1.03-1.10x faster in two
+ * attention_ab.py runs (2 per thread: 0.93-1.10x, within that host's noise at one request);
+ * from 16 decodes (2 threads) nothing changes. */
+#define DECODE_ITEMS_PER_THREAD 1
 static int decode_heads_per_item(const Problem *P, int num_reqs, int num_threads) {
     int decodes = 0;
     for (int r = 0; r < num_reqs; r++) decodes += P->query_start_loc[r + 1] - P->query_start_loc[r] == 1;
     int h = P->num_kv_heads;
-    while (h > 1 && (int64_t)decodes * ((P->num_kv_heads + h - 1) / h) < 8 * (int64_t)num_threads) h = (h + 1) / 2;
+    while (h > 1 && (int64_t)decodes * ((P->num_kv_heads + h - 1) / h) < DECODE_ITEMS_PER_THREAD * (int64_t)num_threads)
+        h = (h + 1) / 2;
     return h;
 }
 
