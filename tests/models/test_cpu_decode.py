@@ -121,6 +121,26 @@ def test_fused_matches_torch_path_on_a_ragged_batch(arch, model_dirs, odd_llama_
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "odd"])
+def test_fused_matches_torch_path_on_one_decode_token(arch, model_dirs, odd_llama_dir, monkeypatch):
+    """A step of one token: the register-tile hosts' float32 projections (gate/up too) take
+    llama_decode.c's two-stream matvec where the row count is even, the tile where it is odd
+    (the "odd" model has both); bias values are test_ld_linear's (these checkpoints' are zero)."""
+    monkeypatch.setattr(cpu_ops, "DECODE_PANEL_MIN_ROWS", 18)
+    model, caches = _model(odd_llama_dir if arch == "odd" else model_dirs[arch])
+    g = torch.Generator().manual_seed(1)
+    decoder_step(model, caches, False, [(torch.randint(3, 500, (20,), generator=g).tolist(), 0, [5, 17, 2])])
+    step = [(torch.randint(3, 500, (1,), generator=g).tolist(), 20, [5, 17, 2])]
+    fused_caches, torch_caches = _clone(caches), _clone(caches)
+    got = decoder_step(model, fused_caches, True, step)
+    want = decoder_step(model, torch_caches, False, step)
+    assert got.shape == want.shape == (1, model.config.hidden_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for (fk, fv), (tk, tv) in zip(fused_caches, torch_caches):
+        torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5, equal_nan=True)
+        torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("arch,panel_min", [("llama", 16), ("llama", 1), ("qwen2", 16), ("qwen2", 1),
                                             ("wide-int4", None)])
 @pytest.mark.parametrize("prefill", [3, 20, 71])  # 11 / 28 / 79 tokens: past the tile's 64 only panels

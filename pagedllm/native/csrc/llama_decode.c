@@ -12,9 +12,10 @@
  * Linear layout). Threads split the output rows; each work unit reads 4 weight rows once from
  * memory and applies them to all T tokens while they sit in L1, so the weights are streamed
  * once per step whatever T is (register tiles of 4 rows x 6 tokens on 16 lanes in AVX-512
- * builds, 4 x 3 on 8 lanes with AVX2). From LdModel.panel_min tokens, projections with a
- * panel copy (LdModel.qkv_p ...) run on dense_gemm.c's or quant_gemm.c's GEMM instead, which
- * lets the decoder take decode batches of up to LD_PANEL_MAX_TOKENS.
+ * builds, 4 x 3 on 8 lanes with AVX2); one float32 token in AVX-512 builds instead reads two
+ * sequential row streams per thread (matvec_two_streams). From LdModel.panel_min tokens,
+ * projections with a panel copy (LdModel.qkv_p ...) run on dense_gemm.c's or quant_gemm.c's
+ * GEMM instead, which lets the decoder take decode batches of up to LD_PANEL_MAX_TOKENS.
  *
  * Attention and the KV write are the paged-attention kernel's own functions (same library,
  * declared in pagedllm_native.h with the structs LdModel and LdBatch).
