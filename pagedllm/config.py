@@ -14,6 +14,8 @@ from pagedllm.utils import parse_size
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
 PREALLOCATION_MODES = ("none", "max_model_len", "request")
+# "fcfs": arrival order; "priority": by (request priority, arrival), lowest value first (vLLM's)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto": the fast (Rust) tokenizer when there is one; "slow": the Python one (vLLM's use_fast=False)
 TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {
@@ -99,8 +101,11 @@ class SchedulerConfig:
     # "none" is PagedAttention. The others reserve KV up front at admission, like systems before
     # it: for max_model_len tokens, or for prompt + max_tokens ("request"). Benchmarks only.
     preallocation: str = "none"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
         if self.preallocation not in PREALLOCATION_MODES:
             raise ValueError(f"preallocation={self.preallocation!r} must be one of {PREALLOCATION_MODES}")
         if self.max_num_seqs < 1:

@@ -24,6 +24,7 @@ from pagedllm.config import (
     KV_CACHE_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     CacheConfig,
     EngineConfig,
@@ -115,6 +116,9 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse KV of shared prompt prefixes")
     preemption_mode: str = option("recompute", "what a preempted request loses: its KV (recompute) or its place "
                                   "on the device (swap to --swap-space)", choices=PREEMPTION_MODES)
+    scheduling_policy: str = option("fcfs", "the order requests get the batch in: arrival (fcfs), or each "
+                                    "request's priority, lowest value first, then arrival; it also picks "
+                                    "the preempted request (the last in that order)", choices=SCHEDULING_POLICIES)
     seed: int = option(0, "engine random seed", parse=int)
     enforce_eager: bool = option(False, "never compile (overrides --compile-model) and capture no CUDA graphs")
     compile_model: bool = option(False, "torch.compile each decoder layer (start-up cost; no speed-up measured "
@@ -197,7 +201,7 @@ class EngineArgs:
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
-                                      self.preallocation),
+                                      self.preallocation, self.scheduling_policy),
             parallel=self._parallel_config(model_config),
             device=device,
             attention_backend=self.attention_backend,

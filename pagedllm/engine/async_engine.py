@@ -126,14 +126,17 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, *, cache_salt: str | None = None,
+                          priority: int = 0) -> RequestStream:
         """Tokenizes and validates the request on a tokenizer thread (raises ValueError on bad
         input), then queues it on the engine thread; returns its stream."""
-        return (await self.add_requests([(request_id, prompt)], params, arrival_time))[0]
+        return (await self.add_requests([(request_id, prompt)], params, arrival_time,
+                                        cache_salt=cache_salt, priority=priority))[0]
 
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams,
                            arrival_time: float | None = None,
-                           queue: asyncio.Queue | None = None) -> list[RequestStream]:
+                           queue: asyncio.Queue | None = None, *, cache_salt: str | None = None,
+                           priority: int = 0) -> list[RequestStream]:
         """``add_request`` for a batch of ``(request_id, prompt)`` with one tokenizer-thread job and
         one engine-thread op for all of them: each hop costs the event loop tens of microseconds,
         which, per prompt, held it (and ``/health``) for seconds on a request of 100k prompts.
@@ -147,7 +150,8 @@ class AsyncLLMEngine:
             self._streams[stream.request_id] = stream
         try:
             processed = await self._on_tokenizer_thread(
-                lambda proc: [proc.process(rid, prompt, params, arrival_time) for rid, prompt in requests])
+                lambda proc: [proc.process(rid, prompt, params, arrival_time, cache_salt, priority)
+                              for rid, prompt in requests])
             await self._call(self._add_processed, processed)
         except BaseException:
             for stream in streams:
@@ -160,9 +164,10 @@ class AsyncLLMEngine:
             self.engine.add_processed_request(p)
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str, arrival_time: float | None = None, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; closing or cancelling the generator aborts it."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, priority=priority)
         async with self.aborting_on_exit(stream):
             async for out in stream:
                 yield out

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ProcessedRequest:
     params: SamplingParams  # a private copy with max_tokens filled in
     arrival_time: float | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class InputProcessor:
@@ -48,8 +50,9 @@ class InputProcessor:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  check_fits: Callable[[int, int, int], None], max_logprobs: int = 20,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy  # a priority other than 0 needs "priority"
         self.eos_token_ids = eos_token_ids  # banned with stop_token_ids until min_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -65,8 +68,15 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ the whole request
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                arrival_time: float | None = None, cache_salt: str | None = None) -> ProcessedRequest:
-        """Raises ValueError/TypeError naming the field for anything the engine cannot run."""
+                arrival_time: float | None = None, cache_salt: str | None = None,
+                priority: int = 0) -> ProcessedRequest:
+        """Raises ValueError/TypeError naming the field for anything the engine cannot run.
+
+        ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
+        prompt's block hashes: only requests with the same salt share prefix-cache blocks."""
+        cache_salt = self.check_cache_salt(prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict)
+                                           else cache_salt)
+        self.check_priority(priority)
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -80,12 +90,27 @@ class InputProcessor:
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
-        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt)
+        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority)
+
+    @staticmethod
+    def check_cache_salt(salt: object) -> str | None:
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt={salt!r:.80} is invalid: it must be a non-empty string")
+        return salt
+
+    def check_priority(self, priority: object) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r:.80} is invalid: it must be an integer")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine schedules "
+                             f"{self.scheduling_policy!r}, where every request has priority 0)")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids alone) and token ids."""
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
+        if isinstance(prompt, dict):
+            self._check_prompt_keys(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), self._id_list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
@@ -94,6 +119,15 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
                          "a dict with 'prompt' or 'prompt_token_ids'")
+
+    @staticmethod
+    def _check_prompt_keys(prompt: dict) -> None:
+        """vLLM's TextPrompt / TokensPrompt keys that this engine reads; any other (multi_modal_data,
+        a typo) is refused rather than ignored."""
+        unknown = sorted(set(prompt) - _PROMPT_KEYS, key=str)
+        if unknown:
+            raise ValueError(f"prompt has keys {unknown}: a prompt dict takes {sorted(_PROMPT_KEYS)} "
+                             "(text-only models)")
 
     def truncate(self, text: str | None, ids: list[int], keep: int) -> tuple[str | None, list[int]]:
         """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as

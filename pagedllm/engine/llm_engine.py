@@ -57,7 +57,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs,
-                                              self.eos_token_ids)
+                                              self.eos_token_ids, config.scheduler.scheduling_policy)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
                            if config.speculative is not None else None)
@@ -72,17 +72,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued)."""
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
+        """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued).
+        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first."""
         self._check_new_id(request_id)
-        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt))
+        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time,
+                                                                cache_salt, priority))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queues a request the input processor already tokenized and validated (possibly on
         another thread: nothing here tokenizes, so the engine thread never waits on a prompt)."""
         self._check_new_id(processed.request_id)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                      processed.arrival_time, cache_salt=processed.cache_salt)
+                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority)
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
         self.scheduler.add_request(req)
@@ -90,7 +92,7 @@ class LLMEngine:
                                           processed.params)
 
     def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-                        arrival_time: float | None = None) -> None:
+                        arrival_time: float | None = None, priority: int = 0) -> None:
         """Queues a beam search; its beams run in ordinary steps beside every other request.
 
         ``step()`` returns no RequestOutput for it; ``take_beam_search_output`` returns its
@@ -105,9 +107,10 @@ class LLMEngine:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
         sp = BeamSearchManager.sampling_params(params, self.model_config.vocab_size)
         candidates, sp.logprobs = sp.logprobs, None  # internal rows: not bounded by max_logprobs
-        processed = self.input_processor.process(request_id, prompt, sp, arrival_time)
+        processed = self.input_processor.process(request_id, prompt, sp, arrival_time, priority=priority)
         processed.params.logprobs = candidates
-        req = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids, arrival_time)
+        req = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids, arrival_time,
+                      cache_salt=processed.cache_salt, priority=priority)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 

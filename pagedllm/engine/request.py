@@ -71,7 +71,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None):
+                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None,
+                 priority: int = 0):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n sequences this is
@@ -81,6 +82,7 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

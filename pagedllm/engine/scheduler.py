@@ -15,9 +15,17 @@ Each step re-decides what runs (DESIGN core idea 1): every request gets up to
 
 No step that preempted admits or swaps in anything, so a block freed by a swap-out is never
 reused in the same step before the cache engine has copied it out.
+
+``scheduling_policy="priority"`` (vLLM's) replaces arrival order by ``(priority, arrival)``,
+lowest first, everywhere: the waiting and swapped queues are kept in that order (a preempted
+request goes back to its place in it, not to the front), and the running requests are sorted by
+it before each step, so they get the token budget in that order and the one preempted when
+blocks run out is the last: the lowest priority, latest arrival (vLLM's victim). Running
+requests are never preempted to admit a waiting one, whatever its priority (as in vLLM).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -72,6 +80,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.finished_ids: list[str] = []  # sequences finished since the last step (for the runner)
         self.failed: list[Request] = []  # ended because their grammar failed to compile (take_failed)
+        self.by_priority = config.scheduling_policy == "priority"
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, num_seqs: int) -> None:
@@ -95,7 +104,17 @@ class Scheduler:
         req.fork_generators = [make_generator(req.params.seed, i) for i in range(1, req.num_forks_pending + 1)]
         self.requests[req.request_id] = req
         self.sequences[req.parent_id] = [req.request_id]
-        self.waiting.append(req)
+        self._enqueue(self.waiting, req)
+
+    def _enqueue(self, queue: deque[Request], req: Request, front: bool = False) -> None:
+        """Puts ``req`` in a waiting or swapped queue: at the back (or the front when preempted) in
+        arrival order; in its ``(priority, arrival)`` place under the priority policy."""
+        if self.by_priority:
+            bisect.insort_right(queue, req, key=_priority_key)
+        elif front:
+            queue.appendleft(req)
+        else:
+            queue.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.loading)
@@ -104,6 +123,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.by_priority:  # stable: forks and equal keys keep their admission order
+            self.running.sort(key=_priority_key)
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
             budget = self._schedule_swapped(out, budget)
@@ -297,13 +318,13 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             out.blocks_to_swap_out.extend(self.kv.swap_out(req))
             req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            self._enqueue(self.swapped, req)
             self.stats.preemptions_by_mode["swap"] += 1
             return
         self.kv.free(req)  # recompute: drop the K/V, keep the tokens, requeue at the front
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        self._enqueue(self.waiting, req, front=True)
         self.stats.preemptions_by_mode["recompute"] += 1
 
     # ------------------------------------------------------------------ results
@@ -351,7 +372,7 @@ class Scheduler:
     def fork(self, parent: Request, child_id: str, index: int) -> Request:
         """A running copy of ``parent`` (same tokens and progress) sharing all its blocks."""
         child = Request(child_id, parent.prompt_token_ids, parent.params, parent.eos_token_ids,
-                        parent.arrival_time, parent.parent_id, index, parent.cache_salt)
+                        parent.arrival_time, parent.parent_id, index, parent.cache_salt, parent.priority)
         child.all_token_ids = list(parent.all_token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         child.cumulative_logprob = parent.cumulative_logprob
@@ -447,6 +468,10 @@ class Scheduler:
     def take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []
         return ids
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
 
 
 def _no_token_status(req: Request) -> RequestStatus:

@@ -49,11 +49,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt; returns RequestOutputs in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt; returns RequestOutputs in input order.
+
+        ``priority``: one per prompt, for an engine built with ``scheduling_policy="priority"``
+        (lower values are scheduled first); a prompt dict may carry vLLM's ``"cache_salt"``."""
         prompts = _as_list(prompts)
         params = [_final_only(p) for p in self._params_list(sampling_params, len(prompts))]
-        ids = self._add_all(prompts, params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        ids = self._add_all(prompts, params, priorities=priority)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -83,7 +88,8 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt")
         return list(sampling_params)
 
-    def _add_all(self, prompts, params, add: Callable | None = None) -> list[str]:
+    def _add_all(self, prompts, params, add: Callable | None = None,
+                 priorities: Sequence[int] | None = None) -> list[str]:
         """Queues every prompt with ``add`` (default ``add_request``); if one is refused, the
         ones already queued are aborted, so a bad prompt leaves nothing behind."""
         engine = self.llm_engine
@@ -91,8 +97,8 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                add(rid, prompt, p)
+            for rid, prompt, p, priority in zip(ids, prompts, params, priorities or itertools.repeat(0)):
+                add(rid, prompt, p, priority=priority)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)

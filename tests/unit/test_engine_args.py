@@ -15,6 +15,7 @@ from pagedllm.config import (
     KV_CACHE_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     TOKENIZER_MODES,
 )
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, cli_option
@@ -26,7 +27,7 @@ CHOICES = {
     "tokenizer_mode": TOKENIZER_MODES, "dtype": DTYPES, "block_size": ALLOWED_BLOCK_SIZES,
     "preemption_mode": PREEMPTION_MODES, "quantization": quantization.METHODS,
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
-    "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS,
+    "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
 }
 # a value other than the default for every field (a new field must be added here)
 NON_DEFAULT = {
@@ -41,6 +42,7 @@ NON_DEFAULT = {
     "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
     "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "calculate_kv_scales": True,
+    "scheduling_policy": "priority",
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},

@@ -126,13 +126,14 @@ class FakeTierWorker:
 class SchedulerMachine(RuleBasedStateMachine):
     preemption_mode = "recompute"
     num_cpu_blocks = 0
+    scheduling_policy = "fcfs"
 
     def __init__(self):
         super().__init__()
         self.worker: FakeTierWorker | None = None  # make_offload sets one with tiers
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96,
-                            preemption_mode=self.preemption_mode),
+                            preemption_mode=self.preemption_mode, scheduling_policy=self.scheduling_policy),
             CacheConfig(block_size=BLOCK, watermark=0.05), NUM_BLOCKS, self.num_cpu_blocks, self.make_offload())
         self.rng = random.Random(0)
         self.next_id = 0
@@ -142,13 +143,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         return None
 
     @rule(prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 30), n=st.integers(1, 3),
-          shared_prefix=st.booleans())
-    def add(self, prompt_len, max_tokens, n, shared_prefix):
+          shared_prefix=st.booleans(), priority=st.integers(-1, 2))
+    def add(self, prompt_len, max_tokens, n, shared_prefix, priority):
         # a shared prefix makes prefix-cache hits likely
         prompt = [7] * prompt_len if shared_prefix else [self.rng.randrange(3, 12) for _ in range(prompt_len)]
         params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
         self.sched.check_fits(prompt_len, max_tokens, n)
-        self.sched.add_request(Request(str(self.next_id), prompt, params, frozenset()))
+        priority = priority if self.scheduling_policy == "priority" else 0
+        self.sched.add_request(Request(str(self.next_id), prompt, params, frozenset(), priority=priority))
         self.next_id += 1
 
     @rule()
@@ -170,6 +172,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def integrity(self):
         self.sched.kv.check_integrity()
         assert len(self.sched.running) <= 6
+
+    @invariant()
+    def queues_keep_their_order(self):
+        """Priority: waiting and swapped requests stay in (priority, arrival) order."""
+        if self.scheduling_policy == "priority":
+            for queue in (self.sched.waiting, self.sched.swapped):
+                keys = [(r.priority, r.arrival_time) for r in queue]
+                assert keys == sorted(keys)
 
     @invariant()
     def stats_agree(self):
@@ -200,6 +210,12 @@ class SwapSchedulerMachine(SchedulerMachine):
 
     preemption_mode = "swap"
     num_cpu_blocks = 10
+
+
+class PrioritySchedulerMachine(SwapSchedulerMachine):
+    """scheduling_policy="priority" with random priorities, swap and recompute preemption."""
+
+    scheduling_policy = "priority"
 
 
 DOCS = [[random.Random(k).randrange(3, 12) for _ in range(44)] for k in range(2)]
@@ -257,9 +273,11 @@ class TieredSchedulerMachine(SwapSchedulerMachine):
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 SchedulerMachine.TestCase.settings = SETTINGS
 SwapSchedulerMachine.TestCase.settings = SETTINGS
+PrioritySchedulerMachine.TestCase.settings = SETTINGS
 TieredSchedulerMachine.TestCase.settings = SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSwapSchedulerMachine = SwapSchedulerMachine.TestCase
+TestPrioritySchedulerMachine = PrioritySchedulerMachine.TestCase
 TestTieredSchedulerMachine = TieredSchedulerMachine.TestCase
 
 
