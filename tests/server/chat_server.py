@@ -43,7 +43,7 @@ def script_engine(monkeypatch, server, pieces: list[str], finish: str = "stop") 
     joined otherwise); returns the list the prompts it was given are appended to."""
     prompts = []
 
-    async def add_requests(requests, params, arrival_time=None, queue=None):
+    async def add_requests(requests, params, arrival_time=None, queue=None, **options):
         streams = []
         for request_id, prompt in requests:
             prompts.append(prompt)

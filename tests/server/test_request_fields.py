@@ -176,13 +176,109 @@ def check_stream(ctx, path, field, value):
     assert "".join(pieces) == full
 
 
+def stream_events(ctx, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{ctx.srv.url}/v1/{path}", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
 def check_stream_options(ctx, path, field, value):
-    body = {**_base(path), "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{ctx.srv.url}/v1/{path}", json=body) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    body = {**_base(path), "stream_options": {"include_usage": True}}
+    events = stream_events(ctx, path, body)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
-    r = ctx.post(path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert all(e["usage"] is None for e in events[:-1])
+    # continuous_usage_stats: each chunk carries its choice's usage so far (vLLM's)
+    events = stream_events(ctx, path, {**_base(path), "n": 2, "stream_options": {"continuous_usage_stats": True}})
+    counts = {0: [], 1: []}
+    for e in events:
+        counts[e["choices"][0]["index"]].append(e["usage"]["completion_tokens"])
+        assert e["usage"]["prompt_tokens"] == events[0]["usage"]["prompt_tokens"] > 0
+    for seen in counts.values():
+        assert seen == sorted(seen) and seen[-1] == 8, seen
+    r = ctx.post(path, {**body, "stream_options": {"include_usage": True, "per_chunk": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def check_prompt_logprobs(ctx, path, field, value):
+    """Per prompt position the offline engine's prompt logprobs (the first null), keyed by token id."""
+    prompt_ids = ctx.tok.encode(PROMPT) if path == "completions" else ctx.render()
+    ref = ctx.llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(**BASE, prompt_logprobs=value),
+                           use_tqdm=False)[0].prompt_logprobs
+    body = ctx.ok(path, {**_base(path), field: value})
+    got = body["choices"][0]["prompt_logprobs"] if path == "completions" else body["prompt_logprobs"]
+    assert len(got) == len(prompt_ids) and got[0] is None and ref[0] is None
+    for pos, (entry, want) in enumerate(zip(got[1:], ref[1:]), start=1):
+        assert str(prompt_ids[pos]) in entry and len(entry) >= value
+        assert {int(t) for t in entry} == set(want)
+        for t, e in want.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(e.logprob, abs=1e-4)
+            assert entry[str(t)]["rank"] == e.rank and entry[str(t)]["decoded_token"] == e.decoded_token
+    assert texts(body) == texts(ctx.ok(path, _base(path)))  # and the output is unchanged
+    r = ctx.post(path, {**_base(path), field: value, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def check_return_token_ids(ctx, path, field, value):
+    body = ctx.ok(path, {**_base(path), field: True, "n": 2})
+    prompt_ids = ctx.tok.encode(PROMPT) if path == "completions" else ctx.render()
+    offline = [c.token_ids for c in ctx.offline(PROMPT if path == "completions" else {"prompt_token_ids": prompt_ids},
+                                                n=2)]
+    assert [c["token_ids"] for c in body["choices"]] == offline
+    prompts = [c["prompt_token_ids"] for c in body["choices"]] if path == "completions" else [body["prompt_token_ids"]]
+    assert all(p == prompt_ids for p in prompts)
+    # streamed: the chunks' token ids join to the same; the prompt's come once per choice
+    events = stream_events(ctx, path, {**_base(path), field: True, "n": 2})
+    streamed, prompt_seen = {0: [], 1: []}, []
+    for e in events:
+        choice = e["choices"][0]
+        streamed[choice["index"]] += choice.get("token_ids") or []
+        prompt_seen += [p for p in (choice.get("prompt_token_ids"), e.get("prompt_token_ids")) if p]
+    assert list(streamed.values()) == offline and prompt_seen == [prompt_ids, prompt_ids]
+    assert "token_ids" not in ctx.ok(path, _base(path))["choices"][0] or \
+        ctx.ok(path, _base(path))["choices"][0]["token_ids"] is None
+
+
+def check_tokens_as_ids(ctx, path, field, value):
+    if path == "completions":
+        lp = ctx.ok(path, {**_base(path), "logprobs": 2, field: True})["choices"][0]["logprobs"]
+        ids = ctx.offline(logprobs=2)[0].token_ids
+        assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+        assert all(set(top) <= {k for k in top if k.startswith("token_id:")} for top in lp["top_logprobs"])
+        return
+    content = ctx.ok(path, {**_base(path), "logprobs": True, "top_logprobs": 2, field: True})["choices"][0]["logprobs"]
+    ids = ctx.baseline(path).token_ids
+    assert [t["token"] for t in content["content"]] == [f"token_id:{t}" for t in ids]
+    assert content["content"][0]["bytes"] == list(f"token_id:{ids[0]}".encode())
+    assert all(top["token"].startswith("token_id:") for t in content["content"] for top in t["top_logprobs"])
+
+
+def check_priority(ctx, path, field, value):
+    """This server schedules FCFS: a priority other than 0 is a 400 naming it (test_priority_server.py
+    runs --scheduling-policy priority)."""
+    r = ctx.post(path, {**_base(path), field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "scheduling_policy='priority'" in r.json()["error"]["message"]
+    r = ctx.post(path, {**_base(path), field: True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field  # strict: an integer, not a bool
+
+
+def check_cache_salt(ctx, path, field, value):
+    """Only requests with the same salt share prefix-cache blocks (the server's prefix-cache hits count)."""
+    long_prompt = " ".join(["salted words"] * 12)
+    base = ({**BASE, "prompt": long_prompt} if path == "completions" else
+            {**BASE, "messages": [{"role": "user", "content": long_prompt}]})
+
+    def hits_of(body: dict) -> float:
+        before = ctx.srv.on_loop(ctx.srv.engine.get_kv_cache_stats()).prefix_cache_hits
+        ctx.ok(path, body)
+        return ctx.srv.on_loop(ctx.srv.engine.get_kv_cache_stats()).prefix_cache_hits - before
+
+    salt = f"{value}-{path}"
+    assert hits_of({**base, field: salt}) == 0
+    assert hits_of({**base, field: salt}) >= 16  # same salt: its full blocks are shared
+    assert hits_of({**base, field: salt + "-other"}) == 0
+    r = ctx.post(path, {**base, field: ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 def check_logprobs(ctx, path, field, value):
@@ -365,10 +461,8 @@ SAMPLING = [
     ("stop_token_ids", None, check_stop_token_ids), ("min_tokens", 4, check_min_tokens),
     ("ignore_eos", False, check_ignore_eos),
 ]
-REFUSED = [("use_beam_search", True), ("length_penalty", 2.0), ("prompt_logprobs", 1), ("priority", 1),
-           ("logits_processors", ["my.module:fn"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
-           ("cache_salt", "salt"), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
-           ("spaces_between_special_tokens", False)]
+REFUSED = [("use_beam_search", True), ("length_penalty", 2.0), ("logits_processors", ["my.module:fn"]),
+           ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}), ("spaces_between_special_tokens", False)]
 YES_NO = constrained(lambda t: t in ("yes", "no"))
 CONSTRAINTS = [  # issue 12 part A's fields
     ("structured_outputs", {"choice": ["yes", "no"]}, YES_NO), ("guided_json", ENUM_SCHEMA, constrained(_schema_ok)),
@@ -382,7 +476,10 @@ SHARED = [("model", "tiny", check_model), ("stream", True, check_stream),
           ("logprobs", None, check_logprobs),
           ("add_special_tokens", None, check_add_special_tokens), ("request_id", None, check_request_id),
           ("best_of", 3, check_best_of), ("echo", True, check_echo), ("response_format", None, check_response_format),
-          ("skip_special_tokens", False, check_skip_special_tokens)]
+          ("skip_special_tokens", False, check_skip_special_tokens),
+          ("prompt_logprobs", 2, check_prompt_logprobs), ("return_token_ids", True, check_return_token_ids),
+          ("return_tokens_as_token_ids", True, check_tokens_as_ids), ("priority", 1, check_priority),
+          ("cache_salt", "salt", check_cache_salt)]
 COMPLETION_ONLY = [("prompt", None, check_prompt), ("suffix", "!", refused), ("prompt_embeds", "AAAA", refused)]
 CHAT_ONLY = [
     ("messages", None, check_messages), ("max_completion_tokens", 3, check_max_completion_tokens),

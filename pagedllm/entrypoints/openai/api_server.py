@@ -44,7 +44,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .reasoning_parsers import REASONING_PARSERS
-from .serving import OpenAIServing, ServingError, error_body
+from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
 from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -295,10 +295,12 @@ def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
 # ---------------------------------------------------------------------- the app
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
+              response_options: ResponseOptions | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
     ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
-    ``--reasoning-parser``)."""
+    ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
+    ``--return-tokens-as-token-ids``."""
     limits = limits or ServerLimits()
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
@@ -306,7 +308,8 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     async_engine.observers.append(prometheus)
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
     app.state.engine, app.state.metrics = async_engine, prometheus
-    app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options)
+    app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
+                                      response_options)
     app.include_router(router)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
@@ -374,6 +377,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
     _add_limit_args(parser)
     _add_chat_args(parser)
+    _add_response_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
     return parser
@@ -390,6 +394,20 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "llama3_json (Llama 3.1/3.2 JSON)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put a reasoning model's <think>...</think> into reasoning_content: deepseek_r1, qwen3")
+
+
+def _add_response_args(parser: argparse.ArgumentParser) -> None:
+    """The ResponseOptions flags (vLLM's names)."""
+    g = parser.add_argument_group("replies")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens: prompt tokens served by the prefix cache")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="show logprobs tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+
+
+def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
+    return ResponseOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
@@ -430,7 +448,7 @@ def run_server(args: argparse.Namespace) -> int:
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits, chat_options=chat_options)
+                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args))
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

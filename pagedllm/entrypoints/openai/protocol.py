@@ -64,6 +64,7 @@ class ErrorResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- requests
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # usage (so far) on every chunk
 
 
 class SamplingFields(RequestModel):
@@ -95,6 +96,11 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Int64 | None = None
+    prompt_logprobs: Int64 | None = None  # per prompt position: its token and the top-k (-1: all)
+    return_token_ids: bool | None = False  # prompt_token_ids and each choice's token_ids in the reply
+    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N" (default: the server's)
+    priority: Int64 = 0  # needs the server's --scheduling-policy priority; lower values go first
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     # structured outputs (serving.structured_outputs_of): OpenAI's response_format, vLLM's
     # structured_outputs (StructuredOutputsParams' fields) and its legacy guided_* fields
     response_format: dict[str, Any] | None = None
@@ -243,10 +249,27 @@ class GenerateRequest(StrictModel):
 
 
 # ---------------------------------------------------------------------- responses
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # --enable-prompt-tokens-details
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob as its replies show it (``prompt_logprobs`` entries)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one per prompt position (the first None): token id (a JSON key, so text) -> its logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionLogprobs(OpenAIBaseModel):
@@ -262,6 +285,9 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: on a choice's first chunk)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: the chunk's own)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -300,6 +326,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -309,6 +336,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -324,6 +353,7 @@ class ChatStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -333,6 +363,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the chunk that opens a choice
 
 
 class ModelCard(OpenAIBaseModel):

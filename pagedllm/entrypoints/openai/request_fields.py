@@ -15,13 +15,8 @@ from pydantic import BaseModel
 UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,  # beam search only
-    "prompt_logprobs": None,
     "prompt_embeds": None,
-    "priority": 0,  # the scheduler is first-come first-served
     "logits_processors": None,
-    "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "mm_processor_kwargs": None,  # text-only models

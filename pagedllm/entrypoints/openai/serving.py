@@ -55,6 +55,9 @@ from .protocol import (
     GenerateRequest,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokenUsageInfo,
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
@@ -207,7 +210,8 @@ class RequestGroup:
         self.streams: list[RequestStream] = []
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams, arrival: float) -> None:
+    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams, arrival: float,
+                      **options) -> None:
         """Queues every prompt's request: tokenized side by side on the tokenizer threads, a batch
         of ``_ADD_BATCH`` per job, each batch added to the engine in one op. The first invalid
         prompt, in prompt order, becomes the 400; ``close()`` aborts the others."""
@@ -215,7 +219,7 @@ class RequestGroup:
         slots: list[list[RequestStream] | None] = [None] * len(batches)
 
         async def add_batch(k: int) -> None:
-            slots[k] = await self.engine.add_requests(batches[k], params, arrival, self.queue)
+            slots[k] = await self.engine.add_requests(batches[k], params, arrival, self.queue, **options)
             self.streams.extend(slots[k])  # at once, so that close() aborts them whatever happens next
 
         results = await asyncio.gather(*(add_batch(k) for k in range(len(batches))), return_exceptions=True)
@@ -299,13 +303,50 @@ async def collect(group: RequestGroup) -> list[RequestOutput]:
 
 
 # ---------------------------------------------------------------------- response pieces
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+@dataclass(frozen=True)
+class ResponseOptions:
+    """Server flags that shape replies (vLLM's names): ``--enable-prompt-tokens-details`` adds
+    ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens served by the prefix cache);
+    ``--return-tokens-as-token-ids`` shows logprobs tokens as ``token_id:N`` unless a request says
+    otherwise (its ``return_tokens_as_token_ids``)."""
+
+    enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+def make_usage(prompt: int, completion: int, cached: int | None = None) -> UsageInfo:
+    """``cached``: prompt tokens served by the prefix cache, shown when not None."""
+    details = PromptTokenUsageInfo(cached_tokens=cached) if cached is not None else None
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
+
+
+def usage_of(outputs: list[RequestOutput], details: bool = False) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return make_usage(prompt, completion, sum(o.num_cached_tokens for o in outputs) if details else None)
 
 
-def completion_logprobs(c: CompletionOutput, offset: int, lp: CompletionLogprobs | None = None) -> CompletionLogprobs:
+def token_text(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """A logprobs entry's token as replies show it: its text, or ``token_id:N``
+    (``return_tokens_as_token_ids``: tokens that are not whole characters stay distinct)."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -Infinity
+
+
+def prompt_logprobs_json(out: RequestOutput) -> PromptLogprobs:
+    """The request's ``prompt_logprobs`` as vLLM replies with them: per prompt position (the
+    first None), token id -> ``{logprob, rank, decoded_token}``, -inf floored."""
+    return [None if entry is None else
+            {str(t): PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank, decoded_token=e.decoded_token)
+             for t, e in entry.items()}
+            for entry in out.prompt_logprobs or []]
+
+
+def completion_logprobs(c: CompletionOutput, offset: int, lp: CompletionLogprobs | None = None,
+                        as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's legacy format; each top_logprobs dict holds the sampled token and the top-k.
 
     ``text_offset`` counts the characters of the ``tokens`` before each one (vLLM's rule), from
@@ -317,41 +358,41 @@ def completion_logprobs(c: CompletionOutput, offset: int, lp: CompletionLogprobs
     if lp.tokens:
         offset = lp.text_offset[-1] + len(lp.tokens[-1])
     for token_id, entry in zip(c.token_ids, c.logprobs or []):
-        token = entry[token_id].decoded_token or ""
+        token = token_text(token_id, entry[token_id].decoded_token, as_ids)
         lp.tokens.append(token)
         lp.token_logprobs.append(entry[token_id].logprob)
-        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()})
+        lp.top_logprobs.append({token_text(t, e.decoded_token, as_ids): e.logprob for t, e in entry.items()})
         lp.text_offset.append(offset)
         offset += len(token)
     return lp
 
 
-def prompt_logprobs_entries(out: RequestOutput, decode_one) -> CompletionLogprobs:
+def prompt_logprobs_entries(out: RequestOutput, decode_one, as_ids: bool = False) -> CompletionLogprobs:
     """echo + logprobs: the prompt's tokens first; the first has no logprob (null, as OpenAI)."""
     lp, offset = CompletionLogprobs(), 0
     for pos, token_id in enumerate(out.prompt_token_ids):
         entry = out.prompt_logprobs[pos] if out.prompt_logprobs else None
-        token = (entry[token_id].decoded_token if entry else decode_one(token_id)) or ""
+        token = token_text(token_id, entry[token_id].decoded_token if entry else decode_one(token_id), as_ids)
         lp.tokens.append(token)
         lp.token_logprobs.append(entry[token_id].logprob if entry else None)
-        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()} if entry else None)
+        lp.top_logprobs.append({token_text(t, e.decoded_token, as_ids): e.logprob for t, e in entry.items()}
+                               if entry else None)
         lp.text_offset.append(offset)
         offset += len(token)
     return lp
 
 
-def _chat_logprob(token: str | None, logprob: float) -> ChatLogprob:
-    token = token or ""
+def _chat_logprob(token: str, logprob: float) -> ChatLogprob:
     return ChatLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8", "replace")))
 
 
-def chat_logprobs(c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
+def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> ChatChoiceLogprobs:
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs or []):
-        best = sorted(entry.values(), key=lambda e: -e.logprob)[:top]
-        sampled = _chat_logprob(entry[token_id].decoded_token, entry[token_id].logprob)
-        content.append(ChatLogprobContent(**sampled.model_dump(),
-                                          top_logprobs=[_chat_logprob(e.decoded_token, e.logprob) for e in best]))
+        best = sorted(entry.items(), key=lambda item: -item[1].logprob)[:top]
+        sampled = _chat_logprob(token_text(token_id, entry[token_id].decoded_token, as_ids), entry[token_id].logprob)
+        content.append(ChatLogprobContent(**sampled.model_dump(), top_logprobs=[
+            _chat_logprob(token_text(t, e.decoded_token, as_ids), e.logprob) for t, e in best]))
     return ChatChoiceLogprobs(content=content)
 
 
@@ -364,25 +405,39 @@ class StreamState:
     started: set[int] = field(default_factory=set)
     token_chars: dict[int, int] = field(default_factory=dict)  # characters of the logprobs tokens sent
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: served by the prefix cache
+    choice_tokens: dict[int, int] = field(default_factory=dict)  # per choice: generated so far
     completion_tokens: int = 0
     logprobs: bool = False  # per-token logprobs must reach the client even when the text is held back
+    token_ids: bool = False  # return_token_ids: every new token must reach the client too
+    details: bool = False  # --enable-prompt-tokens-details
+    n: int = 1
 
     def news(self, i: int, out: RequestOutput, n: int) -> list[tuple[int, CompletionOutput]]:
         """The choices of this output that carry something new, with their global index."""
+        self.n = n
         self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached_tokens[i] = out.num_cached_tokens
         fresh = []
         for c in out.outputs:
             idx = i * n + c.index
             self.completion_tokens += len(c.token_ids)
-            if not (c.text or c.finish_reason or (self.logprobs and c.token_ids)):
+            self.choice_tokens[idx] = self.choice_tokens.get(idx, 0) + len(c.token_ids)
+            if not (c.text or c.finish_reason or ((self.logprobs or self.token_ids) and c.token_ids)):
                 continue  # nothing to show: text held back (a partial character, a possible stop string)
             fresh.append((idx, c))
         return fresh
 
     def usage(self) -> UsageInfo:
-        prompt = sum(self.prompt_tokens.values())
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                         total_tokens=prompt + self.completion_tokens)
+        """The whole request's, for the last chunk (``include_usage``)."""
+        cached = sum(self.cached_tokens.values()) if self.details else None
+        return make_usage(sum(self.prompt_tokens.values()), self.completion_tokens, cached)
+
+    def choice_usage(self, idx: int) -> UsageInfo:
+        """One choice's so far (``continuous_usage_stats``, vLLM's): its prompt's tokens and its own."""
+        i = idx // self.n
+        return make_usage(self.prompt_tokens[i], self.choice_tokens.get(idx, 0),
+                          self.cached_tokens[i] if self.details else None)
 
 
 # ---------------------------------------------------------------------- the handlers
@@ -390,13 +445,14 @@ class OpenAIServing:
     """Completion, chat, tokenizer and legacy handlers over one AsyncLLMEngine."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None,
-                 chat_options: ChatOptions | None = None):
+                 chat_options: ChatOptions | None = None, response_options: ResponseOptions | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_config = engine.model_config
         self.tokenizer = engine.get_tokenizer()  # this thread's own copy (for templates and decoding)
         self.chat_template = chat_template
         self.chat_options = chat_options or ChatOptions()
+        self.response_options = response_options or ResponseOptions()
 
     # ------------------------------------------------------------------ shared checks
     def check_model(self, name: str | None) -> str:
@@ -417,6 +473,8 @@ class OpenAIServing:
         """SamplingParams from the request's fields (None = the default); ValueError -> 400."""
         if req.stream_options is not None and not req.stream:
             raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
+        if req.stream and req.prompt_logprobs is not None:  # vLLM's rule: they come with the whole reply
+            raise ServingError("prompt_logprobs is not available when stream is true", 400, "prompt_logprobs")
         optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -444,12 +502,14 @@ class OpenAIServing:
         return merged
 
     async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
-                    arrival: float) -> RequestGroup:
-        """Adds every prompt's request; if one is invalid, aborts those already added."""
+                    arrival: float, req: SamplingFields | None = None) -> RequestGroup:
+        """Adds every prompt's request; if one is invalid, aborts those already added. ``req``:
+        the request whose ``cache_salt`` and ``priority`` the engine requests take."""
         group = RequestGroup(self.engine)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        options = {} if req is None else {"cache_salt": req.cache_salt, "priority": req.priority}
         try:
-            await group.add_all(list(zip(ids, prompts)), params, arrival)
+            await group.add_all(list(zip(ids, prompts)), params, arrival, **options)
         except BaseException:
             group.close()
             raise
@@ -463,14 +523,14 @@ class OpenAIServing:
         _unsupported(req.suffix, "suffix", "suffix")
         _refuse_streamed_best_of(req)
         scored_prompt = req.echo and req.logprobs is not None  # echo + logprobs: score the prompt too
+        prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not scored_prompt else req.logprobs
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
-                                      best_of=req.best_of, logprobs=req.logprobs,
-                                      prompt_logprobs=req.logprobs if scored_prompt else None)
+                                      best_of=req.best_of, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         rid = response_id("cmpl", req)
         prompts = self.completion_prompts(req.prompt)
         if not req.add_special_tokens:
             prompts = [await self.encoded_without_special(p) for p in prompts]
-        group = await self.start(rid, prompts, params, arrival)
+        group = await self.start(rid, prompts, params, arrival, req)
         if req.stream:
             body = sse_body(self.completion_events(group, rid, model, req), group)
             return await start_streaming(body, "text/event-stream")
@@ -513,15 +573,22 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(finals):
             prefix = self.prompt_text(out, tokenizer) if req.echo else ""
+            prompt_lp = prompt_logprobs_json(out) if req.prompt_logprobs is not None else None
             for j, c in enumerate(out.outputs):
                 lp = self.choice_logprobs(req, out, c, 0, echoed=bool(req.echo), tokenizer=tokenizer)
                 choices.append(CompletionChoice(index=i * (req.n or 1) + j, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_lp, **_token_ids(req, out, c)))
+        usage = usage_of(finals, self.response_options.enable_prompt_tokens_details)
+        return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+
+    def stream_state(self, req: SamplingFields, logprobs: bool) -> StreamState:
+        return StreamState(logprobs=logprobs, token_ids=bool(req.return_token_ids),
+                           details=self.response_options.enable_prompt_tokens_details)
 
     async def completion_events(self, group: RequestGroup, rid: str, model: str,
                                 req: CompletionRequest) -> AsyncIterator[str]:
-        state, created = StreamState(logprobs=req.logprobs is not None), int(time.time())
+        state, created = self.stream_state(req, req.logprobs is not None), int(time.time())
         async for i, out in group.outputs():
             for idx, c in state.news(i, out, req.n or 1):
                 yield sse(self.completion_chunk(state, idx, c, out, req, rid, model, created))
@@ -532,7 +599,8 @@ class OpenAIServing:
     def completion_chunk(self, state: StreamState, idx: int, c: CompletionOutput, out: RequestOutput,
                          req: CompletionRequest, rid: str, model: str, created: int) -> dict:
         text = c.text
-        echo_now = bool(req.echo) and idx not in state.started
+        first = idx not in state.started
+        echo_now = bool(req.echo) and first
         if echo_now:
             text = self.prompt_text(out) + text
         state.started.add(idx)
@@ -540,8 +608,9 @@ class OpenAIServing:
         if lp is not None and lp.tokens:
             state.token_chars[idx] = lp.text_offset[-1] + len(lp.tokens[-1])
         choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason)
-        return CompletionResponse(id=rid, model=model, created=created, choices=[choice]).model_dump()
+                                  stop_reason=c.stop_reason, **_token_ids(req, out, c, with_prompt=first))
+        return CompletionResponse(id=rid, model=model, created=created, choices=[choice],
+                                  usage=_continuous_usage(req, state, idx)).model_dump()
 
     def choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int,
                         echoed: bool, tokenizer=None) -> CompletionLogprobs | None:
@@ -549,10 +618,18 @@ class OpenAIServing:
         after the prompt's tokens)."""
         if req.logprobs is None:
             return None
+        as_ids = self.tokens_as_ids(req)
         if not echoed:
-            return completion_logprobs(c, offset)
+            return completion_logprobs(c, offset, as_ids=as_ids)
         tokenizer = tokenizer or self.tokenizer
-        return completion_logprobs(c, offset, prompt_logprobs_entries(out, lambda t: tokenizer.decode([t])))
+        prompt_lp = prompt_logprobs_entries(out, lambda t: tokenizer.decode([t]), as_ids)
+        return completion_logprobs(c, offset, prompt_lp, as_ids)
+
+    def tokens_as_ids(self, req: SamplingFields) -> bool:
+        """``return_tokens_as_token_ids``: the request's, else the server's flag."""
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.response_options.return_tokens_as_token_ids
 
     # ------------------------------------------------------------------ chat
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
@@ -583,13 +660,14 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
-                                      logprobs=logprobs, best_of=req.best_of, **forced_call_fields(req, tool_choice))
+                                      logprobs=logprobs, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
+                                      **forced_call_fields(req, tool_choice))
         text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
             raise ServingError(str(exc), 400, "messages") from None
-        return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival)
+        return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival, req)
 
     @staticmethod
     def template_options(req: ChatCompletionRequest) -> dict:
@@ -618,28 +696,38 @@ class OpenAIServing:
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
                       parsers: list[ChoiceParser]) -> ChatCompletionResponse:
         choices = []
+        as_ids = self.tokens_as_ids(req)
         for j, c in enumerate(out.outputs):
             message = parsers[j].message(c.text)
             if req.echo:
                 message["content"] = _echo_prefix(req) + (message["content"] or "")
-            lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
+            lp = chat_logprobs(c, req.top_logprobs or 0, as_ids) if req.logprobs else None
             choices.append(ChatCompletionChoice(index=j, message=ChatResponseMessage(**message), logprobs=lp,
                                                 finish_reason=parsers[j].finish_reason(c.finish_reason),
-                                                stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([out]))
+                                                stop_reason=c.stop_reason,
+                                                token_ids=c.token_ids if req.return_token_ids else None))
+        return ChatCompletionResponse(
+            id=rid, model=model, choices=choices,
+            usage=usage_of([out], self.response_options.enable_prompt_tokens_details),
+            prompt_logprobs=prompt_logprobs_json(out) if req.prompt_logprobs is not None else None,
+            prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
 
     async def chat_events(self, group: RequestGroup, rid: str, model: str, req: ChatCompletionRequest,
                           parsers: list[ChoiceParser]) -> AsyncIterator[str]:
-        state, created = StreamState(logprobs=bool(req.logprobs)), int(time.time())
-        chunk = lambda choice: sse(ChatCompletionChunk(  # noqa: E731
-            id=rid, model=model, created=created, choices=[choice]).model_dump())
+        state, created = self.stream_state(req, bool(req.logprobs)), int(time.time())
+        as_ids = self.tokens_as_ids(req)
+
+        def chunk(choice: ChatStreamChoice, **fields) -> str:
+            return sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice],
+                                           usage=_continuous_usage(req, state, choice.index), **fields).model_dump())
         async for _, out in group.outputs():
             for idx, c in state.news(0, out, req.n or 1):
                 if idx not in state.started:  # OpenAI streams open each choice with the role
                     state.started.add(idx)
                     opening = _echo_prefix(req) if req.echo else ""
-                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=opening)))
-                for choice in chat_stream_choices(idx, c, parsers[c.index], req):
+                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=opening)),
+                                prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
+                for choice in chat_stream_choices(idx, c, parsers[c.index], req, as_ids):
                     yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -742,20 +830,36 @@ def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
 
 
 def chat_stream_choices(idx: int, c: CompletionOutput, parser: ChoiceParser,
-                        req: ChatCompletionRequest) -> list[ChatStreamChoice]:
+                        req: ChatCompletionRequest, as_ids: bool = False) -> list[ChatStreamChoice]:
     """One engine delta of a choice as stream choices: one per parsed piece (a tool call's name and
-    its arguments go in separate chunks, as OpenAI sends them); the finish and the logprobs ride
-    on the last. Nothing to send (text held back by a parser) and no finish: no chunk."""
+    its arguments go in separate chunks, as OpenAI sends them); the finish, the logprobs and the
+    token ids ride on the last. Nothing to send (text held back by a parser) and no finish: no chunk."""
     pieces = parser.feed(c.text, final=c.finish_reason is not None)
-    lp = chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None
-    if not pieces and c.finish_reason is None and not (lp and lp.content):
+    lp = chat_logprobs(c, req.top_logprobs or 0, as_ids) if req.logprobs else None
+    token_ids = c.token_ids if req.return_token_ids else None
+    if not pieces and c.finish_reason is None and not (lp and lp.content) and not token_ids:
         return []
     pieces = pieces or [MessagePiece(content="")]
     choices = [ChatStreamChoice(index=idx, delta=DeltaMessage(**vars(p))) for p in pieces]
     choices[-1].logprobs = lp
+    choices[-1].token_ids = token_ids
     choices[-1].finish_reason = parser.finish_reason(c.finish_reason)
     choices[-1].stop_reason = c.stop_reason
     return choices
+
+
+def _token_ids(req: SamplingFields, out: RequestOutput, c: CompletionOutput, with_prompt: bool = True) -> dict:
+    """``return_token_ids``: a completion choice's ``token_ids`` (and its prompt's, once)."""
+    if not req.return_token_ids:
+        return {}
+    return {"token_ids": c.token_ids, "prompt_token_ids": out.prompt_token_ids if with_prompt else None}
+
+
+def _continuous_usage(req: SamplingFields, state: StreamState, idx: int) -> UsageInfo | None:
+    """``stream_options.continuous_usage_stats``: the choice's usage so far on each of its chunks."""
+    if req.stream_options is None or not req.stream_options.continuous_usage_stats:
+        return None
+    return state.choice_usage(idx)
 
 
 def _as_chat_error(exc: ServingError, req: ChatCompletionRequest) -> ServingError:
