@@ -74,3 +74,10 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
+
+    def as_request_output(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        """The beams as one finished RequestOutput, one completion per beam (best first), for the
+        server's reply builders (vLLM's OpenAI server answers ``use_beam_search`` the same way)."""
+        outputs = [CompletionOutput(j, seq.text or "", seq.output_token_ids, seq.cum_logprob, None, seq.finish_reason)
+                   for j, seq in enumerate(self.sequences)]
+        return RequestOutput(request_id, prompt, prompt_token_ids, outputs, finished=True)

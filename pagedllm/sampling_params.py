@@ -239,7 +239,7 @@ class BeamSearchParams:
     """Beam search, as vLLM's ``LLM.beam_search``."""
 
     beam_width: int
-    max_tokens: int
+    max_tokens: int | None  # None: as many as max_model_len leaves after the prompt
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
@@ -254,5 +254,5 @@ class BeamSearchParams:
         _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
                "must be True, False or 'never'")
         _check(self.temperature == 0, "temperature", self.temperature, "beam search is deterministic: use 0")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "must be an integer >= 1")
+        _check(self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               self.max_tokens, "must be an integer >= 1 or None")

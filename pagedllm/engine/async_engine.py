@@ -30,7 +30,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         self.dead_error: EngineDeadError | None = None
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedllm-tokenize")
         self._processors: queue.SimpleQueue[InputProcessor] = queue.SimpleQueue()  # idle per-thread copies
+        self._beams: dict[str, ProcessedRequest] = {}  # beam searches running (engine thread only)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
@@ -142,6 +143,15 @@ class AsyncLLMEngine:
         which, per prompt, held it (and ``/health``) for seconds on a request of 100k prompts.
         Raises the first invalid prompt's error (in order); none of the batch stays queued then.
         ``queue``: one queue shared by the batch's streams (see ``RequestStream``)."""
+        return await self._add_streams(requests, queue, lambda proc: [
+            proc.process(rid, prompt, params, arrival_time, cache_salt, priority) for rid, prompt in requests],
+            self._add_processed)
+
+    async def _add_streams(self, requests: list[tuple[str, PromptType]], queue: asyncio.Queue | None,
+                           process: Callable[[InputProcessor], list[ProcessedRequest]],
+                           add: Callable[[list[ProcessedRequest]], None]) -> list[RequestStream]:
+        """Registers the requests' streams, runs ``process`` on a tokenizer thread and ``add`` on
+        the engine thread; on any error none of them stays queued."""
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r} is already in use")
@@ -149,10 +159,8 @@ class AsyncLLMEngine:
         for stream in streams:  # registered first: reserves the ids, no output can be missed
             self._streams[stream.request_id] = stream
         try:
-            processed = await self._on_tokenizer_thread(
-                lambda proc: [proc.process(rid, prompt, params, arrival_time, cache_salt, priority)
-                              for rid, prompt in requests])
-            await self._call(self._add_processed, processed)
+            processed = await self._on_tokenizer_thread(process)
+            await self._call(add, processed)
         except BaseException:
             for stream in streams:
                 self.abort(stream.request_id)  # queued after the add, so a late add is undone too
@@ -162,6 +170,30 @@ class AsyncLLMEngine:
     def _add_processed(self, processed: list[ProcessedRequest]) -> None:
         for p in processed:  # on the engine thread
             self.engine.add_processed_request(p)
+
+    async def add_beam_searches(self, requests: list[tuple[str, PromptType]], params: BeamSearchParams,
+                                arrival_time: float | None = None, queue: asyncio.Queue | None = None, *,
+                                cache_salt: str | None = None, priority: int = 0) -> list[RequestStream]:
+        """``add_requests`` for beam searches: each stream gets one finished RequestOutput, its
+        beams best first (``BeamSearchOutput.as_request_output``), when the search ends."""
+        return await self._add_streams(requests, queue, lambda proc: [
+            self.engine.process_beam_search(proc, rid, prompt, params, arrival_time, cache_salt, priority)
+            for rid, prompt in requests], lambda processed: self._add_beams(processed, params))
+
+    def _add_beams(self, processed: list[ProcessedRequest], params: BeamSearchParams) -> None:
+        for p in processed:  # on the engine thread
+            self.engine.add_processed_beam_search(p, params)
+            self._beams[p.request_id] = p
+
+    def _finished_beams(self) -> list[RequestOutput]:
+        """The beam searches that ended this step, as RequestOutputs (engine thread)."""
+        done = []
+        for rid, p in list(self._beams.items()):
+            out = self.engine.take_beam_search_output(rid)
+            if out is not None:
+                del self._beams[rid]
+                done.append(out.as_request_output(rid, p.prompt, p.prompt_token_ids))
+        return done
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str, arrival_time: float | None = None, *,
@@ -181,7 +213,11 @@ class AsyncLLMEngine:
         stream = self._forget(request_id)
         if stream is None or stream.finished:
             return  # finished, failed, or already aborted
-        self._submit(self.engine.abort_request, (request_id,), None)
+        self._submit(self._abort, (request_id,), None)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)  # on the engine thread
+        self._beams.pop(request_id, None)
 
     def _forget(self, request_id: str) -> RequestStream | None:
         return self._streams.pop(request_id, None)
@@ -292,6 +328,8 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        if self._beams:
+            outputs = list(outputs or []) + self._finished_beams()
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 

@@ -1,6 +1,7 @@
 """The engine: add requests, step the scheduler/executor/sampler loop, collect outputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -99,6 +100,15 @@ class LLMEngine:
         beams once finished.
         """
         self._check_new_id(request_id)
+        processed = self.process_beam_search(self.input_processor, request_id, prompt, params, arrival_time,
+                                             priority=priority)
+        self.add_processed_beam_search(processed, params)
+
+    def process_beam_search(self, processor: InputProcessor, request_id: str, prompt: PromptType,
+                            params: BeamSearchParams, arrival_time: float | None = None,
+                            cache_salt: str | None = None, priority: int = 0) -> ProcessedRequest:
+        """A beam search's prompt, tokenized and checked by ``processor`` (any thread's copy:
+        nothing here touches engine state), with the beams' own sampling params."""
         if self.speculator is not None:
             raise ValueError("beam search cannot be combined with speculative_config (its beams rank every "
                              "candidate of every step); start the engine without speculative_config")
@@ -107,10 +117,17 @@ class LLMEngine:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
         sp = BeamSearchManager.sampling_params(params, self.model_config.vocab_size)
         candidates, sp.logprobs = sp.logprobs, None  # internal rows: not bounded by max_logprobs
-        processed = self.input_processor.process(request_id, prompt, sp, arrival_time, priority=priority)
+        processed = processor.process(request_id, prompt, sp, arrival_time, cache_salt, priority)
         processed.params.logprobs = candidates
-        req = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids, arrival_time,
-                      cache_salt=processed.cache_salt, priority=priority)
+        return processed
+
+    def add_processed_beam_search(self, processed: ProcessedRequest, params: BeamSearchParams) -> None:
+        """Queues a beam search ``process_beam_search`` prepared (on the engine's thread)."""
+        self._check_new_id(processed.request_id)
+        if params.max_tokens is None:  # the input processor filled in what max_model_len leaves
+            params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
+        req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
+                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 

@@ -6,6 +6,7 @@ import pytest
 from conftest import random_prompts
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = random_prompts(4, seed=41, lo=5, hi=12)
@@ -65,3 +66,13 @@ def test_bad_prompt_dicts_are_refused_by_name(llama_dir, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], GREEDY, use_tqdm=False)
     assert llm.generate([{"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_beam_search_without_max_tokens_runs_to_max_model_len(llama_dir):
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=24)
+    out = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}],
+                          BeamSearchParams(beam_width=2, max_tokens=None, ignore_eos=True))[0]
+    assert [len(s.output_token_ids) for s in out.sequences] == [24 - len(PROMPTS[0])] * 2
+    assert llm.get_kv_cache_stats().num_used_blocks == 0
+    with pytest.raises(ValueError, match="max_tokens=0 is invalid"):
+        BeamSearchParams(beam_width=2, max_tokens=0)

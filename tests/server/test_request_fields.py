@@ -22,6 +22,7 @@ from live_server import start_server
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.openai.chat_features import ChatOptions
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.sampling_params import BeamSearchParams
 
 # vLLM's CompletionRequest and ChatCompletionRequest fields (vllm/entrypoints/openai/protocol.py)
 VLLM_SHARED = {
@@ -252,6 +253,57 @@ def check_tokens_as_ids(ctx, path, field, value):
     assert all(top["token"].startswith("token_id:") for t in content["content"] for top in t["top_logprobs"])
 
 
+def beams_offline(ctx, path, **params):
+    prompt = PROMPT if path == "completions" else {"prompt_token_ids": ctx.render()}
+    beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, **params)
+    return ctx.llm.beam_search([prompt], beam)[0].sequences
+
+
+def check_beam_search(ctx, path, field, value):
+    """n beams, best first, as the offline LLM.beam_search finds them; streamed too; other
+    sampling fields refused."""
+    body = {**_base(path), "n": 3, "max_tokens": 6, "temperature": 0, field: value, "return_token_ids": True}
+    del body["seed"]
+    got = ctx.ok(path, body)
+    want = beams_offline(ctx, path)
+    assert [c["token_ids"] for c in got["choices"]] == [b.output_token_ids for b in want]
+    assert texts(got) == [b.text for b in want]
+    assert got["usage"]["completion_tokens"] == sum(len(b.output_token_ids) for b in want)
+    streamed = {}
+    for e in stream_events(ctx, path, body):
+        choice = e["choices"][0]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + (
+            choice["text"] if path == "completions" else choice["delta"].get("content") or "")
+    assert [streamed[k] for k in sorted(streamed)] == texts(got)
+    for name, bad in (("top_p", 0.5), ("seed", 3), ("temperature", 0.7), ("stop", ["x"])):
+        r = ctx.post(path, {**body, name: bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    r = ctx.post(path, {**body, "logprobs": 1 if path == "completions" else True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert ctx.srv.wait_idle().num_used_blocks == 0
+
+
+def check_length_penalty(ctx, path, field, value):
+    """Reaches the beam search (with ignore_eos every beam has the same length, so the texts alone
+    could not show it: the params the engine gets are checked too)."""
+    body = {**_base(path), "n": 3, "max_tokens": 6, "use_beam_search": True, field: value}
+    del body["seed"], body["temperature"]
+    engine, seen = ctx.srv.engine, []
+    real = engine.add_beam_searches
+
+    async def spy(requests, params, *args, **kwargs):
+        seen.append(params)
+        return await real(requests, params, *args, **kwargs)
+    engine.add_beam_searches = spy
+    try:
+        assert texts(ctx.ok(path, body)) == [b.text for b in beams_offline(ctx, path, length_penalty=value)]
+    finally:
+        del engine.add_beam_searches
+    assert [p.length_penalty for p in seen] == [value]
+    r = ctx.post(path, {**_base(path), field: value})  # without beam search it would do nothing
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
 def check_priority(ctx, path, field, value):
     """This server schedules FCFS: a priority other than 0 is a 400 naming it (test_priority_server.py
     runs --scheduling-policy priority)."""
@@ -461,8 +513,8 @@ SAMPLING = [
     ("stop_token_ids", None, check_stop_token_ids), ("min_tokens", 4, check_min_tokens),
     ("ignore_eos", False, check_ignore_eos),
 ]
-REFUSED = [("use_beam_search", True), ("length_penalty", 2.0), ("logits_processors", ["my.module:fn"]),
-           ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}), ("spaces_between_special_tokens", False)]
+REFUSED = [("logits_processors", ["my.module:fn"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
+           ("spaces_between_special_tokens", False)]
 YES_NO = constrained(lambda t: t in ("yes", "no"))
 CONSTRAINTS = [  # issue 12 part A's fields
     ("structured_outputs", {"choice": ["yes", "no"]}, YES_NO), ("guided_json", ENUM_SCHEMA, constrained(_schema_ok)),
@@ -479,7 +531,8 @@ SHARED = [("model", "tiny", check_model), ("stream", True, check_stream),
           ("skip_special_tokens", False, check_skip_special_tokens),
           ("prompt_logprobs", 2, check_prompt_logprobs), ("return_token_ids", True, check_return_token_ids),
           ("return_tokens_as_token_ids", True, check_tokens_as_ids), ("priority", 1, check_priority),
-          ("cache_salt", "salt", check_cache_salt)]
+          ("cache_salt", "salt", check_cache_salt), ("use_beam_search", True, check_beam_search),
+          ("length_penalty", 0.5, check_length_penalty)]
 COMPLETION_ONLY = [("prompt", None, check_prompt), ("suffix", "!", refused), ("prompt_embeds", "AAAA", refused)]
 CHAT_ONLY = [
     ("messages", None, check_messages), ("max_completion_tokens", 3, check_max_completion_tokens),

@@ -93,3 +93,17 @@ def test_cli_flags():
     assert args.scheduling_policy == "priority"
     defaults = make_arg_parser(argparse.ArgumentParser()).parse_args(["--model", "m"])
     assert not defaults.enable_prompt_tokens_details and defaults.scheduling_policy == "fcfs"
+
+
+def test_a_beam_search_whose_client_leaves_is_aborted(srv):
+    """Its only chunk comes when the search ends; a client that gives up before that is gone, and
+    the search is aborted (counted as an abort, not finished) with every block freed."""
+    counters = srv.engine.engine.counters.request_success
+    aborts = counters["abort"]
+    body = {"model": "tiny", "prompt": "beams", "max_tokens": 110, "use_beam_search": True, "ignore_eos": True,
+            "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
+    stats = srv.wait_idle()
+    assert counters["abort"] == aborts + 1
+    assert stats.num_used_blocks == 0 and not srv.engine._beams and not srv.engine.engine.has_unfinished_requests()

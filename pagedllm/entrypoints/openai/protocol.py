@@ -100,6 +100,8 @@ class SamplingFields(RequestModel):
     return_token_ids: bool | None = False  # prompt_token_ids and each choice's token_ids in the reply
     return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N" (default: the server's)
     priority: Int64 = 0  # needs the server's --scheduling-policy priority; lower values go first
+    use_beam_search: bool = False  # n beams (the choices, best first); serving.beam_search_params
+    length_penalty: float = 1.0  # beam search: a beam's score is cum_logprob / length ** length_penalty
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     # structured outputs (serving.structured_outputs_of): OpenAI's response_format, vLLM's
     # structured_outputs (StructuredOutputsParams' fields) and its legacy guided_* fields

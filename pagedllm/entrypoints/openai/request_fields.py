@@ -13,8 +13,6 @@ from pydantic import BaseModel
 
 # vLLM's completion / chat request fields that pagedllm does not implement -> their no-op value
 UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,  # beam search only
     "prompt_embeds": None,
     "logits_processors": None,
     "kv_transfer_params": None,

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 from .chat_features import (
     ChatOptions,
@@ -210,16 +210,18 @@ class RequestGroup:
         self.streams: list[RequestStream] = []
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams, arrival: float,
-                      **options) -> None:
+    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams | BeamSearchParams,
+                      arrival: float, **options) -> None:
         """Queues every prompt's request: tokenized side by side on the tokenizer threads, a batch
         of ``_ADD_BATCH`` per job, each batch added to the engine in one op. The first invalid
-        prompt, in prompt order, becomes the 400; ``close()`` aborts the others."""
+        prompt, in prompt order, becomes the 400; ``close()`` aborts the others. BeamSearchParams
+        queue beam searches (each answers with one finished output, its beams as completions)."""
+        add = self.engine.add_beam_searches if isinstance(params, BeamSearchParams) else self.engine.add_requests
         batches = [requests[i:i + _ADD_BATCH] for i in range(0, len(requests), _ADD_BATCH)]
         slots: list[list[RequestStream] | None] = [None] * len(batches)
 
         async def add_batch(k: int) -> None:
-            slots[k] = await self.engine.add_requests(batches[k], params, arrival, self.queue, **options)
+            slots[k] = await add(batches[k], params, arrival, self.queue, **options)
             self.streams.extend(slots[k])  # at once, so that close() aborts them whatever happens next
 
         results = await asyncio.gather(*(add_batch(k) for k in range(len(batches))), return_exceptions=True)
@@ -256,6 +258,13 @@ class RequestGroup:
 
 
 _ADD_BATCH = 256  # prompts per tokenizer-thread job and engine op (RequestGroup.add_all)
+# what a use_beam_search request may set: the beams' parameters, the prompt and the reply's shape
+_BEAM_SEARCH_FIELDS = frozenset({
+    "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",
+    "length_penalty", "include_stop_str_in_output", "use_beam_search", "stream", "stream_options", "echo", "user",
+    "request_id", "return_token_ids", "cache_salt", "priority", "add_special_tokens",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+    "include_reasoning", "tools", "tool_choice", "parallel_tool_calls"})
 
 
 # ---------------------------------------------------------------------- streaming helpers
@@ -475,6 +484,9 @@ class OpenAIServing:
             raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
         if req.stream and req.prompt_logprobs is not None:  # vLLM's rule: they come with the whole reply
             raise ServingError("prompt_logprobs is not available when stream is true", 400, "prompt_logprobs")
+        if req.length_penalty != 1.0:
+            raise ServingError("length_penalty applies to beam search only: set use_beam_search", 400,
+                               "length_penalty")
         optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -491,6 +503,23 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
 
+    def beam_search_params(self, req: SamplingFields, max_tokens: int | None) -> BeamSearchParams:
+        """``use_beam_search`` (vLLM's): ``n`` beams, returned best first as the choices. The fields
+        beam search has no use for are refused unless at their defaults (it is deterministic: no
+        sampling, penalties, seeds; no logprobs; no stop strings)."""
+        if req.stream_options is not None and not req.stream:
+            raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
+        for name in sorted(req.model_fields_set - _BEAM_SEARCH_FIELDS):
+            if getattr(req, name) != type(req).model_fields[name].default:  # names the field as sent
+                raise RequestFieldError(f"{name} cannot be combined with use_beam_search", name)
+        try:
+            return BeamSearchParams(beam_width=1 if req.n is None else req.n, max_tokens=max_tokens,
+                                    ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+                                    length_penalty=req.length_penalty,
+                                    include_stop_str_in_output=req.include_stop_str_in_output)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from None
+
     def with_generation_defaults(self, kwargs: dict) -> dict:
         """The model's generation_config.json defaults for the fields the request leaves unset;
         its max_new_tokens caps max_tokens (vLLM's rule)."""
@@ -501,7 +530,7 @@ class OpenAIServing:
             merged["max_tokens"] = cap if merged.get("max_tokens") is None else min(cap, merged["max_tokens"])
         return merged
 
-    async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams,
+    async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
                     arrival: float, req: SamplingFields | None = None) -> RequestGroup:
         """Adds every prompt's request; if one is invalid, aborts those already added. ``req``:
         the request whose ``cache_salt`` and ``priority`` the engine requests take."""
@@ -524,8 +553,9 @@ class OpenAIServing:
         _refuse_streamed_best_of(req)
         scored_prompt = req.echo and req.logprobs is not None  # echo + logprobs: score the prompt too
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not scored_prompt else req.logprobs
-        params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens,
-                                      best_of=req.best_of, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        params = self.completion_beams(req) if req.use_beam_search else self.sampling_params(
+            req, "delta" if req.stream else "final_only", max_tokens=req.max_tokens, best_of=req.best_of,
+            logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         rid = response_id("cmpl", req)
         prompts = self.completion_prompts(req.prompt)
         if not req.add_special_tokens:
@@ -535,6 +565,12 @@ class OpenAIServing:
             body = sse_body(self.completion_events(group, rid, model, req), group)
             return await start_streaming(body, "text/event-stream")
         return await self.completion_json(rid, model, req, await collect(group))
+
+    def completion_beams(self, req: CompletionRequest) -> BeamSearchParams:
+        try:
+            return self.beam_search_params(req, req.max_tokens)
+        except RequestFieldError as exc:
+            raise ServingError(str(exc), 400, exc.param) from None
 
     def completion_prompts(self, prompt) -> list[PromptType]:
         if isinstance(prompt, str):
@@ -659,9 +695,14 @@ class OpenAIServing:
         _refuse_streamed_best_of(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
-                                      logprobs=logprobs, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
-                                      **forced_call_fields(req, tool_choice))
+        if req.use_beam_search:
+            if tool_choice != "none" and req.tools:
+                raise RequestFieldError("tools cannot be combined with use_beam_search", "tools")
+            params = self.beam_search_params(req, max_tokens)
+        else:
+            params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
+                                          logprobs=logprobs, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
+                                          **forced_call_fields(req, tool_choice))
         text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
