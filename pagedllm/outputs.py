@@ -41,6 +41,12 @@ class RequestMetrics:
     # gaps between consecutive steps that gave the request tokens since its previous output
     is_first_output: bool = False
     inter_token_latencies: list[float] = field(default_factory=list)
+    # the request's sizes, for its final output's observers (vLLM's request_* histograms)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # over all its returned sequences
+    max_num_generation_tokens: int = 0  # its longest sequence's
+    n: int = 1
+    max_tokens: int | None = None
 
 
 @dataclass

@@ -350,6 +350,7 @@ class LLMEngine:
             Metric("pagedllm:num_preemptions", s.num_preemptions, kind="counter"),
             Metric("pagedllm:prompt_tokens", c.prompt_tokens, kind="counter"),
             Metric("pagedllm:generation_tokens", c.generation_tokens, kind="counter"),
+            Metric("pagedllm:cache_config_info", 1, self._cache_config_labels()),
         ]
         metrics += [Metric("pagedllm:request_success", v, {"finished_reason": k}, "counter")
                     for k, v in c.request_success.items()]
@@ -358,6 +359,12 @@ class LLMEngine:
         if self.speculator is not None:
             metrics += self.speculator.metrics()
         return metrics + _offload_metrics(s.offload)
+
+    def _cache_config_labels(self) -> dict[str, str]:
+        cache = self.config.cache
+        return {"block_size": str(cache.block_size), "num_gpu_blocks": str(self.executor.num_blocks),
+                "num_cpu_blocks": str(self.executor.num_cpu_blocks), "cache_dtype": str(cache.cache_dtype),
+                "enable_prefix_caching": str(cache.enable_prefix_caching)}
 
     def reset_prefix_cache(self, reset_disk: bool = False) -> bool:
         """Forgets every cached prefix in the device pool and the CPU tier, and with ``reset_disk``

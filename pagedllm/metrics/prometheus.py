@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.metrics.stats import Metric
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestMetrics, RequestOutput
 
 __all__ = ["PrometheusMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -25,6 +25,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``limit``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 _HELP = {
     "pagedllm:num_requests_running": "Number of sequences in the running batch.",
@@ -47,6 +59,7 @@ _HELP = {
     "pagedllm:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
     "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
     "pagedllm:spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the run.",
+    "pagedllm:cache_config_info": "Information of the KV cache's configuration (the labels; value 1).",
 }
 
 
@@ -76,17 +89,33 @@ class _EngineSnapshotCollector(Collector):
 class PrometheusMetrics:
     """The ``/metrics`` registry of one server; also an AsyncLLMEngine output observer."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 8192):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._engine = _EngineSnapshotCollector(model_name)
         self.registry.register(self._engine)
-        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = self._histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                                   REQUEST_BUCKETS)
-        self.queue = self._histogram("request_queue_time_seconds", "Time spent waiting before the first schedule.",
-                                     REQUEST_BUCKETS)
+        hist = self._histogram
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.", REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time spent waiting before the first schedule.",
+                          REQUEST_BUCKETS)
+        self.inference = hist("request_inference_time_seconds", "Time from the first schedule to the finish.",
+                              REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Time from the first schedule to the first token.",
+                            REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time from the first token to the finish.",
+                           REQUEST_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.", ITL_BUCKETS)
+        sizes = buckets_1_2_5(max_model_len)
+        self.prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed, per request.", sizes)
+        self.generation_tokens = hist("request_generation_tokens",
+                                      "Number of generation tokens processed, per request.", sizes)
+        self.max_generation_tokens = hist("request_max_num_generation_tokens",
+                                          "Generation tokens of the request's longest sequence.", sizes)
+        self.params_n = hist("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens request parameter.", sizes)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
         hist = Histogram(f"pagedllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -104,8 +133,26 @@ class PrometheusMetrics:
             self.itl.observe(gap)
         if out.finished and m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
-            if m.first_scheduled_time is not None:
-                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self._observe_finished(m)
+
+    def _observe_finished(self, m: RequestMetrics) -> None:
+        """The per-request histograms, from a finished request's final output (vLLM's set)."""
+        self.prompt_tokens.observe(m.num_prompt_tokens)
+        self.generation_tokens.observe(m.num_generation_tokens)
+        self.max_generation_tokens.observe(m.max_num_generation_tokens)
+        self.params_n.observe(m.n)
+        if m.max_tokens is not None:
+            self.params_max_tokens.observe(m.max_tokens)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.inference.observe(max(0.0, m.finished_time - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            decode = max(0.0, m.finished_time - m.first_token_time)
+            self.decode.observe(decode)
+            if m.max_num_generation_tokens > 1:
+                self.tpot.observe(decode / (m.max_num_generation_tokens - 1))
 
     def render(self, engine_metrics: list[Metric], engine_running: bool = True) -> bytes:
         """Prometheus text exposition, with gauges/counters taken from ``engine_metrics``.
@@ -114,7 +161,8 @@ class PrometheusMetrics:
         though its scheduler still lists what it had when it stopped: every gauge then reads 0,
         and the counters keep their totals.
         """
-        if not engine_running:
-            engine_metrics = [replace(m, value=0.0) if m.kind == "gauge" else m for m in engine_metrics]
+        if not engine_running:  # (info gauges describe the configuration: they stay)
+            engine_metrics = [replace(m, value=0.0) if m.kind == "gauge" and not m.name.endswith("_info") else m
+                              for m in engine_metrics]
         self._engine.snapshot = engine_metrics
         return generate_latest(self.registry)

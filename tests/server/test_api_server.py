@@ -240,6 +240,30 @@ def test_metrics_parse_and_gauges_move(live_server, client, slow_engine):  # noq
         assert f"pagedllm:{metric}" in names
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_histograms_count_each_finished_request(live_server, client, stream):  # noqa: F811
+    """vLLM's per-request histograms; a streamed request's final output holds only its last delta,
+    so the sizes must come from the request, not from that output."""
+    key = lambda name: (f"pagedllm:{name}", (("model_name", "tiny"),))  # noqa: E731
+    before = metric_values(live_server.url)
+    reply = client.completions.create(model="tiny", prompt="count these tokens", max_tokens=5, n=2, temperature=0.8,
+                                      seed=1, stream=stream, stream_options={"include_usage": True} if stream else None,
+                                      extra_body={"ignore_eos": True})
+    usage = list(reply)[-1].usage if stream else reply.usage
+    after = metric_values(live_server.url)
+    delta = lambda name: after[key(name)] - before.get(key(name), 0)  # noqa: E731
+    assert delta("request_prompt_tokens_count") == 1 and delta("request_prompt_tokens_sum") == usage.prompt_tokens
+    assert delta("request_generation_tokens_sum") == usage.completion_tokens == 10
+    assert delta("request_max_num_generation_tokens_sum") == 5
+    assert delta("request_params_n_sum") == 2 and delta("request_params_max_tokens_sum") == 5
+    for name in ("request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds", "request_queue_time_seconds"):
+        assert delta(f"{name}_count") == 1, name
+    assert delta("request_decode_time_seconds_sum") >= delta("request_time_per_output_token_seconds_sum") * 4
+    info = [labels for (name, labels), v in after.items() if name == "pagedllm:cache_config_info" and v == 1]
+    assert len(info) == 1 and ("block_size", "8") in info[0] and ("num_gpu_blocks", "256") in info[0]
+
+
 # ---------------------------------------------------------------------- load and disconnects
 async def _one_stream(aclient, i: int, expected: dict[str, str]) -> str:
     prompt = PROMPTS[i % len(PROMPTS)]

@@ -304,7 +304,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     limits = limits or ServerLimits()
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
-    prometheus = PrometheusMetrics(names[0])
+    prometheus = PrometheusMetrics(names[0], async_engine.model_config.max_model_len)
     async_engine.observers.append(prometheus)
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
     app.state.engine, app.state.metrics = async_engine, prometheus
