@@ -14,6 +14,9 @@ from pagedllm.utils import parse_size
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
 PREALLOCATION_MODES = ("none", "max_model_len", "request")
+# "generate": text generation; "pooling": one vector per prompt (LLM.embed, /v1/embeddings)
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("LAST",)
 # "fcfs": arrival order; "priority": by (request priority, arrival), lowest value first (vLLM's)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto": the fast (Rust) tokenizer when there is one; "slow": the Python one (vLLM's use_fast=False)
@@ -154,6 +157,23 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """``runner="pooling"``: how a prompt becomes one vector (vLLM's ``pooler_config``). LAST is
+    the final-normed hidden state of the prompt's last token, what decoder embedding models
+    (e5-mistral, Qwen3-Embedding) use; ``normalize`` scales it to unit L2 norm."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not supported: this engine pools "
+                             f"{POOLING_TYPES} (MEAN and CLS are not implemented)")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize={self.normalize!r} must be true or false")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -167,6 +187,7 @@ class EngineConfig:
     layer_ops: str = "native"  # the layers' fused ops, "native" or "triton" (layers/ops.py, resolved)
     cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/), off when None
+    pooler: PoolerConfig | None = None  # runner="pooling" (embeddings); None: the generate runner
 
 
 def check_offload(cache: CacheConfig) -> None:

@@ -62,6 +62,26 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling request's result, as vLLM's (``LLM.embed``): one vector for the prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
 class BeamSearchSequence:
     """One finished beam, as vLLM's: ``tokens`` holds prompt + generated ids."""
 

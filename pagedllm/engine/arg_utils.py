@@ -24,12 +24,14 @@ from pagedllm.config import (
     KV_CACHE_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     default_device,
     parse_gib,
@@ -76,10 +78,10 @@ def cli_option(f: Field) -> CliOption:
     return f.metadata["cli"]
 
 
-def _json_object_text(text: str) -> str:
+def _json_object_text(text: str, name: str = "speculative_config") -> str:
     """Checks a JSON-object flag value (argparse reports the error); keeps the text."""
     try:
-        load_json_object(text)
+        load_json_object(text, name)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -165,6 +167,11 @@ class EngineArgs:
         None, 'speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, "num_speculative_tokens": 4}',
         parse=_json_object_text)
+    runner: str = option("generate", "generate: text generation; pooling: one vector per prompt (LLM.embed, "
+                         "/v1/embeddings)", choices=RUNNERS)
+    pooler_config: dict | str | None = option(
+        None, 'runner pooling: as JSON, {"pooling_type": "LAST", "normalize": true} (the defaults)',
+        parse=lambda text: _json_object_text(text, "pooler_config"))
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
@@ -211,7 +218,31 @@ class EngineArgs:
             layer_ops=layer_ops,
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
             speculative=self._speculative_config(device, model_config),
+            pooler=self._pooler_config(),
         )
+
+    def _pooler_config(self) -> PoolerConfig | None:
+        """runner="pooling": its pooler (vLLM's pooler_config names); refused where it cannot run."""
+        if self.runner == "generate":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to runner='pooling' only")
+            return None
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} must be one of {RUNNERS}")
+        for name, value, why in (("pipeline_parallel_size", self.pipeline_parallel_size != 1, "its last stage "
+                                  "alone holds the hidden states"),
+                                 ("speculative_config", self.speculative_config is not None, "nothing is decoded")):
+            if value:
+                raise ValueError(f"runner='pooling' cannot be combined with {name} ({why})")
+        raw = self.pooler_config if self.pooler_config is not None else {}
+        if isinstance(raw, str):
+            raw = load_json_object(raw, "pooler_config")
+        if not isinstance(raw, dict):
+            raise TypeError(f"pooler_config must be a dict or its JSON text, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler_config has unknown field(s) {unknown}; allowed: ['pooling_type', 'normalize']")
+        return PoolerConfig(**raw)
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
         """The TP x PP layout and where this launch sits; torchrun's WORLD_SIZE / RANK make each

@@ -30,6 +30,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,15 @@ class AsyncLLMEngine:
     def _add_processed(self, processed: list[ProcessedRequest]) -> None:
         for p in processed:  # on the engine thread
             self.engine.add_processed_request(p)
+
+    async def add_pooling_requests(self, requests: list[tuple[str, PromptType]], params: PoolingParams,
+                                   arrival_time: float | None = None, queue: asyncio.Queue | None = None, *,
+                                   cache_salt: str | None = None, priority: int = 0) -> list[RequestStream]:
+        """``add_requests`` for embeddings (``runner="pooling"``): each stream gets one
+        EmbeddingRequestOutput."""
+        return await self._add_streams(requests, queue, lambda proc: [
+            self.engine.process_pooling(proc, rid, prompt, params, arrival_time, cache_salt, priority)
+            for rid, prompt in requests], self._add_processed)
 
     async def add_beam_searches(self, requests: list[tuple[str, PromptType]], params: BeamSearchParams,
                                 arrival_time: float | None = None, queue: asyncio.Queue | None = None, *,

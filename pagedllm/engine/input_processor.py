@@ -22,6 +22,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
@@ -39,6 +40,7 @@ class ProcessedRequest:
     arrival_time: float | None = None
     cache_salt: str | None = None
     priority: int = 0
+    pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
 
 
 class InputProcessor:
@@ -69,7 +71,7 @@ class InputProcessor:
     # ------------------------------------------------------------------ the whole request
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None,
-                priority: int = 0) -> ProcessedRequest:
+                priority: int = 0, pooling: PoolingParams | None = None) -> ProcessedRequest:
         """Raises ValueError/TypeError naming the field for anything the engine cannot run.
 
         ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
@@ -90,7 +92,7 @@ class InputProcessor:
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
-        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority)
+        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling)
 
     @staticmethod
     def check_cache_salt(salt: object) -> str | None:

@@ -20,7 +20,8 @@ from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
-from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator, split_rounds
 from pagedllm.structured_output import StructuredOutputManager
@@ -84,13 +85,46 @@ class LLMEngine:
         """Queues a request the input processor already tokenized and validated (possibly on
         another thread: nothing here tokenizes, so the engine thread never waits on a prompt)."""
         self._check_new_id(processed.request_id)
+        self._check_runner(processed.pooling is not None)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority)
+                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
+                      pooling=processed.pooling)
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                            arrival_time: float | None = None, cache_salt: str | None = None,
+                            priority: int = 0) -> None:
+        """Queues an embedding request (``runner="pooling"``): ``step()`` returns an
+        EmbeddingRequestOutput for it once its prompt is computed."""
+        self._check_new_id(request_id)
+        self.add_processed_request(self.process_pooling(self.input_processor, request_id, prompt, params,
+                                                        arrival_time, cache_salt, priority))
+
+    def process_pooling(self, processor: InputProcessor, request_id: str, prompt: PromptType,
+                        params: PoolingParams | None = None, arrival_time: float | None = None,
+                        cache_salt: str | None = None, priority: int = 0) -> ProcessedRequest:
+        """A pooling request's prompt, tokenized and checked by ``processor`` (any thread's copy).
+
+        Why a one-token generation: the scheduler, chunked prefill, preemption and tensor
+        parallelism then need nothing new; the step that computes the prompt's last token samples
+        one token (dropped) and hands the engine that position's hidden state (``_pool``)."""
+        params = params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        run = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, output_kind="final_only",
+                             truncate_prompt_tokens=params.truncate_prompt_tokens)
+        return processor.process(request_id, prompt, run, arrival_time, cache_salt, priority, pooling=params)
+
+    def _check_runner(self, pooling: bool) -> None:
+        runner = "generate" if self.config.pooler is None else "pooling"
+        if pooling != (runner == "pooling"):
+            what, use = (("an embedding", "runner='pooling'") if pooling else
+                         ("a generation", "runner='generate' (the default)"))
+            raise ValueError(f"this engine runs runner={runner!r}: {what} request needs an engine built with {use}")
 
     def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                         arrival_time: float | None = None, priority: int = 0) -> None:
@@ -124,6 +158,7 @@ class LLMEngine:
     def add_processed_beam_search(self, processed: ProcessedRequest, params: BeamSearchParams) -> None:
         """Queues a beam search ``process_beam_search`` prepared (on the engine's thread)."""
         self._check_new_id(processed.request_id)
+        self._check_runner(False)
         if params.max_tokens is None:  # the input processor filled in what max_model_len leaves
             params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
@@ -223,8 +258,11 @@ class LLMEngine:
         if sched_out.is_empty:
             return []
         t0 = time.perf_counter()
+        sched_out.return_hidden = self.config.pooler is not None
         result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
+        if result.hidden is not None:
+            self._pool(sched_out, result.hidden)
         self.scheduler.finish_loads(result.tier_report)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
@@ -236,6 +274,21 @@ class LLMEngine:
             sampled += self.speculator.verify(sched_out.chunks, verify, self.scheduler.requests)
         self.step_times.add(sample=time.perf_counter() - t1)
         return sampled
+
+    def _pool(self, sched_out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """LAST pooling: a pooling request's sampling row is its prompt's last position; its
+        final-normed hidden state (``hidden``: the rows logits came from), L2-normalized unless
+        the request or the pooler says otherwise, becomes the request's embedding."""
+        row = 0
+        for chunk in sched_out.chunks:
+            req = self.scheduler.requests[chunk.request_id]
+            if chunk.num_samples and req.pooling is not None:
+                vec = hidden[row].float()  # [hidden]
+                normalize = req.pooling.normalize
+                if normalize if normalize is not None else self.config.pooler.normalize:
+                    vec = torch.nn.functional.normalize(vec, dim=0)
+                req.embedding = vec.cpu().tolist()
+            row += chunk.num_samples
 
     def _sample(self, sched_out: SchedulerOutput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor) -> list[SampledTokens]:
@@ -291,6 +344,8 @@ class LLMEngine:
                 continue
             finished = self.scheduler.is_done(pid)
             out = self.output_processor.make_output(pid, sorted(seqs, key=lambda s: s.index), finished)
+            if out is not None and seqs[0].pooling is not None:
+                out = _embedding_output(out, seqs[0])
             if finished:
                 for s in seqs:
                     self.counters.request_success[s.finish_reason] += 1
@@ -314,7 +369,8 @@ class LLMEngine:
             req = self.scheduler.requests.get(c.request_id)
             if req is not None and c.start < req.num_prompt_tokens:
                 prompt += min(c.seq_len, req.num_prompt_tokens) - c.start
-        gen = sum(len(s.token_ids) - s.token_ids.count(NO_TOKEN) for s in sampled)
+        gen = 0 if self.config.pooler is not None else sum(len(s.token_ids) - s.token_ids.count(NO_TOKEN)
+                                                           for s in sampled)  # pooling: its tokens are dropped
         self.counters.prompt_tokens_computed += prompt
         self.counters.generation_tokens += gen
         self._log_window[0] += prompt
@@ -435,3 +491,11 @@ def _eos_ids(tokenizer, model_config) -> frozenset[int]:
         pass
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     return frozenset(ids)
+
+
+def _embedding_output(out: RequestOutput, req: Request) -> EmbeddingRequestOutput:
+    """A finished pooling request's output: its embedding instead of its (dropped) token. An
+    aborted one (no embedding) reports an empty vector."""
+    metrics = out.metrics and dataclasses.replace(out.metrics, num_generation_tokens=0, max_num_generation_tokens=0)
+    return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(req.embedding or []), out.prompt_token_ids,
+                                  out.finished, metrics)

@@ -54,6 +54,7 @@ class SchedulerOutput:
     # preempted, swapped out): the runner forgets their persistent rows before this step
     released_ids: list[str] = field(default_factory=list)
     tier_ops: TierOps | None = None  # KV tier moves and loads (kv_cache/offload/), before forward
+    return_hidden: bool = False  # runner="pooling": hand back the hidden rows logits come from
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import KVCacheStats, Metric
-from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -59,6 +60,24 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
         ids = self._add_all(prompts, params, priorities=priority)
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (``out.outputs.embedding``), in input order; needs an engine
+        built with ``runner="pooling"`` (``pooler_config`` sets the pooling and normalization)."""
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        elif len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts; pass one or one "
+                             "per prompt")
+        else:
+            params = list(pooling_params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

@@ -98,14 +98,15 @@ def _default_lookup(values: dict) -> None:
     values["prompt_lookup_max"] = lo if hi is None else hi
 
 
-def load_json_object(text: str) -> dict:
-    """``--speculative-config`` text -> dict (ValueError naming the option when it is not a JSON object)."""
+def load_json_object(text: str, name: str = "speculative_config") -> dict:
+    """A JSON-object option's text (``--speculative-config``, ``--pooler-config``) -> dict
+    (ValueError naming the option ``name`` when it is not a JSON object)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config={text!r} is not valid JSON: {e}") from None
+        raise ValueError(f"{name}={text!r} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"speculative_config={text!r} must be a JSON object")
+        raise ValueError(f"{name}={text!r} must be a JSON object")
     return value
 
 

@@ -41,6 +41,7 @@ class ExecuteResult:
     logits: torch.Tensor  # [num_sample_rows + prompt-logprob rows + verify rows, vocab]
     prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
     tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
+    hidden: torch.Tensor | None = None  # SchedulerOutput.return_hidden: the rows logits came from [rows, hidden]
 
 
 class ModelRunner:
@@ -186,8 +187,9 @@ class ModelRunner:
             hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[logit_idx])  # [sample + prompt + verify rows, vocab]
-        return ExecuteResult(logits, prepare_time, self._tier_report(out))
+        rows = hidden[logit_idx]  # [sample + prompt + verify rows, hidden]
+        logits = self.model.compute_logits(rows)  # [sample + prompt + verify rows, vocab]
+        return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None)
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
         """The step's tier loads, settled after its forward (the disk reads overlapped it)."""

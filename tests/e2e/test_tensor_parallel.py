@@ -27,3 +27,17 @@ def test_tp2_matches_tp1(llama_dir):
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
     for a, b in zip(sharded, single):
         assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3
+
+
+def test_tp2_embeddings_match_tp1(llama_dir):
+    """runner="pooling" under tensor parallelism: rank 0 hands back the hidden rows (the residual
+    stream is whole on every rank), so the vectors equal one rank's."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=41)]
+    single = LLM(llama_dir, runner="pooling", num_gpu_blocks_override=200).embed(prompts, use_tqdm=False)
+    tp = LLM(llama_dir, runner="pooling", num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1)
+    try:
+        sharded = tp.embed(prompts, use_tqdm=False)
+    finally:
+        tp.llm_engine.shutdown()
+    for a, b in zip(sharded, single):
+        assert max(abs(x - y) for x, y in zip(a.outputs.embedding, b.outputs.embedding)) < 1e-5

@@ -4,13 +4,15 @@ tokens, logprobs tokens show as ids unless a request says otherwise."""
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from live_server import server_model_dir, start_server  # noqa: F401 - fixture
+from live_server import raw_http, server_model_dir, start_server  # noqa: F401 - fixture
 
 from pagedllm.entrypoints.openai.api_server import make_arg_parser
 from pagedllm.entrypoints.openai.serving import ResponseOptions
@@ -95,15 +97,24 @@ def test_cli_flags():
     assert not defaults.enable_prompt_tokens_details and defaults.scheduling_policy == "fcfs"
 
 
-def test_a_beam_search_whose_client_leaves_is_aborted(srv):
-    """Its only chunk comes when the search ends; a client that gives up before that is gone, and
+def test_a_beam_search_whose_client_leaves_is_aborted(srv, monkeypatch):
+    """Its only chunk comes when the search ends; a client that leaves while it runs is gone, and
     the search is aborted (counted as an abort, not finished) with every block freed."""
-    counters = srv.engine.engine.counters.request_success
-    aborts = counters["abort"]
-    body = {"model": "tiny", "prompt": "beams", "max_tokens": 110, "use_beam_search": True, "ignore_eos": True,
-            "stream": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
+    engine = srv.engine.engine
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), real_step())[1])  # >= 1 s for 110 tokens
+    aborts = engine.counters.request_success["abort"]
+    body = json.dumps({"model": "tiny", "prompt": "beams", "max_tokens": 110, "use_beam_search": True,
+                       "ignore_eos": True, "stream": True}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    exchange = raw_http(srv.url, head, [body])
+    deadline = time.time() + 10
+    while not srv.engine._beams and time.time() < deadline:
+        time.sleep(0.002)
+    assert srv.engine._beams, "the beam search must be running"
+    exchange.sock.shutdown(socket.SHUT_RDWR)  # the client leaves
+    exchange.sock.close()
     stats = srv.wait_idle()
-    assert counters["abort"] == aborts + 1
-    assert stats.num_used_blocks == 0 and not srv.engine._beams and not srv.engine.engine.has_unfinished_requests()
+    assert engine.counters.request_success["abort"] == aborts + 1
+    assert stats.num_used_blocks == 0 and not srv.engine._beams and not engine.has_unfinished_requests()

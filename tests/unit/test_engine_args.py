@@ -15,6 +15,7 @@ from pagedllm.config import (
     KV_CACHE_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
 )
@@ -28,6 +29,7 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES, "quantization": quantization.METHODS,
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
+    "runner": RUNNERS,
 }
 # a value other than the default for every field (a new field must be added here)
 NON_DEFAULT = {
@@ -42,14 +44,14 @@ NON_DEFAULT = {
     "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500,
     "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "calculate_kv_scales": True,
-    "scheduling_policy": "priority",
+    "scheduling_policy": "priority", "runner": "pooling", "pooler_config": '{"normalize": false}',
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
          "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
-         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
+         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorResponse,
     GenerateRequest,
     TokenizeRequest,
@@ -89,6 +90,11 @@ def _serving(raw: Request) -> OpenAIServing:
 @router.post("/v1/completions", responses=_ERRORS)
 async def create_completion(request: CompletionRequest, raw: Request):
     return await with_cancellation(raw, _serving(raw).create_completion(request, time.time()))
+
+
+@router.post("/v1/embeddings", responses=_ERRORS)
+async def create_embedding(request: EmbeddingRequest, raw: Request):
+    return await with_cancellation(raw, _serving(raw).create_embedding(request, time.time()))
 
 
 @router.post("/v1/chat/completions", responses=_ERRORS)

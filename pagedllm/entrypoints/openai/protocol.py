@@ -208,6 +208,27 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings body, plus vLLM's extras (needs a server run with --runner pooling)."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None  # refused: no matryoshka truncation
+    user: str | None = None
+    request_id: str | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # None: the server's --pooler-config
+    priority: Int64 = 0
+    cache_salt: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _bounded_input_list(cls, value):
+        return CompletionRequest._bounded_prompt_list(value)
+
+
 class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
@@ -380,6 +401,21 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: encoding_format "base64" (float32, little-endian)
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
 
 
 class TokenizeResponse(OpenAIBaseModel):

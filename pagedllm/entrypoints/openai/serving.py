@@ -9,6 +9,7 @@ cancellation or an error anywhere frees the KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import time
@@ -17,11 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 from .chat_features import (
@@ -52,6 +55,9 @@ from .protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
     GenerateRequest,
     ModelCard,
     ModelList,
@@ -66,10 +72,12 @@ from .protocol import (
 from .request_fields import RequestFieldError, check_request_fields
 from .tool_parsers.forced import forced_call_schema
 
+# what one engine request runs: a generation, a beam search or an embedding
+EngineParams = SamplingParams | BeamSearchParams | PoolingParams
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                 500: "server_error", 503: "service_unavailable"}
 _PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-                | set(GenerateRequest.model_fields))
+                | set(GenerateRequest.model_fields) | set(EmbeddingRequest.model_fields))
 _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
@@ -210,13 +218,14 @@ class RequestGroup:
         self.streams: list[RequestStream] = []
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    async def add_all(self, requests: list[tuple[str, PromptType]], params: SamplingParams | BeamSearchParams,
-                      arrival: float, **options) -> None:
+    async def add_all(self, requests: list[tuple[str, PromptType]], params: EngineParams, arrival: float,
+                      **options) -> None:
         """Queues every prompt's request: tokenized side by side on the tokenizer threads, a batch
         of ``_ADD_BATCH`` per job, each batch added to the engine in one op. The first invalid
         prompt, in prompt order, becomes the 400; ``close()`` aborts the others. BeamSearchParams
         queue beam searches (each answers with one finished output, its beams as completions)."""
-        add = self.engine.add_beam_searches if isinstance(params, BeamSearchParams) else self.engine.add_requests
+        add = (self.engine.add_beam_searches if isinstance(params, BeamSearchParams) else
+               self.engine.add_pooling_requests if isinstance(params, PoolingParams) else self.engine.add_requests)
         batches = [requests[i:i + _ADD_BATCH] for i in range(0, len(requests), _ADD_BATCH)]
         slots: list[list[RequestStream] | None] = [None] * len(batches)
 
@@ -530,8 +539,8 @@ class OpenAIServing:
             merged["max_tokens"] = cap if merged.get("max_tokens") is None else min(cap, merged["max_tokens"])
         return merged
 
-    async def start(self, base_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
-                    arrival: float, req: SamplingFields | None = None) -> RequestGroup:
+    async def start(self, base_id: str, prompts: list[PromptType], params: EngineParams, arrival: float,
+                    req: SamplingFields | EmbeddingRequest | None = None) -> RequestGroup:
         """Adds every prompt's request; if one is invalid, aborts those already added. ``req``:
         the request whose ``cache_salt`` and ``priority`` the engine requests take."""
         group = RequestGroup(self.engine)
@@ -572,11 +581,11 @@ class OpenAIServing:
         except RequestFieldError as exc:
             raise ServingError(str(exc), 400, exc.param) from None
 
-    def completion_prompts(self, prompt) -> list[PromptType]:
+    def completion_prompts(self, prompt, param: str = "prompt") -> list[PromptType]:
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise ServingError("prompt must not be empty", 400, "prompt")
+            raise ServingError(f"{param} must not be empty", 400, param)
         if all(isinstance(p, int) for p in prompt):
             prompt = [prompt]
         return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
@@ -666,6 +675,35 @@ class OpenAIServing:
         if req.return_tokens_as_token_ids is not None:
             return req.return_tokens_as_token_ids
         return self.response_options.return_tokens_as_token_ids
+
+    # ------------------------------------------------------------------ embeddings
+    async def create_embedding(self, req: EmbeddingRequest, arrival: float) -> EmbeddingResponse:
+        """``POST /v1/embeddings`` (a server run with ``--runner pooling``): one vector per input."""
+        model = self.check_model(req.model)
+        check_fields(req)
+        if self.engine.engine.config.pooler is None:
+            raise ServingError("this server generates text (--runner generate): /v1/embeddings needs a server "
+                               "started with --runner pooling", 400, "model")
+        try:
+            params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions,
+                                   truncate_prompt_tokens=req.truncate_prompt_tokens)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        prompts = self.completion_prompts(req.input, "input")
+        if not req.add_special_tokens:
+            prompts = [await self.encoded_without_special(p) for p in prompts]
+        rid = response_id("embd", req)
+        try:
+            group = await self.start(rid, prompts, params, arrival, req)
+        except ServingError as exc:  # the engine names the prompt: here it is the input
+            exc.param = "input" if exc.param == "prompt" else exc.param
+            raise
+        finals = await collect(group)
+        data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.embedding, req.encoding_format))
+                for i, out in enumerate(finals)]
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+        return EmbeddingResponse(id=rid, model=model, data=data, usage=usage)
 
     # ------------------------------------------------------------------ chat
     async def create_chat_completion(self, req: ChatCompletionRequest, arrival: float):
@@ -901,6 +939,13 @@ def _continuous_usage(req: SamplingFields, state: StreamState, idx: int) -> Usag
     if req.stream_options is None or not req.stream_options.continuous_usage_stats:
         return None
     return state.choice_usage(idx)
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: the floats, or base64 of their float32 little-endian bytes."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
 def _as_chat_error(exc: ServingError, req: ChatCompletionRequest) -> ServingError:
