@@ -163,11 +163,15 @@ def test_avx2_build_matches_float64_reference(avx2_library, bits, group):
     codes, scale, zero = _random_layout(out_features, in_features, group, bits, seed=group + bits)
     layer = _layer(codes, scale, zero, bits)
     want64 = _reference64(codes, scale, zero, group)
+    g_of = torch.arange(in_features) // group
+    magnitude = (codes.double() + zero.double()[:, g_of]) * scale.double()[:, g_of]  # the two terms it subtracts
+    gen = torch.Generator().manual_seed(bits * group)
     for rows in (1, 2, 3, 5):
-        x = torch.randn(rows, in_features)
+        x = torch.randn(rows, in_features, generator=gen)
         got = torch.empty(rows, out_features)
         avx2_library.grouped_linear(x, layer.weight, layer.weight_scale, layer.weight_szero, None, group, bits, got, 2)
-        torch.testing.assert_close(got.double(), x.double() @ want64.t(), atol=2e-4, rtol=2e-4)
+        # float32 sums: a fixed atol failed now and then where an output sits near 0 beside terms of ~30
+        _assert_within(got, x.double() @ want64.t(), _level_tolerance(x, magnitude))
     widened = torch.empty(out_features, in_features)
     avx2_library.dequantize_grouped(layer.weight, layer.weight_scale, layer.weight_szero, widened, group, bits, 2)
     torch.testing.assert_close(widened.double(), want64, atol=1e-5, rtol=1e-6)
