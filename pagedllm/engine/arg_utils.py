@@ -296,7 +296,7 @@ class EngineArgs:
         from transformers import AutoConfig
         path = resolve_model_path(self.model)
         hf = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
-        arch = resolve_architecture(getattr(hf, "architectures", None))
+        arch = resolve_architecture(getattr(hf, "architectures", None), self.runner)
         limit = getattr(hf, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len or limit
         if not isinstance(max_len, int) or max_len < 1:

@@ -140,9 +140,12 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 def _load_tensors(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
+    bare = is_bare_checkpoint(model.config)
     for name, tensor in iterate_safetensors(model_dir):
         if "rotary_emb.inv_freq" in name:
             continue
+        if bare:  # a bare decoder's names lack the "model." prefix of *ForCausalLM
+            name = "model." + name
         name = kv_quant.checkpoint_scale_name(name)  # (older llm-compressor K/V scale names)
         for target, part, shard in model.checkpoint_weights(name, tensor):  # split / renamed per family
             target = model.stage_weight_name(target)  # pipeline parallelism: another stage's, or renamed
@@ -154,7 +157,27 @@ def _load_tensors(model: nn.Module, model_dir: str) -> None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
             _load_one(params[target], part, shard)
             loaded.add(target)
+    if bare and "lm_head.weight" in params and "lm_head.weight" not in loaded:
+        _fill_missing_lm_head(params["lm_head.weight"], params.get("model.embed_tokens.weight"))
+        loaded.add("lm_head.weight")
     _check_all_loaded(model, params, loaded)
+
+
+def is_bare_checkpoint(hf_config) -> bool:
+    """A ``*Model`` checkpoint (no LM head; only runner="pooling" resolves one, models/registry.py)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return bool(archs) and all(a.endswith("Model") for a in archs)
+
+
+def _fill_missing_lm_head(head: nn.Parameter, embedding: nn.Parameter | None) -> None:
+    """A pooling engine samples one dropped token per request (engine/llm_engine.py, process_pooling):
+    with no LM head in the checkpoint that row is computed from the tied embedding (zeros if the
+    shards differ), so it is finite and means nothing."""
+    with torch.no_grad():
+        if embedding is not None and embedding.shape == head.shape:
+            head.copy_(embedding)
+        else:
+            head.zero_()
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard) -> None:

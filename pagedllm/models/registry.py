@@ -25,9 +25,21 @@ MODEL_REGISTRY = {
 }
 
 
-def resolve_architecture(architectures: list[str] | None) -> str:
+def resolve_architecture(architectures: list[str] | None, runner: str = "generate") -> str:
+    """The registry key of the first supported architecture. Under ``runner="pooling"`` a bare
+    decoder checkpoint (``LlamaModel``, ``MistralModel``: no ``model.`` prefix, no LM head, as
+    embedding models such as e5-mistral ship) resolves to its family's ``*ForCausalLM``."""
     for arch in architectures or []:
         if arch in MODEL_REGISTRY:
             return arch
+        if runner == "pooling" and bare_model_family(arch) in MODEL_REGISTRY:
+            return bare_model_family(arch)
+    bare = [a for a in architectures or [] if bare_model_family(a) in MODEL_REGISTRY]
+    hint = f" ({bare[0]} is a bare decoder: it serves embeddings with runner='pooling')" if bare else ""
     raise ValueError(
-        f"model architectures {architectures} are not supported; supported: {sorted(MODEL_REGISTRY)}")
+        f"model architectures {architectures} are not supported; supported: {sorted(MODEL_REGISTRY)}{hint}")
+
+
+def bare_model_family(arch: str) -> str | None:
+    """``LlamaModel`` -> ``LlamaForCausalLM`` (None for a name that is not ``*Model``)."""
+    return arch[: -len("Model")] + "ForCausalLM" if arch.endswith("Model") else None

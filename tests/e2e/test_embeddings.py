@@ -3,6 +3,9 @@ token, as Hugging Face transformers computes it (its base model's last_hidden_st
 unless asked otherwise; chunked prefill, prefix-cache hits and a batch of prompts change nothing."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import ARCHS, random_prompts
@@ -70,3 +73,16 @@ def test_runner_mismatches_and_bad_options_are_refused(llama_dir):
     truncated = pooling.embed([{"prompt_token_ids": PROMPTS[1]}], PoolingParams(truncate_prompt_tokens=3),
                               use_tqdm=False)[0]
     assert truncated.prompt_token_ids == PROMPTS[1][-3:]
+
+
+def test_a_bare_decoder_checkpoint_serves_embeddings(tmp_path, model_dirs, hf_models):
+    """An embedding model shipped as ``LlamaModel`` (no ``model.`` prefix, no LM head, like
+    e5-mistral's ``MistralModel``) loads under runner="pooling" and pools like transformers."""
+    hf_models["llama"].base_model.save_pretrained(tmp_path, safe_serialization=True)
+    for f in Path(model_dirs["llama"]).glob("*token*"):  # the tokenizer's files
+        shutil.copy(f, tmp_path / f.name)
+    llm = LLM(str(tmp_path), runner="pooling", block_size=8, num_gpu_blocks_override=64)
+    for got, prompt in zip(embed(llm, PROMPTS), PROMPTS):
+        torch.testing.assert_close(got, reference(hf_models["llama"], prompt), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="LlamaModel is a bare decoder: it serves embeddings with runner='pooling'"):
+        LLM(str(tmp_path))
