@@ -371,6 +371,8 @@ class LLMEngine:
                 prompt += min(c.seq_len, req.num_prompt_tokens) - c.start
         gen = 0 if self.config.pooler is not None else sum(len(s.token_ids) - s.token_ids.count(NO_TOKEN)
                                                            for s in sampled)  # pooling: its tokens are dropped
+        if sched_out.chunks:
+            self.counters.iteration_tokens.observe(sched_out.num_tokens)
         self.counters.prompt_tokens_computed += prompt
         self.counters.generation_tokens += gen
         self._log_window[0] += prompt
@@ -407,6 +409,8 @@ class LLMEngine:
             Metric("pagedllm:prompt_tokens", c.prompt_tokens, kind="counter"),
             Metric("pagedllm:generation_tokens", c.generation_tokens, kind="counter"),
             Metric("pagedllm:cache_config_info", 1, self._cache_config_labels()),
+            Metric("pagedllm:iteration_tokens_total", c.iteration_tokens.total, kind="histogram",
+                   buckets=c.iteration_tokens.cumulative()),
         ]
         metrics += [Metric("pagedllm:request_success", v, {"finished_reason": k}, "counter")
                     for k, v in c.request_success.items()]

@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.metrics.stats import Metric
@@ -60,7 +60,12 @@ _HELP = {
     "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
     "pagedllm:spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the run.",
     "pagedllm:cache_config_info": "Information of the KV cache's configuration (the labels; value 1).",
+    "pagedllm:iteration_tokens_total": "Tokens computed per engine step.",
 }
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 class _EngineSnapshotCollector(Collector):
@@ -79,10 +84,15 @@ class _EngineSnapshotCollector(Collector):
 
     def _family(self, name: str, metrics: list[Metric]):
         label_names = ["model_name", *sorted(metrics[0].labels)]
-        cls = CounterMetricFamily if metrics[0].kind == "counter" else GaugeMetricFamily
+        kind = metrics[0].kind
+        cls = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}.get(kind, GaugeMetricFamily)
         family = cls(name, _HELP.get(name, name), labels=label_names)
         for m in metrics:
-            family.add_metric([self.model_name, *(str(m.labels[k]) for k in label_names[1:])], m.value)
+            labels = [self.model_name, *(str(m.labels[k]) for k in label_names[1:])]
+            if kind == "histogram":
+                family.add_metric(labels, [(_le(b), c) for b, c in m.buckets], sum_value=m.value)
+            else:
+                family.add_metric(labels, m.value)
         return family
 
 

@@ -9,9 +9,37 @@ class Metric:
     """Like vLLM's metric reader objects: a name, labels and a value."""
 
     name: str
-    value: float
+    value: float  # a histogram's: the sum of its observations
     labels: dict[str, str] = field(default_factory=dict)
-    kind: str = "gauge"  # "gauge" | "counter"
+    kind: str = "gauge"  # "gauge" | "counter" | "histogram"
+    buckets: tuple[tuple[float, int], ...] = ()  # a histogram's (upper bound, cumulative count), +inf last
+
+
+# vLLM's iteration_tokens_total buckets: tokens computed in one engine step
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (``bounds`` upper edges, then +inf) and the sum of what was observed."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.total += value
+
+    def cumulative(self) -> tuple[tuple[float, int], ...]:
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            running += count
+            out.append((bound, running))
+        return tuple(out)
 
 
 @dataclass
@@ -55,6 +83,7 @@ class EngineCounters:
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0,
                                                                      "constraint": 0})
     num_steps: int = 0
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
     peak_used_blocks: int = 0
     peak_running: int = 0
 

@@ -6,6 +6,7 @@ import logging
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.metrics.prometheus import PrometheusMetrics
 
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<s>assistant:{% endif %}"
@@ -52,6 +53,21 @@ def test_engine_step_abort_and_metrics(llm):
     assert metrics[("pagedllm:request_success", (("finished_reason", "abort"),))] >= 1
     assert metrics[("pagedllm:generation_tokens", ())] >= 50
     assert llm.get_kv_cache_stats().num_used_blocks == 0
+
+
+def test_iteration_tokens_histogram_counts_every_step(llama_dir):
+    """vLLM's iteration_tokens_total: one observation per step of the tokens it computed."""
+    llm = LLM(llama_dir, num_gpu_blocks_override=100, enable_prefix_caching=False, max_num_batched_tokens=8)
+    llm.generate([{"prompt_token_ids": list(range(5, 25))}], SamplingParams(max_tokens=5, ignore_eos=True),
+                 use_tqdm=False)
+    (hist,) = [m for m in llm.get_metrics() if m.name == "pagedllm:iteration_tokens_total"]
+    # 20 prompt tokens in chunks of 8, 8, 4 (the last samples the first token), then 4 decode steps
+    assert hist.kind == "histogram" and hist.value == 20 + 4
+    assert dict(hist.buckets) == {1: 4, 8: 7, 16: 7, 32: 7, 64: 7, 128: 7, 256: 7, 512: 7, 1024: 7, 2048: 7,
+                                  4096: 7, 8192: 7, 16384: 7, float("inf"): 7}
+    text = PrometheusMetrics("m").render(llm.get_metrics()).decode()
+    assert 'pagedllm:iteration_tokens_total_bucket{le="8.0",model_name="m"} 7.0' in text
+    assert 'pagedllm:iteration_tokens_total_count{model_name="m"} 7.0' in text
 
 
 def test_periodic_log_line(llama_dir, caplog):
