@@ -272,6 +272,14 @@ class GenerateRequest(StrictModel):
 
 
 # ---------------------------------------------------------------------- responses
+class ApiObject(OpenAIBaseModel):
+    """What every OpenAI object opens with: its id, kind (``object``, fixed per class) and creation time."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+
+
 class PromptTokenUsageInfo(OpenAIBaseModel):
     cached_tokens: int = 0
 
@@ -313,10 +321,8 @@ class CompletionChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None  # return_token_ids (streamed: the chunk's own)
 
 
-class CompletionResponse(OpenAIBaseModel):
-    id: str
+class CompletionResponse(ApiObject):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -352,10 +358,8 @@ class ChatCompletionChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionResponse(ApiObject):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
@@ -379,20 +383,16 @@ class ChatStreamChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(OpenAIBaseModel):
-    id: str
+class ChatCompletionChunk(ApiObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the chunk that opens a choice
 
 
-class ModelCard(OpenAIBaseModel):
-    id: str
+class ModelCard(ApiObject):
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
     max_model_len: int | None = None
@@ -409,10 +409,8 @@ class EmbeddingData(OpenAIBaseModel):
     embedding: list[float] | str  # str: encoding_format "base64" (float32, little-endian)
 
 
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str
+class EmbeddingResponse(ApiObject):
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[EmbeddingData]
     usage: UsageInfo
