@@ -16,7 +16,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 PREALLOCATION_MODES = ("none", "max_model_len", "request")
 # "generate": text generation; "pooling": one vector per prompt (LLM.embed, /v1/embeddings)
 RUNNERS = ("generate", "pooling")
-POOLING_TYPES = ("LAST",)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # "fcfs": arrival order; "priority": by (request priority, arrival), lowest value first (vLLM's)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto": the fast (Rust) tokenizer when there is one; "slow": the Python one (vLLM's use_fast=False)
@@ -158,17 +158,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """``runner="pooling"``: how a prompt becomes one vector (vLLM's ``pooler_config``). LAST is
-    the final-normed hidden state of the prompt's last token, what decoder embedding models
-    (e5-mistral, Qwen3-Embedding) use; ``normalize`` scales it to unit L2 norm."""
+    """``runner="pooling"``: how a prompt becomes one vector (vLLM's ``pooler_config``), from the
+    final-normed hidden states of its tokens: LAST the last token's (what decoder embedding models
+    such as e5-mistral and Qwen3-Embedding use), MEAN their mean, CLS the first token's;
+    ``normalize`` scales it to unit L2 norm."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not supported: this engine pools "
-                             f"{POOLING_TYPES} (MEAN and CLS are not implemented)")
+            raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not supported: one of "
+                             f"{POOLING_TYPES}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"pooler_config.normalize={self.normalize!r} must be true or false")
 

@@ -89,6 +89,7 @@ class LLMEngine:
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
                       pooling=processed.pooling)
+        req.pools_every_position = processed.pooling is not None and self.config.pooler.pooling_type != "LAST"
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
         self.scheduler.add_request(req)
@@ -259,8 +260,11 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         sched_out.return_hidden = self.config.pooler is not None
+        span_owners = self._pool_spans(sched_out) if sched_out.return_hidden else []
         result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
+        if result.span_sums is not None:
+            self._accumulate(span_owners, result.span_sums)
         if result.hidden is not None:
             self._pool(sched_out, result.hidden)
         self.scheduler.finish_loads(result.tier_report)
@@ -275,20 +279,45 @@ class LLMEngine:
         self.step_times.add(sample=time.perf_counter() - t1)
         return sampled
 
+    def _pool_spans(self, sched_out: SchedulerOutput) -> list[tuple[Request, bool]]:
+        """MEAN / CLS pooling: the token rows of this step each such request needs summed (all of a
+        chunk's for MEAN, position 0's for CLS) as ``sched_out.pool_spans``; returns each span's
+        request and whether the span starts its prompt (a recomputed request starts over)."""
+        kind, owners, offset = self.config.pooler.pooling_type, [], 0
+        for chunk in sched_out.chunks:
+            req = self.scheduler.requests[chunk.request_id]
+            if req.pools_every_position and (kind == "MEAN" or chunk.start == 0):
+                sched_out.pool_spans.append((offset, chunk.num_new_tokens if kind == "MEAN" else 1))
+                owners.append((req, chunk.start == 0))
+            offset += chunk.num_new_tokens
+        return owners
+
+    @staticmethod
+    def _accumulate(owners: list[tuple[Request, bool]], sums: torch.Tensor) -> None:
+        for (req, first), total in zip(owners, sums.cpu()):
+            req.pool_acc = total if first or req.pool_acc is None else req.pool_acc + total
+
     def _pool(self, sched_out: SchedulerOutput, hidden: torch.Tensor) -> None:
-        """LAST pooling: a pooling request's sampling row is its prompt's last position; its
-        final-normed hidden state (``hidden``: the rows logits came from), L2-normalized unless
-        the request or the pooler says otherwise, becomes the request's embedding."""
+        """A pooling request's sampling row is its prompt's last position: there its vector is
+        done. LAST: that row's final-normed hidden state (``hidden``: the rows logits came from);
+        MEAN: the accumulated rows over the prompt's length; CLS: position 0's row. L2-normalized
+        unless the request or the pooler says otherwise, it becomes the request's embedding."""
         row = 0
         for chunk in sched_out.chunks:
             req = self.scheduler.requests[chunk.request_id]
             if chunk.num_samples and req.pooling is not None:
-                vec = hidden[row].float()  # [hidden]
+                vec = self._pooled(req, hidden[row])  # [hidden]
                 normalize = req.pooling.normalize
                 if normalize if normalize is not None else self.config.pooler.normalize:
                     vec = torch.nn.functional.normalize(vec, dim=0)
                 req.embedding = vec.cpu().tolist()
             row += chunk.num_samples
+
+    def _pooled(self, req: Request, last_row: torch.Tensor) -> torch.Tensor:
+        kind = self.config.pooler.pooling_type
+        if kind == "LAST":
+            return last_row.float()
+        return req.pool_acc / req.num_prompt_tokens if kind == "MEAN" else req.pool_acc
 
     def _sample(self, sched_out: SchedulerOutput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor) -> list[SampledTokens]:

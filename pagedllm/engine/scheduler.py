@@ -207,7 +207,8 @@ class Scheduler:
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
             # a request that wants prompt logprobs needs logits at every prompt position
-            wants_prompt_logprobs = req.params.prompt_logprobs is not None
+            # prompt logprobs and MEAN / CLS pooling need every prompt position computed: no prefix hits
+            wants_prompt_logprobs = req.params.prompt_logprobs is not None or req.pools_every_position
             hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
             # tier misses count once, on admission: a waiting request walks its prefix every step
             plan, misses = ([], {}) if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))

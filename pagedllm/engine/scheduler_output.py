@@ -55,6 +55,8 @@ class SchedulerOutput:
     released_ids: list[str] = field(default_factory=list)
     tier_ops: TierOps | None = None  # KV tier moves and loads (kv_cache/offload/), before forward
     return_hidden: bool = False  # runner="pooling": hand back the hidden rows logits come from
+    # MEAN / CLS pooling: (first token row in the step's batch, rows) per span to sum (ExecuteResult.span_sums)
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ class ExecuteResult:
     prepare_time: float  # seconds spent building the step's inputs (part of the forward's time)
     tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
     hidden: torch.Tensor | None = None  # SchedulerOutput.return_hidden: the rows logits came from [rows, hidden]
+    span_sums: torch.Tensor | None = None  # SchedulerOutput.pool_spans: each span's rows summed [spans, hidden]
 
 
 class ModelRunner:
@@ -189,7 +190,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
         rows = hidden[logit_idx]  # [sample + prompt + verify rows, hidden]
         logits = self.model.compute_logits(rows)  # [sample + prompt + verify rows, vocab]
-        return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None)
+        spans = (torch.stack([hidden[a:a + n].float().sum(0) for a, n in out.pool_spans])  # [spans, hidden]
+                 if out.pool_spans else None)
+        return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
+                             spans)
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
         """The step's tier loads, settled after its forward (the disk reads overlapped it)."""

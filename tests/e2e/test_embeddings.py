@@ -52,6 +52,23 @@ def test_chunked_prefill_prefix_hits_and_normalization(llama_dir, hf_models):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
+def test_mean_and_cls_pooling_over_chunks_and_hits(llama_dir, hf_models, kind):
+    """Every prompt position counts: chunked prefill sums chunk by chunk (two prompts share a
+    step), and prefix-cache hits are skipped (a second identical prompt is recomputed)."""
+    with torch.no_grad():
+        def want(prompt):
+            states = hf_models["llama"].base_model(torch.tensor([prompt])).last_hidden_state[0]  # [len, hidden]
+            return torch.nn.functional.normalize(states.mean(0) if kind == "MEAN" else states[0], dim=0)
+    prompts = random_prompts(3, seed=53, lo=40, hi=46)
+    llm = LLM(llama_dir, runner="pooling", pooler_config={"pooling_type": kind}, block_size=8,
+              num_gpu_blocks_override=32, max_num_batched_tokens=16, max_model_len=64)
+    for got, prompt in zip(embed(llm, prompts + prompts[:1]), prompts + prompts[:1]):
+        torch.testing.assert_close(got, want(prompt), atol=2e-5, rtol=1e-4)
+    stats = llm.get_kv_cache_stats()
+    assert stats.prefix_cache_hits == 0 and stats.num_used_blocks == 0
+
+
 def test_runner_mismatches_and_bad_options_are_refused(llama_dir):
     pooling = LLM(llama_dir, runner="pooling", block_size=8, num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="runner='pooling': a generation request needs"):
@@ -61,8 +78,8 @@ def test_runner_mismatches_and_bad_options_are_refused(llama_dir):
         generate.embed([PROMPTS[0]], use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions=8 is not supported"):
         PoolingParams(dimensions=8)
-    with pytest.raises(ValueError, match="pooling_type='MEAN' is not supported"):
-        LLM(llama_dir, runner="pooling", pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ValueError, match="pooling_type='STEP' is not supported"):
+        LLM(llama_dir, runner="pooling", pooler_config={"pooling_type": "STEP"})
     with pytest.raises(ValueError, match=r"pooler_config has unknown field\(s\) \['softmax'\]"):
         LLM(llama_dir, runner="pooling", pooler_config='{"softmax": true}')
     with pytest.raises(ValueError, match="pooler_config applies to runner='pooling' only"):
