@@ -231,3 +231,21 @@ def test_forward_parses_the_body_once(monkeypatch):
     assert asyncio.run(run()) == 200
     assert router.describe()["prefix_table_entries"] == 5  # the prompt's 40 characters, hashed in blocks of 8
     assert parses.count(body) == 1
+
+
+def test_prompt_hasher_keys_salted_prompts_as_the_replica_does():
+    """A request's cache_salt is in every block hash of the replica's prefix cache: the router's
+    keys for it must be the KV manager's own, and differ from the unsalted prompt's."""
+    from pagedllm.engine.request import Request
+    from pagedllm.entrypoints.router.prompt_hasher import PromptHasher
+    from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+    from pagedllm.sampling_params import SamplingParams
+
+    hasher, prompt = PromptHasher(_CharTokenizer(), 8), "y" * 20 + "z" * 20
+    for salt in (None, "tenant-a"):
+        body = {"model": "m", "prompt": prompt, **({"cache_salt": salt} if salt else {})}
+        req = Request("r", [ord(c) for c in prompt], SamplingParams(max_tokens=1), frozenset(), cache_salt=salt)
+        assert hasher.block_hashes("/v1/completions", body) == KVCacheManager(8, 8, True)._request_hashes(req)
+    plain = hasher.block_hashes("/v1/completions", {"prompt": prompt})
+    salted = hasher.block_hashes("/v1/completions", {"prompt": prompt, "cache_salt": "tenant-a"})
+    assert len(plain) == len(salted) == 5 and not set(plain) & set(salted)

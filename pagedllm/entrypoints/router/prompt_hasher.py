@@ -51,7 +51,9 @@ class PromptHasher:
             logger.debug("no prefix key for a %s body: %s", path, exc)
             return []
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, ids, self.block_size)
+        salt = data.get("cache_salt") if isinstance(data, dict) else None
+        # the replica mixes a request's cache_salt into every block hash (kv_cache_manager)
+        extend_block_hashes(hashes, ids, self.block_size, (salt,) if isinstance(salt, str) and salt else ())
         return hashes
 
     def prompt_ids(self, path: str, data: Any) -> list[int]:
