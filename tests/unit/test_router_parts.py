@@ -249,3 +249,4 @@ def test_prompt_hasher_keys_salted_prompts_as_the_replica_does():
     plain = hasher.block_hashes("/v1/completions", {"prompt": prompt})
     salted = hasher.block_hashes("/v1/completions", {"prompt": prompt, "cache_salt": "tenant-a"})
     assert len(plain) == len(salted) == 5 and not set(plain) & set(salted)
+    assert hasher.block_hashes("/v1/embeddings", {"input": [prompt, "x"]}) == plain  # keyed on its first input

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from pagedllm.entrypoints.openai.serving import OpenAIServing, render_chat
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
 # paths whose body carries a prompt the router can key on; others are routed by load alone
-HASHED_PATHS = ("/v1/completions", "/v1/chat/completions")
+HASHED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # a longer prompt is keyed on its first this-many characters (bounded work on the router's thread);
 # the block the cut falls in is dropped, since the cut may have changed its tokens
 MAX_HASHED_CHARS = 65536
@@ -62,8 +62,8 @@ class PromptHasher:
             text = render_chat(self.tokenizer, self.chat_template, req.messages, req.add_generation_prompt,
                                **OpenAIServing.template_options(req))
             return self._encode(text, req.add_special_tokens)
-        req = CompletionRequest.model_validate(data)
-        prompt = req.prompt
+        req = (EmbeddingRequest if path == "/v1/embeddings" else CompletionRequest).model_validate(data)
+        prompt = req.input if path == "/v1/embeddings" else req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: keyed on its first prompt
         return list(prompt) if isinstance(prompt, list) else self._encode(prompt, req.add_special_tokens)
