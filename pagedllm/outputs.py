@@ -41,7 +41,7 @@ class RequestMetrics:
     # gaps between consecutive steps that gave the request tokens since its previous output
     is_first_output: bool = False
     inter_token_latencies: list[float] = field(default_factory=list)
-    # the request's sizes, for its final output's observers (vLLM's request_* histograms)
+    # the request's sizes, on its final output only, for the observers (vLLM's request_* histograms)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0  # over all its returned sequences
     max_num_generation_tokens: int = 0  # its longest sequence's

@@ -76,8 +76,7 @@ class InputProcessor:
 
         ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
         prompt's block hashes: only requests with the same salt share prefix-cache blocks."""
-        cache_salt = self.check_cache_salt(prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict)
-                                           else cache_salt)
+        cache_salt = self.check_cache_salt(self._salt_of(prompt, cache_salt))
         self.check_priority(priority)
         if params is None:
             params = SamplingParams()
@@ -93,6 +92,16 @@ class InputProcessor:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling)
+
+    @staticmethod
+    def _salt_of(prompt: PromptType, cache_salt: str | None) -> object:
+        """The salt given as an argument or as the prompt dict's ``"cache_salt"``; two different
+        ones are refused (neither may be dropped)."""
+        in_prompt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if in_prompt is not None and cache_salt is not None and in_prompt != cache_salt:
+            raise ValueError(f"cache_salt={cache_salt!r:.80} differs from the prompt's cache_salt={in_prompt!r:.80}; "
+                             "give one")
+        return in_prompt if in_prompt is not None else cache_salt
 
     @staticmethod
     def check_cache_salt(salt: object) -> str | None:

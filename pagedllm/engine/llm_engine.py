@@ -437,7 +437,7 @@ class LLMEngine:
             Metric("pagedllm:num_preemptions", s.num_preemptions, kind="counter"),
             Metric("pagedllm:prompt_tokens", c.prompt_tokens, kind="counter"),
             Metric("pagedllm:generation_tokens", c.generation_tokens, kind="counter"),
-            Metric("pagedllm:cache_config_info", 1, self._cache_config_labels()),
+            Metric("pagedllm:cache_config_info", 1, self._cache_config_labels(), kind="info"),
             Metric("pagedllm:iteration_tokens_total", c.iteration_tokens.total, kind="histogram",
                    buckets=c.iteration_tokens.cumulative()),
         ]

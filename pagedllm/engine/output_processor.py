@@ -164,14 +164,11 @@ class OutputProcessor:
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         itls, state.itls = state.itls, []
         state.num_outputs += 1
-        lengths = [s.num_output_tokens for s in seqs]
         return RequestMetrics(arrival_time=seqs[0].arrival_time, first_scheduled_time=seqs[0].first_scheduled_time,
                               first_token_time=min(firsts, default=None), last_token_time=state.last_token_time,
                               finished_time=time.time() if finished else None,
                               is_first_output=state.num_outputs == 1, inter_token_latencies=itls,
-                              num_prompt_tokens=len(state.prompt_token_ids), num_generation_tokens=sum(lengths),
-                              max_num_generation_tokens=max(lengths, default=0), n=state.params.n,
-                              max_tokens=state.params.max_tokens)
+                              **(_request_sizes(state, seqs) if finished else {}))
 
     def _completion(self, state: RequestState, req: Request, finished: bool, delta: bool) -> CompletionOutput | None:
         """Cumulative output, or (delta) only what is new since the last call, None if nothing
@@ -231,3 +228,11 @@ class OutputProcessor:
 
     def abort(self, parent_id: str) -> None:
         self.states.pop(parent_id, None)
+
+
+def _request_sizes(state: RequestState, seqs: list[Request]) -> dict:
+    """RequestMetrics' size fields, filled on a request's final output only (what reads them)."""
+    lengths = [s.num_output_tokens for s in seqs]
+    return dict(num_prompt_tokens=len(state.prompt_token_ids), num_generation_tokens=sum(lengths),
+                max_num_generation_tokens=max(lengths, default=0), n=state.params.n,
+                max_tokens=state.params.max_tokens)

@@ -206,12 +206,11 @@ class Scheduler:
                 continue
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
-            # a request that wants prompt logprobs needs logits at every prompt position
             # prompt logprobs and MEAN / CLS pooling need every prompt position computed: no prefix hits
-            wants_prompt_logprobs = req.params.prompt_logprobs is not None or req.pools_every_position
-            hits, num_hit = ([], 0) if wants_prompt_logprobs else self.kv.get_computed_blocks(req)
+            every_position = req.params.prompt_logprobs is not None or req.pools_every_position
+            hits, num_hit = ([], 0) if every_position else self.kv.get_computed_blocks(req)
             # tier misses count once, on admission: a waiting request walks its prefix every step
-            plan, misses = ([], {}) if wants_prompt_logprobs else self.kv.get_tier_hits(req, len(hits))
+            plan, misses = ([], {}) if every_position else self.kv.get_tier_hits(req, len(hits))
             if plan is None:  # its prefix is being loaded for another request: it hits it next step
                 break
             if plan:

@@ -56,9 +56,9 @@ class LLM:
         ``priority``: one per prompt, for an engine built with ``scheduling_policy="priority"``
         (lower values are scheduled first); a prompt dict may carry vLLM's ``"cache_salt"``."""
         prompts = _as_list(prompts)
-        params = [_final_only(p) for p in self._params_list(sampling_params, len(prompts))]
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        default = self.get_default_sampling_params() if sampling_params is None else None
+        params = [_final_only(p) for p in _per_prompt(sampling_params, SamplingParams, default, len(prompts),
+                                                            "sampling_params")]
         ids = self._add_all(prompts, params, priorities=priority)
         return self._run(ids, use_tqdm)
 
@@ -68,15 +68,7 @@ class LLM:
         """One vector per prompt (``out.outputs.embedding``), in input order; needs an engine
         built with ``runner="pooling"`` (``pooler_config`` sets the pooling and normalization)."""
         prompts = _as_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params] * len(prompts)
-        elif len(pooling_params) != len(prompts):
-            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts; pass one or one "
-                             "per prompt")
-        else:
-            params = list(pooling_params)
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        params = _per_prompt(pooling_params, PoolingParams, None, len(prompts), "pooling_params")
         ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
         return self._run(ids, use_tqdm)
 
@@ -98,19 +90,12 @@ class LLM:
         defaults (unless the engine was built with ``generation_config="vllm"``)."""
         return self.llm_engine.get_default_sampling_params()
 
-    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [self.get_default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt")
-        return list(sampling_params)
-
     def _add_all(self, prompts, params, add: Callable | None = None,
                  priorities: Sequence[int] | None = None) -> list[str]:
         """Queues every prompt with ``add`` (default ``add_request``); if one is refused, the
         ones already queued are aborted, so a bad prompt leaves nothing behind."""
+        if priorities is not None and len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts; give one per prompt")
         engine = self.llm_engine
         add = add or engine.add_request
         ids = [str(next(self._counter)) for _ in prompts]
@@ -198,3 +183,13 @@ def _as_ids(x) -> list[int]:
     if isinstance(x, dict) or hasattr(x, "keys"):
         return list(x["input_ids"])
     return list(x)
+
+
+def _per_prompt(given, kind: type, default, n: int, name: str) -> list:
+    """One params object per prompt: ``default`` for None, a single one repeated, or a list of n
+    (any other length is a ValueError naming the argument ``name``)."""
+    if given is None or isinstance(given, kind):
+        return [default if given is None else given] * n
+    if len(given) != n:
+        raise ValueError(f"got {len(given)} {name} for {n} prompts; pass one or one per prompt")
+    return list(given)

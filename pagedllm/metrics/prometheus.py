@@ -69,7 +69,7 @@ def _le(bound: float) -> str:
 
 
 class _EngineSnapshotCollector(Collector):
-    """Exposes the last engine metric snapshot as gauge and counter families."""
+    """Exposes the last engine metric snapshot as gauge (and info), counter and histogram families."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -171,8 +171,7 @@ class PrometheusMetrics:
         though its scheduler still lists what it had when it stopped: every gauge then reads 0,
         and the counters keep their totals.
         """
-        if not engine_running:  # (info gauges describe the configuration: they stay)
-            engine_metrics = [replace(m, value=0.0) if m.kind == "gauge" and not m.name.endswith("_info") else m
-                              for m in engine_metrics]
+        if not engine_running:  # (info metrics describe the configuration: they stay)
+            engine_metrics = [replace(m, value=0.0) if m.kind == "gauge" else m for m in engine_metrics]
         self._engine.snapshot = engine_metrics
         return generate_latest(self.registry)

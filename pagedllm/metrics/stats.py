@@ -1,6 +1,8 @@
 """Engine counters and snapshots, and the metric objects returned by ``LLM.get_metrics()``."""
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -11,7 +13,7 @@ class Metric:
     name: str
     value: float  # a histogram's: the sum of its observations
     labels: dict[str, str] = field(default_factory=dict)
-    kind: str = "gauge"  # "gauge" | "counter" | "histogram"
+    kind: str = "gauge"  # "gauge" | "counter" | "histogram" | "info" (a gauge of 1 whose labels describe)
     buckets: tuple[tuple[float, int], ...] = ()  # a histogram's (upper bound, cumulative count), +inf last
 
 
@@ -31,15 +33,11 @@ class Histogram:
         self.counts = self.counts or [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bucket with value <= bound
         self.total += value
 
     def cumulative(self) -> tuple[tuple[float, int], ...]:
-        out, running = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts):
-            running += count
-            out.append((bound, running))
-        return tuple(out)
+        return tuple(zip((*self.bounds, float("inf")), itertools.accumulate(self.counts)))
 
 
 @dataclass

@@ -53,6 +53,13 @@ def test_cache_salt_separates_prefix_cache_hits(llama_dir):
     assert cached(cache_salt="bob") == 0  # another salt: nothing shared
     assert cached() == 0  # unsalted: nothing shared with the salted ones either
     assert cached() == 32
+    engine = llm.llm_engine  # a salt given twice, differently: refused, neither is dropped
+    with pytest.raises(ValueError, match="cache_salt='bob' differs from the prompt's cache_salt='alice'"):
+        engine.add_request("x", {"prompt_token_ids": prompt, "cache_salt": "alice"}, GREEDY, cache_salt="bob")
+    engine.add_request("y", {"prompt_token_ids": prompt, "cache_salt": "alice"}, GREEDY, cache_salt="alice")
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished]
+    assert outs[0].num_cached_tokens == 32  # the same salt both ways: alice's blocks
     assert llm.get_kv_cache_stats().num_used_blocks == 0
 
 

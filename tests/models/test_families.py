@@ -173,3 +173,18 @@ def test_soft_capped_model_gets_a_backend_that_caps(tmp_path, caplog):
     assert "soft-caps attention logits" in caplog.text
     with pytest.raises(ValueError, match="logits_soft_cap=0.1 is not supported by attention_backend='cpu'"):
         LLM(path, attention_backend="cpu", block_size=8, num_gpu_blocks_override=64)
+
+
+def test_embeddings_match_transformers(family):
+    """runner="pooling" on each family: the prompt's last final-normed hidden state, as
+    transformers' base model computes it (its last_hidden_state), L2-normalized."""
+    path, hf, _ = family
+    llm = LLM(path, runner="pooling", block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=64)
+    prompts = PROMPTS[:4]
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            last = hf.base_model(torch.tensor([prompt])).last_hidden_state[0, -1]  # [hidden]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(last, dim=0),
+                                   atol=5e-5, rtol=1e-4)
+    assert llm.get_kv_cache_stats().num_used_blocks == 0

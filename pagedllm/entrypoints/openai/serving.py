@@ -429,16 +429,15 @@ class StreamState:
     logprobs: bool = False  # per-token logprobs must reach the client even when the text is held back
     token_ids: bool = False  # return_token_ids: every new token must reach the client too
     details: bool = False  # --enable-prompt-tokens-details
-    n: int = 1
+    n: int = 1  # choices per prompt: choice idx belongs to prompt idx // n
 
-    def news(self, i: int, out: RequestOutput, n: int) -> list[tuple[int, CompletionOutput]]:
+    def news(self, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """The choices of this output that carry something new, with their global index."""
-        self.n = n
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.cached_tokens[i] = out.num_cached_tokens
         fresh = []
         for c in out.outputs:
-            idx = i * n + c.index
+            idx = i * self.n + c.index
             self.completion_tokens += len(c.token_ids)
             self.choice_tokens[idx] = self.choice_tokens.get(idx, 0) + len(c.token_ids)
             if not (c.text or c.finish_reason or ((self.logprobs or self.token_ids) and c.token_ids)):
@@ -489,8 +488,7 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, output_kind: str, **fields) -> SamplingParams:
         """SamplingParams from the request's fields (None = the default); ValueError -> 400."""
-        if req.stream_options is not None and not req.stream:
-            raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
+        _check_stream_options(req)
         if req.stream and req.prompt_logprobs is not None:  # vLLM's rule: they come with the whole reply
             raise ServingError("prompt_logprobs is not available when stream is true", 400, "prompt_logprobs")
         if req.length_penalty != 1.0:
@@ -516,8 +514,7 @@ class OpenAIServing:
         """``use_beam_search`` (vLLM's): ``n`` beams, returned best first as the choices. The fields
         beam search has no use for are refused unless at their defaults (it is deterministic: no
         sampling, penalties, seeds; no logprobs; no stop strings)."""
-        if req.stream_options is not None and not req.stream:
-            raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
+        _check_stream_options(req)
         for name in sorted(req.model_fields_set - _BEAM_SEARCH_FIELDS):
             if getattr(req, name) != type(req).model_fields[name].default:  # names the field as sent
                 raise RequestFieldError(f"{name} cannot be combined with use_beam_search", name)
@@ -629,13 +626,13 @@ class OpenAIServing:
 
     def stream_state(self, req: SamplingFields, logprobs: bool) -> StreamState:
         return StreamState(logprobs=logprobs, token_ids=bool(req.return_token_ids),
-                           details=self.response_options.enable_prompt_tokens_details)
+                           details=self.response_options.enable_prompt_tokens_details, n=req.n or 1)
 
     async def completion_events(self, group: RequestGroup, rid: str, model: str,
                                 req: CompletionRequest) -> AsyncIterator[str]:
         state, created = self.stream_state(req, req.logprobs is not None), int(time.time())
         async for i, out in group.outputs():
-            for idx, c in state.news(i, out, req.n or 1):
+            for idx, c in state.news(i, out):
                 yield sse(self.completion_chunk(state, idx, c, out, req, rid, model, created))
         if req.stream_options and req.stream_options.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -800,7 +797,7 @@ class OpenAIServing:
             return sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice],
                                            usage=_continuous_usage(req, state, choice.index), **fields).model_dump())
         async for _, out in group.outputs():
-            for idx, c in state.news(0, out, req.n or 1):
+            for idx, c in state.news(0, out):
                 if idx not in state.started:  # OpenAI streams open each choice with the role
                     state.started.add(idx)
                     opening = _echo_prefix(req) if req.echo else ""
@@ -925,6 +922,11 @@ def chat_stream_choices(idx: int, c: CompletionOutput, parser: ChoiceParser,
     choices[-1].finish_reason = parser.finish_reason(c.finish_reason)
     choices[-1].stop_reason = c.stop_reason
     return choices
+
+
+def _check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise ServingError("stream_options is only allowed when stream is true", 400, "stream_options")
 
 
 def _token_ids(req: SamplingFields, out: RequestOutput, c: CompletionOutput, with_prompt: bool = True) -> dict:
