@@ -5,13 +5,12 @@ template, and the per-choice parser that turns generated text into ``reasoning_c
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from .reasoning_parsers import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from .request_fields import RequestFieldError
-from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser
+from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser, tool_schemas
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
 
@@ -124,14 +123,23 @@ def _template_call(call, i: int) -> dict:
 
 
 # ---------------------------------------------------------------------- generated text -> message
-def _tool_parser(options: ChatOptions, tool_choice: Any) -> ToolParser | None:
+def _tool_parser(options: ChatOptions, tool_choice: Any, tools: list | None) -> ToolParser | None:
     if tool_choice == "none":
         return None
     if tool_choice == "auto":
-        return get_tool_parser(options.tool_call_parser)
+        return get_tool_parser(options.tool_call_parser, tools=tool_schemas(tools))
     if tool_choice == "required":
         return RequiredCallsParser()
     return NamedCallParser(tool_choice.function.name)
+
+
+def keeps_special_tokens(options: ChatOptions, tool_choice: Any) -> bool:
+    """Whether the parsers this request uses read special tokens (Mistral's ``[TOOL_CALLS]``,
+    harmony's ``<|channel|>``): then its output is decoded with skip_special_tokens=False."""
+    tools = tool_choice == "auto" and TOOL_PARSERS[options.tool_call_parser].needs_special_tokens
+    thinks = options.reasoning_parser is not None and not is_forced(tool_choice) and \
+        REASONING_PARSERS[options.reasoning_parser].needs_special_tokens
+    return bool(tools or thinks)
 
 
 @dataclass
@@ -162,11 +170,13 @@ class ChoiceParser:
     calls: list[tuple[str, ParsedCall]] = field(default_factory=list)
 
     @classmethod
-    def for_request(cls, options: ChatOptions, tool_choice: Any, parallel: bool, include_reasoning: bool):
+    def for_request(cls, options: ChatOptions, tool_choice: Any, parallel: bool, include_reasoning: bool,
+                    tools: list | None = None, chat_template_kwargs: dict | None = None):
         """A forced call is constrained JSON from the first token: no reasoning to split off."""
         thinks = options.reasoning_parser and not is_forced(tool_choice)
-        reasoning = get_reasoning_parser(options.reasoning_parser) if thinks else None
-        return cls(reasoning, _tool_parser(options, tool_choice), parallel, include_reasoning)
+        reasoning = get_reasoning_parser(options.reasoning_parser, chat_template_kwargs=chat_template_kwargs) \
+            if thinks else None
+        return cls(reasoning, _tool_parser(options, tool_choice, tools), parallel, include_reasoning)
 
     def feed(self, delta: str, final: bool) -> list[MessagePiece]:
         """The pieces that ``delta`` (appended to the text so far) makes sendable."""
@@ -191,7 +201,7 @@ class ChoiceParser:
         limit = None if self.parallel_tool_calls else 1
         pieces = []
         for call in calls[len(self.calls):limit]:
-            index, call_id = len(self.calls), f"call_{uuid.uuid4().hex[:24]}"
+            index, call_id = len(self.calls), call.id or self.tools.call_id()
             self.calls.append((call_id, call))
             pieces.append(MessagePiece(tool_calls=[{"index": index, "id": call_id, "type": "function",
                                                     "function": {"name": call.name, "arguments": ""}}]))

@@ -3,7 +3,7 @@ the held-back tail of a marker that is still being written."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 P = TypeVar("P")
 
@@ -26,9 +26,10 @@ class ParserRegistry(dict[str, type[P]], Generic[P]):
         if name not in self:
             raise ValueError(f"{self.option}={name!r} is invalid: must be one of {sorted(self)}")
 
-    def create(self, name: str) -> P:
+    def create(self, name: str, **request: Any) -> P:
+        """A parser for one request; ``request`` is what that parser reads from it (tools, template kwargs)."""
         self.check(name)
-        return self[name]()
+        return self[name](**request)
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -38,3 +39,9 @@ def partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def held_tail(text: str, markers: tuple[str, ...], final: bool) -> int:
+    """How much of ``text``'s tail to hold back while streaming: the longest that may still grow
+    into one of ``markers`` (nothing once the text is final)."""
+    return 0 if final else max(partial_suffix(text, m) for m in markers)

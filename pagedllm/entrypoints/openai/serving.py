@@ -34,6 +34,7 @@ from .chat_features import (
     check_tools,
     conversation_of,
     is_forced,
+    keeps_special_tokens,
     resolve_tool_choice,
     tools_for_template,
 )
@@ -717,7 +718,8 @@ class OpenAIServing:
         except ServingError as exc:
             raise _as_chat_error(exc, req) from None
         parsers = [ChoiceParser.for_request(self.chat_options, tool_choice, req.parallel_tool_calls,
-                                            req.include_reasoning) for _ in range(req.n or 1)]
+                                            req.include_reasoning, req.tools, req.chat_template_kwargs)
+                   for _ in range(req.n or 1)]
         if req.stream:
             return await start_streaming(sse_body(self.chat_events(group, rid, model, req, parsers), group),
                                          "text/event-stream")
@@ -737,7 +739,9 @@ class OpenAIServing:
         else:
             params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
                                           logprobs=logprobs, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
-                                          **forced_call_fields(req, tool_choice))
+                                          **forced_call_fields(req, tool_choice), skip_special_tokens=(
+                                              req.skip_special_tokens
+                                              and not keeps_special_tokens(self.chat_options, tool_choice)))
         text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")

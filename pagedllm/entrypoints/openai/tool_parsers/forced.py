@@ -55,6 +55,7 @@ class NamedCallParser(ToolParser):
     """A named function: the whole output is its arguments object."""
 
     def __init__(self, name: str):
+        super().__init__()
         self.name = name
 
     def parse(self, text: str, final: bool) -> ToolParse:

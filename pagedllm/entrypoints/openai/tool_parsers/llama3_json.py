@@ -21,13 +21,13 @@ class Llama3JsonToolParser(ToolParser):
             return ToolParse("")  # still undecided
         if not body.startswith("{"):
             return ToolParse(text)
-        calls, rest = _leading_calls(body)
+        calls, rest = _leading_calls(body, self)
         if not final:
             return ToolParse("", calls)
         return ToolParse(rest if calls else text, calls)
 
 
-def _leading_calls(body: str) -> tuple[tuple[ParsedCall, ...], str]:
+def _leading_calls(body: str, parser: ToolParser) -> tuple[tuple[ParsedCall, ...], str]:
     """The complete calls at the start of ``body`` (``;``-separated) and the text after them."""
     calls: list[ParsedCall] = []
     pos = 0
@@ -36,7 +36,7 @@ def _leading_calls(body: str) -> tuple[tuple[ParsedCall, ...], str]:
             obj, end = _DECODER.raw_decode(body, pos)
         except json.JSONDecodeError:
             break
-        call = call_from_json(obj)
+        call = parser.known(call_from_json(obj))
         if call is None:
             break
         calls.append(call)
