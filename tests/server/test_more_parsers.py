@@ -6,9 +6,12 @@ import argparse
 import json
 import re
 
+import openai
 import pytest
+from chat_server import TOOL_TEMPLATE, WEATHER_TOOL, script_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from live_server import server_model_dir, start_server  # noqa: F401 - fixture
 from test_chat_parsers import stream, whole
 
 from pagedllm.entrypoints.openai.chat_features import ChatOptions, ChoiceParser, keeps_special_tokens
@@ -268,3 +271,58 @@ def test_any_mix_of_markers_parses_without_error_and_streams_as_a_whole(pieces, 
     cuts = [c for c in cuts if c < len(text)]
     assert stream(make_parser(reasoning, tools, kwargs), text, cuts) == whole(make_parser(reasoning, tools, kwargs),
                                                                               text)
+
+
+# ---------------------------------------------------------------- through the server, with the real openai client
+@pytest.fixture(scope="module")
+def mistral_server(server_model_dir):  # noqa: F811
+    options = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="mistral", reasoning_parser="mistral")
+    srv = start_server(server_model_dir, chat_template=TOOL_TEMPLATE, chat_options=options, max_model_len=512)
+    yield srv
+    srv.stop()
+
+
+def scripted(monkeypatch, server, pieces: list[str]) -> list:
+    """``script_engine``, also recording the SamplingParams each request was given."""
+    script_engine(monkeypatch, server, pieces)
+    params, add = [], server.engine.add_requests
+
+    async def recording(requests, sampling, *args, **kwargs):
+        params.append(sampling)
+        return await add(requests, sampling, *args, **kwargs)
+    monkeypatch.setattr(server.engine, "add_requests", recording)
+    return params
+
+
+def test_mistral_calls_and_thinking_through_the_server(mistral_server, monkeypatch):
+    text = '[THINK]The user wants the weather.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    cuts = [0, 4, 9, 30, 41, 45, 52, 58, 66, len(text)]  # inside every marker
+    user = {"role": "user", "content": "weather in Paris?"}
+    with openai.OpenAI(base_url=f"{mistral_server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        params = scripted(monkeypatch, mistral_server, [text])
+        reply = client.chat.completions.create(model="tiny", messages=[user], tools=[WEATHER_TOOL])
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.reasoning_content == "The user wants the weather."
+        (call,) = choice.message.tool_calls
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id) and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert params[0].skip_special_tokens is False  # [TOOL_CALLS] and [THINK] are control tokens
+
+        scripted(monkeypatch, mistral_server, [text[a:b] for a, b in zip(cuts, cuts[1:])])
+        chunks = list(client.chat.completions.create(model="tiny", messages=[user], tools=[WEATHER_TOOL],
+                                                     stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "The user wants the weather."
+        head, *rest = [tc for d in deltas for tc in d.tool_calls or []]
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", head.id) and head.function.name == "get_weather"
+        assert json.loads("".join(tc.function.arguments for tc in rest)) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        scripted(monkeypatch, mistral_server, ["[TOOL_CALLS]get_weather[ARGS]{bad"])  # malformed: the text
+        bad = client.chat.completions.create(model="tiny", messages=[user], tools=[WEATHER_TOOL])
+        assert bad.choices[0].message.content == "[TOOL_CALLS]get_weather[ARGS]{bad"
+        assert bad.choices[0].message.tool_calls is None and bad.choices[0].finish_reason == "stop"
+        params = scripted(monkeypatch, mistral_server, ["plain"])
+        client.chat.completions.create(model="tiny", messages=[user])
+        assert params[0].skip_special_tokens is False  # the reasoning parser reads [THINK] without tools too

@@ -396,10 +396,13 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                    help="parse tool calls from the output when a chat request sends tools (tool_choice 'auto'); "
                         "needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>, Hermes/Qwen), "
-                        "llama3_json (Llama 3.1/3.2 JSON)")
+                   help="the model's tool-call format, by vLLM's name: hermes (Hermes/Qwen), llama3_json, mistral, "
+                        "pythonic (Llama 3.2/4), qwen3_coder, openai (gpt-oss harmony), granite, deepseek_v3, "
+                        "deepseek_v31, internlm, jamba")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                   help="put a reasoning model's <think>...</think> into reasoning_content: deepseek_r1, qwen3")
+                   help="put a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3 (<think>), "
+                        "mistral ([THINK]), granite, openai_gptoss / gpt_oss (harmony analysis channel), "
+                        "deepseek_v3 (thinking when chat_template_kwargs has thinking: true)")
 
 
 def _add_response_args(parser: argparse.ArgumentParser) -> None:
