@@ -98,7 +98,7 @@ GRANITE = ('<|tool_call|>[{"arguments": {"location": "Paris, France", "format": 
     ("qwen3_coder", QWEN3_CODER, "I'll search.\n", (ParsedCall("search", json.dumps(SEARCH_ARGS)),)),
     ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n</function>", "", (CET,)),
     ("openai", HARMONY_CALL, "<|channel|>analysis<|message|>Need the weather, use get_current_weather.<|end|>",
-     (PARIS,)),
+     (PARIS,)),  # alone, the tool parser keeps the analysis message as written (the reasoning parser takes it)
     ("openai", "<|channel|>final<|message|>It is sunny.<|return|>", "It is sunny.", ()),
     ("granite", GRANITE, "", (PARIS,)),
     ("granite", '<tool_call>[{"name": "get_time", "arguments": {"tz": "CET"}}]', "", (CET,)),
@@ -193,6 +193,15 @@ def test_gpt_oss_reasoning_then_openai_tool_parser_make_the_whole_harmony_reply(
     assert msg["reasoning_content"] == "Need weather." and msg["content"] == "Checking now."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
         [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]
+
+
+def test_the_openai_tool_parser_implies_harmony_reasoning_as_in_vllm():
+    options = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="openai")
+    assert options.reasoning_parser == "openai_gptoss"
+    msg = ChoiceParser.for_request(options, "auto", True, True, TOOLS).message(HARMONY_CALL)
+    assert msg["reasoning_content"] == "Need the weather, use get_current_weather." and msg["content"] is None
+    assert ChatOptions(tool_call_parser="openai", reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
+    assert ChatOptions(tool_call_parser="mistral").reasoning_parser is None
 
 
 def test_special_token_formats_keep_special_tokens_while_tools_are_on():

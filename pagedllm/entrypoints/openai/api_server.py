@@ -397,8 +397,8 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format, by vLLM's name: hermes (Hermes/Qwen), llama3_json, mistral, "
-                        "pythonic (Llama 3.2/4), qwen3_coder, openai (gpt-oss harmony), granite, deepseek_v3, "
-                        "deepseek_v31, internlm, jamba")
+                        "pythonic (Llama 3.2/4), qwen3_coder, openai (gpt-oss harmony; implies --reasoning-parser "
+                        "openai_gptoss), granite, deepseek_v3, deepseek_v31, internlm, jamba")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3 (<think>), "
                         "mistral ([THINK]), granite, openai_gptoss / gpt_oss (harmony analysis channel), "

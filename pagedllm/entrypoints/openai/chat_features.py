@@ -25,6 +25,8 @@ class ChatOptions:
     def __post_init__(self):
         if self.tool_call_parser is not None:
             TOOL_PARSERS.check(self.tool_call_parser)
+            if self.reasoning_parser is None:  # a format that comes with its reasoning (gpt-oss's harmony)
+                object.__setattr__(self, "reasoning_parser", TOOL_PARSERS[self.tool_call_parser].reasoning_parser)
         if self.reasoning_parser is not None:
             REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -41,6 +41,8 @@ class ToolParser:
     # The format's markers are special tokens, so the output is decoded with
     # skip_special_tokens=False while tools are on (vLLM's adjust_request does the same).
     needs_special_tokens = False
+    # The reasoning parser the format implies when none is named (vLLM always reads gpt-oss output as harmony).
+    reasoning_parser: str | None = None
 
     def __init__(self, tools: Mapping[str, dict] | None = None):
         self.tools = tools

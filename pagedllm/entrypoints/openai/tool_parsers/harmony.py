@@ -9,9 +9,10 @@ usually just ends). Channels: ``analysis`` (chain of thought), ``commentary`` (t
 preambles meant for the user when it has no recipient), ``final`` (the answer).
 
 ``--tool-call-parser openai`` turns ``to=functions.NAME`` messages into calls;
-``--reasoning-parser openai_gptoss`` (or ``gpt_oss``) puts the analysis channel in
-``reasoning_content``. Both put the answer's text in the content, and keep every other message
-as written, so the one that runs second still finds what it parses.
+``--reasoning-parser openai_gptoss`` (or ``gpt_oss``; implied by ``openai``, as vLLM reads gpt-oss
+output as harmony whatever the flags) puts the analysis channel in ``reasoning_content``. Both
+put the answer's text in the content, and keep every other message as written, so the one that
+runs second still finds what it parses.
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class OpenAIToolParser(ToolParser):
     message ends); answer text is content; any other message stays in the content as written."""
 
     needs_special_tokens = True  # the harmony markers are special tokens
+    reasoning_parser = "openai_gptoss"  # vLLM's gpt-oss serving command names no reasoning parser
 
     def parse(self, text: str, final: bool) -> ToolParse:
         content: list[str] = []
