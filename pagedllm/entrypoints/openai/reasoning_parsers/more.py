@@ -3,6 +3,7 @@ sentences, gpt-oss's analysis channel, and DeepSeek-V3.1's template switch."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..parser_registry import held_tail
 from ..tool_parsers.harmony import segments
@@ -87,7 +88,7 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
     prompt; then the output is DeepSeek-R1's (reasoning up to ``</think>``). Otherwise it is all
     content, as vLLM's ``deepseek_v3`` parser does."""
 
-    def __init__(self, chat_template_kwargs=None):
+    def __init__(self, chat_template_kwargs: dict[str, Any] | None = None):
         super().__init__(chat_template_kwargs)
         kwargs = self.chat_template_kwargs
         self.thinking = bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))

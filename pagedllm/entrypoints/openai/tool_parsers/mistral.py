@@ -22,7 +22,6 @@ CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 # name, optional [CALL_ID]id, optional [ARGS], then the arguments object
 _V11_HEAD = re.compile(r"([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\]([A-Za-z0-9]+))?(?:\[ARGS\])?(?=\s*\{)")
-_HEAD_CHARS = re.compile(r"[A-Za-z0-9_.\-\[\]]*")
 
 
 def mistral_call_id() -> str:
@@ -51,10 +50,10 @@ class MistralToolParser(ToolParser):
                 return ToolParse(content + (text[begin:] if final else ""))
             calls, end = found
             return ToolParse(content + (rest[end:] if final else ""), tuple(calls))
-        calls, pos = self._v11_calls(text, begin, final)
+        calls, pos = self._v11_calls(text, begin)
         return ToolParse(content + (text[pos:] if final else ""), tuple(calls))
 
-    def _v11_calls(self, text: str, pos: int, final: bool) -> tuple[list[ParsedCall], int]:
+    def _v11_calls(self, text: str, pos: int) -> tuple[list[ParsedCall], int]:
         """The complete ``[TOOL_CALLS]name[ARGS]{...}`` calls from ``pos`` on, and where they stop."""
         calls: list[ParsedCall] = []
         while text.startswith(BOT, pos):
@@ -62,11 +61,8 @@ class MistralToolParser(ToolParser):
             if call is None:
                 break
             calls.append(call)
-            pos = end
-            gap = len(text) - len(text[pos:].lstrip()) - pos  # whitespace before the next call
-            if not text.startswith(BOT, pos + gap) and (final or not BOT.startswith(text[pos + gap:])):
-                break
-            pos += gap
+            after = text[end:]
+            pos = end + len(after) - len(after.lstrip()) if after.lstrip().startswith(BOT) else end
         return calls, pos
 
     def _v11_call(self, text: str, start: int) -> tuple[ParsedCall | None, int]:
