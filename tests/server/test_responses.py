@@ -106,6 +106,19 @@ def test_text_format_json_schema(client):
     assert resp.text.format.type == "json_schema"
 
 
+def test_parse_with_a_pydantic_model(client):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: Literal["Paris", "Oslo"]
+
+    resp = client.responses.parse(model="tiny", input="where?", temperature=1.0, max_output_tokens=40,
+                                  text_format=Place)
+    assert isinstance(resp.output_parsed, Place)
+
+
 def test_client_disconnect_aborts_the_stream(tools_server, client):  # noqa: F811
     with client.responses.create(model="tiny", input="hello", temperature=1.0, max_output_tokens=100,
                                  stream=True) as stream:
@@ -197,7 +210,10 @@ def test_streamed_function_call_and_reasoning_events(tools_server, client, monke
     text = "<think>hm</think>Checking. " + CALL_TEXT
     cuts = [0, 4, 12, 20, 30, 45, 60, len(text) - 3, len(text)]
     script_engine(monkeypatch, tools_server, [text[a:b] for a, b in zip(cuts, cuts[1:])])
-    events = list(client.responses.create(model="tiny", input="weather?", tools=[FUNCTION_TOOL], stream=True))
+    # the client's stream helper, which checks that every event fits the snapshot it builds
+    with client.responses.stream(model="tiny", input="weather?", tools=[FUNCTION_TOOL]) as stream:
+        events = list(stream)
+        snapshot = stream.get_final_response()
     assert collapsed([e.type for e in events]) == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
@@ -211,6 +227,7 @@ def test_streamed_function_call_and_reasoning_events(tools_server, client, monke
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
     assert final.output_text == "Checking. " and final.output[2].arguments == args
+    assert snapshot.output_text == "Checking. " and snapshot.output[2].arguments == args
 
 
 def test_tool_choice_none_and_a_named_function(tools_server, client, monkeypatch):  # noqa: F811
@@ -223,6 +240,25 @@ def test_tool_choice_none_and_a_named_function(tools_server, client, monkeypatch
     (call,) = [item for item in named.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), CITY_SCHEMA)
     assert named.status == "completed" and named.tool_choice.name == "get_weather"
+
+
+def test_an_engine_error_mid_stream_is_an_error_event(tools_server, client, monkeypatch):  # noqa: F811
+    from pagedllm.engine.async_engine import RequestStream
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    async def failing(requests, params, arrival_time=None, queue=None, **options):
+        (request_id, _), = requests
+        stream = RequestStream(request_id, queue)
+        stream.put(RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "Hel", [5], None, None, None)], False))
+        queue.put_nowait(RuntimeError("the engine broke"))
+        return [stream]
+    monkeypatch.setattr(tools_server.engine, "add_requests", failing)
+    events = list(client.responses.create(model="tiny", input="hi", stream=True))
+    assert [e.type for e in events[-3:]] == ["response.output_text.delta", "error", "response.failed"]
+    assert events[-2].message == "the engine broke" and events[-1].response.error.message == "the engine broke"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.NotFoundError):  # a failed response is not kept
+        client.responses.retrieve(events[-1].response.id)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -251,3 +287,11 @@ def test_bad_fields_are_400_naming_them(tools_server, fields, param):  # noqa: F
     r = httpx.post(f"{tools_server.url}/v1/responses", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_errors_use_the_responses_names(tools_server):  # noqa: F811
+    r = httpx.post(f"{tools_server.url}/v1/responses", json={"model": "tiny", "input": [], "max_output_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["message"].startswith("input must not be empty")
+    r = httpx.post(f"{tools_server.url}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 0})
+    assert r.json()["error"]["message"].startswith("max_output_tokens=0")

@@ -208,9 +208,10 @@ def as_responses_error(exc: ServingError | RequestFieldError) -> ServingError:
     max_output_tokens, response_format -> text, tools[i].function.x -> tools[i].x)."""
     message, param = (exc.message, exc.param) if isinstance(exc, ServingError) else (str(exc), exc.param)
     status = exc.status if isinstance(exc, ServingError) else 400
-    message = re.sub(r"^(max_tokens|max_completion_tokens)\b", "max_output_tokens", message).replace(
-        "].function.", "].")
-    return ServingError(message, status, _PARAMS.get(param, param))
+    leading = re.match(r"[A-Za-z_]+", message)
+    if leading and leading.group(0) in _PARAMS:
+        message = _PARAMS[leading.group(0)] + message[leading.end():]
+    return ServingError(message.replace("].function.", "]."), status, _PARAMS.get(param, param))
 
 
 # ---------------------------------------------------------------------- output items and events
