@@ -170,6 +170,26 @@ def test_store_false_retrieve_delete_and_cancel(tools_server, client, monkeypatc
             call()
 
 
+def test_input_items_are_listed_as_openai_pages(tools_server, client, monkeypatch):  # noqa: F811
+    script_engine(monkeypatch, tools_server, ["ok"])
+    given = [{"role": "developer", "content": "be kind"},
+             {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    resp = client.responses.create(model="tiny", input=given)
+    newest_first = client.responses.input_items.list(resp.id)
+    assert [(i.type, i.role, i.content[0].text) for i in newest_first.data] == [
+        ("message", "user", "hi"), ("message", "developer", "be kind")]
+    assert all(i.id.startswith("msg_") and i.status == "completed" for i in newest_first.data)
+    paged = list(client.responses.input_items.list(resp.id, order="asc", limit=1))  # the client follows `after`
+    assert [i.id for i in paged] == [i.id for i in reversed(newest_first.data)]
+    one = client.responses.create(model="tiny", input="plain")
+    (item,) = client.responses.input_items.list(one.id).data
+    assert item.role == "user" and item.content[0].type == "input_text" and item.content[0].text == "plain"
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x"}, "after"),
+                         ({"include": ["x"]}, "include")):
+        r = httpx.get(f"{tools_server.url}/v1/responses/{resp.id}/input_items", params=query)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_store_is_a_bounded_lru():
     store = ResponseStore(2)
     entry = {k: StoredResponse(ResponseObject(id=k, status="completed", model="m"), []) for k in "abc"}

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` and
-``POST /v1/responses/{id}/cancel``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel``.
 
 A Responses request becomes a chat request (instructions -> a system message, input items ->
 messages, function tools -> chat tools, ``text.format`` -> ``response_format``) and runs through
@@ -80,10 +80,12 @@ router = APIRouter()
 # ---------------------------------------------------------------------- the store
 @dataclass
 class StoredResponse:
-    """A kept reply and the conversation a follow-up continues (inputs and reply, no instructions)."""
+    """A kept reply, the conversation a follow-up continues (inputs and reply, no instructions) and
+    the request's own input items as ``GET /v1/responses/{id}/input_items`` lists them."""
 
     response: ResponseObject
     conversation: list[ChatMessage]
+    input_items: list[dict] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -166,6 +168,26 @@ def input_messages(items: str | list[InputItem]) -> list[ChatMessage]:
     if reasoning is not None:
         messages.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning))
     return messages
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(items: str | list[InputItem]) -> list[dict]:
+    """Input items as OpenAI lists them: each with an id and a status, a message's text as a part."""
+    if isinstance(items, str):
+        items = [MessageItem(role="user", content=items)]
+    listed = []
+    for item in items:
+        entry = item.model_dump(by_alias=True, exclude_none=True)
+        entry.setdefault("id", _new_id(_ITEM_ID_PREFIXES[item.type]))
+        entry.setdefault("status", "completed")
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            part = OutputText(text=item.content).model_dump() if item.role == "assistant" else \
+                {"type": "input_text", "text": item.content}
+            entry["content"] = [part]
+        listed.append(entry)
+    return listed
 
 
 def _message(item: MessageItem) -> ChatMessage:
@@ -445,7 +467,7 @@ class ResponsesServing:
         response = pending.final(self.serving.tokenizer)
         if pending.req.store and response.status in ("completed", "incomplete"):
             conversation = [*pending.conversation, assistant_message(response.output)]
-            self.store.put(response.id, StoredResponse(response, conversation))
+            self.store.put(response.id, StoredResponse(response, conversation, listed_items(pending.req.input)))
         return response
 
     async def _events(self, group: RequestGroup, pending: PendingResponse) -> AsyncIterator[str]:
@@ -478,11 +500,32 @@ class ResponsesServing:
     def retrieve(self, response_id: str, query: dict[str, str]) -> ResponseObject:
         """``GET /v1/responses/{id}``; resuming a stream (``stream``, ``starting_after``) needs
         background responses, which this server does not run."""
-        for name, value in query.items():
-            if not (name == "stream" and value.lower() == "false"):
-                raise ServingError(f"query parameter {name}={value!r} is not supported by this server (streaming a "
-                                   "stored response needs background=true, which it does not run)", 400, name)
+        query = dict(query)
+        if query.get("stream", "").lower() == "false":
+            del query["stream"]
+        _refuse_query(query, " (streaming a stored response needs background=true, which this server does not run)")
         return self._stored(response_id).response
+
+    def input_items(self, response_id: str, query: dict[str, str]) -> dict:
+        """``GET /v1/responses/{id}/input_items``: OpenAI's cursor page (``after``, ``limit`` 1-100,
+        default 20, ``order`` asc or desc, default desc)."""
+        items = self._stored(response_id).input_items
+        query = dict(query)
+        order, limit, after = query.pop("order", "desc"), query.pop("limit", "20"), query.pop("after", None)
+        _refuse_query(query)
+        if order not in ("asc", "desc"):
+            raise ServingError(f"order={order!r} is invalid: use 'asc' or 'desc'", 400, "order")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ServingError(f"limit={limit!r} is invalid: must be an integer in [1, 100]", 400, "limit")
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise ServingError(f"after={after!r} is not an input item of response {response_id!r}", 400, "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     def delete(self, response_id: str) -> DeletedResponse:
         self._stored(response_id)
@@ -500,6 +543,11 @@ class ResponsesServing:
         if entry is None:
             raise ServingError(f"Response with id {response_id!r} not found", 404, "response_id")
         return entry
+
+
+def _refuse_query(query: dict[str, str], why: str = "") -> None:
+    for name, value in query.items():
+        raise ServingError(f"query parameter {name}={value!r} is not supported by this server{why}", 400, name)
 
 
 # ---------------------------------------------------------------------- routes and set-up
@@ -520,6 +568,11 @@ async def create_response(request: ResponsesRequest, raw: Request):
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, raw: Request):
     return _responses(raw).retrieve(response_id, dict(raw.query_params))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, raw: Request):
+    return _responses(raw).input_items(response_id, dict(raw.query_params))
 
 
 @router.delete("/v1/responses/{response_id}")
