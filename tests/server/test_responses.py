@@ -224,6 +224,10 @@ def test_function_call_round_trip(tools_server, client, monkeypatch):  # noqa: F
     rendered = prompts[-1]["prompt"]
     assert '<s>assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
     assert f"<s>tool: <tool_response>{call.call_id} 18 C</tool_response>" in rendered
+    # the same turn through previous_response_id: only the call's output is sent
+    chained = client.responses.create(model="tiny", previous_response_id=resp.id, tools=[FUNCTION_TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    assert chained.output_text == "It is 18 C." and prompts[-1]["prompt"] == rendered
 
 
 def test_streamed_function_call_and_reasoning_events(tools_server, client, monkeypatch):  # noqa: F811
