@@ -45,6 +45,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .reasoning_parsers import REASONING_PARSERS
+from .responses import DEFAULT_STORE_SIZE, add_responses_api, add_responses_args
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
 from .tool_parsers import TOOL_PARSERS
 
@@ -302,7 +303,8 @@ def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
-              response_options: ResponseOptions | None = None) -> FastAPI:
+              response_options: ResponseOptions | None = None,
+              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
     ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
     ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
@@ -317,6 +319,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
     app.include_router(router)
+    add_responses_api(app, responses_store_size)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
     if api_key:  # added last, so outermost: a request without the key is refused before its body is read
@@ -384,6 +387,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
+    add_responses_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
     return parser
@@ -457,7 +461,8 @@ def run_server(args: argparse.Namespace) -> int:
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args))
+                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args),
+                    responses_store_size=args.responses_store_size)
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
