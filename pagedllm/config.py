@@ -175,6 +175,24 @@ class PoolerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """What one request may ask of the grammar compiler (structured_output/): compile cost grows
+    faster than linearly with a schema's size (16,000 properties: minutes), and a compile cannot be
+    interrupted once it runs, so the spec's size is bounded up front and a request waits at most
+    ``compile_timeout`` seconds for its grammar."""
+
+    max_spec_bytes: int = 64 * 1024  # a JSON schema, regex, grammar or choice list larger is refused
+    compile_timeout: float = 60.0  # seconds (queue + compile) before the request fails; 0: no limit
+
+    def __post_init__(self):
+        if not isinstance(self.max_spec_bytes, int) or self.max_spec_bytes <= 0:
+            raise ValueError(f"max_structured_output_bytes={self.max_spec_bytes!r} must be a positive integer")
+        if not self.compile_timeout >= 0:
+            raise ValueError(f"structured_output_compile_timeout={self.compile_timeout!r} must be >= 0 "
+                             "(0: no limit)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -189,6 +207,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # capture decode steps in CUDA graphs (worker/cuda_graphs.py)
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/), off when None
     pooler: PoolerConfig | None = None  # runner="pooling" (embeddings); None: the generate runner
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 def check_offload(cache: CacheConfig) -> None:

@@ -33,6 +33,7 @@ from pagedllm.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
     default_device,
     parse_gib,
     parse_swap_space,
@@ -175,6 +176,13 @@ class EngineArgs:
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
+    max_structured_output_bytes: int = option(
+        StructuredOutputConfig.max_spec_bytes, "largest JSON schema / regex / grammar / choice list a request may "
+        "constrain its output with, in bytes (compile cost grows faster than the spec; a larger one is refused)",
+        parse=int)
+    structured_output_compile_timeout: float = option(
+        StructuredOutputConfig.compile_timeout, "seconds a request waits for its grammar to compile (queue "
+        "included) before it fails; 0: no limit", parse=float)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -219,6 +227,8 @@ class EngineArgs:
             cuda_graphs=device.type == "cuda" and not self.enforce_eager,
             speculative=self._speculative_config(device, model_config),
             pooler=self._pooler_config(),
+            structured_output=StructuredOutputConfig(self.max_structured_output_bytes,
+                                                     self.structured_output_compile_timeout),
         )
 
     def _pooler_config(self) -> PoolerConfig | None:

@@ -22,8 +22,10 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.config import StructuredOutputConfig
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.grammar import spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
@@ -41,6 +43,7 @@ class ProcessedRequest:
     cache_salt: str | None = None
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
+    client: str | None = None  # who sent it (e.g. an API key's hash): grammar compiles are shared fairly by client
 
 
 class InputProcessor:
@@ -52,8 +55,10 @@ class InputProcessor:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  check_fits: Callable[[int, int, int], None], max_logprobs: int = 20,
-                 eos_token_ids: frozenset[int] = frozenset(), scheduling_policy: str = "fcfs"):
+                 eos_token_ids: frozenset[int] = frozenset(), scheduling_policy: str = "fcfs",
+                 structured_output: StructuredOutputConfig | None = None):
         self.tokenizer = tokenizer
+        self.structured_output = structured_output or StructuredOutputConfig()
         self.scheduling_policy = scheduling_policy  # a priority other than 0 needs "priority"
         self.eos_token_ids = eos_token_ids  # banned with stop_token_ids until min_tokens
         self.vocab_size = vocab_size
@@ -91,6 +96,7 @@ class InputProcessor:
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
+        self.check_structured_output_size(params)
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling)
 
     @staticmethod
@@ -190,6 +196,15 @@ class InputProcessor:
             why = "bad_words" + (" and the stop/EOS tokens masked until min_tokens" if params.min_tokens else "")
             raise ValueError(f"allowed_token_ids={params.allowed_token_ids[:8]} leaves no token to sample: {why} "
                              f"mask every one of them; allow another token or drop the conflicting field")
+
+    def check_structured_output_size(self, params: SamplingParams) -> None:
+        """Refuses a constraint whose spec is over ``max_structured_output_bytes``: compiling it could
+        take minutes, and a running compile cannot be interrupted."""
+        so = params.structured_outputs
+        limit = self.structured_output.max_spec_bytes
+        if so is not None and (size := spec_bytes(so)) > limit:
+            raise ValueError(f"structured_outputs.{so.kind} is {size} bytes, over max_structured_output_bytes="
+                             f"{limit}; use a smaller spec (or start the engine with a larger limit)")
 
     @staticmethod
     def _id_list(ids) -> list[int]:

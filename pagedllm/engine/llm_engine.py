@@ -54,12 +54,14 @@ class LLMEngine:
                                    build_offload_manager(config, self.executor.block_bytes(),
                                                          self.executor.tier_fingerprints))
         self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
-        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids,
+                                                         config.structured_output)
         self.sampler = Sampler(config.layer_ops, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs,
-                                              self.eos_token_ids, config.scheduler.scheduling_policy)
+                                              self.eos_token_ids, config.scheduler.scheduling_policy,
+                                              config.structured_output)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
                            if config.speculative is not None else None)
@@ -91,7 +93,8 @@ class LLMEngine:
                       pooling=processed.pooling)
         req.pools_every_position = processed.pooling is not None and self.config.pooler.pooling_type != "LAST"
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
-            req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
+            req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
+                                                             owner=processed.client or processed.request_id)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)
@@ -447,6 +450,7 @@ class LLMEngine:
                     for k, v in s.preemptions_by_mode.items()]
         if self.speculator is not None:
             metrics += self.speculator.metrics()
+        metrics += self.structured_output.metrics()
         return metrics + _offload_metrics(s.offload)
 
     def _cache_config_labels(self) -> dict[str, str]:

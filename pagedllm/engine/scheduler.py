@@ -414,6 +414,8 @@ class Scheduler:
                 break
         self.loading.pop(request_id, None)
         self.kv.free(req)
+        if req.grammar is not None:  # a compile no other request waits for is dropped if still queued
+            req.grammar.release()
         self.finished_ids.append(request_id)
 
     def abort(self, parent_id: str) -> None:

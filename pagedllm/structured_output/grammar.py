@@ -18,6 +18,25 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# Free whitespace between JSON tokens, at most this many characters per gap. Unbounded (xgrammar's
+# default, and vLLM's unless disable_any_whitespace), a model sampled at temperature 1 can write
+# "{" and then whitespace until max_tokens: the whitespace tokens are many and always allowed. 20
+# is llama.cpp's bound for its JSON grammars (a newline and up to 20 spaces or tabs): pretty-printed
+# JSON nested ten levels deep at indent 2 still fits, and every gap ends within 20 tokens.
+JSON_MAX_WHITESPACE = 20
+
+
+def spec_bytes(params: StructuredOutputsParams) -> int:
+    """The size of the constraint's spec in UTF-8 bytes (a choice list: all choices together),
+    which bounds what compiling it costs (``max_structured_output_bytes``)."""
+    spec = getattr(params, params.kind)
+    if isinstance(spec, bool):  # json_object
+        return 0
+    if isinstance(spec, list):
+        return sum(len(c.encode()) for c in spec)
+    return len(spec.encode())
+
+
 # values that are data, not subschemas: a "maxLength" key inside them is not a keyword
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
@@ -57,12 +76,13 @@ def to_grammar(params: StructuredOutputsParams):
     """The xgrammar ``Grammar`` of the constraint (raises xgrammar's RuntimeError when invalid)."""
     import xgrammar as xgr
     kind = params.kind
+    # disable_any_whitespace: xgrammar's compact separators (", " and ": "), no free whitespace
+    whitespace = (dict(any_whitespace=False) if params.disable_any_whitespace
+                  else dict(any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE))
     if kind == "json":
-        return xgr.Grammar.from_json_schema(lengths_as_patterns(params.json),
-                                            any_whitespace=not params.disable_any_whitespace)
+        return xgr.Grammar.from_json_schema(lengths_as_patterns(params.json), **whitespace)
     if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value like the builtin grammar
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
-                                            any_whitespace=not params.disable_any_whitespace)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":

@@ -1,8 +1,10 @@
 """Grammar compilation off the engine thread, per-sequence matchers, and the step's bitmask.
 
-    add request ──> StructuredOutputManager.grammar_for(params) ──> GrammarState (a future)
-                        │ cache hit: the same future      │ miss: compile on the pool
-    schedule: a request waits (others run) until GrammarState.is_ready()
+    add request ──> StructuredOutputManager.grammar_for(params, owner) ──> GrammarState (a future)
+                        │ cache hit: the same future      │ miss: queued on the CompileQueue
+    schedule: a request waits (others run) until GrammarState.is_ready(); one that waits longer
+              than the compile timeout fails (finish_reason abort, the error names the option)
+    finish:   GrammarState.release(); a compile no request wants any more is dropped if still queued
     sample:   fill the bitmask of the constrained rows (one batched xgrammar call); the sampler
               uploads it with its other inputs and applies it on the device (apply_token_bitmask)
     update:   Request.append_token -> GrammarState.accept(token); a terminated matcher ends the sequence
@@ -14,19 +16,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedllm.config import StructuredOutputConfig
+from pagedllm.metrics.stats import Metric
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import to_grammar
+from pagedllm.structured_output.compile_queue import SMALL_SPEC_BYTES, CompileJob, CompileQueue
+from pagedllm.structured_output.grammar import spec_bytes, to_grammar
 
 logger = logging.getLogger(__name__)
 
-_COMPILE_THREADS = 2  # compilation is C++ and releases the GIL; two keep a slow schema from blocking others
+_COMPILE_THREADS = 2  # general compile threads (C++, releases the GIL), plus the queue's small-job lane
 _CACHE_SIZE = 256  # compiled grammars kept (least recently requested dropped first)
 
 
@@ -36,6 +42,8 @@ class StructuredOutputStats:
 
     num_compiled: int = 0
     compile_seconds: float = 0.0
+    num_timed_out: int = 0  # requests failed because their grammar was not ready in time
+    num_cancelled: int = 0  # queued compiles dropped because no request wanted them any more
     num_bitmask_steps: int = 0
     bitmask_seconds: float = 0.0
 
@@ -47,14 +55,26 @@ class GrammarState:
     it has accepted are exactly the sequence's output tokens, which preemption keeps too.
     """
 
-    def __init__(self, compiled: Future, matcher=None):
+    def __init__(self, compiled: Future, matcher=None, deadline: float | None = None,
+                 on_release: Callable[[bool], None] | None = None):
         self._compiled = compiled
         self._matcher = matcher
+        self._deadline = deadline  # time.monotonic() past which a grammar still compiling fails the request
+        self._on_release = on_release
         self.rejected_token: int | None = None  # a sampled token the grammar refused (a bug if ever set)
 
     def is_ready(self) -> bool:
-        """The grammar is compiled (or failed: see ``error``)."""
-        return self._compiled.done()
+        """The grammar is compiled, or failed, or took too long (see ``error``)."""
+        return self._compiled.done() or self._timed_out()
+
+    def _timed_out(self) -> bool:
+        return self._deadline is not None and time.monotonic() > self._deadline and not self._compiled.done()
+
+    def release(self) -> None:
+        """The sequence is done with its grammar: a compile nobody else waits for may be dropped."""
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release(self._timed_out())
 
     @property
     def compiled(self) -> Future:
@@ -64,7 +84,14 @@ class GrammarState:
     @property
     def error(self) -> str | None:
         """Why compilation failed, once ready; None when it succeeded."""
-        exc = self._compiled.exception() if self._compiled.done() else None
+        if self._timed_out():
+            return ("TimeoutError: the grammar did not compile in time (structured_output_compile_timeout); "
+                    "use a smaller schema or raise the timeout")
+        if not self._compiled.done():
+            return None
+        if self._compiled.cancelled():
+            return "CancelledError: the grammar's compilation was cancelled"
+        exc = self._compiled.exception()
         return None if exc is None else f"{type(exc).__name__}: {exc}"
 
     def matcher(self):
@@ -89,49 +116,70 @@ class GrammarState:
         return self._matcher is not None and self._matcher.is_completed()
 
     def fork(self) -> GrammarState:
-        """A copy for a forked sequence: same grammar, matcher state copied."""
+        """A copy for a forked sequence: same grammar, matcher state copied (the grammar is
+        compiled by then, so the fork holds no claim on a queued compile)."""
         return GrammarState(self._compiled, self.matcher().fork())
 
 
 class StructuredOutputManager:
-    """Compiles grammars on a thread pool (cached by key) and applies bitmasks to the sampler's logits.
+    """Compiles grammars on a CompileQueue (cached by key) and applies bitmasks to the sampler's logits.
 
     One per engine. The xgrammar tokenizer info is built once, by the first compilation job; it
-    only reads the tokenizer's vocabulary, which the engine thread never changes. ``grammar_for``
-    and ``fill_bitmask`` run on the engine thread.
+    only reads the tokenizer's vocabulary, which the engine thread never changes. ``grammar_for``,
+    ``release`` and ``fill_bitmask`` run on the engine thread. A compile is shared by every
+    request with the same spec; it is dropped while still queued when the last of them leaves.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int],
+                 config: StructuredOutputConfig | None = None):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
-        self._pool: ThreadPoolExecutor | None = None
+        self.config = config or StructuredOutputConfig()
+        self._queue = CompileQueue(_COMPILE_THREADS)
         self._compiler = None
         self._compiler_lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
+        self._claims: Counter[CompileJob] = Counter()  # live GrammarStates per job not yet compiled
         self._batch_matcher = None
         self._bitmask = np.empty((8, (vocab_size + 31) // 32), dtype=np.int32)  # fill_bitmask's buffer
         self.stats = StructuredOutputStats()
 
     # ------------------------------------------------------------------ compilation
-    def grammar_for(self, params: StructuredOutputsParams) -> GrammarState:
-        """A new sequence's GrammarState; compilation starts now on the pool unless cached."""
+    def grammar_for(self, params: StructuredOutputsParams, owner: str = "") -> GrammarState:
+        """A new sequence's GrammarState; compilation is queued now (under ``owner``, the client the
+        compile is charged to for fairness) unless the spec is cached or already queued."""
         if self._tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer; this engine has none")
         key = params.key
-        future = self._cache.get(key)
-        if future is None:
-            future = self._cache[key] = self._executor().submit(self._compile, params)
+        job = self._cache.get(key)
+        if job is None or job.future.cancelled():
+            job = self._cache[key] = CompileJob(lambda: self._compile(params), owner,
+                                                small=spec_bytes(params) <= SMALL_SPEC_BYTES)
+            self._queue.submit(job)
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        return GrammarState(future)
+        if job.future.done():
+            return GrammarState(job.future)
+        self._claims[job] += 1
+        timeout = self.config.compile_timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        return GrammarState(job.future, deadline=deadline,
+                            on_release=lambda timed_out: self._release(key, job, timed_out))
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar")
-        return self._pool
+    def _release(self, key: tuple, job: CompileJob, timed_out: bool) -> None:
+        """One claim on ``job`` is gone; the last one cancels it if it is still queued."""
+        self.stats.num_timed_out += timed_out
+        self._claims[job] -= 1
+        if self._claims[job] > 0:
+            return
+        del self._claims[job]
+        if self._queue.cancel(job):
+            self.stats.num_cancelled += 1
+            if self._cache.get(key) is job:
+                del self._cache[key]
 
     def _compile(self, params: StructuredOutputsParams):
         t0 = time.perf_counter()
@@ -149,6 +197,16 @@ class StructuredOutputManager:
                                                           stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
             return self._compiler
+
+    def metrics(self) -> list[Metric]:
+        """Compile time and queue state for /metrics."""
+        s = self.stats
+        return [Metric("pagedllm:structured_output_compile_seconds", s.compile_seconds, kind="counter"),
+                Metric("pagedllm:structured_output_compiles", s.num_compiled, kind="counter"),
+                Metric("pagedllm:structured_output_compile_timeouts", s.num_timed_out, kind="counter"),
+                Metric("pagedllm:structured_output_compiles_cancelled", s.num_cancelled, kind="counter"),
+                Metric("pagedllm:structured_output_compile_queue_depth", self._queue.depth()),
+                Metric("pagedllm:structured_output_compiles_running", self._queue.num_running())]
 
     def wait_for_any(self, states: list[GrammarState], timeout: float) -> None:
         """Blocks until one of ``states`` is compiled or ``timeout`` passes (an idle engine's wait)."""
@@ -181,8 +239,7 @@ class StructuredOutputManager:
         return bitmask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._queue.shutdown()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:

@@ -225,3 +225,74 @@ def test_a_grammar_that_fails_to_compile_ends_its_request(llama_dir, monkeypatch
     assert [c.finish_reason for c in failed.outputs] == ["abort"] and failed.finished
     assert len(free.outputs[0].token_ids) == 3
     assert llm.get_kv_cache_stats().num_used_blocks == 0
+
+
+def count_longest_whitespace_run(text: str) -> int:
+    return max((len(run) for run in re.findall(r"[ \t\r\n]+", text)), default=0)
+
+
+@pytest.mark.parametrize("model", ["random", "demo"])
+def test_json_at_temperature_1_with_free_whitespace_ends_in_a_valid_document(llama_dir, model):
+    """Whitespace is free (no disable_any_whitespace) but bounded per gap: sampled at temperature 1,
+    every one of 16 samples is a document that validates, ended by the grammar, not by max_tokens
+    (unbounded, a random model wrote "{" and whitespace until max_tokens)."""
+    from pagedllm.structured_output.grammar import JSON_MAX_WHITESPACE
+    engine = LLM(llama_dir if model == "random" else "pagedllm-demo", block_size=8, num_gpu_blocks_override=400,
+                 max_model_len=512)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA)) for i in range(16)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    for out in engine.generate(prompts, params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (c.text, c.finish_reason)
+        check("json", c.text)
+        assert count_longest_whitespace_run(c.text) <= JSON_MAX_WHITESPACE
+    objects = engine.generate(prompts[:4], [SamplingParams(
+        temperature=1.0, seed=i, max_tokens=60, logit_bias=closing_bias(engine),
+        structured_outputs=StructuredOutputsParams(json_object=True)) for i in range(4)], use_tqdm=False)
+    for out in objects:
+        assert count_longest_whitespace_run(out.outputs[0].text) <= JSON_MAX_WHITESPACE
+    engine.llm_engine.scheduler.kv.check_integrity()
+
+
+def test_a_spec_over_the_size_limit_is_refused_naming_the_limit(llama_dir):
+    engine = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128,
+                 max_structured_output_bytes=1000)
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(60)}}
+    with pytest.raises(ValueError, match="max_structured_output_bytes=1000"):
+        engine.generate(PROMPTS[:2], constrained(0, json=big), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.choice is 1100 bytes"):
+        engine.generate(PROMPTS[:1], constrained(0, choice=["x" * 100] * 11), use_tqdm=False)
+    assert not engine.llm_engine.has_unfinished_requests()
+    assert check("regex", engine.generate(PROMPTS[:1], constrained(0, regex=REGEX), use_tqdm=False)[0]
+                 .outputs[0].text) is None
+
+
+def test_a_request_whose_grammar_is_not_ready_in_time_fails_and_others_run(llama_dir, monkeypatch):
+    import threading
+
+    from pagedllm.structured_output.manager import StructuredOutputManager
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, params):
+        release.wait(30)
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128,
+              structured_output_compile_timeout=0.3)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("slow", PROMPTS[0], constrained(0, regex=REGEX))
+        engine.add_request("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert finished["slow"].outputs[0].finish_reason == "abort"
+        assert len(finished["free"].outputs[0].token_ids) == 4
+        metrics = {m.name: m.value for m in llm.get_metrics()}
+        assert metrics["pagedllm:structured_output_compile_timeouts"] == 1
+        engine.scheduler.kv.check_integrity()
+    finally:
+        release.set()

@@ -90,6 +90,11 @@ def test_completion_constraint_fields(client, extra, check):
     ("/v1/completions", {"logprobs": -2}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),  # the whole vocabulary is over max_logprobs=20
     ("/generate", {"structured_outputs": {"choice": []}}, None),
+    # over max_structured_output_bytes (64 KiB by default): refused before any compile
+    ("/v1/completions", {"structured_outputs": {"choice": ["x" * 1000] * 70}}, "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}}}},
+     "structured_outputs"),
 ])
 def test_bad_constraints_are_400_and_the_server_keeps_serving(live_server, path, body, param):  # noqa: F811
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "hello"}
