@@ -150,8 +150,8 @@ def _vllm_help(arg: VllmArg) -> str:
 
 
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """vLLM's optional_type: "None" (or empty) is None."""
-    return lambda text: None if text in ("", "None") else parse(text)
+    """vLLM's optional_type: "None" is None (argparse also runs this on a string default, kept as is)."""
+    return lambda text: None if text == "None" else parse(text)
 
 
 def _json_value(text: str) -> Any:
@@ -421,8 +421,6 @@ class EngineArgs:
         if self.speculative_config is not None:
             raise ValueError(f"spec_method / spec_model / spec_tokens ({short}) are a shorthand for "
                              "speculative_config: give one or the other")
-        if "model" in short and "method" not in short:
-            short["method"] = "draft_model"
         return short
 
     def _hub(self) -> HubOptions:
