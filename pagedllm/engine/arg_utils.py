@@ -144,8 +144,10 @@ def _vllm_field(arg: VllmArg) -> Any:
 
 
 def _vllm_help(arg: VllmArg) -> str:
-    accepted = " / ".join("unset" if v is None else json.dumps(v) for v in arg.accept)
     label = "deprecated in vLLM; " if arg.status == "deprecated" else ""
+    if arg.field:  # mapped onto one of ours (task -> runner / convert)
+        return f"{label}{arg.reason}".replace("%", "%%")
+    accepted = " / ".join("unset" if v is None else json.dumps(v) for v in arg.accept)
     return f"{label}accepted: {accepted}; {arg.reason}".replace("%", "%%")
 
 
