@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -233,7 +234,8 @@ def test_help_lists_the_vllm_compatibility_flags(capsys):
 def test_table_regenerates_from_the_wheel_sources(tmp_path):
     """scripts/vllm_engine_args.py keeps the decisions and marks a name new in the wheel unreviewed."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("regen", "scripts/vllm_engine_args.py")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "vllm_engine_args.py"
+    spec = importlib.util.spec_from_file_location("regen", script)
     regen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(regen)
     arg_utils = ("from dataclasses import dataclass\nclass ModelConfig:\n    seed: int = 0\n"
