@@ -316,10 +316,12 @@ class EngineArgs:
                                               "(pagedllm's --kv-offload-cpu-gb is per rank)", parse=float)
     kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
                                         choices=("native",))
-    enable_sleep_mode: bool = option(False, "allow LLM.sleep() / wake_up() (and the server's /sleep, /wake_up)")
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
+    enable_sleep_mode: bool = option(False, "allow LLM.sleep()/wake_up() and the server's /sleep, /wake_up and "
+                                     "/is_sleeping: free the KV pool and offload or drop the weights between "
+                                     "uses (RL loops)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -582,8 +584,8 @@ class EngineArgs:
             served_model_names=self.served_model_names(),
             max_logprobs=self.max_logprobs,
             generation_defaults=generation_defaults(path, self.generation_config, self.override_generation_config),
-            load_format=self.load_format,
             enable_sleep_mode=self.enable_sleep_mode,
+            load_format=self.load_format,
         )
 
     def _tokenizer_path(self, model_path: str) -> str:
