@@ -300,6 +300,8 @@ class EngineArgs:
     spec_tokens: int | None = option(None, "shorthand for speculative_config's num_speculative_tokens", parse=int)
     revision: str | None = option(None, "the Hub revision (branch, tag or commit) of the model to download; "
                                   "a local directory is used as it is")
+    hf_config_path: str | None = option(None, "read config.json from this directory or Hub id instead of the "
+                                        "model's")
     tokenizer_revision: str | None = option(None, "the Hub revision of the tokenizer (default: the model's)")
     download_dir: str | None = option(None, "where Hub downloads go (default: the Hugging Face cache)")
     hf_token: bool | str | None = option(None, "the Hub token (True: the one `huggingface-cli login` saved)",
@@ -323,6 +325,12 @@ class EngineArgs:
                                      "/is_sleeping: free the KV pool and offload or drop the weights between "
                                      "uses (RL loops)")
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's spelling of :func:`add_engine_args` (``EngineArgs.add_cli_args(parser)`` in its examples)."""
+        add_engine_args(parser)
+        return parser
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The EngineArgs a command line parsed with :func:`add_engine_args` asks for."""
@@ -341,7 +349,7 @@ class EngineArgs:
                              "to prefill longer prompts in one step")
         runner, convert = self._runner_and_convert()
         return dataclasses.replace(
-            self, runner=runner, convert=convert, task="auto",
+            self, runner=runner, convert=convert, task="auto", seed=0 if self.seed is None else self.seed,
             block_size=16 if self.block_size is None else self.block_size,
             max_num_seqs=256 if self.max_num_seqs is None else self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching is not False,
@@ -433,6 +441,8 @@ class EngineArgs:
     def _hf_config(self, path: str):
         """The checkpoint's config.json, with ``hf_overrides`` applied."""
         from transformers import AutoConfig
+        if self.hf_config_path is not None:
+            path = resolve_model_path(self.hf_config_path, self._hub())
         hf = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
         return apply_hf_overrides(hf, self.hf_overrides)
 

@@ -52,6 +52,7 @@ NON_DEFAULT = {
     "scheduling_policy": "priority", "runner": "pooling", "pooler_config": '{"normalize": false}',
     "kv_cache_memory_bytes": 1 << 30, "convert": "embed", "load_format": "dummy",
     "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
+    "hf_config_path": "org/config",
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
@@ -133,7 +134,8 @@ def test_bad_choice_exits_naming_the_flag(capsys):
 
 @pytest.fixture(scope="module")
 def config_values(model_dirs):
-    return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"]}
+    return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"],
+            "hf_config_path": model_dirs["qwen2"]}
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,15 @@ def test_hf_overrides_dict_json_and_callable(llama_dir):
     assert hf(double_eps).rms_norm_eps == 2 * hf(None).rms_norm_eps
 
 
+def test_hf_config_path_and_vllm_add_cli_args(model_dirs):
+    config = EngineArgs(model=model_dirs["llama"], hf_config_path=model_dirs["qwen2"]).create_engine_config()
+    assert config.model.architecture == "Qwen2ForCausalLM"
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--enable-lora", "--seed", "3"])) == \
+        EngineArgs(enable_lora=True, seed=3)
+
+
 def test_hub_options_reach_the_download(monkeypatch, llama_dir):
     """revision / download_dir / hf_token go to huggingface_hub; tokenizer_revision fetches the tokenizer."""
     import huggingface_hub
