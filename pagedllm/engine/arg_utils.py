@@ -5,11 +5,20 @@ parse function, hidden, or the reason it is Python-only). :func:`add_engine_args
 flags from it and :meth:`EngineArgs.from_cli_args` maps the parsed namespace back, so a new field
 appears on every command (generate, chat, serve) without being typed again. Choice lists are the
 constants the configs validate against.
+
+vLLM's names (engine/vllm_engine_args.json, engine/vllm_args.py): EngineArgs declares the ones it
+honours; every other name vLLM's EngineArgs / LLM accepts becomes a field from that table, accepted
+at the values that change nothing here and refused (ValueError, with the reason) at any other, with
+its vLLM flag in a "vLLM compatibility" group. An unknown keyword is a TypeError naming the closest.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import functools
+import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
@@ -41,10 +50,18 @@ from pagedllm.config import (
     resolve_kv_cache_dtype,
 )
 from pagedllm.distributed.pipeline import check_layers
+from pagedllm.engine.vllm_args import VllmArg, unknown_keyword_error, vllm_args, vllm_version
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
-from pagedllm.models.loader import DEMO_MODEL_NAME, checkpoint_dtype, resolve_model_path
+from pagedllm.models.loader import (
+    DEMO_MODEL_NAME,
+    LOAD_FORMATS,
+    HubOptions,
+    apply_hf_overrides,
+    checkpoint_dtype,
+    resolve_model_path,
+)
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
@@ -65,6 +82,7 @@ class CliOption:
     nargs: str | None = None
     hidden: bool = False  # accepted, but left out of --help
     python_only: str | None = None
+    const: Any = None  # with nargs="?": the value of the bare flag
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:
@@ -73,6 +91,13 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
 
 
 DEFAULT_DISK_GB = 10.0  # the disk tier's budget when --kv-offload-dir comes without --kv-offload-disk-gb
+# vLLM's ``convert``: "embed" runs a *ForCausalLM as an embedding model (our pooling runner);
+# "classify" is a *ForSequenceClassification checkpoint's own head (vLLM also converts causal LMs: not here)
+CONVERTS = ("auto", "none", "embed", "classify")
+# vLLM < 0.11's ``task`` -> (runner, convert)
+TASKS = {"auto": ("auto", "auto"), "generate": ("generate", "auto"), "embed": ("pooling", "embed"),
+         "embedding": ("pooling", "embed"), "classify": ("pooling", "classify"), "score": ("pooling", "classify"),
+         "reward": ("pooling", "auto")}
 
 
 def cli_option(f: Field) -> CliOption:
@@ -88,23 +113,112 @@ def _json_object_text(text: str, name: str = "speculative_config") -> str:
     return text
 
 
+def _json_object(name: str) -> Callable[[str], dict]:
+    """A flag whose value is a JSON object (``--hf-overrides '{"rope_theta": 1e6}'``), parsed."""
+    def parse(text: str) -> dict:
+        try:
+            return load_json_object(text, name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def _json_object_or_text(value: dict | str | None, name: str) -> dict:
+    """A dict keyword, or its JSON text; None is empty."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return load_json_object(value, name)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} must be a dict (or its JSON text)")
+    return value
+
+
+def _vllm_field(arg: VllmArg) -> Any:
+    """The EngineArgs field of a vLLM name pagedllm does not declare: vLLM's default, and its flag."""
+    default = arg.default
+    opt = CliOption(_vllm_help(arg), python_only=arg.cli, aliases=arg.flags[1:], **_VALUE_FLAGS[arg.type])
+    metadata = {"cli": opt, "vllm": arg}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _vllm_help(arg: VllmArg) -> str:
+    label = "deprecated in vLLM; " if arg.status == "deprecated" else ""
+    if arg.field:  # mapped onto one of ours (task -> runner / convert)
+        return f"{label}{arg.reason}".replace("%", "%%")
+    accepted = " / ".join("unset" if v is None else json.dumps(v) for v in arg.accept)
+    return f"{label}accepted: {accepted}; {arg.reason}".replace("%", "%%")
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """vLLM's optional_type: "None" is None (argparse also runs this on a string default, kept as is)."""
+    return lambda text: None if text == "None" else parse(text)
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # vLLM keeps a non-JSON value as its text (then refused here by value)
+
+
+_VALUE_FLAGS: dict[str, dict[str, Any]] = {  # a vLLM value type -> its flag (CliOption fields)
+    "bool": {"parse": bool}, "bool_or_str": {"nargs": "?", "const": True, "parse": _optional(str)},
+    "int": {"parse": _optional(int)}, "float": {"parse": _optional(float)}, "str": {"parse": _optional(str)},
+    "json": {"parse": _json_value}, "list": {"nargs": "+"}, "list_int": {"nargs": "+", "parse": int},
+}
+
+
+def _with_vllm_fields(cls: type) -> type:
+    """Declares, before ``@dataclass`` runs, one field for every vLLM keyword ``cls`` does not declare."""
+    for arg in vllm_args().values():
+        if arg.name not in cls.__annotations__ and not arg.llm_only:
+            cls.__annotations__[arg.name] = "Any"
+            setattr(cls, arg.name, _vllm_field(arg))
+    return cls
+
+
+def _refuse_unknown_keywords(cls: type) -> type:
+    """Wraps the dataclass ``__init__``: an unknown keyword is a TypeError naming the closest valid one."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in names:
+                raise unknown_keyword_error(name, names, cls.__name__)
+        init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
+
+
+@_refuse_unknown_keywords
 @dataclass
+@_with_vllm_fields
 class EngineArgs:
-    """Every engine option, with vLLM's names. ``create_engine_config`` validates and resolves them."""
+    """Every engine option, with vLLM's names. ``create_engine_config`` validates and resolves them.
+
+    The fields declared here are pagedllm's options (most with vLLM's names and meanings); the
+    other names of vLLM's EngineArgs come from engine/vllm_engine_args.json (``_with_vllm_fields``)."""
 
     model: str = option(DEMO_MODEL_NAME, "local checkpoint directory, Hub id, or 'pagedllm-demo' (bundled)")
     tokenizer: str | None = option(None, "tokenizer path or Hub id (default: the model's)")
-    tokenizer_mode: str = option("auto", "auto: the fast tokenizer when there is one; slow: the Python "
-                                 "tokenizer (refused when the model has none)", choices=TOKENIZER_MODES)
+    tokenizer_mode: str = option("auto", "auto (or vLLM's hf): the fast tokenizer when there is one; slow: the "
+                                 "Python tokenizer (refused when the model has none)",
+                                 choices=(*TOKENIZER_MODES, "hf"))
     trust_remote_code: bool = option(False, "let transformers run the model repository's code for its config "
                                      "and tokenizer")
     dtype: str = option("auto", "weights and activations; auto = float32 on CPU, the checkpoint's half type on CUDA",
                         choices=DTYPES)
-    block_size: int = option(16, "tokens per KV block", choices=ALLOWED_BLOCK_SIZES, parse=int)
+    block_size: int | None = option(16, "tokens per KV block (None: 16)", choices=ALLOWED_BLOCK_SIZES, parse=int)
     gpu_memory_utilization: float = option(
         0.9, "fraction of device memory (on CPU: of available RAM, capped) for weights, activations and KV",
-        parse=float)
+        parse=float, aliases=("--device-memory-utilization",))
     kv_cache_memory: int | str | None = option(None, "KV cache size, bytes or e.g. '4GiB' (overrides utilization)")
+    kv_cache_memory_bytes: int | None = option(None, "vLLM's spelling of --kv-cache-memory, in bytes", parse=int)
     swap_space: float | str = option(4, "CPU swap space for preempted KV, GiB or e.g. '16GiB'")
     kv_offload_cpu_gb: float = option(0, "CPU memory (GiB, per rank; pinned on CUDA) for prefix blocks evicted "
                                       "from the KV cache, found again by later prompts", parse=float)
@@ -114,9 +228,13 @@ class EngineArgs:
                                               f"engines sharing it together (default {DEFAULT_DISK_GB:g})",
                                               parse=float)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
-    max_num_seqs: int = option(256, "sequences per step", parse=int)
-    max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU)", parse=int)
-    enable_prefix_caching: bool = option(True, "reuse KV of shared prompt prefixes")
+    max_num_seqs: int | None = option(256, "sequences per step (None: 256)", parse=int)
+    max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU); a longer "
+                                                "prompt is prefilled in chunks of this size", parse=int)
+    enable_chunked_prefill: bool | None = option(
+        None, "pagedllm always chunks prompts longer than --max-num-batched-tokens: true or unset; false is "
+        "refused", parse=bool)
+    enable_prefix_caching: bool | None = option(True, "reuse KV of shared prompt prefixes (None: on)")
     preemption_mode: str = option("recompute", "what a preempted request loses: its KV (recompute) or its place "
                                   "on the device (swap to --swap-space)", choices=PREEMPTION_MODES)
     scheduling_policy: str = option("fcfs", "the order requests get the batch in: arrival (fcfs), or each "
@@ -146,8 +264,8 @@ class EngineArgs:
     master_port: int | None = option(None, "node 0's rendezvous port (default: MASTER_PORT; required with nnodes > 1, "
                                      "else any free port)", parse=int)
     num_gpu_blocks_override: int | None = option(None, "force the number of KV blocks", parse=int)
-    attention_backend: str = option("auto", "attention kernels; auto = the C kernel on CPU, Triton on CUDA",
-                                    choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = option("auto", "attention kernels; auto (or None) = the C kernel on CPU, "
+                                           "Triton on CUDA", choices=ATTENTION_BACKENDS)
     num_threads: int | None = option(None, "torch threads on CPU (default: physical cores)", parse=int)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting requests", parse=float)
@@ -169,10 +287,38 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, "num_speculative_tokens": 4}',
         parse=_json_object_text)
     runner: str = option("generate", "generate: text generation; pooling: one vector per prompt (LLM.embed, "
-                         "/v1/embeddings)", choices=RUNNERS)
+                         "/v1/embeddings); auto: pooling for checkpoints that only pool (a bare *Model), else "
+                         "generate", choices=("auto", *RUNNERS))
+    convert: str = option("auto", "vLLM's model conversion: embed runs a *ForCausalLM as an embedding model "
+                          "(runner pooling); classify needs a *ForSequenceClassification checkpoint; none/auto: "
+                          "as the checkpoint is", choices=CONVERTS)
     pooler_config: dict | str | None = option(
         None, 'runner pooling: as JSON, {"pooling_type": "LAST", "normalize": true} (the defaults)',
         parse=lambda text: _json_object_text(text, "pooler_config"))
+    spec_method: str | None = option(None, "vLLM's shorthand for speculative_config's method (ngram, "
+                                     "draft_model)")
+    spec_model: str | None = option(None, "shorthand for speculative_config's draft model")
+    spec_tokens: int | None = option(None, "shorthand for speculative_config's num_speculative_tokens", parse=int)
+    revision: str | None = option(None, "the Hub revision (branch, tag or commit) of the model to download; "
+                                  "a local directory is used as it is")
+    hf_config_path: str | None = option(None, "read config.json from this directory or Hub id instead of the "
+                                        "model's")
+    tokenizer_revision: str | None = option(None, "the Hub revision of the tokenizer (default: the model's)")
+    download_dir: str | None = option(None, "where Hub downloads go (default: the Hugging Face cache)")
+    hf_token: bool | str | None = option(None, "the Hub token (True: the one `huggingface-cli login` saved)",
+                                         nargs="?", const=True)
+    hf_overrides: dict | Callable | None = option(
+        None, 'config.json values to override, as JSON ({"rope_theta": 1e6}; a dict value updates a nested '
+        "config), or in Python a function from the config to the config", parse=_json_object("hf_overrides"))
+    load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
+                              "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
+    override_generation_config: dict | None = option(
+        None, 'generation_config.json values to override (HF names), as JSON: {"temperature": 0.5}',
+        parse=_json_object("override_generation_config"))
+    kv_offloading_size: float | None = option(None, "vLLM's CPU KV offloading buffer in GiB, across all ranks "
+                                              "(pagedllm's --kv-offload-cpu-gb is per rank)", parse=float)
+    kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
+                                        choices=("native",))
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
@@ -183,6 +329,15 @@ class EngineArgs:
     structured_output_compile_timeout: float = option(
         StructuredOutputConfig.compile_timeout, "seconds a request waits for its grammar to compile (queue "
         "included) before it fails; 0: no limit", parse=float)
+    enable_sleep_mode: bool = option(False, "allow LLM.sleep()/wake_up() and the server's /sleep, /wake_up and "
+                                     "/is_sleeping: free the KV pool and offload or drop the weights between "
+                                     "uses (RL loops)")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's spelling of :func:`add_engine_args` (``EngineArgs.add_cli_args(parser)`` in its examples)."""
+        add_engine_args(parser)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -190,6 +345,116 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if not cli_option(f).python_only})
 
     def create_engine_config(self) -> EngineConfig:
+        return self._as_pagedllm()._engine_config()
+
+    def _as_pagedllm(self) -> EngineArgs:
+        """These arguments with vLLM's spellings of our options made ours (None for our default, the
+        ``spec_*`` shorthand, bytes / GiB across ranks), after refusing what cannot be honoured."""
+        self._check_vllm_values()
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill=False is not supported: pagedllm's scheduler always prefills "
+                             "a prompt longer than the step's token budget in chunks; raise max_num_batched_tokens "
+                             "to prefill longer prompts in one step")
+        runner, convert = self._runner_and_convert()
+        return dataclasses.replace(
+            self, runner=runner, convert=convert, task="auto", seed=0 if self.seed is None else self.seed,
+            block_size=16 if self.block_size is None else self.block_size,
+            max_num_seqs=256 if self.max_num_seqs is None else self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching is not False,
+            attention_backend=self.attention_backend or "auto",
+            tokenizer_mode="auto" if self.tokenizer_mode == "hf" else self.tokenizer_mode,
+            kv_cache_memory=self._kv_cache_memory(), kv_cache_memory_bytes=None,
+            kv_offload_cpu_gb=self._kv_offload_cpu_gb(), kv_offloading_size=None,
+            speculative_config=self._speculative_from_shorthand(), spec_method=None, spec_model=None, spec_tokens=None)
+
+    def _check_vllm_values(self) -> None:
+        """vLLM's names pagedllm does not declare: refused at any value but the accepted ones."""
+        for arg in vllm_args().values():
+            if arg.status == "honoured" or arg.llm_only or arg.field:
+                continue
+            value = getattr(self, arg.name)
+            if not arg.accepts(value):
+                raise ValueError(arg.refusal(value))
+            if arg.status == "deprecated" and value != arg.default:
+                warnings.warn(f"{arg.name}={value!r} is deprecated in vLLM: {arg.reason}", DeprecationWarning,
+                              stacklevel=4)
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend == "uni" and world > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in this process; "
+                             f"tensor_parallel_size x pipeline_parallel_size = {world} needs 'mp' (or unset)")
+
+    def _runner_and_convert(self) -> tuple[str, str]:
+        """``runner`` / ``convert``, with vLLM < 0.11's ``task`` mapped onto them; "auto" runner is
+        decided by the checkpoint's architecture."""
+        runner, convert = self.runner, self.convert
+        if self.task != "auto":
+            if self.task not in TASKS:
+                raise ValueError(f"task={self.task!r} is not supported: one of {sorted(TASKS)}")
+            warnings.warn(f"task={self.task!r} is deprecated in vLLM: use runner= / convert=", DeprecationWarning,
+                          stacklevel=4)
+            task_runner, task_convert = TASKS[self.task]
+            if runner not in ("generate", "auto", task_runner) or convert not in ("auto", task_convert):
+                raise ValueError(f"task={self.task!r} means runner={task_runner!r}, convert={task_convert!r}; it "
+                                 f"contradicts runner={runner!r}, convert={convert!r}")
+            runner, convert = task_runner, task_convert
+        if convert in ("embed", "classify"):
+            runner = "pooling"  # vLLM's conversions make a pooling model
+        if runner == "auto":
+            runner = self._auto_runner()
+        return runner, convert
+
+    def _auto_runner(self) -> str:
+        """vLLM's runner="auto": pooling for a checkpoint only the pooling runner can load, else generate."""
+        archs = getattr(self._hf_config(resolve_model_path(self.model, self._hub())), "architectures", None)
+        try:
+            resolve_architecture(archs, "generate")
+            return "generate"
+        except ValueError:
+            return "pooling"
+
+    def _kv_cache_memory(self) -> int | str | None:
+        if self.kv_cache_memory_bytes is None:
+            return self.kv_cache_memory
+        if self.kv_cache_memory is not None:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} and kv_cache_memory="
+                             f"{self.kv_cache_memory!r} set the same thing: give one")
+        return self.kv_cache_memory_bytes
+
+    def _kv_offload_cpu_gb(self) -> float:
+        """vLLM's ``kv_offloading_size`` is GiB across all ranks; ours is per rank."""
+        if self.kv_offloading_size is None:
+            return self.kv_offload_cpu_gb
+        if self.kv_offload_cpu_gb:
+            raise ValueError(f"kv_offloading_size={self.kv_offloading_size!r} and kv_offload_cpu_gb="
+                             f"{self.kv_offload_cpu_gb!r} set the same CPU tier: give one")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend={self.kv_offloading_backend!r} is not supported: 'native' "
+                             "(pagedllm's CPU tier)")
+        return self.kv_offloading_size / (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    def _speculative_from_shorthand(self) -> dict | str | None:
+        """vLLM's ``spec_method`` / ``spec_model`` / ``spec_tokens`` as a speculative_config."""
+        short = {"method": self.spec_method, "model": self.spec_model, "num_speculative_tokens": self.spec_tokens}
+        short = {key: value for key, value in short.items() if value is not None}
+        if not short:
+            return self.speculative_config
+        if self.speculative_config is not None:
+            raise ValueError(f"spec_method / spec_model / spec_tokens ({short}) are a shorthand for "
+                             "speculative_config: give one or the other")
+        return short
+
+    def _hub(self) -> HubOptions:
+        return HubOptions(self.revision, self.download_dir, self.hf_token)
+
+    def _hf_config(self, path: str):
+        """The checkpoint's config.json, with ``hf_overrides`` applied."""
+        from transformers import AutoConfig
+        if self.hf_config_path is not None:
+            path = resolve_model_path(self.hf_config_path, self._hub())
+        hf = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+        return apply_hf_overrides(hf, self.hf_overrides)
+
+    def _engine_config(self) -> EngineConfig:
         device = default_device() if self.device == "auto" else torch.device(self.device)
         model_config = self._model_config(device)
         self._check_offload_layout()
@@ -303,10 +568,15 @@ class EngineArgs:
         return dataclasses.replace(spec, draft=dataclasses.replace(draft, dtype=target.dtype))
 
     def _model_config(self, device: torch.device) -> ModelConfig:
-        from transformers import AutoConfig
-        path = resolve_model_path(self.model)
-        hf = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+        path = resolve_model_path(self.model, self._hub())
+        hf = self._hf_config(path)
         arch = resolve_architecture(getattr(hf, "architectures", None), self.runner)
+        if self.convert == "classify" and not arch.endswith("ForSequenceClassification"):
+            raise ValueError(f"convert='classify' is not supported for {arch}: pagedllm classifies with a "
+                             "*ForSequenceClassification checkpoint's own head (it does not add one to a causal LM)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is not supported: one of {LOAD_FORMATS} (pickled "
+                             "'pt' checkpoints are never loaded)")
         limit = getattr(hf, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len or limit
         if not isinstance(max_len, int) or max_len < 1:
@@ -316,7 +586,7 @@ class EngineArgs:
         heads = hf.num_attention_heads
         return ModelConfig(
             model=path,
-            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else path,
+            tokenizer=self._tokenizer_path(path),
             hf_config=hf,
             architecture=arch,
             dtype=resolve_dtype(self.dtype, checkpoint_dtype(path), device),
@@ -333,8 +603,17 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             served_model_names=self.served_model_names(),
             max_logprobs=self.max_logprobs,
-            generation_defaults=generation_defaults(path, self.generation_config),
+            generation_defaults=generation_defaults(path, self.generation_config, self.override_generation_config),
+            enable_sleep_mode=self.enable_sleep_mode,
+            load_format=self.load_format,
         )
+
+    def _tokenizer_path(self, model_path: str) -> str:
+        """The tokenizer's directory: the model's, unless another tokenizer or revision is asked for."""
+        if self.tokenizer is None and self.tokenizer_revision in (None, self.revision):
+            return model_path
+        hub = dataclasses.replace(self._hub(), revision=self.tokenizer_revision or self.revision)
+        return resolve_model_path(self.tokenizer or self.model, hub)
 
     def served_model_names(self) -> tuple[str, ...]:
         """``served_model_name`` as a tuple; the model as given when unset."""
@@ -355,28 +634,41 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model_path: str, source: str) -> tuple[tuple[str, Any], ...]:
+def generation_defaults(model_path: str, source: str,
+                        overrides: dict | str | None = None) -> tuple[tuple[str, Any], ...]:
     """The sampling defaults ``generation_config`` asks for: those the model's (or a folder's)
-    generation_config.json sets to non-default values ("auto"), or none ("vllm")."""
+    generation_config.json sets to non-default values ("auto"), or none ("vllm"); then vLLM's
+    ``override_generation_config`` (HF names) over them, whatever the source."""
+    diff = dict(_generation_config_diff(model_path, source))
+    extra = _json_object_or_text(overrides, "override_generation_config")
+    unknown = sorted(set(extra) - set(_GENERATION_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config has unsupported key(s) {unknown}; allowed: "
+                         f"{sorted(_GENERATION_FIELDS)}")
+    diff.update(extra)
+    return tuple((ours, diff[hf]) for hf, ours in _GENERATION_FIELDS.items() if diff.get(hf) is not None)
+
+
+def _generation_config_diff(model_path: str, source: str) -> dict:
     if source == "vllm":
-        return ()
+        return {}
     from transformers import GenerationConfig
     folder = model_path if source == "auto" else source
     try:
-        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+        return GenerationConfig.from_pretrained(folder).to_diff_dict()
     except OSError:
         if source == "auto":
-            return ()  # the model has no generation_config.json: nothing to apply
+            return {}  # the model has no generation_config.json: nothing to apply
         raise ValueError(f"generation_config={source!r} must be 'auto', 'vllm' or a folder holding a "
                          "generation_config.json") from None
-    return tuple((ours, diff[hf]) for hf, ours in _GENERATION_FIELDS.items() if diff.get(hf) is not None)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, names: Sequence[str] | None = None,
                     title: str = "engine") -> None:
     """Adds one flag per EngineArgs field (vLLM's names) to ``parser``, from the fields' CliOption.
 
-    ``names`` picks a subset of fields (a benchmark exposing a few engine options); default: all.
+    ``names`` picks a subset of fields (a benchmark exposing a few engine options); default: all,
+    with vLLM's other engine flags in a "vLLM compatibility" group.
     """
     chosen = [f for f in fields(EngineArgs) if not cli_option(f).python_only]
     if names is not None:
@@ -385,9 +677,14 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Sequence[str] | None
             raise ValueError(f"names={sorted(unknown)} are not EngineArgs fields with a flag")
         chosen = [f for f in chosen if f.name in names]
     group = parser.add_argument_group(title)
+    compat = parser.add_argument_group(
+        f"vLLM compatibility (vLLM {vllm_version()}'s other engine flags: accepted at the values listed, which "
+        "change nothing here; any other value is refused with the reason)") if names is None else None
     for f in chosen:
         opt = cli_option(f)
-        group.add_argument(*_flag_names(f.name, opt), dest=f.name, default=f.default, **_argparse_kwargs(f, opt))
+        target = compat if "vllm" in f.metadata else group
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        target.add_argument(*_flag_names(f.name, opt), dest=f.name, default=default, **_argparse_kwargs(f, opt))
 
 
 def _flag_names(name: str, opt: CliOption) -> list[str]:
@@ -396,10 +693,10 @@ def _flag_names(name: str, opt: CliOption) -> list[str]:
 
 def _argparse_kwargs(f: Field, opt: CliOption) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"help": argparse.SUPPRESS if opt.hidden else opt.help}
-    if isinstance(f.default, bool):  # a switch: --flag, or --flag/--no-flag when on by default
-        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+    if isinstance(f.default, bool) or opt.parse is bool:  # a switch: --flag / --no-flag, as vLLM's
+        kwargs["action"] = argparse.BooleanOptionalAction
         return kwargs
-    extra = {"choices": opt.choices, "type": opt.parse, "nargs": opt.nargs}
+    extra = {"choices": opt.choices, "type": opt.parse, "nargs": opt.nargs, "const": opt.const}
     return kwargs | {key: value for key, value in extra.items() if value is not None}
 
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -17,11 +20,13 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 class LLM:
     """Loads a model and generates for batches of prompts with continuous batching.
 
-    Accepts vLLM's keywords (``model, tokenizer, dtype, block_size, gpu_memory_utilization,
-    kv_cache_memory, swap_space, max_model_len, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, preemption_mode, seed, enforce_eager, tensor_parallel_size,
-    pipeline_parallel_size, ...``);
-    an unknown keyword raises ``TypeError`` naming it.
+    Accepts every keyword of vLLM's ``LLM`` and ``EngineArgs`` (the version and the list are in
+    engine/vllm_engine_args.json): the ones pagedllm honours do what vLLM's do, the others are
+    accepted at the values that change nothing here and refused with a ``ValueError`` saying why at
+    any other; pagedllm's own options (``swap_space``, ``kv_offload_cpu_gb``, ...) too. An unknown
+    keyword raises ``TypeError`` naming the closest valid one. ``chat_template`` (a file or the
+    template itself) replaces the tokenizer's for ``chat()``; ``data_parallel_size`` > 1 is refused
+    (``pagedllm serve --data-parallel-size N`` runs replicas).
 
     ``shutdown()`` (or leaving ``with LLM(...) as llm:``) stops the tensor-parallel workers,
     destroys the engine's process group and frees the KV pool and the weights; dropping the last
@@ -29,10 +34,17 @@ class LLM:
     after another or side by side: each owns its own group.
     """
 
-    def __init__(self, model: str = "pagedllm-demo", **kwargs):
+    def __init__(self, model: str = "pagedllm-demo", *, chat_template: str | os.PathLike | None = None, **kwargs):
+        valid = [f.name for f in fields(EngineArgs)]
+        for name in kwargs:
+            if name not in valid:
+                raise unknown_keyword_error(name, [*valid, "chat_template"], "LLM")
         args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+        if chat_template is not None:
+            from pagedllm.entrypoints.openai.api_server import load_chat_template
+            self.get_tokenizer().chat_template = load_chat_template(os.fspath(chat_template))
 
     def __enter__(self) -> LLM:
         return self

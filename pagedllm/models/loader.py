@@ -6,6 +6,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,14 +25,28 @@ logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "pagedllm-demo"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# vLLM's load_format values we honour: "auto" / "safetensors" read *.safetensors (never a pickle),
+# "dummy" gives every weight random values (benchmarks, tests of shapes and memory)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """How a Hub id is downloaded (vLLM's ``revision``, ``download_dir``, ``hf_token``); a local
+    directory ignores them."""
+
+    revision: str | None = None
+    download_dir: str | None = None  # None: the Hugging Face cache (HF_HOME)
+    token: bool | str | None = None
 
 
 def demo_model_path() -> str:
     return os.path.join(os.path.dirname(__file__), "demo")
 
 
-def resolve_model_path(model: str) -> str:
-    """A local directory, the bundled demo model, or a Hub id downloaded into the HF cache."""
+def resolve_model_path(model: str, hub: HubOptions | None = None) -> str:
+    """A local directory, the bundled demo model, or a Hub id downloaded into the HF cache (or
+    ``hub.download_dir``) at ``hub.revision``."""
     if model == DEMO_MODEL_NAME:
         return demo_model_path()
     if os.path.isdir(model):
@@ -39,7 +56,7 @@ def resolve_model_path(model: str) -> str:
     if looks_like_path(model):
         raise ValueError(f"model={model!r} does not exist: pass an existing local directory or a Hub id "
                          "like 'org/name'")
-    return _download_from_hub(model)
+    return _download_from_hub(model, hub or HubOptions())
 
 
 def looks_like_path(model: str) -> bool:
@@ -47,18 +64,46 @@ def looks_like_path(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.strip("/").count("/") > 1
 
 
-def _download_from_hub(repo_id: str) -> str:
+def _download_from_hub(repo_id: str, hub: HubOptions) -> str:
     from huggingface_hub import snapshot_download
+    options = dict(allow_patterns=_HUB_PATTERNS, revision=hub.revision, cache_dir=hub.download_dir, token=hub.token)
     try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(repo_id, **options)
     except Exception as exc:  # offline, unknown repo, auth: all mean "cannot get it"
         try:
-            return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+            return snapshot_download(repo_id, local_files_only=True, **options)
         except Exception:
+            at = f" at revision={hub.revision!r}" if hub.revision else ""
             raise ValueError(
-                f"model={repo_id!r} is not a local directory and could not be fetched from the Hugging Face "
+                f"model={repo_id!r}{at} is not a local directory and could not be fetched from the Hugging Face "
                 f"Hub ({type(exc).__name__}: {exc}); when offline it must already be in the HF cache "
-                "(HF_HOME); otherwise pass a local path") from exc
+                "(HF_HOME, or download_dir); otherwise pass a local path") from exc
+
+
+def apply_hf_overrides(hf_config, overrides: dict | str | Callable | None):
+    """vLLM's ``hf_overrides``: a dict sets config attributes (a dict value for a nested config,
+    such as ``text_config``, updates that config's attributes), its JSON text likewise; a callable
+    takes the config and returns the config to use."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    if isinstance(overrides, str):
+        overrides = json.loads(overrides)
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides={overrides!r} must be a dict, its JSON text, or a function of the config")
+    for key, value in overrides.items():
+        _override(hf_config, key, value)
+    return hf_config
+
+
+def _override(config: Any, key: str, value: Any) -> None:
+    current = getattr(config, key, None)
+    if isinstance(value, dict) and hasattr(current, "to_dict"):  # a nested PretrainedConfig
+        for sub_key, sub_value in value.items():
+            _override(current, sub_key, sub_value)
+    else:
+        setattr(config, key, value)
 
 
 def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
@@ -124,12 +169,21 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "BOOL": torch.bool}
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", seed: int = 0) -> None:
     """Copies every checkpoint tensor into its parameter (``model.checkpoint_weights`` maps names and
     shards per family).
     A pre-quantized checkpoint (``quantization_config``) first gives the projections its
-    tensors' parameters and converts them to the runtime layout at the end."""
+    tensors' parameters and converts them to the runtime layout at the end.
+    ``load_format="dummy"`` reads nothing: every weight gets random values (see fill_dummy_weights)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported: one of {LOAD_FORMATS}")
     method = quantization.checkpoint_method(model.config)
+    if load_format == "dummy":
+        if method is not None:
+            raise ValueError(f"load_format='dummy' cannot be combined with a pre-quantized checkpoint ({method}): "
+                             "its packed layout comes from the checkpoint's tensors")
+        fill_dummy_weights(model, seed)
+        return
     if method is not None:
         quantization.create_weights(model, method)
     _load_tensors(model, model_dir)
@@ -161,6 +215,21 @@ def _load_tensors(model: nn.Module, model_dir: str) -> None:
         _fill_missing_lm_head(params["lm_head.weight"], params.get("model.embed_tokens.weight"))
         loaded.add("lm_head.weight")
     _check_all_loaded(model, params, loaded)
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """vLLM's dummy weights: uniform in [-1e-3, 1e-3] for floating parameters (so activations stay
+    finite through every layer), norm weights 1, integers 0; the same on every run with ``seed``."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.dtype.is_floating_point:
+                param.zero_()
+            elif "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0)
+            else:
+                values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2e-3 - 1e-3
+                param.copy_(values.to(param.dtype))
 
 
 def is_bare_checkpoint(hf_config) -> bool:

@@ -72,7 +72,7 @@ class ModelRunner:
                                              self.device)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
-        load_weights(self.model, mc.model)
+        load_weights(self.model, mc.model, mc.load_format, mc.seed)
         quantize_model(self.model, mc.quantization)
         if config.cache.calculate_kv_scales:
             kv_quant.start_calibration(self.model)

@@ -4,6 +4,7 @@ then ignored (each one changes the EngineConfig it creates)."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 
 import pytest
@@ -19,19 +20,23 @@ from pagedllm.config import (
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
 )
-from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, cli_option
+from pagedllm.engine.arg_utils import CONVERTS, EngineArgs, add_engine_args, cli_option
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.layers import quantization
 from pagedllm.layers.ops import FUSED_OPS
+from pagedllm.models.loader import LOAD_FORMATS
 
 CHOICES = {
     "tokenizer_mode": TOKENIZER_MODES, "dtype": DTYPES, "block_size": ALLOWED_BLOCK_SIZES,
     "preemption_mode": PREEMPTION_MODES, "quantization": quantization.METHODS,
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
-    "runner": RUNNERS,
+    "runner": ("auto", *RUNNERS), "convert": CONVERTS, "load_format": LOAD_FORMATS,
+    "kv_offloading_backend": ("native",),
 }
-# a value other than the default for every field (a new field must be added here)
+CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
+# a value other than the default for every declared field (a new field must be added here, or to
+# SEPARATELY_TESTED); vLLM's names pagedllm does not declare are tests/unit/test_vllm_engine_args.py's
 NON_DEFAULT = {
     "model": "org/model", "tokenizer": "org/tok", "tokenizer_mode": "slow", "trust_remote_code": True,
     "dtype": "bfloat16", "block_size": 32, "gpu_memory_utilization": 0.5, "kv_cache_memory": "1GiB",
@@ -46,6 +51,17 @@ NON_DEFAULT = {
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "calculate_kv_scales": True,
     "scheduling_policy": "priority", "runner": "pooling", "pooler_config": '{"normalize": false}',
     "max_structured_output_bytes": 1000, "structured_output_compile_timeout": 5.0,
+    "kv_cache_memory_bytes": 1 << 30, "convert": "embed", "load_format": "dummy",
+    "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
+    "hf_config_path": "org/config",
+}
+# declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
+# Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
+# values with no non-default we honour (chunked prefill is always on, offloading is native)
+SEPARATELY_TESTED = {
+    "revision": "main", "tokenizer_revision": "main", "download_dir": "/tmp/hf-downloads", "hf_token": "hf_x",
+    "hf_overrides": {"rms_norm_eps": 1e-3}, "spec_method": "ngram", "spec_model": "org/draft", "spec_tokens": 3,
+    "enable_chunked_prefill": True, "kv_offloading_backend": "native",
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
@@ -67,6 +83,8 @@ def _argv(values: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, *map(str, value if isinstance(value, list) else [value])]
     return argv
@@ -77,7 +95,8 @@ def test_every_field_has_a_flag_or_a_reason_to_be_python_only():
     for f in fields(EngineArgs):
         reason = cli_option(f).python_only
         assert (f.name in dests) != bool(reason), f.name
-    assert set(NON_DEFAULT) == {f.name for f in fields(EngineArgs)}
+    declared = {f.name for f in fields(EngineArgs) if "vllm" not in f.metadata}
+    assert set(NON_DEFAULT) | set(SEPARATELY_TESTED) == declared
 
 
 def test_choices_are_the_config_constants():
@@ -91,8 +110,9 @@ def test_defaults_parse_to_the_dataclass_defaults():
 
 @pytest.mark.parametrize("command", [["generate", "a prompt"], ["chat"], ["serve"]])
 def test_cli_round_trip_on_every_command(command):
-    argv = [command[0], *_argv(NON_DEFAULT), *command[1:]]
-    assert EngineArgs.from_cli_args(build_parser().parse_args(argv)) == EngineArgs(**NON_DEFAULT)
+    values = {**NON_DEFAULT, **SEPARATELY_TESTED}
+    argv = [command[0], *_argv(values), *command[1:]]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(argv)) == EngineArgs(**values)
 
 
 def test_existing_flag_spellings_still_parse():
@@ -115,7 +135,8 @@ def test_bad_choice_exits_naming_the_flag(capsys):
 
 @pytest.fixture(scope="module")
 def config_values(model_dirs):
-    return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"]}
+    return {**NON_DEFAULT, "model": model_dirs["mistral"], "tokenizer": model_dirs["qwen2"],
+            "hf_config_path": model_dirs["qwen2"]}
 
 
 @pytest.fixture(scope="module")
