@@ -53,6 +53,15 @@ class ModelConfig:
     # for requests that leave those fields unset; empty with generation_config="vllm"
     generation_defaults: tuple[tuple[str, Any], ...] = ()
 
+    @property
+    def is_classifier(self) -> bool:
+        """A ``*ForSequenceClassification`` checkpoint: its head gives ``num_labels`` class logits."""
+        return self.architecture.endswith("ForSequenceClassification")
+
+    @property
+    def num_labels(self) -> int:
+        return int(getattr(self.hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
+
     def __post_init__(self):
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} must be one of {TOKENIZER_MODES}")
