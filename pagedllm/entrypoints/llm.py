@@ -81,7 +81,8 @@ class LLM:
         """One vector per prompt (``out.outputs.embedding``), in input order; needs an engine
         built with ``runner="pooling"`` (``pooler_config`` sets the pooling and normalization)."""
         prompts = _as_list(prompts)
-        params = _per_prompt(pooling_params, PoolingParams, None, len(prompts), "pooling_params")
+        params = [_pooling_for(p, "embed", None)
+                  for p in _per_prompt(pooling_params, PoolingParams, PoolingParams(), len(prompts), "pooling_params")]
         ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
         return self._run(ids, use_tqdm)
 
