@@ -9,6 +9,7 @@ one of them with a 400 naming the model.
 """
 from __future__ import annotations
 
+import re
 import time
 
 from fastapi import APIRouter, Request
@@ -36,7 +37,7 @@ from .pooling_protocol import (
     ScoreResponseData,
 )
 from .protocol import ErrorResponse, UsageInfo
-from .serving import OpenAIServing, ServingError, _encode_embedding, bad_request, check_fields, collect, response_id
+from .serving import OpenAIServing, ServingError, _encode_embedding, check_fields, collect, response_id
 
 router = APIRouter()
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
@@ -67,8 +68,9 @@ class PoolingServing:
         try:
             params = PoolingParams(task=task, truncate_prompt_tokens=req.truncate_prompt_tokens,
                                    use_activation=req.activation_choice(), **fields)
-        except ValueError as exc:
-            raise bad_request(exc) from None
+        except ValueError as exc:  # PoolingParams names the field first ("task='x' is ...")
+            name = re.match(r"\w*", str(exc)).group(0)
+            raise ServingError(str(exc), 400, name if name in type(req).model_fields else None) from None
         try:
             return pooling.resolve_task(params, self.model_config)
         except ValueError as exc:
