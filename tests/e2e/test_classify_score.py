@@ -127,3 +127,13 @@ def test_what_cannot_run_is_refused_by_name(cross_encoder, llama_dir, tmp_path):
         LLM(three, block_size=8, num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="pooling_type='MEAN'"):
         pooling_llm(three, pooler_config={"pooling_type": "MEAN"})
+
+
+def test_tensor_parallel_classifier_matches_one_rank(cross_encoder):
+    """The score head is replicated on every rank and reads the whole final hidden state."""
+    llm, _ = cross_encoder
+    path = llm.llm_engine.model_config.model
+    want = [o.outputs.score for o in llm.score(TEXTS[0], DOCS, use_tqdm=False)]
+    with LLM(path, runner="pooling", num_gpu_blocks_override=200, tensor_parallel_size=2, num_threads=1) as tp:
+        got = [o.outputs.score for o in tp.score(TEXTS[0], DOCS, use_tqdm=False)]
+    assert got == pytest.approx(want, abs=1e-5)
