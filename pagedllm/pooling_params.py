@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# vLLM's per-token tasks: one row per prompt token (token_embed: hidden states; token_classify:
+# a classifier's head at every position, as LLM.reward returns)
+TOKEN_POOLING_TASKS = ("token_embed", "token_classify")
 # what a pooling request computes (vLLM's names): "embed" a vector per prompt (embedding models),
 # "classify" class probabilities and "score" a cross-encoder's relevance (*ForSequenceClassification)
-POOLING_TASKS = ("embed", "classify", "score")
-# vLLM's per-token tasks (reward models, token classification): each needs every prompt position's output
-TOKEN_POOLING_TASKS = ("token_embed", "token_classify")
+POOLING_TASKS = ("embed", "classify", "score", *TOKEN_POOLING_TASKS)
 
 
 @dataclass
@@ -40,19 +41,15 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens={self.truncate_prompt_tokens!r} is invalid: an integer >= 1 "
                              "or -1")
         check_task(self.task, "task")
-        if self.task in ("classify", "score") and self.normalize is not None:
-            raise ValueError(f"normalize={self.normalize!r} applies to task 'embed' only; task {self.task!r} takes "
-                             "use_activation")
+        if self.task not in (None, "embed", "token_embed") and self.normalize is not None:
+            raise ValueError(f"normalize={self.normalize!r} applies to tasks 'embed' and 'token_embed' only; task "
+                             f"{self.task!r} takes use_activation")
         if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
             raise ValueError(f"normalize={self.normalize!r} and use_activation={self.use_activation!r} disagree "
                              "(for embed, use_activation means normalize); set one")
 
 
 def check_task(task: str | None, name: str = "pooling_task") -> None:
-    """A pooling task name (the argument ``name``): one of POOLING_TASKS or None; the per-token
-    ones are refused by name."""
-    if task in TOKEN_POOLING_TASKS:
-        raise ValueError(f"{name}={task!r} is not supported: it needs a per-token output for every prompt "
-                         f"position (ALL pooling), which pagedllm does not compute; supported: {POOLING_TASKS}")
+    """A pooling task name (the argument ``name``): one of POOLING_TASKS or None."""
     if task is not None and task not in POOLING_TASKS:
         raise ValueError(f"{name}={task!r} is invalid: one of {POOLING_TASKS}")

@@ -37,6 +37,8 @@ from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
+RowSpan = tuple[Request, bool, int]  # a per-token pooling span: its request, whether it starts the prompt, its rows
+
 __all__ = ["LLMEngine", "PromptType"]
 
 
@@ -97,7 +99,8 @@ class LLMEngine:
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
                       pooling=processed.pooling)
-        req.pools_every_position = processed.pooling is not None and self.config.pooler.pooling_type != "LAST"
+        req.pools_every_position = processed.pooling is not None and (
+            self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs)
         self.scheduler.add_request(req)
@@ -270,11 +273,13 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         sched_out.return_hidden = self.config.pooler is not None
-        span_owners = self._pool_spans(sched_out) if sched_out.return_hidden else []
+        span_owners, row_owners = self._pool_spans(sched_out) if sched_out.return_hidden else ([], [])
         result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
         if result.span_sums is not None:
             self._accumulate(span_owners, result.span_sums)
+        if result.span_rows is not None:
+            self._collect_rows(row_owners, result.span_rows)
         if result.hidden is not None:
             self._pool(sched_out, result.hidden, result.logits)
         self.scheduler.finish_loads(result.tier_report)
@@ -289,23 +294,37 @@ class LLMEngine:
         self.step_times.add(sample=time.perf_counter() - t1)
         return sampled
 
-    def _pool_spans(self, sched_out: SchedulerOutput) -> list[tuple[Request, bool]]:
+    def _pool_spans(self, sched_out: SchedulerOutput) -> tuple[list[tuple[Request, bool]], list[RowSpan]]:
         """MEAN / CLS pooling: the token rows of this step each such request needs summed (all of a
-        chunk's for MEAN, position 0's for CLS) as ``sched_out.pool_spans``; returns each span's
-        request and whether the span starts its prompt (a recomputed request starts over)."""
-        kind, owners, offset = self.config.pooler.pooling_type, [], 0
+        chunk's for MEAN, position 0's for CLS) as ``sched_out.pool_spans``; per-token tasks: all
+        of a chunk's rows, whole, as ``sched_out.pool_rows``. Returns, for the sums and for the
+        rows, each span's request and whether the span starts its prompt (a recomputed request
+        starts over); for the rows, also the span's length."""
+        kind, sums, rows, offset = self.config.pooler.pooling_type, [], [], 0
         for chunk in sched_out.chunks:
             req = self.scheduler.requests[chunk.request_id]
-            if req.pools_every_position and (kind == "MEAN" or chunk.start == 0):
+            if req.pools_every_position and pooling.per_token(req.pooling):
+                sched_out.pool_rows.append((offset, chunk.num_new_tokens))
+                rows.append((req, chunk.start == 0, chunk.num_new_tokens))
+            elif req.pools_every_position and (kind == "MEAN" or chunk.start == 0):
                 sched_out.pool_spans.append((offset, chunk.num_new_tokens if kind == "MEAN" else 1))
-                owners.append((req, chunk.start == 0))
+                sums.append((req, chunk.start == 0))
             offset += chunk.num_new_tokens
-        return owners
+        return sums, rows
 
     @staticmethod
     def _accumulate(owners: list[tuple[Request, bool]], sums: torch.Tensor) -> None:
         for (req, first), total in zip(owners, sums.cpu()):
             req.pool_acc = total if first or req.pool_acc is None else req.pool_acc + total
+
+    @staticmethod
+    def _collect_rows(owners: list[RowSpan], rows: torch.Tensor) -> None:
+        """Per-token tasks: appends each span's rows to its request's (``rows``: the spans' rows in order)."""
+        start = 0
+        for req, first, n in owners:
+            part = rows[start:start + n].cpu()
+            req.pool_acc = part if first or req.pool_acc is None else torch.cat([req.pool_acc, part])
+            start += n
 
     def _pool(self, sched_out: SchedulerOutput, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """A pooling request's sampling row is its prompt's last position: there its vector is
@@ -318,7 +337,8 @@ class LLMEngine:
         for chunk in sched_out.chunks:
             req = self.scheduler.requests[chunk.request_id]
             if chunk.num_samples and req.pooling is not None:
-                vec = logits[row] if classifier else self._pooled(req, hidden[row])  # [num_labels] / [hidden]
+                vec = (req.pool_acc if pooling.per_token(req.pooling)  # [prompt tokens, num_labels or hidden]
+                       else logits[row] if classifier else self._pooled(req, hidden[row]))  # [num_labels] / [hidden]
                 req.embedding = pooling.finish(vec, req.pooling, self.model_config, self.config.pooler).cpu().tolist()
             row += chunk.num_samples
 

@@ -9,7 +9,9 @@ token; ``classify`` and ``score`` pass them through the activation vLLM picks fr
     score:    the cross-encoder's sentence-transformers activation (``activation_fn`` or
               ``sbert_ce_default_activation_function``, a torch.nn module), otherwise as classify
 
-``use_activation=False`` returns the raw logits.
+``use_activation=False`` returns the raw logits. The per-token tasks take every prompt
+position's row the same way: ``token_embed`` normalizes each hidden state, ``token_classify``
+applies the classify activation to each position's logits (what ``LLM.reward`` returns).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.config import ModelConfig, PoolerConfig
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import TOKEN_POOLING_TASKS, PoolingParams
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -31,6 +33,11 @@ def check_pooler(model: ModelConfig, pooler: PoolerConfig | None) -> None:
                          f"{model.architecture}: a sequence classifier pools the last token (LAST)")
 
 
+def per_token(params: PoolingParams | None) -> bool:
+    """A per-token task: one result row per prompt token (TOKEN_POOLING_TASKS)."""
+    return params is not None and params.task in TOKEN_POOLING_TASKS
+
+
 def default_task(model: ModelConfig) -> str:
     return "classify" if model.is_classifier else "embed"
 
@@ -38,12 +45,13 @@ def default_task(model: ModelConfig) -> str:
 def resolve_task(params: PoolingParams, model: ModelConfig) -> PoolingParams:
     """``params`` with its task filled in (None: the model's own) and checked against the model."""
     task = params.task or default_task(model)
-    if model.is_classifier and task == "embed":
-        raise ValueError(f"task 'embed' needs an embedding model; {model.architecture} is a sequence classifier "
-                         "(use classify or score)")
-    if not model.is_classifier and task != "embed":
+    if model.is_classifier and task in ("embed", "token_embed"):
+        raise ValueError(f"task {task!r} needs an embedding model; {model.architecture} is a sequence classifier "
+                         "(use classify, score or token_classify)")
+    if not model.is_classifier and task not in ("embed", "token_embed"):
         raise ValueError(f"task {task!r} needs a *ForSequenceClassification model (a score head); "
-                         f"{model.architecture} gives embeddings (use embed; LLM.score compares embeddings)")
+                         f"{model.architecture} gives embeddings (use embed or token_embed; LLM.score compares "
+                         "embeddings)")
     if task == "score" and model.num_labels != 1:
         raise ValueError(f"task 'score' needs a cross-encoder (num_labels == 1); this classifier has "
                          f"num_labels={model.num_labels} (use classify)")
@@ -51,14 +59,15 @@ def resolve_task(params: PoolingParams, model: ModelConfig) -> PoolingParams:
 
 
 def finish(row: torch.Tensor, params: PoolingParams, model: ModelConfig, pooler: PoolerConfig) -> torch.Tensor:
-    """The request's result from its pooled row ``[hidden]`` (embed) or ``[num_labels]`` logits."""
+    """The request's result from its pooled row ``[hidden]`` (embed) or ``[num_labels]`` logits,
+    or for a per-token task its rows ``[prompt tokens, hidden or num_labels]``, each taken alike."""
     row = row.float()
-    if params.task == "embed":
+    if params.task in ("embed", "token_embed"):
         normalize = next(v for v in (params.normalize, params.use_activation, pooler.normalize) if v is not None)
-        return torch.nn.functional.normalize(row, dim=0) if normalize else row
+        return torch.nn.functional.normalize(row, dim=-1) if normalize else row
     if params.use_activation is False:
         return row
-    return activation(model.hf_config, params.task)(row)
+    return activation(model.hf_config, "classify" if params.task == "token_classify" else params.task)(row)
 
 
 def activation(hf_config, task: str) -> Activation:

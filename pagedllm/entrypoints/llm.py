@@ -184,9 +184,10 @@ class LLM:
                priority: Sequence[int] | None = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """Each prompt's pooled result as a tensor (``out.outputs.data``), in input order:
         ``pooling_task`` "embed" (an embedding model's vector), "classify" (a classifier's class
-        probabilities) or "score" (a cross-encoder's relevance of a prompt already holding the
-        pair); None: the model's own task. The per-token tasks ("token_embed", "token_classify")
-        are refused: pagedllm pools one row per prompt."""
+        probabilities), "score" (a cross-encoder's relevance of a prompt already holding the
+        pair), or per token, ``[prompt tokens, ...]``: "token_embed" (each position's normalized
+        hidden state) or "token_classify" (each position's class probabilities); None: the
+        model's own task."""
         check_task(pooling_task)
         prompts = _as_list(prompts)
         params = [_pooling_for(p, pooling_task, truncate_prompt_tokens)
@@ -207,9 +208,9 @@ class LLM:
     def reward(self, prompts: PromptType | Sequence[PromptType], *,
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
                priority: Sequence[int] | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's reward models score every token (``pooling_task="token_classify"``), which
-        pagedllm does not compute: this raises ValueError saying so (``classify`` gives a
-        sequence classifier's one score per prompt)."""
+        """Per-token scores, as vLLM's ``reward`` (``pooling_task="token_classify"``): a
+        ``*ForSequenceClassification`` model's head at every prompt position, through its
+        activation; ``out.outputs.data`` is ``[prompt tokens, num_labels]``."""
         return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority,
                            pooling_task="token_classify")
 

@@ -1,8 +1,9 @@
 """runner="pooling" with *ForSequenceClassification checkpoints and scoring: LLM.classify's
 probabilities are transformers' logits through vLLM's activation (sigmoid for one label, softmax
 for several), LLM.score scores a cross-encoder's tokenizer text pairs with its head and an
-embedding model's pairs by cosine similarity, LLM.encode returns the raw pooled tensor; what
-pagedllm cannot do (per-token reward pooling, mismatched tasks) is refused by name."""
+embedding model's pairs by cosine similarity, LLM.encode returns the raw pooled tensor, per
+token too (LLM.reward: the head at every position); mismatched tasks and pair shapes are refused
+by name."""
 from __future__ import annotations
 
 import pytest
@@ -48,15 +49,19 @@ def test_classify_matches_transformers(tmp_path, arch, num_labels):
         outs = llm.classify(TEXTS, use_tqdm=False)
         raw = llm.classify(TEXTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
         encoded = llm.encode(TEXTS, pooling_task="classify", use_tqdm=False)
+        rewards = llm.reward(TEXTS, use_tqdm=False)  # every position's head, the long prompt over 3 chunks
         assert llm.get_kv_cache_stats().num_used_blocks == 0
-    for text, out, logits_out, enc in zip(TEXTS, outs, raw, encoded):
+    act = torch.sigmoid if num_labels == 1 else (lambda x: torch.softmax(x, -1))
+    for text, out, logits_out, enc, reward in zip(TEXTS, outs, raw, encoded, rewards):
         ids = tok.encode(text)
         logits = hf_logits(hf, ids)
-        want = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, -1)
         assert out.outputs.num_classes == num_labels and out.prompt_token_ids == ids
-        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), act(logits), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(logits_out.outputs.probs), logits, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(enc.outputs.data, torch.tensor(out.outputs.probs))
+        with torch.no_grad():
+            per_token = hf.score(hf.model(torch.tensor([ids])).last_hidden_state[0])  # [tokens, num_labels]
+        torch.testing.assert_close(reward.outputs.data, act(per_token), atol=2e-5, rtol=1e-4)
 
 
 def test_cross_encoder_scores_text_pairs(cross_encoder):
@@ -90,6 +95,7 @@ def test_embedding_model_scores_cosine_similarity(llama_dir, hf_models):
         pairwise = llm.score(TEXTS, DOCS, use_tqdm=False)
         encoded = llm.encode(TEXTS[:1], use_tqdm=False)[0]  # the model's own task: embed
         embedded = llm.embed(TEXTS[:1], use_tqdm=False)[0]
+        tokens = llm.encode(TEXTS[1:2], pooling_task="token_embed", use_tqdm=False)[0]  # over 3 chunks
     cos = torch.nn.functional.cosine_similarity
     assert [o.outputs.score for o in one_to_n] == pytest.approx(
         [cos(hidden(TEXTS[0], tok), hidden(d, tok), dim=0).item() for d in DOCS], abs=1e-5)
@@ -97,13 +103,15 @@ def test_embedding_model_scores_cosine_similarity(llama_dir, hf_models):
         [cos(hidden(a, tok), hidden(b, tok), dim=0).item() for a, b in zip(TEXTS, DOCS)], abs=1e-5)
     assert pairwise[1].prompt_token_ids == tok.encode(TEXTS[1]) + tok.encode(DOCS[1])
     torch.testing.assert_close(encoded.outputs.data, torch.tensor(embedded.outputs.embedding))
+    with torch.no_grad():
+        states = hf.base_model(torch.tensor([tok.encode(TEXTS[1])])).last_hidden_state[0]  # [tokens, hidden]
+    torch.testing.assert_close(tokens.outputs.data, torch.nn.functional.normalize(states, dim=-1), atol=2e-5,
+                               rtol=1e-4)
 
 
 def test_what_cannot_run_is_refused_by_name(cross_encoder, llama_dir, tmp_path):
     llm, _ = cross_encoder
-    with pytest.raises(ValueError, match="token_classify.*not supported"):
-        llm.reward(TEXTS)
-    with pytest.raises(ValueError, match="token_embed"):
+    with pytest.raises(ValueError, match="task 'token_embed' needs an embedding model"):
         llm.encode(TEXTS, pooling_task="token_embed")
     with pytest.raises(ValueError, match="pooling_task='bogus'"):
         llm.encode(TEXTS, pooling_task="bogus")
@@ -115,11 +123,13 @@ def test_what_cannot_run_is_refused_by_name(cross_encoder, llama_dir, tmp_path):
         llm.score(TEXTS[0], DOCS, text_1=TEXTS[0])
     with pytest.raises(ValueError, match="task 'embed' needs an embedding model"):
         llm.embed(TEXTS)
-    with pytest.raises(ValueError, match="normalize=True applies to task 'embed' only"):
+    with pytest.raises(ValueError, match="normalize=True applies to tasks 'embed' and 'token_embed' only"):
         PoolingParams(task="classify", normalize=True)
     assert not llm.llm_engine.has_unfinished_requests()
-    with pooling_llm(llama_dir) as embedder, pytest.raises(ValueError, match="ForSequenceClassification"):
-        embedder.classify(TEXTS)
+    with pooling_llm(llama_dir) as embedder:
+        for method in (embedder.classify, embedder.reward):
+            with pytest.raises(ValueError, match="ForSequenceClassification"):
+                method(TEXTS)
     three = make_classifier_dir(tmp_path / "three", "llama", num_labels=3)
     with pooling_llm(three) as classifier, pytest.raises(ValueError, match="num_labels=3"):
         classifier.score(TEXTS[0], DOCS)

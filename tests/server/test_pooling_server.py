@@ -117,6 +117,7 @@ def test_classify_and_pooling_on_a_three_label_classifier(tmp_path):
         inputs = [QUERY, DOCS[1]]
         body = httpx.post(server.url + "/classify", json={"input": inputs}).json()
         raw = httpx.post(server.url + "/pooling", json={"input": inputs, "softmax": False}).json()
+        tokens = httpx.post(server.url + "/pooling", json={"input": inputs[0], "task": "token_classify"}).json()
     finally:
         server.stop()
     assert body["id"].startswith("classify-") and raw["id"].startswith("pool-")
@@ -127,6 +128,10 @@ def test_classify_and_pooling_on_a_three_label_classifier(tmp_path):
         torch.testing.assert_close(torch.tensor(data["probs"]), torch.softmax(logits, -1), atol=2e-5, rtol=1e-4)
         assert pooled["object"] == "pooling"
         torch.testing.assert_close(torch.tensor(pooled["data"]), logits, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
+        per_token = hf.score(hf.model(torch.tensor([tok.encode(inputs[0])])).last_hidden_state[0])
+    torch.testing.assert_close(torch.tensor(tokens["data"][0]["data"]), torch.softmax(per_token, -1), atol=2e-5,
+                               rtol=1e-4)
 
 
 @pytest.mark.parametrize("route, body, param", [
@@ -138,7 +143,8 @@ def test_classify_and_pooling_on_a_three_label_classifier(tmp_path):
     ("/rerank", {"query": 5, "documents": ["x"]}, "query"),
     ("/v2/rerank", {"query": "a", "documents": ["x"], "max_tokens_per_doc": 4}, "max_tokens_per_doc"),
     ("/pooling", {"input": "x", "task": "embed"}, "task"),
-    ("/pooling", {"input": "x", "task": "token_classify"}, "task"),
+    ("/pooling", {"input": "x", "task": "token_embed"}, "task"),
+    ("/pooling", {"input": "x", "task": "plugin"}, "task"),
     ("/pooling", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/classify", {"input": [[5, 999999]]}, "input"),

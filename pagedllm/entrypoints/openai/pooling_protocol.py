@@ -105,7 +105,9 @@ class ClassificationResponse(ApiObject):
 class PoolingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str  # str: encoding_format "base64" (float32, little-endian)
+    # per-token tasks: one row per prompt token; str: encoding_format "base64" (float32, little-endian, rows
+    # one after another)
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(ApiObject):

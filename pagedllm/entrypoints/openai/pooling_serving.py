@@ -175,8 +175,9 @@ def _score_names(req: ScoreRequest) -> tuple[str, str]:
                        f"got {sorted(used)}", 400, param)
 
 
-def _vector(out) -> list[float]:
-    """A pooling output's data: an embedding's vector or a classifier's probabilities."""
+def _vector(out) -> list[float] | list[list[float]]:
+    """A pooling output's data: an embedding's vector, a classifier's probabilities, or a
+    per-token task's rows."""
     return out.outputs.embedding if hasattr(out.outputs, "embedding") else out.outputs.data.tolist()
 
 
