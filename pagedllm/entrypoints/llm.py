@@ -248,7 +248,7 @@ class LLM:
                            pooling_task="embed")
         outs_1, outs_2 = outs[:len(texts_1)], outs[len(texts_1):]
         scores = score_utils.embedding_scores([o.outputs.data for o in outs_1], [o.outputs.data for o in outs_2])
-        firsts = outs_1 * len(outs_2) if len(outs_1) == 1 else outs_1
+        firsts = score_utils.broadcast(outs_1, len(outs_2))
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(s),
                                      a.prompt_token_ids + b.prompt_token_ids)
                 for a, b, s in zip(firsts, outs_2, scores)]

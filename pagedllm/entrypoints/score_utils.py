@@ -27,11 +27,16 @@ def check_pair_counts(n_1: int, n_2: int, names: tuple[str, str] = ("data_1", "d
                          f"against every {names[1]} text) or as many as {names[1]} (scored pairwise)")
 
 
+def broadcast(firsts: list, n: int) -> list:
+    """The first side, one item per pair: a single item repeated ``n`` times (1-to-N), else as given."""
+    return firsts * n if len(firsts) == 1 else firsts
+
+
 def pair_up(data_1: object, data_2: object, names: tuple[str, str] = ("data_1", "data_2")) -> list[tuple[str, str]]:
     """The (text_1, text_2) pairs to score, in ``data_2``'s order."""
     texts_1, texts_2 = as_texts(data_1, names[0]), as_texts(data_2, names[1])
     check_pair_counts(len(texts_1), len(texts_2), names)
-    return list(zip(texts_1 * len(texts_2) if len(texts_1) == 1 else texts_1, texts_2))
+    return list(zip(broadcast(texts_1, len(texts_2)), texts_2))
 
 
 def cross_encoder_ids(tokenizer, text_1: str, text_2: str) -> list[int]:
@@ -46,5 +51,4 @@ def cosine(a: torch.Tensor | list[float], b: torch.Tensor | list[float]) -> floa
 
 def embedding_scores(embeds_1: list, embeds_2: list) -> list[float]:
     """Cosine similarity of each pair: ``embeds_1`` has one vector (against all) or one per ``embeds_2``'s."""
-    firsts = embeds_1 * len(embeds_2) if len(embeds_1) == 1 else embeds_1
-    return [cosine(a, b) for a, b in zip(firsts, embeds_2)]
+    return [cosine(a, b) for a, b in zip(broadcast(embeds_1, len(embeds_2)), embeds_2)]
