@@ -55,6 +55,15 @@ class ModelConfig:
     enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed (engine/llm_engine.py)
     load_format: str = "auto"  # vLLM's: "auto" / "safetensors" read the checkpoint, "dummy" random weights
 
+    @property
+    def is_classifier(self) -> bool:
+        """A ``*ForSequenceClassification`` checkpoint: its head gives ``num_labels`` class logits."""
+        return self.architecture.endswith("ForSequenceClassification")
+
+    @property
+    def num_labels(self) -> int:
+        return int(getattr(self.hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
+
     def __post_init__(self):
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} must be one of {TOKENIZER_MODES}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -107,3 +109,59 @@ class BeamSearchOutput:
         outputs = [CompletionOutput(j, seq.text or "", seq.output_token_ids, seq.cum_logprob, None, seq.finish_reason)
                    for j, seq in enumerate(self.sequences)]
         return RequestOutput(request_id, prompt, prompt_token_ids, outputs, finished=True)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result, as vLLM's: ``data`` is the pooled tensor (an embedding, or
+    the class probabilities / logits of a classifier)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """``LLM.encode``'s result for one prompt, as vLLM's."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (the logits with ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt, as vLLM's."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair, as vLLM's: a cross-encoder's relevance, or the cosine
+    similarity of two embeddings (``prompt_token_ids``: the pair's tokens)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

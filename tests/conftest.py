@@ -114,6 +114,18 @@ def make_model_dir(path, arch: str = "llama", std: float = 0.05, seed: int = 0, 
     return str(path)
 
 
+def make_classifier_dir(path, arch: str = "qwen2", num_labels: int = 1, seed: int = 0, **overrides) -> str:
+    """A tiny random ``<Family>ForSequenceClassification`` checkpoint (num_labels=1: a cross-encoder)."""
+    import transformers as tf
+    cfg = _config(arch, num_labels=num_labels, **overrides)
+    cfg.initializer_range = 0.05
+    torch.manual_seed(seed)
+    model = tf.AutoModelForSequenceClassification.from_config(cfg, torch_dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """One tiny checkpoint per supported architecture."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import prompt_logprobs
+from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -20,7 +20,14 @@ from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
-from pagedllm.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator, split_rounds
@@ -29,6 +36,8 @@ from pagedllm.worker.device_to_host import to_host
 from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
+
+RowSpan = tuple[Request, bool, int]  # a per-token pooling span: its request, whether it starts the prompt, its rows
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -45,6 +54,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
+        pooling.check_pooler(config.model, config.pooler)
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
@@ -91,7 +101,8 @@ class LLMEngine:
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
                       pooling=processed.pooling)
-        req.pools_every_position = processed.pooling is not None and self.config.pooler.pooling_type != "LAST"
+        req.pools_every_position = processed.pooling is not None and (
+            self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
                                                              owner=processed.client or processed.request_id)
@@ -102,8 +113,9 @@ class LLMEngine:
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
                             arrival_time: float | None = None, cache_salt: str | None = None,
                             priority: int = 0) -> None:
-        """Queues an embedding request (``runner="pooling"``): ``step()`` returns an
-        EmbeddingRequestOutput for it once its prompt is computed."""
+        """Queues a pooling request (``runner="pooling"``): ``step()`` returns an
+        EmbeddingRequestOutput for it once its prompt is computed (task "embed"), a
+        PoolingRequestOutput for the other tasks (``params.task``, engine/pooling.py)."""
         self._check_new_id(request_id)
         self.add_processed_request(self.process_pooling(self.input_processor, request_id, prompt, params,
                                                         arrival_time, cache_salt, priority))
@@ -119,6 +131,7 @@ class LLMEngine:
         params = params or PoolingParams()
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        params = pooling.resolve_task(params, self.model_config)
         run = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, output_kind="final_only",
                              truncate_prompt_tokens=params.truncate_prompt_tokens)
         return processor.process(request_id, prompt, run, arrival_time, cache_salt, priority, pooling=params)
@@ -263,13 +276,15 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         sched_out.return_hidden = self.config.pooler is not None
-        span_owners = self._pool_spans(sched_out) if sched_out.return_hidden else []
+        span_owners, row_owners = self._pool_spans(sched_out) if sched_out.return_hidden else ([], [])
         result = self.executor.execute(sched_out)
         t1 = time.perf_counter()
         if result.span_sums is not None:
             self._accumulate(span_owners, result.span_sums)
+        if result.span_rows is not None:
+            self._collect_rows(row_owners, result.span_rows)
         if result.hidden is not None:
-            self._pool(sched_out, result.hidden)
+            self._pool(sched_out, result.hidden, result.logits)
         self.scheduler.finish_loads(result.tier_report)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
@@ -282,38 +297,52 @@ class LLMEngine:
         self.step_times.add(sample=time.perf_counter() - t1)
         return sampled
 
-    def _pool_spans(self, sched_out: SchedulerOutput) -> list[tuple[Request, bool]]:
+    def _pool_spans(self, sched_out: SchedulerOutput) -> tuple[list[tuple[Request, bool]], list[RowSpan]]:
         """MEAN / CLS pooling: the token rows of this step each such request needs summed (all of a
-        chunk's for MEAN, position 0's for CLS) as ``sched_out.pool_spans``; returns each span's
-        request and whether the span starts its prompt (a recomputed request starts over)."""
-        kind, owners, offset = self.config.pooler.pooling_type, [], 0
+        chunk's for MEAN, position 0's for CLS) as ``sched_out.pool_spans``; per-token tasks: all
+        of a chunk's rows, whole, as ``sched_out.pool_rows``. Returns, for the sums and for the
+        rows, each span's request and whether the span starts its prompt (a recomputed request
+        starts over); for the rows, also the span's length."""
+        kind, sums, rows, offset = self.config.pooler.pooling_type, [], [], 0
         for chunk in sched_out.chunks:
             req = self.scheduler.requests[chunk.request_id]
-            if req.pools_every_position and (kind == "MEAN" or chunk.start == 0):
+            if req.pools_every_position and pooling.per_token(req.pooling):
+                sched_out.pool_rows.append((offset, chunk.num_new_tokens))
+                rows.append((req, chunk.start == 0, chunk.num_new_tokens))
+            elif req.pools_every_position and (kind == "MEAN" or chunk.start == 0):
                 sched_out.pool_spans.append((offset, chunk.num_new_tokens if kind == "MEAN" else 1))
-                owners.append((req, chunk.start == 0))
+                sums.append((req, chunk.start == 0))
             offset += chunk.num_new_tokens
-        return owners
+        return sums, rows
 
     @staticmethod
     def _accumulate(owners: list[tuple[Request, bool]], sums: torch.Tensor) -> None:
         for (req, first), total in zip(owners, sums.cpu()):
             req.pool_acc = total if first or req.pool_acc is None else req.pool_acc + total
 
-    def _pool(self, sched_out: SchedulerOutput, hidden: torch.Tensor) -> None:
+    @staticmethod
+    def _collect_rows(owners: list[RowSpan], rows: torch.Tensor) -> None:
+        """Per-token tasks: appends each span's rows to its request's (``rows``: the spans' rows in order)."""
+        start = 0
+        for req, first, n in owners:
+            part = rows[start:start + n].cpu()
+            req.pool_acc = part if first or req.pool_acc is None else torch.cat([req.pool_acc, part])
+            start += n
+
+    def _pool(self, sched_out: SchedulerOutput, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """A pooling request's sampling row is its prompt's last position: there its vector is
         done. LAST: that row's final-normed hidden state (``hidden``: the rows logits came from);
-        MEAN: the accumulated rows over the prompt's length; CLS: position 0's row. L2-normalized
-        unless the request or the pooler says otherwise, it becomes the request's embedding."""
-        row = 0
+        MEAN: the accumulated rows over the prompt's length; CLS: position 0's row. A sequence
+        classifier's row is that position's class logits (its head is the model's
+        ``compute_logits``). ``pooling.finish`` makes it the request's result (normalized, or
+        through the classifier's activation)."""
+        row, classifier = 0, self.model_config.is_classifier
         for chunk in sched_out.chunks:
             req = self.scheduler.requests[chunk.request_id]
             if chunk.num_samples and req.pooling is not None:
-                vec = self._pooled(req, hidden[row])  # [hidden]
-                normalize = req.pooling.normalize
-                if normalize if normalize is not None else self.config.pooler.normalize:
-                    vec = torch.nn.functional.normalize(vec, dim=0)
-                req.embedding = vec.cpu().tolist()
+                vec = (req.pool_acc if pooling.per_token(req.pooling)  # [prompt tokens, num_labels or hidden]
+                       else logits[row] if classifier else self._pooled(req, hidden[row]))  # [num_labels] / [hidden]
+                req.embedding = pooling.finish(vec, req.pooling, self.model_config, self.config.pooler).cpu().tolist()
             row += chunk.num_samples
 
     def _pooled(self, req: Request, last_row: torch.Tensor) -> torch.Tensor:
@@ -530,9 +559,13 @@ def _eos_ids(tokenizer, model_config) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _embedding_output(out: RequestOutput, req: Request) -> EmbeddingRequestOutput:
-    """A finished pooling request's output: its embedding instead of its (dropped) token. An
-    aborted one (no embedding) reports an empty vector."""
+def _embedding_output(out: RequestOutput, req: Request) -> EmbeddingRequestOutput | PoolingRequestOutput:
+    """A finished pooling request's output: its result instead of its (dropped) token, an
+    EmbeddingRequestOutput for task "embed", else a PoolingRequestOutput. An aborted one (no
+    result) reports an empty vector."""
     metrics = out.metrics and dataclasses.replace(out.metrics, num_generation_tokens=0, max_num_generation_tokens=0)
+    if req.pooling.task != "embed":
+        data = torch.tensor(req.embedding or [], dtype=torch.float32)
+        return PoolingRequestOutput(out.request_id, PoolingOutput(data), out.prompt_token_ids, out.finished, metrics)
     return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(req.embedding or []), out.prompt_token_ids,
                                   out.finished, metrics)

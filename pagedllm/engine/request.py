@@ -86,8 +86,9 @@ class Request:
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.pooling = pooling  # a pooling request: its one sampled token is dropped, this is its result
         self.embedding: list[float] | None = None  # set by the engine once its prompt is computed
-        self.pools_every_position = False  # MEAN / CLS pooling: prefix-cache hits would skip positions
-        self.pool_acc: torch.Tensor | None = None  # MEAN / CLS: the pooled rows so far [hidden]
+        self.pools_every_position = False  # MEAN / CLS / per-token pooling: prefix-cache hits would skip positions
+        # MEAN / CLS: the pooled rows so far [hidden]; per-token tasks: every row so far [tokens, hidden or labels]
+        self.pool_acc: torch.Tensor | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -57,6 +57,8 @@ class SchedulerOutput:
     return_hidden: bool = False  # runner="pooling": hand back the hidden rows logits come from
     # MEAN / CLS pooling: (first token row in the step's batch, rows) per span to sum (ExecuteResult.span_sums)
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
+    # per-token pooling tasks: (first token row, rows) per span handed back row by row (ExecuteResult.span_rows)
+    pool_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,19 +1,32 @@
 """The offline API, a drop-in for vLLM's ``LLM``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.vllm_args import unknown_keyword_error
+from pagedllm.entrypoints import score_utils
 from pagedllm.metrics.stats import KVCacheStats, Metric
-from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams, check_task
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -80,7 +93,8 @@ class LLM:
         """One vector per prompt (``out.outputs.embedding``), in input order; needs an engine
         built with ``runner="pooling"`` (``pooler_config`` sets the pooling and normalization)."""
         prompts = _as_list(prompts)
-        params = _per_prompt(pooling_params, PoolingParams, None, len(prompts), "pooling_params")
+        params = [_pooling_for(p, "embed", None)
+                  for p in _per_prompt(pooling_params, PoolingParams, PoolingParams(), len(prompts), "pooling_params")]
         ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
         return self._run(ids, use_tqdm)
 
@@ -175,6 +189,82 @@ class LLM:
         """Forgets cached prefixes (device pool, CPU tier; the disk tier too with ``reset_disk``)."""
         return self.llm_engine.reset_prefix_cache(reset_disk)
 
+    # ------------------------------------------------------------------ pooling tasks (runner="pooling")
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               priority: Sequence[int] | None = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled result as a tensor (``out.outputs.data``), in input order:
+        ``pooling_task`` "embed" (an embedding model's vector), "classify" (a classifier's class
+        probabilities), "score" (a cross-encoder's relevance of a prompt already holding the
+        pair), or per token, ``[prompt tokens, ...]``: "token_embed" (each position's normalized
+        hidden state) or "token_classify" (each position's class probabilities); None: the
+        model's own task."""
+        check_task(pooling_task)
+        prompts = _as_list(prompts)
+        params = [_pooling_for(p, pooling_task, truncate_prompt_tokens)
+                  for p in _per_prompt(pooling_params, PoolingParams, PoolingParams(), len(prompts), "pooling_params")]
+        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
+        return [_as_pooling_output(out) for out in self._run(ids, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``out.outputs.probs``: softmax over the labels, sigmoid
+        for one label; the logits with ``PoolingParams(use_activation=False)``), from a
+        ``*ForSequenceClassification`` model run with ``runner="pooling"``."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority, pooling_task="classify")
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data.tolist()),
+                                            o.prompt_token_ids, o.finished) for o in outs]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], *,
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+               priority: Sequence[int] | None = None) -> list[PoolingRequestOutput]:
+        """Per-token scores, as vLLM's ``reward`` (``pooling_task="token_classify"``): a
+        ``*ForSequenceClassification`` model's head at every prompt position, through its
+        activation; ``out.outputs.data`` is ``[prompt tokens, num_labels]``."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority,
+                           pooling_task="token_classify")
+
+    def score(self, data_1: str | Sequence[str] | None = None, data_2: str | Sequence[str] | None = None, *,
+              text_1: str | Sequence[str] | None = None, text_2: str | Sequence[str] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Scores text pairs, one ScoringRequestOutput per pair in ``data_2``'s order: one
+        ``data_1`` text against every ``data_2`` text, or the two lists pairwise (vLLM's
+        ``data_1``/``data_2``; its older names ``text_1``/``text_2`` are accepted too).
+
+        A cross-encoder (a sequence classifier with one label) reads each pair as the tokenizer's
+        text pair and scores it with its head (sigmoid, unless ``use_activation=False``); an
+        embedding model scores the cosine similarity of the two texts' embeddings."""
+        data_1 = _one_of(data_1, text_1, "data_1", "text_1")
+        data_2 = _one_of(data_2, text_2, "data_2", "text_2")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be one PoolingParams, got {type(pooling_params).__name__}")
+        if self.llm_engine.model_config.is_classifier:
+            return self._cross_encoder_scores(score_utils.pair_up(data_1, data_2), pooling_params,
+                                              truncate_prompt_tokens, use_tqdm)
+        return self._embedding_scores(data_1, data_2, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def _cross_encoder_scores(self, pairs, params, truncate, use_tqdm) -> list[ScoringRequestOutput]:
+        tokenizer = self.get_tokenizer()
+        prompts = [{"prompt_token_ids": score_utils.cross_encoder_ids(tokenizer, a, b)} for a, b in pairs]
+        outs = self.encode(prompts, params, truncate_prompt_tokens=truncate, use_tqdm=use_tqdm, pooling_task="score")
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0].item()), o.prompt_token_ids,
+                                     o.finished) for o in outs]
+
+    def _embedding_scores(self, data_1, data_2, params, truncate, use_tqdm) -> list[ScoringRequestOutput]:
+        texts_1, texts_2 = score_utils.as_texts(data_1, "data_1"), score_utils.as_texts(data_2, "data_2")
+        score_utils.check_pair_counts(len(texts_1), len(texts_2))
+        outs = self.encode(texts_1 + texts_2, params, truncate_prompt_tokens=truncate, use_tqdm=use_tqdm,
+                           pooling_task="embed")
+        outs_1, outs_2 = outs[:len(texts_1)], outs[len(texts_1):]
+        scores = score_utils.embedding_scores([o.outputs.data for o in outs_1], [o.outputs.data for o in outs_2])
+        firsts = score_utils.broadcast(outs_1, len(outs_2))
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(s),
+                                     a.prompt_token_ids + b.prompt_token_ids)
+                for a, b, s in zip(firsts, outs_2, scores)]
+
 
 def _final_only(params: SamplingParams) -> SamplingParams:
     """generate() returns finished outputs only, so the engine need not build partial ones."""
@@ -205,3 +295,33 @@ def _per_prompt(given, kind: type, default, n: int, name: str) -> list:
     if len(given) != n:
         raise ValueError(f"got {len(given)} {name} for {n} prompts; pass one or one per prompt")
     return list(given)
+
+
+def _pooling_for(params: PoolingParams, task: str | None, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """``params`` for ``task`` (a params object naming another task is a ValueError), with the
+    call's ``truncate_prompt_tokens`` when given."""
+    if not isinstance(params, PoolingParams):
+        raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+    if task is not None and params.task not in (None, task):
+        raise ValueError(f"pooling_params.task={params.task!r} disagrees with pooling_task={task!r}")
+    changes = {"task": task or params.task}
+    if truncate_prompt_tokens is not None:
+        changes["truncate_prompt_tokens"] = truncate_prompt_tokens
+    return dataclasses.replace(params, **changes)
+
+
+def _as_pooling_output(out) -> PoolingRequestOutput:
+    """The engine answers an embed request with an EmbeddingRequestOutput: encode returns vLLM's type."""
+    if isinstance(out, PoolingRequestOutput):
+        return out
+    data = PoolingOutput(torch.tensor(out.outputs.embedding, dtype=torch.float32))
+    return PoolingRequestOutput(out.request_id, data, out.prompt_token_ids, out.finished, out.metrics)
+
+
+def _one_of(value, old, name: str, old_name: str):
+    """vLLM's current argument ``name`` or its older spelling ``old_name``: exactly one of them."""
+    if value is not None and old is not None:
+        raise ValueError(f"{name} and {old_name} are the same argument (its older name): pass one")
+    if value is None and old is None:
+        raise TypeError(f"score() needs {name} (or its older name {old_name})")
+    return value if value is not None else old

@@ -8,6 +8,7 @@ from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2For
 from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.seq_cls import SEQUENCE_CLASSIFIERS
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,14 +23,20 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)
 }
 
 
 def resolve_architecture(architectures: list[str] | None, runner: str = "generate") -> str:
     """The registry key of the first supported architecture. Under ``runner="pooling"`` a bare
     decoder checkpoint (``LlamaModel``, ``MistralModel``: no ``model.`` prefix, no LM head, as
-    embedding models such as e5-mistral ship) resolves to its family's ``*ForCausalLM``."""
+    embedding models such as e5-mistral ship) resolves to its family's ``*ForCausalLM``; a
+    ``*ForSequenceClassification`` checkpoint runs under ``runner="pooling"`` only."""
     for arch in architectures or []:
+        if arch in SEQUENCE_CLASSIFIERS and runner != "pooling":
+            raise ValueError(f"{arch} is a sequence classifier (a score head, no LM head): it cannot generate "
+                             "text; start it with runner='pooling' (LLM.classify / LLM.score, /classify, /score, "
+                             "/rerank)")
         if arch in MODEL_REGISTRY:
             return arch
         if runner == "pooling" and bare_model_family(arch) in MODEL_REGISTRY:
@@ -43,3 +50,4 @@ def resolve_architecture(architectures: list[str] | None, runner: str = "generat
 def bare_model_family(arch: str) -> str | None:
     """``LlamaModel`` -> ``LlamaForCausalLM`` (None for a name that is not ``*Model``)."""
     return arch[: -len("Model")] + "ForCausalLM" if arch.endswith("Model") else None
+

@@ -43,6 +43,9 @@ class ExecuteResult:
     tier_report: LoadReport | None = None  # KV tier loads settled this step (kv_cache/offload/)
     hidden: torch.Tensor | None = None  # SchedulerOutput.return_hidden: the rows logits came from [rows, hidden]
     span_sums: torch.Tensor | None = None  # SchedulerOutput.pool_spans: each span's rows summed [spans, hidden]
+    # SchedulerOutput.pool_rows: their rows one after another [rows, hidden], through a classifier's head
+    # [rows, num_labels]
+    span_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -193,7 +196,17 @@ class ModelRunner:
         spans = (torch.stack([hidden[a:a + n].float().sum(0) for a, n in out.pool_spans])  # [spans, hidden]
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
-                             spans)
+                             spans, self._span_rows(hidden, out.pool_rows))
+
+    def _span_rows(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Per-token pooling: the spans' rows, as a classifier's head sees them (its logits) or
+        as an embedding model's final-normed hidden states."""
+        if not spans:
+            return None
+        rows = torch.cat([hidden[a:a + n] for a, n in spans])  # [sum of span rows, hidden]
+        if self.config.model.is_classifier:
+            rows = self.model.compute_logits(rows)  # [sum of span rows, num_labels]
+        return rows.float()
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
         """The step's tier loads, settled after its forward (the disk reads overlapped it)."""

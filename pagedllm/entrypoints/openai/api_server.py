@@ -35,6 +35,7 @@ from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
 from .chat_features import ChatOptions
+from .pooling_serving import router as pooling_router
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +53,8 @@ from .tool_parsers import TOOL_PARSERS
 logger = logging.getLogger(__name__)
 
 # routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
-_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank",
+                       "/v2")
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
 
 router = APIRouter()
@@ -320,6 +322,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
                                       response_options)
     app.include_router(router)
     add_responses_api(app, responses_store_size)
+    app.include_router(pooling_router)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
     if api_key:  # added last, so outermost: a request without the key is refused before its body is read

@@ -683,7 +683,7 @@ class OpenAIServing:
             raise ServingError("this server generates text (--runner generate): /v1/embeddings needs a server "
                                "started with --runner pooling", 400, "model")
         try:
-            params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions,
+            params = PoolingParams(task="embed", normalize=req.normalize, dimensions=req.dimensions,
                                    truncate_prompt_tokens=req.truncate_prompt_tokens)
         except ValueError as exc:
             raise bad_request(exc) from None
