@@ -41,13 +41,21 @@ def test_the_families_are_all_the_registered_ones():
     assert {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[_config(arch).model_type] for arch in FAMILIES} == set(MODEL_REGISTRY)
 
 
-def _graph_engine(monkeypatch, path: str) -> LLM:
+def _graph_engine(monkeypatch, path: str, fused_ops: str = "triton") -> LLM:
     """The engine as the GPU would build it, with CUDA graphs on and replayed eagerly."""
     monkeypatch.setattr("pagedllm.worker.model_runner.DecodeGraphs", EagerStandIn)
     config = EngineArgs.create_engine_config
     monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: replace(config(self), cuda_graphs=True))
-    return LLM(path, attention_backend="triton", fused_ops="triton", block_size=8, num_gpu_blocks_override=32,
+    return LLM(path, attention_backend="triton", fused_ops=fused_ops, block_size=8, num_gpu_blocks_override=32,
                max_model_len=64, max_num_seqs=2)
+
+
+def test_a_layer_that_cannot_be_captured_keeps_the_model_eager(tmp_path, monkeypatch, caplog):
+    """MoE experts on the native ops read their counts on the host: the runner does not capture."""
+    with caplog.at_level("INFO", logger="pagedllm"):
+        llm = _graph_engine(monkeypatch, make_model_dir(tmp_path, "qwen2_moe", **SHAPES), fused_ops="native")
+    assert llm.llm_engine.executor.runner.decode_graphs is None
+    assert "CUDA graphs off: the MoE experts built with fused_ops='native'" in caplog.text
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
