@@ -145,6 +145,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing_
     if tokens == 0:
         return torch.zeros_like(x)
     experts = w13.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()  # the kernel steps along K with unit stride
     tile = tiles(tokens * top_k, experts)
     blocks = align_by_expert(ids, experts, tile[0])
     gate_up = moe_gemm(x, w13, blocks, top_k, None, tile)  # [slots, 2 * inter]
