@@ -104,3 +104,32 @@ def test_reference_is_the_routing_definition():
             want[t] += weights[t, j].double() * (w2[ids[t, j]].double() @ (F.silu(gate) * up))
     torch.testing.assert_close(fused_moe.fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul).double(), want,
                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 80])  # the decode and the prefill tile
+def test_layer_captured_in_a_cuda_graph_replays_what_eager_computes(tokens):
+    """The capture the model runner makes, on the layer alone: no sync while capturing (the sync
+    debug mode raises on one), and a replay on new inputs equals the eager forward on them."""
+    layer = _layer("triton", True).to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(tokens)
+    new_inputs = lambda: (torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16),  # noqa: E731
+                          torch.randn(tokens, 8, generator=g).to("cuda"))
+    x, logits = new_inputs()
+    side = torch.cuda.Stream()  # warm-up (the kernels' first compile) off the capture stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = layer(x, logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    fresh_x, fresh_logits = new_inputs()
+    x.copy_(fresh_x), logits.copy_(fresh_logits)
+    graph.replay()
+    torch.testing.assert_close(out, layer(fresh_x, fresh_logits), atol=0, rtol=0)
