@@ -33,7 +33,7 @@ FAMILIES = (*ARCHS, *FAMILY_CONFIGS)
 SHAPES = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 FETCHES = [(sampler_module, "to_host"), (llm_engine, "to_host")]
 UPLOADS = [(sampling_inputs, "to_device")]
-MAX_NEW = 3  # two decode steps after the prefill
+MAX_NEW = 2  # the prefill, then one decode step on the graph path (the interpreter is slow)
 
 
 def test_the_families_are_all_the_registered_ones():
@@ -75,7 +75,7 @@ def test_decode_graph_path_makes_no_host_sync(arch, tmp_path, monkeypatch):
         syncs.arm_within(monkeypatch, EagerStandIn, "replay")
         syncs.arm_within(monkeypatch, Sampler, "sample")  # the device part: its inputs uploaded, not fetched
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    # armed: the two replays and the three sampling steps; each step's one fetch after them
+    # armed: each decode step's replay and every step's sampling; each step's one fetch after them
     assert runner.decode_graphs.replays == MAX_NEW - 1 and syncs.armed_calls == 2 * MAX_NEW - 1
     assert syncs.kernels > 0 and syncs.fetches == MAX_NEW
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
