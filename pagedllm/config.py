@@ -52,6 +52,7 @@ class ModelConfig:
     # sampling defaults from the model's generation_config.json ((SamplingParams field, value) pairs),
     # for requests that leave those fields unset; empty with generation_config="vllm"
     generation_defaults: tuple[tuple[str, Any], ...] = ()
+    enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed (engine/llm_engine.py)
 
     def __post_init__(self):
         if self.tokenizer_mode not in TOKENIZER_MODES:

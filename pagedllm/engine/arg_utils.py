@@ -175,6 +175,9 @@ class EngineArgs:
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
+    enable_sleep_mode: bool = option(False, "allow LLM.sleep()/wake_up() and the server's /sleep, /wake_up and "
+                                     "/is_sleeping: free the KV pool and offload or drop the weights between "
+                                     "uses (RL loops)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -324,6 +327,7 @@ class EngineArgs:
             served_model_names=self.served_model_names(),
             max_logprobs=self.max_logprobs,
             generation_defaults=generation_defaults(path, self.generation_config),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def served_model_names(self) -> tuple[str, ...]:
