@@ -215,8 +215,11 @@ class ModelRunner:
         """Undoes ``sleep`` for ``tags`` ("weights": their storage back, with their values after a
         level-1 sleep, uninitialized after level 2; "kv_cache": a new, empty pool of the same size)."""
         if "weights" in tags and self.weights_asleep:
+            discarded = self.sleeping_weights is not None and self.sleeping_weights.discarded
             sleep_mode.wake(self.model, self.sleeping_weights)
             self.sleeping_weights, self.weights_asleep = None, False
+            if discarded and self.device.type == "cpu" and huge_pages_enabled():
+                module_to_huge_pages(self.model)  # where the load put them: decode streams them faster
             if self.cache is not None:
                 self._capture_graphs()
         if "kv_cache" in tags and self.cache is None:
