@@ -562,7 +562,7 @@ class LLMEngine:
         if not isinstance(method, str) and not callable(method):
             raise TypeError(f"method must be a method name or a callable, got {type(method).__name__}")
         results = self.executor.collective_rpc(method, timeout, args, kwargs or {})
-        if method in _WEIGHT_UPDATES and not self.reset_prefix_cache():
+        if isinstance(method, str) and method in _WEIGHT_UPDATES and not self.reset_prefix_cache():
             logger.warning("%s: requests still hold KV blocks computed with the old weights", method)
         return results
 

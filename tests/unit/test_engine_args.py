@@ -45,6 +45,7 @@ NON_DEFAULT = {
     "kv_offload_cpu_gb": 1.5, "kv_offload_dir": "/tmp/pagedllm-kv-tier-args", "kv_offload_disk_gb": 2.0,
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "calculate_kv_scales": True,
     "scheduling_policy": "priority", "runner": "pooling", "pooler_config": '{"normalize": false}',
+    "enable_sleep_mode": True,
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
