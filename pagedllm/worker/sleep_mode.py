@@ -63,8 +63,9 @@ def put_to_sleep(model: nn.Module, level: int, device: torch.device,
     if level == 1:
         return _offload(model, device) if device.type != "cpu" else None
     state = SleepingWeights(device, discarded=True)
+    offloaded = asleep.host if asleep is not None else {}  # level 1 on CUDA first: the shapes are the copies'
     for name, t in _params(model):
-        state.specs[name] = (t.shape, t.dtype)
+        state.specs[name] = (offloaded.get(name, t).shape, t.dtype)
         t.data = torch.empty(0, dtype=t.dtype, device=device)
     if device.type != "cpu":  # buffers are kept, in host memory
         _move_buffers(model, torch.device("cpu"))
@@ -102,8 +103,3 @@ def wake(model: nn.Module, state: SleepingWeights | None) -> None:
                 t.data = state.host.pop(name).to(state.device)
     if state.device.type != "cpu":
         _move_buffers(model, state.device)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct parameter's storage (what sleeping at level 2 frees)."""
-    return sum(t.numel() * t.element_size() for _, t in _params(model))
