@@ -49,20 +49,26 @@ def tp2_rpc(model: str, prompts: list[list[int]], second: str) -> dict:
     return result
 
 
-def pp2_worker_raises(model: str, prompts: list[list[int]], second: str) -> dict:
-    """PP=2: a call that raises on the second stage is reported as a pipeline stage's failure."""
+def pp2_sleep_then_stage_fails(model: str, prompts: list[list[int]], second: str) -> dict:
+    """PP=2: every stage sleeps and wakes; then a call that raises on the second stage is
+    reported as that pipeline stage's failure."""
     from pagedllm.worker.executor import RankCall
     from pagedllm.worker.model_runner import ModelRunner
-    llm = LLM(model, pipeline_parallel_size=2, **ENGINE)
+    llm = LLM(model, pipeline_parallel_size=2, enable_sleep_mode=True, **ENGINE)
+    before = greedy(llm, prompts)
+    llm.sleep(level=1)
+    asleep = llm.collective_rpc("is_sleeping")
+    llm.wake_up()
+    after = greedy(llm, prompts)
     try:
         llm.llm_engine.executor.run_on_all_ranks(RankCall(ModelRunner.init_cache, (-1, 0)))
         error = None
     except RuntimeError as exc:
         error = str(exc)
-    return dict(error=error)
+    return dict(before=before, asleep=asleep, after=after, error=error)
 
 
-SCENARIOS = {f.__name__: f for f in (tp2_rpc, pp2_worker_raises)}
+SCENARIOS = {f.__name__: f for f in (tp2_rpc, pp2_sleep_then_stage_fails)}
 
 if __name__ == "__main__":
     name, model_dir, prompts_json, second_dir = sys.argv[1:5]

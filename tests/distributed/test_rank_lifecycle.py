@@ -40,7 +40,10 @@ def test_tp2_weight_update_and_sleep_on_every_rank(llama_dir, second_dir, hf_mod
     assert result["still_serving"] == first_out
 
 
-def test_pp_stage_failure_names_the_stage(llama_dir, prompts):
-    result = scenario("pp2_worker_raises", llama_dir, prompts, "-", script=SCRIPT)
+def test_pp2_sleeps_on_every_stage_and_a_stage_failure_names_the_stage(llama_dir, hf_models, prompts):
+    result = scenario("pp2_sleep_then_stage_fails", llama_dir, prompts, "-", script=SCRIPT)
+    expected = [hf_greedy(hf_models["llama"], p, MAX_NEW) for p in prompts]
+    assert result["before"] == result["after"] == expected
+    assert result["asleep"] == [True, True]
     assert result["error"].startswith("pipeline-parallel step failed, the engine is dead")
-    assert "worker rank 1 (pipeline stage 1, tensor rank 0) raised" in result["error"]
+    assert "worker rank 1 [pipeline stage 1, tensor rank 0] raised" in result["error"]

@@ -126,7 +126,7 @@ def rank_label(parallel: ParallelConfig, rank: int) -> str:
     if parallel.pipeline_parallel_size == 1:
         return f"worker rank {rank}"
     layout = RankLayout.of(parallel, rank)
-    return f"worker rank {rank} (pipeline stage {layout.stage}, tensor rank {layout.tp_rank})"
+    return f"worker rank {rank} [pipeline stage {layout.stage}, tensor rank {layout.tp_rank}]"
 
 
 def _report(conn: mpc.Connection, text: str) -> None:
