@@ -14,16 +14,12 @@ import contextlib
 import hmac
 import logging
 import math
-import os
 import sys
-import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import envs
@@ -34,16 +30,8 @@ from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, ru
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
-from .chat_features import ChatOptions
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    ErrorResponse,
-    GenerateRequest,
-    TokenizeRequest,
-)
+from . import chat, completions, embeddings, tokenization
+from .chat_features import ChatOptions, load_chat_template
 from .reasoning_parsers import REASONING_PARSERS
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
 from .tool_parsers import TOOL_PARSERS
@@ -52,83 +40,8 @@ logger = logging.getLogger(__name__)
 
 # routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
 _PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize")
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
 
-router = APIRouter()
-
-
-# ---------------------------------------------------------------------- cancellation
-async def with_cancellation(raw: Request, handler: Awaitable):
-    """Runs a handler, cancelling it if the client disconnects first (its requests are aborted).
-
-    Starlette cancels a streaming body on disconnect by itself, but a plain handler keeps
-    running; this races it against the ``http.disconnect`` message.
-    """
-    task = asyncio.ensure_future(handler)
-    watcher = asyncio.ensure_future(_disconnected(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)  # nobody is listening any more
-    return task.result()
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _serving(raw: Request) -> OpenAIServing:
-    return raw.app.state.serving
-
-
-# ---------------------------------------------------------------------- routes
-@router.post("/v1/completions", responses=_ERRORS)
-async def create_completion(request: CompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_completion(request, time.time()))
-
-
-@router.post("/v1/embeddings", responses=_ERRORS)
-async def create_embedding(request: EmbeddingRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_embedding(request, time.time()))
-
-
-@router.post("/v1/chat/completions", responses=_ERRORS)
-async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_chat_completion(request, time.time()))
-
-
-_GENERATE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": GenerateRequest.model_json_schema()}}}}
-
-
-@router.post("/generate", responses=_ERRORS, openapi_extra=_GENERATE_BODY)
-async def generate(raw: Request):
-    """vLLM's legacy endpoint; like vLLM it reads JSON whatever the content type (``curl -d``)."""
-    try:
-        request = GenerateRequest.model_validate_json(await raw.body())
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
-    return await with_cancellation(raw, _serving(raw).generate(request, time.time()))
-
-
-@router.get("/v1/models")
-async def show_models(raw: Request):
-    return _serving(raw).models()
-
-
-@router.post("/tokenize", responses=_ERRORS)
-async def tokenize(request: TokenizeRequest, raw: Request):
-    return await _serving(raw).tokenize(request)
-
-
-@router.post("/detokenize", responses=_ERRORS)
-async def detokenize(request: DetokenizeRequest, raw: Request):
-    return await _serving(raw).detokenize(request)
+router = APIRouter()  # the server's own probes: /health and /metrics
 
 
 @router.get("/health")
@@ -299,6 +212,10 @@ def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
 
 
 # ---------------------------------------------------------------------- the app
+# every endpoint family's routes; a new family adds its APIRouter here
+ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, tokenization.router, router]
+
+
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
@@ -316,7 +233,8 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
-    app.include_router(router)
+    for routes in ROUTERS:
+        app.include_router(routes)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
     if api_key:  # added last, so outermost: a request without the key is refused before its body is read
@@ -342,18 +260,6 @@ def _served_names(engine, served_model_name: str | list[str] | None) -> list[str
         return list(engine.served_model_names())
     # LLMEngine and AsyncLLMEngine both expose model_config
     return list(engine.model_config.served_model_names) or [engine.model_config.model]
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """A path to a template file, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if value.endswith((".jinja", ".jinja2", ".j2")):
-        raise ValueError(f"chat_template={value!r}: file not found")
-    return value
 
 
 def _lifespan(engine: AsyncLLMEngine):

@@ -5,6 +5,7 @@ template, and the per-choice parser that turns generated text into ``reasoning_c
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,3 +213,15 @@ class ChoiceParser:
         return {"content": None if calls and not content.strip() else content,
                 "reasoning_content": (reasoning or None) if self.include_reasoning else None,
                 "tool_calls": calls or None}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A path to a template file, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if value.endswith((".jinja", ".jinja2", ".j2")):
+        raise ValueError(f"chat_template={value!r}: file not found")
+    return value

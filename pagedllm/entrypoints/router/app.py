@@ -7,8 +7,7 @@ import contextlib
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.api_server import with_cancellation
-from pagedllm.entrypoints.openai.serving import error_body
+from pagedllm.entrypoints.http_common import error_body, with_cancellation
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
 
 from .config import RouterConfig

@@ -74,7 +74,7 @@ def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import load_chat_template
+    from pagedllm.entrypoints.openai.chat_features import load_chat_template
     resolved = _resolved_tokenizer(args.tokenizer or args.model)
     config = config_from_cli(args, tuple(args.backend), tokenizer=resolved, trust_remote_code=args.trust_remote_code,
                              chat_template=load_chat_template(args.chat_template), block_size=args.block_size,
