@@ -211,11 +211,8 @@ def http_options_from_cli(args: argparse.Namespace, api_keys: tuple[str, ...] = 
 
 
 def fastapi_kwargs(options: HttpOptions) -> dict:
-    """FastAPI(...) arguments: the docs routes (or none) and the root path they are served under."""
-    kwargs: dict = {"root_path": options.root_path}
-    if options.disable_fastapi_docs:
-        kwargs.update(docs_url=None, redoc_url=None, openapi_url=None)
-    return kwargs
+    """FastAPI(...) arguments: the docs routes, or none (their root path comes from RootPathMiddleware)."""
+    return dict(docs_url=None, redoc_url=None, openapi_url=None) if options.disable_fastapi_docs else {}
 
 
 def uvicorn_kwargs(options: HttpOptions) -> dict:
@@ -314,9 +311,9 @@ class ApiKeyMiddleware:
 
 
 class RootPathMiddleware:
-    """Behind a proxy that forwards ``/llm/v1/...`` unchanged: strips the prefix (and records it as
-    the ASGI ``root_path``), so routes, the key check and the router see ``/v1/...``; a request
-    without the prefix (a proxy that strips it) passes as it is."""
+    """Behind a proxy that forwards ``/llm/v1/...`` unchanged: strips the prefix, so routes, the key
+    check and the router see ``/v1/...``; a request without it (a proxy that strips it) passes as it
+    is. Either way the ASGI ``root_path`` is the prefix, so the docs link their schema under it."""
 
     def __init__(self, app, root_path: str):
         self.app, self.root = app, root_path
@@ -325,8 +322,9 @@ class RootPathMiddleware:
         if scope["type"] in ("http", "websocket"):
             path = scope["path"]
             if path == self.root or path.startswith(self.root + "/"):
-                scope = dict(scope, path=path[len(self.root):] or "/", root_path=self.root,
-                             raw_path=(path[len(self.root):] or "/").encode())
+                path = path[len(self.root):] or "/"
+                scope = dict(scope, path=path, raw_path=path.encode())
+            scope = dict(scope, root_path=self.root)
         await self.app(scope, receive, send)
 
 

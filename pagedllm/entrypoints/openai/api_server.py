@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
+import dataclasses
+import json
 import logging
 import math
 import sys
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -26,20 +28,27 @@ from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.http_common import (
+    HttpOptions,
+    add_http_args,
+    fastapi_kwargs,
+    http_options_from_cli,
+    install_middlewares,
+    uvicorn_kwargs,
+)
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
 from . import chat, completions, embeddings, tokenization
 from .chat_features import ChatOptions, load_chat_template
+from .cli_args import add_refused_args, check_refused_args
 from .reasoning_parsers import REASONING_PARSERS
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
+from .serving_base import ShutdownGate
 from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
-
-# routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
-_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize")
 
 router = APIRouter()  # the server's own probes: /health and /metrics
 
@@ -100,24 +109,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
     app.add_exception_handler(Exception, _internal_error)
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._ok(scope):
-            body = error_body("invalid or missing API key", 401, code="invalid_api_key")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)
 
 
 # ---------------------------------------------------------------------- request bodies and shutdown
@@ -217,19 +208,22 @@ ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, 
 
 
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None,
+              chat_template: str | None = None, api_key: str | list[str] | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
-              response_options: ResponseOptions | None = None) -> FastAPI:
+              response_options: ResponseOptions | None = None, http_options: HttpOptions | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
-    ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
-    ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
-    ``--return-tokens-as-token-ids``."""
+    ``chat_options``: tool calling, reasoning and template options (``--enable-auto-tool-choice``,
+    ``--tool-call-parser``, ``--reasoning-parser``...); ``response_options``: ``--enable-prompt-tokens-details``,
+    ``--return-tokens-as-token-ids``; ``http_options``: the deployment (TLS is uvicorn's: see
+    ``uvicorn_kwargs``), ``api_key`` adds keys to its ``api_keys``."""
     limits = limits or ServerLimits()
+    http_options = _with_api_keys(http_options or HttpOptions(), api_key)
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
     prometheus = PrometheusMetrics(names[0], async_engine.model_config.max_model_len)
     async_engine.observers.append(prometheus)
-    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine),
+                  **fastapi_kwargs(http_options))
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
@@ -237,9 +231,14 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
         app.include_router(routes)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
-    if api_key:  # added last, so outermost: a request without the key is refused before its body is read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # outside the body limits: a request without the key is refused before its body is read
+    install_middlewares(app, http_options)
     return app
+
+
+def _with_api_keys(options: HttpOptions, api_key: str | list[str] | None) -> HttpOptions:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    return dataclasses.replace(options, api_keys=(*options.api_keys, *keys)) if keys else options
 
 
 def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
@@ -280,16 +279,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
-                        "(or set $PAGEDLLM_API_KEY)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
+    add_http_args(parser)
     _add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
+    add_refused_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
     return parser
@@ -306,6 +302,13 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "llama3_json (Llama 3.1/3.2 JSON)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put a reasoning model's <think>...</think> into reasoning_content: deepseek_r1, qwen3")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help="leave the tools out of the chat template when a request says tool_choice 'none'")
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                   help="let requests bring their own chat_template (refused otherwise: a template is code)")
+    g.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
+                   help='template variables for every chat request, as JSON, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's chat_template_kwargs override them)")
 
 
 def _add_response_args(parser: argparse.ArgumentParser) -> None:
@@ -324,7 +327,10 @@ def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
     return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -346,12 +352,15 @@ def _limits_from_cli(args: argparse.Namespace) -> ServerLimits:
 
 def run_server(args: argparse.Namespace) -> int:
     """Loads the model, then serves until interrupted (SIGINT/SIGTERM: drains for --shutdown-timeout)."""
-    import uvicorn
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     limits = _limits_from_cli(args)
     chat_options = _chat_options_from_cli(args)  # checked before the model loads
+    check_refused_args(args)
+    env_keys = (envs.PAGEDLLM_API_KEY,) if envs.PAGEDLLM_API_KEY else ()
+    http_options = http_options_from_cli(args, env_keys)
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
+        _check_data_parallel_http(http_options)
         return run_data_parallel(args)
     engine_args = engine_args_from_cli(args)
     config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
@@ -359,13 +368,53 @@ def run_server(args: argparse.Namespace) -> int:
     if is_headless(config, args.headless):
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
-                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args))
-    # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
-    # and runs the lifespan's shutdown, which stops the engine
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=limits.shutdown_timeout)
+                    chat_template=args.chat_template, limits=limits, chat_options=chat_options,
+                    response_options=_response_options_from_cli(args), http_options=http_options)
+    serve_app(app, args.host, args.port, http_options, limits.shutdown_timeout)
     return 0
+
+
+def serve_app(app: FastAPI, host: str, port: int, http_options: HttpOptions, shutdown_timeout: float) -> None:
+    """Runs the app under uvicorn until SIGINT/SIGTERM, then drains: requests get ``shutdown_timeout``
+    seconds to finish; those still running are ended with a ``server_shutdown`` error (``ShutdownGate``)
+    and the lifespan's shutdown stops the engine."""
+    # uvicorn's own deadline a little later than the gate's, so the ended requests' last bytes go out
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + _FLUSH_SECONDS,
+                            **uvicorn_kwargs(http_options))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained for (as uvicorn.run)
+        DrainingServer(config, app.state.serving.shutdown_gate, shutdown_timeout).run()
+
+
+_FLUSH_SECONDS = 0.5  # after the shutdown deadline: time for the error events and 503s to reach the clients
+
+
+def _check_data_parallel_http(options: HttpOptions) -> None:
+    """The data-parallel router serves plain HTTP on --host/--port (API keys are checked by the replicas)."""
+    plain = dataclasses.replace(HttpOptions(), api_keys=options.api_keys, uvicorn_log_level=options.uvicorn_log_level)
+    changed = [f.name for f in dataclasses.fields(HttpOptions) if getattr(options, f.name) != getattr(plain, f.name)]
+    if changed:
+        raise ValueError(f"{changed} with --data-parallel-size > 1 is not supported: start `pagedllm router` with "
+                         "these flags in front of `pagedllm serve` replicas")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGINT/SIGTERM also arms the ShutdownGate's deadline."""
+
+    def __init__(self, config: uvicorn.Config, gate: ShutdownGate, timeout: float):
+        super().__init__(config)
+        self.gate, self.timeout = gate, timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.armed = False
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None and not self.armed:  # in a signal handler: only hand the loop a callback
+            self.armed = True
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.timeout, self.gate.expire)
 
 
 def register(subparsers) -> None:

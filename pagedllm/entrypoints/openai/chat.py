@@ -17,6 +17,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 
 from .chat_features import (
+    RESERVED_TEMPLATE_KWARGS,
     ChoiceParser,
     MessagePiece,
     check_tools,
@@ -56,13 +57,6 @@ from .serving_base import (
 from .tool_parsers.forced import forced_call_schema
 
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
-# apply_chat_template's own arguments: chat_template_kwargs may not override them
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                       "truncation", "max_length", "return_tensors", "return_dict",
-                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
-
-
 router = APIRouter()
 
 
@@ -105,7 +99,8 @@ class ChatServing(ServingBase):
             params = self.sampling_params(req, "delta" if req.stream else "final_only", max_tokens=max_tokens,
                                           logprobs=logprobs, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
                                           **forced_call_fields(req, tool_choice))
-        text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
+        text = await self.render_chat(req.messages, req.add_generation_prompt,
+                                      **self.server_template_options(req, tool_choice))
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
@@ -121,12 +116,25 @@ class ChatServing(ServingBase):
                                "continues the last message instead of starting a new one)", 400,
                                "continue_final_message")
         extra = dict(req.chat_template_kwargs or {})
-        clash = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
         if clash:
             raise ServingError(f"chat_template_kwargs may not set {clash}: they are request fields or "
                                "apply_chat_template's own arguments", 400, "chat_template_kwargs")
         return dict(extra, template=req.chat_template, tools=tools_for_template(req.tools),
                     documents=req.documents, continue_final_message=req.continue_final_message)
+
+    def server_template_options(self, req: ChatCompletionRequest, tool_choice: Any = "none") -> dict:
+        """``template_options`` under the server's chat flags: the request's template only when trusted,
+        the default template variables under the request's, tools left out for tool_choice 'none' when
+        asked (--exclude-tools-when-tool-choice-none)."""
+        opts = self.chat_options
+        if req.chat_template is not None and not opts.trust_request_chat_template:
+            raise ServingError("chat_template in a request is refused: the server was not started with "
+                               "--trust-request-chat-template", 400, "chat_template")
+        options = {**opts.default_chat_template_kwargs, **self.template_options(req)}
+        if tool_choice == "none" and opts.exclude_tools_when_tool_choice_none:
+            options["tools"] = None
+        return options
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           template: str | None = None, **kwargs) -> str:

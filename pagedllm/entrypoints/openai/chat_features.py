@@ -15,14 +15,26 @@ from .request_fields import RequestFieldError
 from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
+# apply_chat_template's own arguments: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """The server's chat flags: ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser``."""
+    """The server's chat flags (vLLM's names): ``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--reasoning-parser``; ``--trust-request-chat-template`` (else a request's own ``chat_template`` is
+    refused: a template is code the server runs); ``--default-chat-template-kwargs`` (template variables a
+    request's ``chat_template_kwargs`` override); ``--exclude-tools-when-tool-choice-none``."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self):
         if self.tool_call_parser is not None:
@@ -31,6 +43,13 @@ class ChatOptions:
             REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (--tool-call-parser NAME)")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs={self.default_chat_template_kwargs!r} is invalid: "
+                             "must be a JSON object of template variables")
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & self.default_chat_template_kwargs.keys())
+        if clash:
+            raise ValueError(f"default_chat_template_kwargs may not set {clash}: they are request fields or "
+                             "apply_chat_template's own arguments")
 
 
 # ---------------------------------------------------------------------- tools and tool_choice
