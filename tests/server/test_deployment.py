@@ -292,3 +292,24 @@ def test_requests_past_the_shutdown_deadline_end_with_server_shutdown(server_mod
 
 async def _expire(srv) -> None:
     srv.app.state.serving.shutdown_gate.expire()
+
+
+def test_router_takes_the_same_deployment_flags():
+    """`pagedllm router` parses the deployment flags and installs the same middlewares."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.router.app import build_router_app
+    from pagedllm.entrypoints.router.config import RouterConfig
+    args = build_parser().parse_args(["router", "--backend", "http://127.0.0.1:9", "--routing-policy", "round_robin",
+                                      "--root-path", "/r", "--allowed-origins", f'["{ORIGIN}"]',
+                                      "--enable-request-id-headers", "--disable-fastapi-docs"])
+    app = build_router_app(RouterConfig(backends=("http://127.0.0.1:9",), policy="round_robin"), None,
+                           http_options_from_cli(args))
+    client = TestClient(app)  # no lifespan: nothing is forwarded, the router's own routes answer
+    r = client.get("/r/router/backends", headers={"X-Request-Id": "rid-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "rid-1"
+    assert r.json()["backends"][0]["url"] == "http://127.0.0.1:9"
+    preflight = client.options("/r/v1/completions", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert client.get("/docs").status_code != 200  # forwarded (no backend here), not the router's docs page

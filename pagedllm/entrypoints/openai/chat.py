@@ -43,10 +43,10 @@ from .serving_base import (
     RequestGroup,
     ServingBase,
     ServingError,
-    _refuse_streamed_best_of,
     check_fields,
     collect,
     continuous_usage,
+    refuse_streamed_best_of,
     response_id,
     serving_of,
     sse,
@@ -88,7 +88,7 @@ class ChatServing(ServingBase):
                          tool_choice: Any = "none") -> RequestGroup:
         if req.top_logprobs is not None and not req.logprobs:
             raise ServingError("top_logprobs requires logprobs=true", 400, "top_logprobs")
-        _refuse_streamed_best_of(req)
+        refuse_streamed_best_of(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.use_beam_search:

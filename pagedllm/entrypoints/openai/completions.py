@@ -36,17 +36,17 @@ from .serving_base import (
     RequestGroup,
     ServingBase,
     ServingError,
-    _refuse_streamed_best_of,
-    _unsupported,
     bad_request,
     check_fields,
     collect,
     continuous_usage,
+    refuse_streamed_best_of,
     response_id,
     serving_of,
     sse,
     sse_body,
     start_streaming,
+    unsupported,
 )
 
 router = APIRouter()
@@ -60,8 +60,8 @@ class CompletionServing(ServingBase):
         """``POST /v1/completions``: a JSON response, or server-sent events when streaming."""
         model = self.check_model(req.model)
         check_fields(req)
-        _unsupported(req.suffix, "suffix", "suffix")
-        _refuse_streamed_best_of(req)
+        unsupported(req.suffix, "suffix", "suffix")
+        refuse_streamed_best_of(req)
         scored_prompt = req.echo and req.logprobs is not None  # echo + logprobs: score the prompt too
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not scored_prompt else req.logprobs
         params = self.completion_beams(req) if req.use_beam_search else self.sampling_params(
@@ -148,8 +148,8 @@ class CompletionServing(ServingBase):
     # ------------------------------------------------------------------ legacy /generate
     async def generate(self, req: GenerateRequest, arrival: float):
         """vLLM's simple api_server: ``{"text": [prompt + completion, ...]}``; streams NDJSON."""
-        _refuse_streamed_best_of(req)
-        _unsupported(req.logprobs is not None, "logprobs", "logprobs on /generate (its reply is text only; "
+        refuse_streamed_best_of(req)
+        unsupported(req.logprobs is not None, "logprobs", "logprobs on /generate (its reply is text only; "
                      "use /v1/completions)")
         fields = req.model_dump(exclude={"prompt", "stream"})
         try:

@@ -105,7 +105,7 @@ def bad_request(exc: BaseException) -> ServingError:
     return ServingError(str(exc) or type(exc).__name__, 400, param_of(str(exc)))
 
 
-def _unsupported(condition: object, param: str, what: str) -> None:
+def unsupported(condition: object, param: str, what: str) -> None:
     if condition:
         raise ServingError(f"{what} is not supported by this server", 400, param)
 
@@ -198,7 +198,7 @@ def _check_guided_options(req: SamplingFields) -> None:
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise ServingError(f"guided_decoding_backend={req.guided_decoding_backend!r} is invalid: this server "
                            "has xgrammar only", 400, "guided_decoding_backend")
-    _unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
+    unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
                  "guided_whitespace_pattern (use structured_outputs.disable_any_whitespace)")
 
 
@@ -462,7 +462,7 @@ def _check_stream_options(req: SamplingFields) -> None:
 
 
 
-def _refuse_streamed_best_of(req) -> None:
+def refuse_streamed_best_of(req) -> None:
     """A streamed request shows its sequences as they grow; best_of > n would rank them only at the end."""
     if req.stream and req.best_of is not None and req.best_of != req.n:
         raise ServingError("best_of != n is not supported when streaming", 400, "best_of")
