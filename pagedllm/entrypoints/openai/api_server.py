@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -370,6 +371,11 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, limits=limits, chat_options=chat_options,
                     response_options=_response_options_from_cli(args), http_options=http_options)
+    # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the
+    # collector need not walk them again: no GC pauses over them while serving, and an exit seconds
+    # shorter (the final collection over torch's and transformers' objects took 2-4 s)
+    gc.collect()
+    gc.freeze()
     serve_app(app, args.host, args.port, http_options, limits.shutdown_timeout)
     return 0
 
