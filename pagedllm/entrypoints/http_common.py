@@ -335,6 +335,8 @@ class RequestIdMiddleware:
 
     def __init__(self, app, echo: bool, log: bool, max_log_len: int | None):
         self.app, self.echo, self.log, self.max_log_len = app, echo, log, max_log_len
+        if log and logger.getEffectiveLevel() > logging.INFO:  # asked for: shown under `pagedllm --log-level WARNING`
+            logger.setLevel(logging.INFO)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -313,3 +313,29 @@ def test_router_takes_the_same_deployment_flags():
     preflight = client.options("/r/v1/completions", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
     assert client.get("/docs").status_code != 200  # forwarded (no backend here), not the router's docs page
+
+
+# ---------------------------------------------------------------------- reply flags
+@pytest.fixture(scope="module")
+def reply_server(server_model_dir):
+    from pagedllm.entrypoints.openai.serving import ResponseOptions
+    srv = start_server(server_model_dir, response_options=ResponseOptions(enable_force_include_usage=True,
+                                                                          response_role="bot"))
+    yield srv
+    srv.stop()
+
+
+def test_force_include_usage_and_response_role(reply_server):
+    client = openai.OpenAI(base_url=f"{reply_server.url}/v1", api_key="none")
+    chunks = list(client.completions.create(model="tiny", prompt="hi", max_tokens=3, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3  # no stream_options sent
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert reply.choices[0].message.role == "bot"
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, stream=True))
+    assert stream[0].choices[0].delta.role == "bot" and stream[-1].usage.total_tokens > 0
+    # no generation prompt: the reply continues the last message, in its role (vLLM's rule)
+    cont = client.chat.completions.create(
+        model="tiny", messages=[*messages, {"role": "assistant", "content": "Sure"}], max_tokens=2,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert cont.choices[0].message.role == "assistant"

@@ -319,11 +319,17 @@ def _add_response_args(parser: argparse.ArgumentParser) -> None:
                    help="add usage.prompt_tokens_details.cached_tokens: prompt tokens served by the prefix cache")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="show logprobs tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="end every stream with the usage chunk (as stream_options.include_usage)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat reply after the generation prompt")
 
 
 def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
     return ResponseOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                           enable_force_include_usage=args.enable_force_include_usage,
+                           response_role=args.response_role)
 
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:

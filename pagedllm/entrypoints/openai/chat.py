@@ -144,6 +144,13 @@ class ChatServing(ServingBase):
         return await self.engine.with_tokenizer(lambda tokenizer: render_chat(
             tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs))
 
+    def response_role(self, req: ChatCompletionRequest) -> str:
+        """vLLM's rule: ``--response-role`` after a generation prompt; else the reply continues the
+        last message, in its role."""
+        if req.add_generation_prompt or not req.messages:
+            return self.response_options.response_role
+        return req.messages[-1].role
+
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
                       parsers: list[ChoiceParser]) -> ChatCompletionResponse:
         choices = []
@@ -153,7 +160,8 @@ class ChatServing(ServingBase):
             if req.echo:
                 message["content"] = _echo_prefix(req) + (message["content"] or "")
             lp = chat_logprobs(c, req.top_logprobs or 0, as_ids) if req.logprobs else None
-            choices.append(ChatCompletionChoice(index=j, message=ChatResponseMessage(**message), logprobs=lp,
+            message = ChatResponseMessage(**{**message, "role": self.response_role(req)})
+            choices.append(ChatCompletionChoice(index=j, message=message, logprobs=lp,
                                                 finish_reason=parsers[j].finish_reason(c.finish_reason),
                                                 stop_reason=c.stop_reason,
                                                 token_ids=c.token_ids if req.return_token_ids else None))
@@ -166,7 +174,7 @@ class ChatServing(ServingBase):
     async def chat_events(self, group: RequestGroup, rid: str, model: str, req: ChatCompletionRequest,
                           parsers: list[ChoiceParser]) -> AsyncIterator[str]:
         state, created = self.stream_state(req, bool(req.logprobs)), int(time.time())
-        as_ids = self.tokens_as_ids(req)
+        as_ids, role = self.tokens_as_ids(req), self.response_role(req)
 
         def chunk(choice: ChatStreamChoice, **fields) -> str:
             return sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice],
@@ -176,11 +184,11 @@ class ChatServing(ServingBase):
                 if idx not in state.started:  # OpenAI streams open each choice with the role
                     state.started.add(idx)
                     opening = _echo_prefix(req) if req.echo else ""
-                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=opening)),
+                    yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role=role, content=opening)),
                                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
                 for choice in chat_stream_choices(idx, c, parsers[c.index], req, as_ids):
                     yield chunk(choice)
-        if req.stream_options and req.stream_options.include_usage:
+        if self.include_usage(req):
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": state.usage().model_dump()})
 

@@ -23,13 +23,14 @@ VLLM_VERSION: str = _DATA["vllm_version"]
 VLLM_FRONTEND_ARGS: dict[str, dict[str, Any]] = {**_DATA["frontend_args"], **_DATA["serve_args"]}
 
 HONOURED = frozenset({
-    "chat_template", "trust_request_chat_template", "default_chat_template_kwargs", "return_tokens_as_token_ids",
-    "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none", "tool_call_parser", "max_log_len",
-    "enable_prompt_tokens_details", "host", "port", "uds", "uvicorn_log_level", "disable_uvicorn_access_log",
-    "disable_access_log_for_endpoints", "allow_credentials", "allowed_origins", "allowed_methods", "allowed_headers",
-    "api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers", "root_path",
-    "middleware", "enable_request_id_headers", "disable_fastapi_docs", "h11_max_incomplete_event_size",
-    "headless", "enable_log_requests"})
+    "allow_credentials", "allowed_headers", "allowed_methods", "allowed_origins", "api_key", "chat_template",
+    "default_chat_template_kwargs", "disable_access_log_for_endpoints", "disable_fastapi_docs",
+    "disable_uvicorn_access_log", "enable_auto_tool_choice", "enable_force_include_usage",
+    "enable_log_requests", "enable_prompt_tokens_details", "enable_request_id_headers",
+    "exclude_tools_when_tool_choice_none", "h11_max_incomplete_event_size", "headless", "host", "max_log_len",
+    "middleware", "port", "response_role", "return_tokens_as_token_ids", "root_path", "ssl_ca_certs",
+    "ssl_cert_reqs", "ssl_certfile", "ssl_ciphers", "ssl_keyfile", "tool_call_parser",
+    "trust_request_chat_template", "uds", "uvicorn_log_level"})
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,12 @@ REFUSED: dict[str, Refused] = {
         "message content reaches the chat template as a string (its text parts joined): 'auto' and 'string' "
         "do that; 'openai' (a list of parts) is not available", "string"),
     "trust_request_mm_kwargs": _at_default("this server takes no multimodal requests"),
-    "response_role": _at_default("replies are always in the 'assistant' role"),
     "tool_parser_plugin": _at_default("tool parsers are built in: pick one with --tool-call-parser"),
     "tool_strict_level": _at_default("structural-tag tool calling is not available; tool_choice 'required' or a "
                                      "named function constrains the call instead"),
     "tool_server": _at_default("there are no built-in tools (no tool server)"),
     "enable_per_request_metrics": _at_default("replies carry no per-request timing; see /metrics"),
     "enable_server_load_tracking": _at_default("there is no /load endpoint; /metrics has the queue depths"),
-    "enable_force_include_usage": _at_default("usage comes with stream_options.include_usage, per request"),
     "sse_keep_alive_interval": _at_default("streams send no keep-alive comments"),
     "enable_tokenizer_info_endpoint": _at_default("there is no /tokenizer_info endpoint"),
     "enable_log_outputs": _at_default("generated outputs are not logged (--enable-log-requests logs requests)"),

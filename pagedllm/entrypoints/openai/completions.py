@@ -112,7 +112,7 @@ class CompletionServing(ServingBase):
         async for i, out in group.outputs():
             for idx, c in state.news(i, out):
                 yield sse(self.completion_chunk(state, idx, c, out, req, rid, model, created))
-        if req.stream_options and req.stream_options.include_usage:
+        if self.include_usage(req):
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": state.usage().model_dump()})
 

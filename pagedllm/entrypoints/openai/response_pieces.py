@@ -23,10 +23,18 @@ class ResponseOptions:
     """Server flags that shape replies (vLLM's names): ``--enable-prompt-tokens-details`` adds
     ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens served by the prefix cache);
     ``--return-tokens-as-token-ids`` shows logprobs tokens as ``token_id:N`` unless a request says
-    otherwise (its ``return_tokens_as_token_ids``)."""
+    otherwise (its ``return_tokens_as_token_ids``); ``--enable-force-include-usage`` ends every stream
+    with the usage chunk, as ``stream_options.include_usage`` does; ``--response-role``: the role of
+    a chat reply that follows a generation prompt (otherwise the last message's role, continued)."""
 
     enable_prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    response_role: str = "assistant"
+
+    def __post_init__(self):
+        if not self.response_role:
+            raise ValueError("response_role='' is invalid: give a role name, e.g. 'assistant'")
 
 
 def make_usage(prompt: int, completion: int, cached: int | None = None) -> UsageInfo:

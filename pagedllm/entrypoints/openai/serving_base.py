@@ -440,6 +440,12 @@ class ServingBase:
     def stream_state(self, req: SamplingFields, logprobs: bool) -> StreamState:
         return StreamState(logprobs=logprobs, token_ids=bool(req.return_token_ids),
                            details=self.response_options.enable_prompt_tokens_details, n=req.n or 1)
+    def include_usage(self, req: SamplingFields) -> bool:
+        """Whether a stream ends with the usage chunk: the request's ``stream_options.include_usage``,
+        or always under ``--enable-force-include-usage`` (vLLM's rule)."""
+        asked = req.stream_options is not None and bool(req.stream_options.include_usage)
+        return asked or self.response_options.enable_force_include_usage
+
     def tokens_as_ids(self, req: SamplingFields) -> bool:
         """``return_tokens_as_token_ids``: the request's, else the server's flag."""
         if req.return_tokens_as_token_ids is not None:
