@@ -191,7 +191,7 @@ def test_every_vllm_frontend_flag_has_a_rule_and_parses():
     (["--lora-modules", "sql=/adapters/sql"], "--lora-modules"),
     (["--api-server-count", "4"], "--api-server-count"),
     (["--chat-template-content-format", "openai"], "--chat-template-content-format"),
-    (["--sse-keep-alive-interval", "15"], "--sse-keep-alive-interval"),
+    (["--log-error-stack"], "--log-error-stack"),
     (["--enable-offline-docs"], "--enable-offline-docs"),
 ])
 def test_vllm_flags_we_lack_are_refused_by_name(argv, flag, capsys):
@@ -319,8 +319,8 @@ def test_router_takes_the_same_deployment_flags():
 @pytest.fixture(scope="module")
 def reply_server(server_model_dir):
     from pagedllm.entrypoints.openai.serving import ResponseOptions
-    srv = start_server(server_model_dir, response_options=ResponseOptions(enable_force_include_usage=True,
-                                                                          response_role="bot"))
+    options = ResponseOptions(enable_force_include_usage=True, response_role="bot", sse_keep_alive_interval=0.2)
+    srv = start_server(server_model_dir, response_options=options)
     yield srv
     srv.stop()
 
@@ -339,3 +339,37 @@ def test_force_include_usage_and_response_role(reply_server):
         model="tiny", messages=[*messages, {"role": "assistant", "content": "Sure"}], max_tokens=2,
         extra_body={"add_generation_prompt": False, "continue_final_message": True})
     assert cont.choices[0].message.role == "assistant"
+
+
+def test_deployment_flags_with_data_parallel_are_refused_by_name(capsys, tls_files):
+    """The data-parallel router serves plain HTTP; TLS etc. there would be ignored, so they are refused."""
+    from pagedllm.entrypoints.cli import main
+    keyfile, certfile = tls_files
+    assert main(["serve", "m", "--data-parallel-size", "2", "--ssl-keyfile", keyfile, "--ssl-certfile", certfile,
+                 "--root-path", "/llm"]) == 2
+    err = capsys.readouterr().err
+    assert "ssl_keyfile" in err and "root_path" in err and "pagedllm router" in err
+
+
+def test_silent_streams_send_keep_alive_comments(reply_server):
+    engine = reply_server.engine.engine
+    real_step = engine.step
+
+    def slow_step():
+        import time
+        time.sleep(0.5)  # > the 0.2 s keep-alive interval between tokens
+        return real_step()
+    engine.step = slow_step
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{reply_server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        client = openai.OpenAI(base_url=f"{reply_server.url}/v1", api_key="none")
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2, stream=True))
+    finally:
+        engine.step = real_step
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-1].usage.completion_tokens == 2  # the openai client skips the comments

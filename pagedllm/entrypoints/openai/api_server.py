@@ -323,13 +323,17 @@ def _add_response_args(parser: argparse.ArgumentParser) -> None:
                    help="end every stream with the usage chunk (as stream_options.include_usage)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of a chat reply after the generation prompt")
+    g.add_argument("--sse-keep-alive-interval", type=int, default=0,
+                   help="send an SSE keep-alive comment on a completion or chat stream silent this many seconds "
+                        "(for proxies with read timeouts); 0: never")
 
 
 def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
     return ResponseOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                            enable_force_include_usage=args.enable_force_include_usage,
-                           response_role=args.response_role)
+                           response_role=args.response_role,
+                           sse_keep_alive_interval=args.sse_keep_alive_interval)
 
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:

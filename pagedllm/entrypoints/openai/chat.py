@@ -50,8 +50,6 @@ from .serving_base import (
     response_id,
     serving_of,
     sse,
-    sse_body,
-    start_streaming,
     structured_outputs_of,
 )
 from .tool_parsers.forced import forced_call_schema
@@ -80,8 +78,7 @@ class ChatServing(ServingBase):
         parsers = [ChoiceParser.for_request(self.chat_options, tool_choice, req.parallel_tool_calls,
                                             req.include_reasoning) for _ in range(req.n or 1)]
         if req.stream:
-            return await start_streaming(sse_body(self.chat_events(group, rid, model, req, parsers), group),
-                                         "text/event-stream")
+            return await self.stream_sse(self.chat_events(group, rid, model, req, parsers), group)
         return self.chat_response(rid, model, req, (await collect(group))[0], parsers)
 
     async def start_chat(self, rid: str, req: ChatCompletionRequest, arrival: float,

@@ -28,8 +28,8 @@ HONOURED = frozenset({
     "disable_uvicorn_access_log", "enable_auto_tool_choice", "enable_force_include_usage",
     "enable_log_requests", "enable_prompt_tokens_details", "enable_request_id_headers",
     "exclude_tools_when_tool_choice_none", "h11_max_incomplete_event_size", "headless", "host", "max_log_len",
-    "middleware", "port", "response_role", "return_tokens_as_token_ids", "root_path", "ssl_ca_certs",
-    "ssl_cert_reqs", "ssl_certfile", "ssl_ciphers", "ssl_keyfile", "tool_call_parser",
+    "middleware", "port", "response_role", "return_tokens_as_token_ids", "root_path", "sse_keep_alive_interval",
+    "ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_ciphers", "ssl_keyfile", "tool_call_parser",
     "trust_request_chat_template", "uds", "uvicorn_log_level"})
 
 
@@ -59,7 +59,6 @@ REFUSED: dict[str, Refused] = {
     "tool_server": _at_default("there are no built-in tools (no tool server)"),
     "enable_per_request_metrics": _at_default("replies carry no per-request timing; see /metrics"),
     "enable_server_load_tracking": _at_default("there is no /load endpoint; /metrics has the queue depths"),
-    "sse_keep_alive_interval": _at_default("streams send no keep-alive comments"),
     "enable_tokenizer_info_endpoint": _at_default("there is no /tokenizer_info endpoint"),
     "enable_log_outputs": _at_default("generated outputs are not logged (--enable-log-requests logs requests)"),
     "enable_log_deltas": _at_default("outputs are not logged, so there are no deltas to log", False),

@@ -44,7 +44,6 @@ from .serving_base import (
     response_id,
     serving_of,
     sse,
-    sse_body,
     start_streaming,
     unsupported,
 )
@@ -73,8 +72,7 @@ class CompletionServing(ServingBase):
             prompts = [await self.encoded_without_special(p) for p in prompts]
         group = await self.start(rid, prompts, params, arrival, req)
         if req.stream:
-            body = sse_body(self.completion_events(group, rid, model, req), group)
-            return await start_streaming(body, "text/event-stream")
+            return await self.stream_sse(self.completion_events(group, rid, model, req), group)
         return await self.completion_json(rid, model, req, await collect(group))
 
     def completion_beams(self, req: CompletionRequest) -> BeamSearchParams:

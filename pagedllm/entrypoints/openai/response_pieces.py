@@ -25,14 +25,21 @@ class ResponseOptions:
     ``--return-tokens-as-token-ids`` shows logprobs tokens as ``token_id:N`` unless a request says
     otherwise (its ``return_tokens_as_token_ids``); ``--enable-force-include-usage`` ends every stream
     with the usage chunk, as ``stream_options.include_usage`` does; ``--response-role``: the role of
-    a chat reply that follows a generation prompt (otherwise the last message's role, continued)."""
+    a chat reply that follows a generation prompt (otherwise the last message's role, continued);
+    ``--sse-keep-alive-interval``: seconds of silence after which a stream sends a keep-alive comment
+    (0: never)."""
 
     enable_prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     response_role: str = "assistant"
+    sse_keep_alive_interval: float = 0
 
     def __post_init__(self):
+        if not (isinstance(self.sse_keep_alive_interval, (int, float)) and 0 <= self.sse_keep_alive_interval
+                < float("inf")):
+            raise ValueError(f"sse_keep_alive_interval={self.sse_keep_alive_interval!r} is invalid: must be a "
+                             "number of seconds >= 0 (0: no keep-alive comments)")
         if not self.response_role:
             raise ValueError("response_role='' is invalid: give a role name, e.g. 'assistant'")
 

@@ -13,6 +13,7 @@ ends every live group with a ``server_shutdown`` error (``ShutdownGate``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import uuid
 import weakref
@@ -311,6 +312,35 @@ async def start_streaming(body: AsyncIterator[str], media_type: str) -> Streamin
     return StreamingResponse(chained(), media_type=media_type)
 
 
+KEEP_ALIVE_COMMENT = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes
+
+
+async def with_keep_alive(body: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
+    """``body``, with a keep-alive comment whenever it has been silent for ``interval`` seconds
+    (``--sse-keep-alive-interval``: queued, in prefill, between tokens), so a proxy's read timeout
+    does not cut the stream. One retained ``anext`` task advances ``body``: cancelling it on a
+    timeout (``wait_for``) would abort the generator mid-step."""
+    step = asyncio.ensure_future(anext(body))
+    try:
+        while True:
+            done, _ = await asyncio.wait({step}, timeout=interval)
+            if not done:
+                yield KEEP_ALIVE_COMMENT
+                continue
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            step = asyncio.ensure_future(anext(body))
+    finally:
+        step.cancel()
+        with contextlib.suppress(BaseException):
+            await step
+        with contextlib.suppress(BaseException):
+            await body.aclose()  # runs sse_body's finally: the group is closed
+
+
 async def collect(group: RequestGroup) -> list[RequestOutput]:
     try:
         return await group.finals()
@@ -440,6 +470,13 @@ class ServingBase:
     def stream_state(self, req: SamplingFields, logprobs: bool) -> StreamState:
         return StreamState(logprobs=logprobs, token_ids=bool(req.return_token_ids),
                            details=self.response_options.enable_prompt_tokens_details, n=req.n or 1)
+    async def stream_sse(self, events: AsyncIterator[str], group: RequestGroup) -> StreamingResponse:
+        """A stream's response: ``events`` as server-sent events ending in ``[DONE]``, with keep-alive
+        comments under ``--sse-keep-alive-interval`` (the first may commit the 200 before any output)."""
+        body = sse_body(events, group)
+        interval = self.response_options.sse_keep_alive_interval
+        return await start_streaming(with_keep_alive(body, interval) if interval else body, "text/event-stream")
+
     def include_usage(self, req: SamplingFields) -> bool:
         """Whether a stream ends with the usage chunk: the request's ``stream_options.include_usage``,
         or always under ``--enable-force-include-usage`` (vLLM's rule)."""
