@@ -373,3 +373,17 @@ def test_silent_streams_send_keep_alive_comments(reply_server):
     events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 3
     assert chunks[-1].usage.completion_tokens == 2  # the openai client skips the comments
+
+
+def test_config_file_fills_the_flags_the_command_line_leaves(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: some/model\nport: 8001\nmax-model-len: 4096\nenable_prefix_caching: false\n"
+                      "served-model-name: [a, b]\nenable-request-id-headers: true\n"
+                      'default-chat-template-kwargs: {"enable_thinking": false}\n')
+    args = _serve_args("--port", "9000", "--config", str(config), "--max-model-len", "64")
+    assert args.port == 9000 and args.max_model_len == 64  # the command line wins, before or after --config
+    assert args.model == "some/model" and args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
+    assert args.enable_request_id_headers and args.default_chat_template_kwargs == {"enable_thinking": False}
+    config.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit):
+        _serve_args("--config", str(config))

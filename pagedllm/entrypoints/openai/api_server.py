@@ -43,7 +43,7 @@ from pagedllm.utils import check_int
 
 from . import chat, completions, embeddings, tokenization
 from .chat_features import ChatOptions, load_chat_template
-from .cli_args import add_refused_args, check_refused_args
+from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
 from .reasoning_parsers import REASONING_PARSERS
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
 from .serving_base import ShutdownGate
@@ -280,6 +280,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
+    g.add_argument("--config", action=ConfigFileAction, default=None, metavar="YAML",
+                   help="read flags from a YAML file (vLLM's format: max-model-len: 4096); the command line wins")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
     add_http_args(parser)

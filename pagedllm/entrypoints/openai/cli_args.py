@@ -23,7 +23,7 @@ VLLM_VERSION: str = _DATA["vllm_version"]
 VLLM_FRONTEND_ARGS: dict[str, dict[str, Any]] = {**_DATA["frontend_args"], **_DATA["serve_args"]}
 
 HONOURED = frozenset({
-    "allow_credentials", "allowed_headers", "allowed_methods", "allowed_origins", "api_key", "chat_template",
+    "allow_credentials", "allowed_headers", "allowed_methods", "allowed_origins", "api_key", "chat_template", "config",
     "default_chat_template_kwargs", "disable_access_log_for_endpoints", "disable_fastapi_docs",
     "disable_uvicorn_access_log", "enable_auto_tool_choice", "enable_force_include_usage",
     "enable_log_requests", "enable_prompt_tokens_details", "enable_request_id_headers",
@@ -82,7 +82,6 @@ REFUSED: dict[str, Refused] = {
     "enable_flash_late_interaction": _at_default("there is no late-interaction scoring, so no kernel to turn "
                                                  "off", False),
     "api_server_count": _at_default("one API server process serves every engine", 1),
-    "config": _at_default("YAML config files are not read: give the flags on the command line"),
     "grpc": _at_default("there is no gRPC server"),
 }
 
@@ -132,3 +131,48 @@ def check_refused_args(args: argparse.Namespace) -> None:
             flag = "--" + name.replace("_", "-")
             shown = " or ".join(repr(v) for v in accepted_values(name))
             raise ValueError(f"{flag}={value!r} is not supported: {rule.reason} (accepted: {shown})")
+
+
+class ConfigFileAction(argparse.Action):
+    """``--config FILE`` (vLLM's): a YAML mapping of flag names (``max-model-len`` or ``max_model_len``)
+    to values, read as vLLM reads it (true: ``--flag``, false: ``--no-flag``, a list: its items, a
+    mapping: JSON). A flag given on the command line wins over the file, before ``--config`` or after
+    (one given before it at its default value reads as not given)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        fresh = parser.parse_args(config_file_argv(values, parser))
+        for dest, value in vars(fresh).items():
+            default = parser.get_default(dest)
+            if value != default and getattr(namespace, dest, default) == default:
+                setattr(namespace, dest, value)
+        setattr(namespace, self.dest, values)
+
+
+def config_file_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags a ``--config`` YAML file stands for (vLLM's conversion)."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: cannot read it: {exc}")
+    if not isinstance(config, dict):
+        parser.error(f"--config {path}: must be a YAML mapping of flag names to values")
+    argv: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            parser.error(f"--config {path}: a config file cannot name another one")
+        if isinstance(value, bool):
+            negative = f"--no-{flag[2:]}"
+            if value:
+                argv.append(flag)
+            elif negative in parser._option_string_actions:  # a store_true flag's false is its default
+                argv.append(negative)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
