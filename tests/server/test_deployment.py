@@ -190,7 +190,7 @@ def test_every_vllm_frontend_flag_has_a_rule_and_parses():
     (["--tool-server", "demo"], "--tool-server"),
     (["--lora-modules", "sql=/adapters/sql"], "--lora-modules"),
     (["--api-server-count", "4"], "--api-server-count"),
-    (["--chat-template-content-format", "openai"], "--chat-template-content-format"),
+    (["--tool-parser-plugin", "my_parsers.py"], "--tool-parser-plugin"),
     (["--log-error-stack"], "--log-error-stack"),
     (["--enable-offline-docs"], "--enable-offline-docs"),
 ])
@@ -387,3 +387,29 @@ def test_config_file_fills_the_flags_the_command_line_leaves(tmp_path):
     config.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
         _serve_args("--config", str(config))
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for part in m['content'] %}{{ part['text'] }}"
+                  "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("content_format, expected", [("auto", "<user>hi there<assistant>"),
+                                                      ("openai", "<user>hi there<assistant>"),
+                                                      ("string", "<user><assistant>")])
+def test_chat_template_content_format(server_model_dir, content_format, expected):
+    """A template that loops over content parts (vLLM's "openai" format) renders the text; "auto"
+    detects it; "string" hands it a string, whose characters have no 'text' (the message is lost:
+    why auto exists). HF templates trim the newline after a block tag."""
+    from live_server import CHAT_TEMPLATE
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.openai.chat import render_chat
+    from pagedllm.entrypoints.openai.chat_features import detect_content_format
+    from pagedllm.entrypoints.openai.protocol import ChatMessage
+    tokenizer = AutoTokenizer.from_pretrained(server_model_dir)
+    messages = [ChatMessage(role="user", content="hi there")]
+    assert detect_content_format(PARTS_TEMPLATE) == "openai" and detect_content_format(CHAT_TEMPLATE) == "string"
+    assert render_chat(tokenizer, PARTS_TEMPLATE, messages, True, content_format=content_format) == expected
+    # the tokenizer's own (string) template under auto: unchanged
+    assert render_chat(tokenizer, None, messages, True) == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], add_generation_prompt=True, tokenize=False)

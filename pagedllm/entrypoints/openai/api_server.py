@@ -42,7 +42,7 @@ from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
 from . import chat, completions, embeddings, tokenization
-from .chat_features import ChatOptions, load_chat_template
+from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
 from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
 from .reasoning_parsers import REASONING_PARSERS
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
@@ -305,6 +305,9 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "llama3_json (Llama 3.1/3.2 JSON)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put a reasoning model's <think>...</think> into reasoning_content: deepseek_r1, qwen3")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="message content in the chat template: a string, OpenAI's list of parts (openai), or "
+                        "the one the template loops over (auto, vLLM's detection)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
                    help="leave the tools out of the chat template when a request says tool_choice 'none'")
     g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
@@ -343,7 +346,8 @@ def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
                        reasoning_parser=args.reasoning_parser,
                        trust_request_chat_template=args.trust_request_chat_template,
                        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
-                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                       chat_template_content_format=args.chat_template_content_format)
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:

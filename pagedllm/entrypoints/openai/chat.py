@@ -21,7 +21,9 @@ from .chat_features import (
     ChoiceParser,
     MessagePiece,
     check_tools,
+    content_for_template,
     conversation_of,
+    detect_content_format,
     is_forced,
     resolve_tool_choice,
     tools_for_template,
@@ -138,8 +140,9 @@ class ChatServing(ServingBase):
         """The chat template (the request's, else the server's, else the tokenizer's) applied to the
         messages: the prompt text, rendered on a tokenizer thread. ``kwargs`` go to
         ``apply_chat_template`` (tools, template variables)."""
+        content_format = self.chat_options.chat_template_content_format
         return await self.engine.with_tokenizer(lambda tokenizer: render_chat(
-            tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs))
+            tokenizer, self.chat_template, messages, add_generation_prompt, template, content_format, **kwargs))
 
     def response_role(self, req: ChatCompletionRequest) -> str:
         """vLLM's rule: ``--response-role`` after a generation prompt; else the reply continues the
@@ -191,18 +194,26 @@ class ChatServing(ServingBase):
 
 
 def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
-                template: str | None = None, **kwargs) -> str:
+                template: str | None = None, content_format: str = "auto", **kwargs) -> str:
     """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
     messages: the prompt text. The one rendering path of the server (and of the router, which must
-    see the same tokens). ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
+    see the same tokens). ``content_format`` (--chat-template-content-format): message content as a
+    string, OpenAI's list of parts, or whichever the template reads ("auto"). ``kwargs`` go to
+    ``apply_chat_template`` (tools, template variables)."""
     template = template if template is not None else server_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ServingError("this model's tokenizer has no chat template; start the server with "
                            "--chat-template FILE_OR_STRING", 400, "messages")
     if not messages:
         raise ServingError("messages must not be empty", 400, "messages")
+    if content_format == "auto":
+        text = template if template is not None else tokenizer.chat_template
+        content_format = detect_content_format(text) if isinstance(text, str) else "string"
+
+    def content_of(m: ChatMessage) -> str | list[dict]:
+        return content_for_template(_message_text(m), content_format) if m.content is not None else ""
     try:
-        conversation = conversation_of(messages, _message_text)
+        conversation = conversation_of(messages, content_of)
     except RequestFieldError as exc:
         raise ServingError(str(exc), 400, exc.param) from None
     try:

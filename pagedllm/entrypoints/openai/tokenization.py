@@ -28,7 +28,8 @@ class TokenizationServing(ServingBase):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:  # rendered and encoded in one tokenizer-thread job (one hop, not two)
             ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, render_chat(
-                tokenizer, self.chat_template, req.messages, req.add_generation_prompt), False, "messages"))
+                tokenizer, self.chat_template, req.messages, req.add_generation_prompt,
+                content_format=self.chat_options.chat_template_content_format), False, "messages"))
         else:
             ids = await self.engine.with_tokenizer(
                 lambda tokenizer: _encode(tokenizer, req.prompt, req.add_special_tokens, "prompt"))
