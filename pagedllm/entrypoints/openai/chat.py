@@ -56,7 +56,9 @@ from .serving_base import (
 )
 from .tool_parsers.forced import forced_call_schema
 
+# engine messages name the completion fields; a chat request sent these instead
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
 router = APIRouter()
 
 

@@ -42,14 +42,11 @@ from .protocol import (
 from .request_fields import RequestFieldError, check_request_fields
 from .response_pieces import ResponseOptions, StreamState
 
-__all__ = ["error_body", "sse"]  # re-exported: the handlers' modules take them from here
-
 # what one engine request runs: a generation, a beam search or an embedding
 EngineParams = SamplingParams | BeamSearchParams | PoolingParams
 _PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
                 | set(GenerateRequest.model_fields) | set(EmbeddingRequest.model_fields))
 _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
-_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 # ---------------------------------------------------------------------- errors
