@@ -12,12 +12,13 @@ from pagedllm.entrypoints.http_common import error_body, sse
 
 from .chat import ChatServing, render_chat
 from .completions import CompletionServing
-from .embeddings import EmbeddingServing
+from .embeddings import EmbeddingServing, _encode_embedding
 from .response_pieces import ResponseOptions
-from .serving_base import RequestGroup, ServingError
+from .serving_base import RequestGroup, ServingError, check_fields, collect, response_id, start_streaming
 from .tokenization import TokenizationServing
 
-__all__ = ["OpenAIServing", "RequestGroup", "ResponseOptions", "ServingError", "error_body", "render_chat", "sse"]
+__all__ = ["OpenAIServing", "RequestGroup", "ResponseOptions", "ServingError", "_encode_embedding", "check_fields",
+           "collect", "error_body", "render_chat", "response_id", "sse", "start_streaming"]
 
 
 class OpenAIServing(CompletionServing, ChatServing, EmbeddingServing, TokenizationServing):
