@@ -160,6 +160,28 @@ def test_float16_model_over_fp8_cache(cache_dtype, num_splits):
     assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
 
 
+def test_launch_plans_are_built_once_per_call_signature(monkeypatch):
+    """The validation and the launch arguments are worked out on a signature's first call; later
+    calls of the same shapes only bind their tensors (and compute the same), other shapes get a
+    plan of their own, and a cached plan lets no invalid option through."""
+    validated = []
+    real = triton_backend.check_call
+    monkeypatch.setattr(triton_backend, "check_call", lambda *args: validated.append(1) or real(*args))
+    backend = TritonAttentionBackend(num_kv_splits=1)
+    batch = make_paged_batch([(5, 1), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    first, second = run(backend, batch)[0], run(backend, batch)[0]
+    assert len(validated) == 1 and torch.equal(first, second)
+    torch.testing.assert_close(first, run(TorchReferenceBackend(), batch)[0], atol=ATOL, rtol=RTOL)
+    (plan,) = backend._plans.values()
+    templates = [plan.write, plan.attention[1][0]]
+    assert not any(isinstance(v, torch.Tensor) for t in templates for v in t.args.values())  # keeps nothing alive
+    run(backend, make_paged_batch([(5, 3), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8))
+    assert len(validated) == 2 and len(backend._plans) == 2
+    run(backend, batch, sliding_window=5)
+    with pytest.raises(ValueError, match="sliding_window=5.0"):
+        run(backend, batch, sliding_window=5.0)
+
+
 def test_bfloat16_write_is_exact():
     batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
                              cache_dtype=torch.bfloat16)  # fmt: skip
