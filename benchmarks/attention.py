@@ -347,6 +347,8 @@ def parse_args(argv=None):
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/attention.json, or results/attention-quick.json)")
     args = ap.parse_args(argv)
+    if args.replays < 1:
+        ap.error(f"--replays={args.replays}: must be >= 1")
     args.repeats = args.repeats or (4 if args.quick else 12)
     args.output = args.output or RESULTS_DIR / ("attention-quick.json" if args.quick else "attention.json")
     args.contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None
