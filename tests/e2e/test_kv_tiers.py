@@ -24,12 +24,13 @@ def _block_bytes(block_size: int) -> int:
     return 2 * 2 * 2 * 16 * block_size * 4  # layers x K/V x kv heads x head_dim x tokens x float32
 
 
-def _llm(model_dir: str, block_size: int, cpu_blocks: float = 0, disk: Path | None = None, **kw) -> LLM:
+def _llm(model_dir: str, block_size: int, cpu_blocks: float = 0, disk: Path | None = None, disk_gb: float = 1e-3,
+         **kw) -> LLM:
     tiers = {}
     if cpu_blocks:
         tiers["kv_offload_cpu_gb"] = (cpu_blocks + 0.5) * _block_bytes(block_size) / 2**30
     if disk is not None:
-        tiers.update(kv_offload_dir=str(disk), kv_offload_disk_gb=1e-3)
+        tiers.update(kv_offload_dir=str(disk), kv_offload_disk_gb=disk_gb)
     return LLM(model_dir, block_size=block_size, max_model_len=MAX_LEN,
                num_gpu_blocks_override=MAX_LEN // block_size + 2, **tiers, **kw)
 
