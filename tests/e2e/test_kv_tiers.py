@@ -242,3 +242,28 @@ def test_tier_metrics_on_the_prometheus_endpoint(llama_dir):
     assert hits > 0
     assert f'pagedllm:kv_offload_hits_total{{model_name="m",tier="cpu"}} {float(hits)}' in text
     assert 'pagedllm:kv_offload_bytes_total{direction="load",model_name="m",tier="cpu"}' in text
+
+
+def test_weights_rewritten_in_place_never_hit_the_old_entries(tmp_path):
+    """A fine-tune overwritten in place by its next epoch: same size, modification time put back,
+    same first and last MiB. The old K/V on disk must not be served: no hit, and the outputs are
+    those of the new weights computed from scratch."""
+    import shutil
+
+    from weights_rewrite import rewrite_in_place_keeping_size_mtime_and_ends
+    model = make_model_dir(tmp_path / "model", intermediate_size=1536)  # weights past 2 MiB
+    donor = make_model_dir(tmp_path / "donor", seed=1, intermediate_size=1536)
+    llm = _llm(model, 8, disk=tmp_path / "tier")
+    _run(llm, 0)
+    _evict(llm)
+    llm.llm_engine.shutdown()
+    assert any((tmp_path / "tier").rglob("*.kv"))
+    rewrite_in_place_keeping_size_mtime_and_ends(Path(model) / "model.safetensors",
+                                                 Path(donor) / "model.safetensors")
+    shutil.rmtree(Path(donor))
+    reference = _llm(model, 8, enable_prefix_caching=False)
+    expected = [_run(reference, i) for i in (1, 2)]
+    restarted = _llm(model, 8, disk=tmp_path / "tier")
+    assert [_run(restarted, i) for i in (1, 2)] == expected
+    assert _tier(restarted, "disk")["hits"] == 0
+    _assert_all_blocks_free(restarted)
