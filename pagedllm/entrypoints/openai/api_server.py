@@ -31,7 +31,7 @@ from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_f
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
-from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics, add_metrics_args
 from pagedllm.utils import check_int
 
 from .chat_features import ChatOptions
@@ -381,6 +381,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
+    add_metrics_args(g)
     _add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
@@ -455,6 +456,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                     limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args))
+    app.state.metrics.names = args.metrics_names
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

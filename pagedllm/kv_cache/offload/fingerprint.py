@@ -9,12 +9,13 @@ heads).
 
 The whole contents, because anything less is fooled: a fine-tune overwritten in place by its
 next epoch keeps the size, can keep the modification time (``os.utime``) and often the first and
-last MiB, and the tier would serve the old model's K/V. Hashing is streamed (BLAKE2b, 8 MiB
-reads), runs on a thread beside the weight loading (``setup.prefetch_tier_fingerprints``), and
-each file's digest is cached in the tier directory (``.weight-digests.json``) under its device,
-inode, size, mtime and ctime: an unchanged checkpoint is hashed once per machine. The ctime is
-what makes the key safe: every write to a file sets it to now, and no system call sets it back
-(``os.utime`` restores atime and mtime only).
+last MiB, and the tier would serve the old model's K/V. Hashing is streamed (SHA-256, 8 MiB
+reads; with the CPU's SHA instructions it outruns BLAKE2b about 2x here), runs on a thread
+beside the weight loading (``setup.prefetch_tier_fingerprints``), and each file's digest is
+cached in the tier directory (``.weight-digests.json``) under its device, inode, size, mtime and
+ctime: an unchanged checkpoint is hashed once per machine. The ctime is what makes the key safe:
+every write to a file sets it to now, and no system call sets it back (``os.utime`` restores
+atime and mtime only).
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def weights_identity(model_dir: str, cache_dir: str | os.PathLike | None = None)
 
 
 def content_digest(path: Path) -> bytes:
-    """BLAKE2b-256 of the whole file, read in 8 MiB chunks (hashlib releases the GIL on each)."""
-    h = hashlib.blake2b(digest_size=32)
+    """SHA-256 of the whole file, read in 8 MiB chunks (hashlib releases the GIL on each)."""
+    h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
@@ -115,7 +116,7 @@ def safetensors_header_digest(path: Path) -> bytes:
 
 
 def _file_key(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return f"sha256:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 class DigestCache:
