@@ -182,3 +182,17 @@ def test_disk_tier_calls_never_raise(tmp_path, op):
         tier.usage_bytes()
         tier.clear()
         assert tier.health.errors[op] + tier2.health.errors[op] > 0, (op, code)
+
+
+def test_a_bad_file_that_cannot_be_deleted_is_skipped_not_read_again(tmp_path):
+    """A corrupt entry in a directory the server cannot delete from (read-only, immutable): one
+    read, one failed unlink, then a miss with no filesystem call at all."""
+    fs = FaultyFS(("unlink", errno.EACCES))
+    tier = DiskTier(tmp_path, "ab" * 32, 1 << 20, fs=fs)
+    tier.path(b"c" * 32).write_bytes(b"corrupt")
+    shape = (2, 2, 2, 8, 16)
+    assert tier.contains(b"c" * 32) and tier.read(b"c" * 32, shape, torch.float32) is None
+    assert tier.health.errors["unlink"] == 1 and tier.path(b"c" * 32).exists()
+    calls = sum(fs.calls.values())
+    assert tier.read(b"c" * 32, shape, torch.float32) is None and not tier.contains(b"c" * 32)
+    assert sum(fs.calls.values()) == calls
