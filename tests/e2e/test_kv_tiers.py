@@ -204,7 +204,7 @@ def test_two_engines_sharing_a_directory_concurrently(llama_dir, tmp_path):
     import threading
 
     from pagedllm.kv_cache.offload.disk_tier import DiskTier
-    from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+    from pagedllm.kv_cache.offload.fingerprint import DIGEST_CACHE, kv_fingerprint
     docs = random_prompts(2, seed=43, lo=64, hi=65)
     engines = [_llm(llama_dir, 8, cpu_blocks=1, disk=tmp_path) for _ in range(2)]
 
@@ -222,7 +222,8 @@ def test_two_engines_sharing_a_directory_concurrently(llama_dir, tmp_path):
     config = engines[0].llm_engine.config
     tier = DiskTier(tmp_path, kv_fingerprint(config, 0), 1 << 30)
     files = list(tmp_path.rglob("*"))
-    assert all(f.suffix == ".kv" or f.is_dir() or f.name == ".lock" for f in files)  # no temporary files
+    # no temporary files: blocks, directories, the lock and the weights' digest cache only
+    assert all(f.suffix == ".kv" or f.is_dir() or f.name in (".lock", DIGEST_CACHE) for f in files)
     shape = (2, 2, 2, 8, 16)  # [layers, K/V, kv heads, block_size, head_dim]
     assert all(tier.read(bytes.fromhex(f.stem), shape, torch.float32) is not None for f in files if f.suffix == ".kv")
     third = _llm(llama_dir, 8, disk=tmp_path)
