@@ -341,8 +341,9 @@ class ModelRunner:
         return rows.float()
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
-        """The step's tier loads, settled after its forward (the disk reads overlapped it)."""
-        return self.tiers.collect() if out.tier_ops and out.tier_ops.loads else None
+        """The step's tier loads, settled after its forward (the disk reads overlapped it), and the
+        tiers' failures since the last report (so any step with tier work reports)."""
+        return self.tiers.collect() if out.tier_ops else None
 
     def forward_stage(self, input_ids, positions, meta, intermediate=None):
         """This rank's stage of the model over one batch (pipeline parallelism: see pipeline_execute)."""

@@ -38,7 +38,7 @@ from pagedllm.entrypoints.http_common import (
     uvicorn_kwargs,
 )
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
-from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics, add_metrics_args
 from pagedllm.utils import check_int
 
 from . import chat, completions, embeddings, tokenization
@@ -291,6 +291,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="read flags from a YAML file (vLLM's format: max-model-len: 4096); the command line wins")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
+    add_metrics_args(g)
     add_http_args(parser)
     _add_limit_args(parser)
     _add_chat_args(parser)
@@ -399,6 +400,7 @@ def run_server(args: argparse.Namespace) -> int:
                     chat_template=args.chat_template, limits=limits, chat_options=chat_options,
                     response_options=_response_options_from_cli(args), http_options=http_options,
                     responses_store_size=args.responses_store_size)
+    app.state.metrics.names = args.metrics_names
     # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the
     # collector need not walk them again: no GC pauses over them while serving, and an exit seconds
     # shorter (the final collection over torch's and transformers' objects took 2-4 s)
