@@ -27,15 +27,17 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
+# shared with the router (which must not import this module); importable from here as before
+from ..openai_common import ServingError, error_body, render_chat, sse
+from ..openai_common import message_text as _message_text
+from ..openai_common import template_options as chat_template_options
 from .chat_features import (
     ChatOptions,
     ChoiceParser,
     MessagePiece,
     check_tools,
-    conversation_of,
     is_forced,
     resolve_tool_choice,
-    tools_for_template,
 )
 from .protocol import (
     ChatChoiceLogprobs,
@@ -74,37 +76,13 @@ from .tool_parsers.forced import forced_call_schema
 
 # what one engine request runs: a generation, a beam search or an embedding
 EngineParams = SamplingParams | BeamSearchParams | PoolingParams
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-                500: "server_error", 503: "service_unavailable"}
 _PARAM_NAMES = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
                 | set(GenerateRequest.model_fields) | set(EmbeddingRequest.model_fields))
 _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
-# apply_chat_template's own arguments: chat_template_kwargs may not override them
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                       "truncation", "max_length", "return_tensors", "return_dict",
-                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 # ---------------------------------------------------------------------- errors
-def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
-
-
-class ServingError(Exception):
-    """An error with its HTTP status; the app turns it into an OpenAI-style error response."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.status, self.param, self.code), status_code=self.status)
-
-
 def param_of(message: str) -> str | None:
     """The request field an engine/SamplingParams message names first ("top_p=0 is invalid")."""
     match = re.match(r"[A-Za-z_]+", message)
@@ -277,10 +255,6 @@ _BEAM_SEARCH_FIELDS = frozenset({
 
 
 # ---------------------------------------------------------------------- streaming helpers
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
 async def sse_body(events: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:
     """Server-sent events ending in ``[DONE]``.
 
@@ -745,21 +719,7 @@ class OpenAIServing:
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival, req)
 
-    @staticmethod
-    def template_options(req: ChatCompletionRequest) -> dict:
-        """The request's template inputs: its own template, tools, documents, continue_final_message
-        and ``chat_template_kwargs`` (e.g. ``enable_thinking``), which reach the template as variables."""
-        if req.continue_final_message and req.add_generation_prompt:
-            raise ServingError("continue_final_message=true needs add_generation_prompt=false (the reply "
-                               "continues the last message instead of starting a new one)", 400,
-                               "continue_final_message")
-        extra = dict(req.chat_template_kwargs or {})
-        clash = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())
-        if clash:
-            raise ServingError(f"chat_template_kwargs may not set {clash}: they are request fields or "
-                               "apply_chat_template's own arguments", 400, "chat_template_kwargs")
-        return dict(extra, template=req.chat_template, tools=tools_for_template(req.tools),
-                    documents=req.documents, continue_final_message=req.continue_final_message)
+    template_options = staticmethod(chat_template_options)  # openai_common.template_options
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           template: str | None = None, **kwargs) -> str:
@@ -867,28 +827,6 @@ class OpenAIServing:
             group.close()
 
 
-def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
-                template: str | None = None, **kwargs) -> str:
-    """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
-    messages: the prompt text. The one rendering path of the server (and of the router, which must
-    see the same tokens). ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
-    template = template if template is not None else server_template
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise ServingError("this model's tokenizer has no chat template; start the server with "
-                           "--chat-template FILE_OR_STRING", 400, "messages")
-    if not messages:
-        raise ServingError("messages must not be empty", 400, "messages")
-    try:
-        conversation = conversation_of(messages, _message_text)
-    except RequestFieldError as exc:
-        raise ServingError(str(exc), 400, exc.param) from None
-    try:
-        return tokenizer.apply_chat_template(conversation, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
-    except Exception as exc:  # jinja errors (raise_exception in a template)
-        raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
-
-
 def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
     """``tool_choice`` "required" or a named function: the output is constrained to the call(s),
     compact JSON (free whitespace would only let a model pad the call)."""
@@ -964,14 +902,6 @@ def _echo_prefix(req: ChatCompletionRequest) -> str:
     """vLLM's chat ``echo``: the last message's content, when it is the assistant's (being continued)."""
     last = req.messages[-1] if req.messages else None
     return _message_text(last) if last is not None and last.role == "assistant" else ""
-
-
-def _message_text(m: ChatMessage) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    if any(p.type != "text" for p in m.content):
-        raise ServingError("only text content parts are supported", 400, "messages")
-    return "".join(p.text or "" for p in m.content)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:

@@ -1,14 +1,23 @@
-"""The router's ASGI app: its own /health, /metrics and /router/backends; everything else is forwarded."""
+"""The router's ASGI app: its own /health, /metrics and /router/backends; everything else is forwarded.
+
+Like a replica it refuses a body over ``--max-request-body-bytes`` (413, before reading it or as
+soon as a chunked body passes the limit) and one that stops arriving (408), and with ``--api-key``
+every route but /health needs the key (/metrics and /router/backends too, unless
+``--metrics-public``): what one client sends is judged here, before any backend sees it.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from pagedllm.entrypoints.openai.api_server import with_cancellation
-from pagedllm.entrypoints.openai.serving import error_body
+from pagedllm.entrypoints.http_guards import ApiKeyMiddleware, RequestBodyMiddleware, http_error
+from pagedllm.entrypoints.openai_common import error_body, with_cancellation
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
 
 from .config import RouterConfig
@@ -16,6 +25,8 @@ from .prompt_hasher import PromptHasher
 from .proxy import Router, request_headers
 
 routes = APIRouter()
+# the router's own status routes: behind the API key unless --metrics-public
+STATUS_PATHS = ("/metrics", "/router/backends")
 
 
 def _router(raw: Request) -> Router:
@@ -43,7 +54,10 @@ async def backends(raw: Request) -> dict:
 
 @routes.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 async def forward(raw: Request) -> Response:
-    body = await raw.body()  # read before the disconnect watcher starts listening
+    try:  # read before the disconnect watcher starts listening; 413/408 are raised from here
+        body = await raw.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # the client left mid-upload: no backend saw the request
     path_qs = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
     handler = _router(raw).forward(raw.method, path_qs, request_headers(raw.headers), body)
     return await with_cancellation(raw, handler)
@@ -57,7 +71,17 @@ def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None) -
     app = FastAPI(title="pagedllm router", lifespan=_lifespan(router))
     app.state.router = router
     app.include_router(routes)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(RequestBodyMiddleware, limits=config.limits)
+    if config.api_key:  # added last, so outermost: a request without the key is refused before its body is read
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, protects=key_required(config))
     return app
+
+
+def key_required(config: RouterConfig) -> Callable[[str], bool]:
+    """Which paths need the API key: all but /health (and the status routes with ``metrics_public``)."""
+    open_paths = frozenset(("/health", *(STATUS_PATHS if config.metrics_public else ())))
+    return lambda path: path not in open_paths
 
 
 def load_hasher(config: RouterConfig) -> PromptHasher | None:
