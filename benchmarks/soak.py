@@ -23,8 +23,8 @@ starts ``pagedllm serve --data-parallel-size 2 --api-key soak`` (the router in f
 replicas) and sends plain completions from ``--workers`` clients: for the first half of the run
 alone, for the second half beside ``--abusers`` rude clients (20 MB bodies, 200 MB chunked bodies,
 bodies that stop after 10 bytes, requests without the key). It reports the normal requests lost
-(anything but 200), the backends the router took out (its failovers; a replica is never restarted,
-so each would be an outage), and the p99 latency of normal traffic during the abuse against
+(anything but 200), the times the router took a backend out (``router_backend_taken_out_total``;
+a replica is never restarted, so each is an outage), and the p99 latency of normal traffic during the abuse against
 without it (target: at most 1.5x). Exit status 1 if a request was lost or a backend taken out.
 """
 from __future__ import annotations
@@ -656,15 +656,16 @@ def p99(latencies: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
 
 
-def failovers(url: str, key: str) -> float:
+def router_total(url: str, key: str, name: str) -> float:
+    """A ``pagedllm:router_<name>_total`` counter of the router, summed over backends."""
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
-    return sum(float(v) for v in re.findall(r"^pagedllm:router_failovers_total\{[^}]*\} (\S+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^pagedllm:router_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
 def router_abuse(args: argparse.Namespace, url: str) -> bool:
     """Normal traffic alone for half of ``--duration``, then beside ``--abusers`` rude clients."""
     half, key = args.duration / 2, args.api_key
-    failovers_before = failovers(url, key)
+    taken_out_before = router_total(url, key, "backend_taken_out")
     calm = asyncio.run(normal_traffic(url, args.model, key, time.time() + half, args.workers))
     counts, lock, stop_at = collections.Counter(), threading.Lock(), time.time() + half
     threads = [threading.Thread(target=abuser, args=(url, key, stop_at, args.seed + i, counts, lock))
@@ -675,13 +676,13 @@ def router_abuse(args: argparse.Namespace, url: str) -> bool:
     for t in threads:
         t.join()
     lost = sum(status != 200 for _, status in calm + stormy)
-    taken_out = failovers(url, key) - failovers_before
+    taken_out = router_total(url, key, "backend_taken_out") - taken_out_before
     backends = httpx.get(f"{url}/router/backends", headers={"Authorization": f"Bearer {key}"}).json()["backends"]
     calm_p99, stormy_p99 = p99([t for t, _ in calm]), p99([t for t, _ in stormy])
     print(f"normal traffic: {len(calm)} requests alone, {len(stormy)} beside {args.abusers} abusers")
     print(f"  p99 latency alone {calm_p99 * 1000:.0f} ms, during abuse {stormy_p99 * 1000:.0f} ms "
           f"({stormy_p99 / calm_p99:.2f}x, target <= 1.5x)")
-    print(f"  requests lost: {lost}; backends taken out (router failovers): {taken_out:g}; healthy after: "
+    print(f"  requests lost: {lost}; backends taken out: {taken_out:g}; healthy after: "
           f"{sum(b['healthy'] for b in backends)}/{len(backends)}")
     for (kind, status), k in sorted(counts.items()):
         print(f"  abuse {kind:18s} -> {status}: {k}")

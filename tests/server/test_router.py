@@ -229,7 +229,10 @@ def _chunked(piece: bytes, count: int):
 
 
 def _all_healthy(url: str, **headers) -> bool:
-    return all(b["healthy"] for b in httpx.get(f"{url}/router/backends", headers=headers).json()["backends"])
+    """Every backend in rotation, and none ever taken out by this router."""
+    taken_out = sum(v for (name, _), v in _metrics(url).items() if name == "pagedllm:router_backend_taken_out_total")
+    backends = httpx.get(f"{url}/router/backends", headers=headers).json()["backends"]
+    return taken_out == 0 and all(b["healthy"] for b in backends)
 
 
 def _small_completions(url: str, count: int, **headers) -> list[int]:
@@ -398,6 +401,7 @@ def test_killed_backend_pending_requests_complete_on_the_other(dp_server):
     assert delta("pagedllm:router_requests_total") >= 2, (routed, results)
     assert delta("pagedllm:router_failovers_total") == delta("pagedllm:router_requests_total") - len(broken)
     assert after[("pagedllm:router_backend_healthy", (("backend", holder),))] == 0
+    assert delta("pagedllm:router_backend_taken_out_total") == 1
     assert httpx.get(f"{dp_server.url}/health").status_code == 200
     survivor = next(url for url in dp_server.backends if url != holder)
     _wait_for(lambda: _replica_total([survivor], "pagedllm:num_requests_running") == 0, 10, "the survivor to idle")

@@ -317,10 +317,15 @@ async def _drop_without_reading(request):
 
 
 def test_a_dropped_connection_takes_a_backend_out_only_if_its_health_check_fails():
-    status, body, healthy = _forward(_mock_router(_backends_that({B}, _drop_after_reading)))
+    router = _mock_router(_backends_that({B}, _drop_after_reading))
+    status, body, healthy = _forward(router)
     assert (status, body, healthy) == (200, {"from": "B"}, {A: False, B: True})  # A died: out, B answered
-    status, body, healthy = _forward(_mock_router(_backends_that({A, B}, _drop_after_reading)))
+    assert router.metrics.taken_out.labels(backend=A)._value.get() == 1
+    router = _mock_router(_backends_that({A, B}, _drop_after_reading))
+    status, body, healthy = _forward(router)
     assert (status, body, healthy) == (200, {"from": "B"}, {A: True, B: True})  # A lives: skipped, not out
+    assert router.metrics.taken_out.labels(backend=A)._value.get() == 0
+    assert router.metrics.failovers.labels(backend=A)._value.get() == 1
 
 
 def test_a_healthy_backend_that_stops_reading_the_body_refused_it():

@@ -88,10 +88,15 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=CONNECT_TIMEOUT),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.table = PrefixTable(config.prefix_table_size)
-        self.pool = BackendPool(config.backends, self.client, on_down=self.table.forget)
+        self.pool = BackendPool(config.backends, self.client, on_down=self._taken_out)
         self.picker = Picker(config.policy, config.balance_threshold)
         self.metrics = RouterMetrics(self.pool)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
+
+    def _taken_out(self, url: str) -> None:
+        """A backend left rotation: its cache is assumed lost."""
+        self.table.forget(url)
+        self.metrics.taken_out.labels(backend=url).inc()
 
     async def close(self) -> None:
         await self.client.aclose()
