@@ -294,6 +294,23 @@ def test_a_stalled_body_gets_408_within_the_timeout(lenient_router):
     assert _all_healthy(lenient_router)
 
 
+def test_a_client_leaving_mid_upload_is_no_error(lenient_router, caplog):
+    """The client's own broken upload reaches no backend and logs nothing (it used to be a traceback)."""
+    import logging
+    import socket
+    caplog.set_level(logging.WARNING)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root logger
+    uvicorn_log.addHandler(caplog.handler)
+    host, port = lenient_router.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(_head("/v1/completions", b"Content-Length: 1000") + b'{"prompt": "hel')
+        time.sleep(0.3)
+    time.sleep(0.5)  # the router notices the disconnect
+    uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert _all_healthy(lenient_router)
+
+
 def test_a_replicas_client_error_is_relayed_unchanged(dp_server, lenient_router):
     bad = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": -1}
     direct = httpx.post(f"{dp_server.backends[0]}/v1/completions", json=bad)
