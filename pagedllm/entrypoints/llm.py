@@ -56,7 +56,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
         if chat_template is not None:
-            from pagedllm.entrypoints.openai.api_server import load_chat_template
+            from pagedllm.entrypoints.openai.chat_features import load_chat_template
             self.get_tokenizer().chat_template = load_chat_template(os.fspath(chat_template))
 
     def __enter__(self) -> LLM:

@@ -72,8 +72,6 @@ def test_sampling_flags_fall_back_to_generation_config_then_cli_defaults(llama_d
 @pytest.mark.parametrize("headless", [True, False])
 def test_serve_builds_the_engine_config_once(llama_dir, monkeypatch, headless):
     """Deciding headless-or-not and starting the node (or the engine) share one EngineConfig."""
-    import uvicorn
-
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.entrypoints import headless as headless_entry
     from pagedllm.entrypoints.openai import api_server
@@ -81,7 +79,7 @@ def test_serve_builds_the_engine_config_once(llama_dir, monkeypatch, headless):
     monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: built.append(real(self)) or built[-1])
     started = []
     monkeypatch.setattr(headless_entry, "run_node", lambda config, *timeouts: started.append(config) or 0)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.append(app.state.engine.engine.config))
+    monkeypatch.setattr(api_server, "serve_app", lambda app, *args: started.append(app.state.engine.engine.config))
     argv = ["--model", llama_dir, "--num-gpu-blocks-override", "16", "--max-model-len", "128"]
     if headless:
         argv += ["--headless", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",

@@ -13,21 +13,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from pagedllm.entrypoints.http_common import with_cancellation
+from pagedllm.entrypoints.openai_common import message_text, render_chat, template_options
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 
 from .chat_features import (
-    RESERVED_TEMPLATE_KWARGS,
     ChoiceParser,
     MessagePiece,
     check_tools,
-    content_for_template,
-    conversation_of,
-    detect_content_format,
     is_forced,
     keeps_special_tokens,
     resolve_tool_choice,
-    tools_for_template,
 )
 from .protocol import (
     ChatCompletionChoice,
@@ -112,21 +108,7 @@ class ChatServing(ServingBase):
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival, req)
 
-    @staticmethod
-    def template_options(req: ChatCompletionRequest) -> dict:
-        """The request's template inputs: its own template, tools, documents, continue_final_message
-        and ``chat_template_kwargs`` (e.g. ``enable_thinking``), which reach the template as variables."""
-        if req.continue_final_message and req.add_generation_prompt:
-            raise ServingError("continue_final_message=true needs add_generation_prompt=false (the reply "
-                               "continues the last message instead of starting a new one)", 400,
-                               "continue_final_message")
-        extra = dict(req.chat_template_kwargs or {})
-        clash = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
-        if clash:
-            raise ServingError(f"chat_template_kwargs may not set {clash}: they are request fields or "
-                               "apply_chat_template's own arguments", 400, "chat_template_kwargs")
-        return dict(extra, template=req.chat_template, tools=tools_for_template(req.tools),
-                    documents=req.documents, continue_final_message=req.continue_final_message)
+    template_options = staticmethod(template_options)
 
     def server_template_options(self, req: ChatCompletionRequest, tool_choice: Any = "none") -> dict:
         """``template_options`` under the server's chat flags: the request's template only when trusted,
@@ -199,36 +181,6 @@ class ChatServing(ServingBase):
                        "choices": [], "usage": state.usage().model_dump()})
 
 
-def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
-                template: str | None = None, content_format: str = "auto", **kwargs) -> str:
-    """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
-    messages: the prompt text. The one rendering path of the server (and of the router, which must
-    see the same tokens). ``content_format`` (--chat-template-content-format): message content as a
-    string, OpenAI's list of parts, or whichever the template reads ("auto"). ``kwargs`` go to
-    ``apply_chat_template`` (tools, template variables)."""
-    template = template if template is not None else server_template
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise ServingError("this model's tokenizer has no chat template; start the server with "
-                           "--chat-template FILE_OR_STRING", 400, "messages")
-    if not messages:
-        raise ServingError("messages must not be empty", 400, "messages")
-    if content_format == "auto":
-        text = template if template is not None else tokenizer.chat_template
-        content_format = detect_content_format(text) if isinstance(text, str) else "string"
-
-    def content_of(m: ChatMessage) -> str | list[dict]:
-        return content_for_template(_message_text(m), content_format) if m.content is not None else ""
-    try:
-        conversation = conversation_of(messages, content_of)
-    except RequestFieldError as exc:
-        raise ServingError(str(exc), 400, exc.param) from None
-    try:
-        return tokenizer.apply_chat_template(conversation, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
-    except Exception as exc:  # jinja errors (raise_exception in a template)
-        raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
-
-
 def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
     """``tool_choice`` "required" or a named function: the output is constrained to the call(s),
     compact JSON (free whitespace would only let a model pad the call)."""
@@ -278,15 +230,7 @@ def _as_chat_error(exc: ServingError, req: ChatCompletionRequest) -> ServingErro
 def _echo_prefix(req: ChatCompletionRequest) -> str:
     """vLLM's chat ``echo``: the last message's content, when it is the assistant's (being continued)."""
     last = req.messages[-1] if req.messages else None
-    return _message_text(last) if last is not None and last.role == "assistant" else ""
-
-
-def _message_text(m: ChatMessage) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    if any(p.type != "text" for p in m.content):
-        raise ServingError("only text content parts are supported", 400, "messages")
-    return "".join(p.text or "" for p in m.content)
+    return message_text(last) if last is not None and last.role == "assistant" else ""
 
 
 

@@ -20,11 +20,12 @@ import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.http_common import error_body, sse
+from pagedllm.entrypoints.openai_common import ServingError
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -50,21 +51,6 @@ _PARAM_ALIASES = {"prompt_token_ids": "prompt", "token": "tokens"}
 
 
 # ---------------------------------------------------------------------- errors
-class ServingError(Exception):
-    """An error with its HTTP status; the app turns it into an OpenAI-style error response."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
-
-    def body(self) -> dict:
-        return error_body(self.message, self.status, self.param, self.code, self.type)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
 def shutdown_error() -> ServingError:
     """What a request still running at the shutdown deadline gets (a 503, or an event in a stream)."""
     return ServingError("server shutting down", 503, type_="server_shutdown")

@@ -1,11 +1,21 @@
-"""The router's ASGI app: its own /health, /metrics and /router/backends; everything else is forwarded."""
+"""The router's ASGI app: its own /health, /metrics and /router/backends; everything else is forwarded.
+
+Like a replica it refuses a body over ``--max-request-body-bytes`` (413, before reading it or as
+soon as a chunked body passes the limit) and one that stops arriving (408), and with ``--api-key``
+every route but /health needs the key (/metrics and /router/backends too, unless
+``--metrics-public``): what one client sends is judged here, before any backend sees it.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedllm.entrypoints.http_common import (
     HttpOptions,
@@ -14,6 +24,7 @@ from pagedllm.entrypoints.http_common import (
     install_middlewares,
     with_cancellation,
 )
+from pagedllm.entrypoints.http_guards import RequestBodyMiddleware, http_error
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
 
 from .config import RouterConfig
@@ -21,6 +32,8 @@ from .prompt_hasher import PromptHasher
 from .proxy import Router, request_headers
 
 routes = APIRouter()
+# the router's own status routes: behind the API key unless --metrics-public
+STATUS_PATHS = ("/metrics", "/router/backends")
 
 
 def _router(raw: Request) -> Router:
@@ -48,7 +61,10 @@ async def backends(raw: Request) -> dict:
 
 @routes.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 async def forward(raw: Request) -> Response:
-    body = await raw.body()  # read before the disconnect watcher starts listening
+    try:  # read before the disconnect watcher starts listening; 413/408 are raised from here
+        body = await raw.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # the client left mid-upload: no backend saw the request
     path_qs = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
     handler = _router(raw).forward(raw.method, path_qs, request_headers(raw.headers), body)
     return await with_cancellation(raw, handler)
@@ -65,8 +81,19 @@ def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None,
     app = FastAPI(title="pagedllm router", lifespan=_lifespan(router), **fastapi_kwargs(http_options))
     app.state.router = router
     app.include_router(routes)
-    install_middlewares(app, http_options)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(RequestBodyMiddleware, limits=config.limits)
+    # outside the body limits: a request without the key is refused before its body is read
+    if config.api_key:
+        http_options = dataclasses.replace(http_options, api_keys=(*http_options.api_keys, config.api_key))
+    install_middlewares(app, http_options, protected=key_required(config))
     return app
+
+
+def key_required(config: RouterConfig) -> Callable[[str], bool]:
+    """Which paths need the API key: all but /health (and the status routes with ``metrics_public``)."""
+    open_paths = frozenset(("/health", *(STATUS_PATHS if config.metrics_public else ())))
+    return lambda path: path not in open_paths
 
 
 def load_hasher(config: RouterConfig) -> PromptHasher | None:

@@ -74,14 +74,15 @@ class BackendPool:
 
     async def check(self, url: str) -> None:
         """``GET /health`` (200 = up), then ``GET /metrics`` for its queue depth."""
-        reason = await self._health_error(url)
+        reason = await self.health_error(url)
         if reason is not None:
             self.mark_down(url, reason)
             return
         self.mark_up(url)
         self.backends[url].queued = await self._scraped_queue(url)
 
-    async def _health_error(self, url: str) -> str | None:
+    async def health_error(self, url: str) -> str | None:
+        """Why ``GET /health`` on the backend fails now, or None when it answers 200."""
         try:
             response = await self.client.get(f"{url}/health", timeout=PROBE_TIMEOUT)
         except httpx.HTTPError as exc:
