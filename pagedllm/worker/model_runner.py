@@ -96,6 +96,7 @@ class ModelRunner:
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
+        self.kv_spec = sizing.model_kv_spec(mc, self.num_kv_heads)  # what a token stores per layer
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
@@ -113,11 +114,10 @@ class ModelRunner:
                    tier_fingerprints: tuple[str, ...] = ()) -> None:
         """Allocates the KV pool (and the KV tiers with ``with_tiers``; ``tier_fingerprints``: every
         rank's disk-tier fingerprint, computed once by the executor, else computed here)."""
-        mc = self.config.model
         capture = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(capture), self.block_size, self.cache_dtype,
-                                 self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
+        self.cache = CacheEngine(self.kv_spec, self.stage.num_layers, num_blocks + int(capture), self.block_size,
+                                 self.cache_dtype, self.device, num_cpu_blocks)
         graphs = self._decode_graphs(num_blocks) if capture else None
         if self.device.type == "cuda" and self.tp.size > 1:  # every CUDA rank, capturing or not
             agree_on_schedule(self.tp, graphs.schedule() if graphs else [], self.device)

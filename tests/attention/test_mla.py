@@ -1,0 +1,69 @@
+"""MLA over a paged latent cache (attention/mla.py) against the float64 oracle: both the
+decompress (prefill) and the weight-absorbed (decode) forms, ragged lengths, partial last blocks,
+prefill chunks over a cached prefix and decodes mixed in one batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention import mla
+from pagedllm.attention.testing import make_paged_batch
+
+HEADS, NOPE, ROPE, V, RANK = 4, 16, 8, 12, 32
+# (cached, new) per request: a fresh prefill, decodes, a chunk over a cached prefix, one block exactly
+REQS = [(0, 7), (13, 1), (20, 5), (5, 1), (31, 1), (0, 16)]
+
+
+def _case(block_size: int, seed: int = 0):
+    """A paged batch whose one "KV head" is the latent, plus queries and kv_b halves."""
+    batch = make_paged_batch(REQS, 1, 1, RANK + ROPE, block_size, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = batch.meta.num_tokens
+    q_nope, q_pe = torch.randn(n, HEADS, NOPE, generator=g), torch.randn(n, HEADS, ROPE, generator=g)
+    w_uk, w_uv = torch.randn(HEADS, NOPE, RANK, generator=g) * 0.3, torch.randn(HEADS, V, RANK, generator=g) * 0.3
+    return batch, q_nope, q_pe, w_uk, w_uv
+
+
+def _reference(batch, q_nope, q_pe, w_uk, w_uv, scale):
+    outs, start = [], 0
+    for ctx, (_, q_len) in zip(batch.ctx_k, REQS):
+        c, pe = ctx[:, 0, :RANK], ctx[:, 0, RANK:]
+        end = start + q_len
+        outs.append(mla.mla_reference(q_nope[start:end], q_pe[start:end], c, pe, w_uk, w_uv, scale))
+        start = end
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("form", ["chosen", "absorbed", "decompressed"])
+def test_mla_backend_matches_float64(block_size, form, monkeypatch):
+    if form != "chosen":
+        monkeypatch.setattr(mla, "absorbs", lambda *a: form == "absorbed")
+    batch, q_nope, q_pe, w_uk, w_uv = _case(block_size)
+    scale = (NOPE + ROPE) ** -0.5
+    cache = batch.key_cache.clone()
+    new = batch.key[:, 0]  # [num_tokens, RANK + ROPE]: the new tokens' latents
+    out = mla.MLABackend().forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:], cache, batch.meta,
+                                   w_uk, w_uv, scale)
+    assert out.shape == (batch.meta.num_tokens, HEADS, V)
+    torch.testing.assert_close(out.double(), _reference(batch, q_nope, q_pe, w_uk, w_uv, scale),
+                               atol=2e-5, rtol=1e-5)
+    # the new latents sit in their slots; nothing else was written
+    slots = batch.meta.slot_mapping
+    torch.testing.assert_close(cache[slots // block_size, 0, slots % block_size], new)
+    untouched = torch.ones(cache.shape[0], block_size, dtype=torch.bool)
+    untouched[slots // block_size, slots % block_size] = False
+    assert torch.equal(cache[:, 0][untouched], batch.key_cache[:, 0][untouched])
+
+
+def test_absorbed_form_is_chosen_for_short_chunks_only():
+    assert mla.absorbs(1, 128, 128) and mla.absorbs(127, 128, 128)
+    assert not mla.absorbs(128, 128, 128) and not mla.absorbs(512, 128, 128)
+
+
+def test_fp8_latent_cache_is_refused():
+    batch, q_nope, q_pe, w_uk, w_uv = _case(8)
+    new = batch.key[:, 0]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        mla.MLABackend().forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:],
+                                 batch.key_cache.to(torch.float8_e4m3fn), batch.meta, w_uk, w_uv, 0.1)
