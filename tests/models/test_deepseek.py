@@ -1,0 +1,83 @@
+"""DeepSeek V2 / V3 (models/deepseek.py) against transformers on tiny random checkpoints.
+
+The configs (conftest.FAMILY_CONFIGS): V2-Lite-shaped (direct q_proj, softmax grouped routing,
+two shared experts) and V3-shaped (q_lora_rank, sigmoid routing with a random
+e_score_correction_bias, YaRN with mscale); both with a dense first layer and 4 expert groups
+of which 2 are kept. Checked: greedy tokens and logprobs at block sizes 8 (chunked prefill,
+prefix hits) and 16, preemption by recompute and by swap, and that the pool holds one latent
+per token and layer.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import make_model_dir
+from test_families import GREEDY, PROMPTS, SHARED, _assert_logprobs_match, _generate, hf_greedy
+
+from pagedllm import LLM
+from pagedllm.kv_cache.spec import KVCacheSpec
+
+ARCHS = ["deepseek_v2", "deepseek_v3"]
+RANK, ROPE = 32, 8  # conftest's kv_lora_rank and qk_rope_head_dim
+
+
+def _checkpoint(path, arch: str) -> str:
+    """The tiny checkpoint; V3's router bias made random so it moves the expert choice (transformers
+    initialises it to zeros), and an MTP layer's weights appended as V3 checkpoints ship them."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    make_model_dir(path, arch, num_key_value_heads=4)  # MLA: as many KV heads as heads
+    if arch == "deepseek_v3":
+        hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+        hf.save_pretrained(path)
+        tensors = load_file(f"{path}/model.safetensors")
+        tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)  # layer 2 = num_hidden_layers: MTP
+        save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def deepseek(request, tmp_path_factory):
+    import transformers as tf
+    path = _checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_chunked_prefill_with_prefix_hits_matches_transformers(deepseek, caplog):
+    path, hf, refs = deepseek
+    with caplog.at_level(logging.INFO, logger="pagedllm.models.deepseek"):
+        llm = LLM(path, block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=400)
+    if "v3" in path:
+        assert "multi-token-prediction layer weights (model.layers.2.*" in caplog.text
+    _generate(llm, [SHARED + [7]])  # caches the shared prefix's blocks
+    outs = _generate(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.get_kv_cache_stats().prefix_cache_hits >= 8 * len(SHARED)
+    _assert_logprobs_match(hf, PROMPTS[:6], outs[:6])
+
+
+def test_block_size_16_and_a_latent_pool(deepseek):
+    path, _, refs = deepseek
+    llm = LLM(path, block_size=16, num_gpu_blocks_override=400)
+    outs = _generate(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    runner = llm.llm_engine.executor.runner
+    assert runner.kv_spec == KVCacheSpec.mla(RANK, ROPE)
+    assert runner.cache.kv.shape == (2, 1, 400, 1, 16, RANK + ROPE)  # no K/V per head anywhere
+    assert runner.block_bytes() == 2 * 16 * (RANK + ROPE) * 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs(deepseek, mode):
+    path, _, refs = deepseek
+    tight = LLM(path, block_size=8, num_gpu_blocks_override=24, max_model_len=128, preemption_mode=mode,
+                watermark=0.0, swap_space=0.01)
+    outs = _generate(tight, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    stats = tight.get_kv_cache_stats()
+    assert stats.preemptions_by_mode[mode] > 0
