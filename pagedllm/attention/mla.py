@@ -67,6 +67,11 @@ class MLABackend:
     """
 
     name = "mla-torch"
+    supports_cuda_graphs = False
+
+    def cuda_graph_blocker(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int,
+                           block_size: int) -> str | None:
+        return "the MLA torch backend loops over requests on the host"
 
     def forward(
         self,

@@ -78,7 +78,10 @@ class MLAAttention(nn.Module):
         self.num_kv_heads = 1  # one latent per token, shared by every query head (kv_cache/spec.py)
         self.rotary, self.interleaved = rotary, rope_interleaved(cfg)
         self.scale = softmax_scale(cfg)
-        self.backend = MLABackend()
+        if not isinstance(backend, MLABackend):  # the selector's choice for an MLA spec (attention/selector.py)
+            raise ValueError(f"{type(backend).__name__} cannot run multi-head latent attention; build the model "
+                             "with the backend get_attention_backend(..., kind='mla') returns")
+        self.backend = backend
 
     def forward(self, positions, x, kv_cache: tuple[torch.Tensor], meta: AttentionMetadata):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)

@@ -20,6 +20,7 @@ from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
+from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_weights
@@ -71,8 +72,9 @@ class ModelRunner:
         self.pipeline = StagePipeline(pp, mc.hidden_size, mc.vocab_size, mc.dtype, self.device) if pp else None
         model_cls = get_model_class(mc.architecture)
         soft_cap = model_cls.attention_soft_cap(mc.hf_config)  # Gemma 2: the C kernel cannot do it
+        kv_kind = kv_spec_for(mc.hf_config, mc.num_kv_heads, mc.head_dim).kind  # MLA: the latent backend
         self.backend = get_attention_backend(backend_for_soft_cap(config.attention_backend, self.device, soft_cap),
-                                             self.device)
+                                             self.device, kv_kind)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
         load_weights(self.model, mc.model, mc.load_format, mc.seed)

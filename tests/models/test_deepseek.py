@@ -4,8 +4,8 @@ The configs (conftest.FAMILY_CONFIGS): V2-Lite-shaped (direct q_proj, softmax gr
 two shared experts) and V3-shaped (q_lora_rank, sigmoid routing with a random
 e_score_correction_bias, YaRN with mscale); both with a dense first layer and 4 expert groups
 of which 2 are kept. Checked: greedy tokens and logprobs at block sizes 8 (chunked prefill,
-prefix hits) and 16, preemption by recompute and by swap, and that the pool holds one latent
-per token and layer.
+prefix hits) and 16, preemption by recompute and by swap, tensor parallelism over 2 ranks,
+and that the pool holds one latent per token and layer.
 """
 from __future__ import annotations
 
@@ -81,3 +81,22 @@ def test_preemption_keeps_outputs(deepseek, mode):
     assert [o.outputs[0].token_ids for o in outs] == refs
     stats = tight.get_kv_cache_stats()
     assert stats.preemptions_by_mode[mode] > 0
+
+
+def test_attention_backends_without_mla_are_refused(deepseek):
+    path, _, _ = deepseek
+    with pytest.raises(ValueError, match="attention_backend='cpu' does not implement multi-head latent attention"):
+        LLM(path, attention_backend="cpu", num_gpu_blocks_override=50)
+
+
+def test_tensor_parallel_matches_transformers(deepseek):
+    """Two ranks: each holds half the heads (q, kv_b, o) and half of every expert; both hold the
+    whole latent, so the pool is the same size on each."""
+    path, hf, refs = deepseek
+    llm = LLM(path, tensor_parallel_size=2, num_threads=1, block_size=8, num_gpu_blocks_override=200)
+    try:
+        outs = _generate(llm, PROMPTS[:6])
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == refs[:6]
+    _assert_logprobs_match(hf, PROMPTS[:6], outs)
