@@ -25,6 +25,13 @@ Two equal ways to compute it, picked per request by cost:
   ``2 * q_len < nope + v`` (DeepSeek V2/V3: 256, so decode and short verify chunks take it).
 
 Both read only latents through the block table; ``mla_reference`` below is the float64 oracle.
+
+On the CPU the absorbed form runs on the C paged-attention kernel (``native/csrc/paged_attention.c``,
+attention/cpu.py) with no new kernel: it *is* multi-query attention with one KV head of width
+``kv_lora_rank + rope``, the query ``[W_UK^T q_nope | q_pe]``, and the latent cache passed as both
+the key and the value cache; the first ``kv_lora_rank`` channels of its output are the latent-space
+output (the value's ``rope`` channels are computed and dropped: 64 of 576 for DeepSeek, 11%).
+All the absorbed requests of a step go in one call; the decompressed ones run in torch.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import torch
 
 from pagedllm.attention.kv_quant import is_fp8
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.native import bindings
 
 
 def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -66,12 +74,18 @@ class MLABackend:
     parts, the layer's latent cache and the two halves of ``kv_b_proj`` (this rank's heads).
     """
 
-    name = "mla-torch"
     supports_cuda_graphs = False
+
+    def __init__(self, native: bindings.NativeLibrary | None = None, num_threads: int | None = None):
+        """``native``: the C library whose paged-attention kernel runs the absorbed form on CPU
+        tensors (None: torch only)."""
+        self._native = native
+        self.num_threads = num_threads
+        self.name = "mla-cpu" if native is not None else "mla-torch"
 
     def cuda_graph_blocker(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int,
                            block_size: int) -> str | None:
-        return "the MLA torch backend loops over requests on the host"
+        return f"the {self.name} attention backend loops over requests on the host"
 
     def forward(
         self,
@@ -91,12 +105,40 @@ class MLABackend:
         write_latent(torch.cat([c_kv, k_pe], dim=-1), latent_cache, meta.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         rank = w_uk.shape[2]
-        for r, start, end, seq_len in meta.request_spans():
+        spans = meta.request_spans()
+        if self._native is not None and latent_cache.device.type == "cpu":
+            native = [s for s in spans if absorbs(s[2] - s[1], w_uk.shape[1], w_uv.shape[1])]
+            if native:
+                self._absorbed_native(q_nope, q_pe, latent_cache, meta, native, w_uk, w_uv, scale, out)
+                spans = [s for s in spans if s not in native]
+        for r, start, end, seq_len in spans:
             latents = gather_latents(latent_cache, meta.block_tables[r], seq_len).to(q_nope.dtype)
             c, pe = latents[:, :rank], latents[:, rank:]  # [seq_len, rank], [seq_len, rope]
             attend = absorbed if absorbs(end - start, w_uk.shape[1], w_uv.shape[1]) else decompressed
             out[start:end] = attend(q_nope[start:end], q_pe[start:end], c, pe, w_uk, w_uv, scale)
         return out
+
+
+    def _absorbed_native(self, q_nope, q_pe, latent_cache, meta: AttentionMetadata, spans, w_uk, w_uv,
+                         scale: float, out: torch.Tensor) -> None:
+        """The absorbed form of ``spans``' requests in one C kernel call (module docstring)."""
+        rows = torch.cat([torch.arange(start, end) for _, start, end, _ in spans])  # their tokens, in order
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope[rows], w_uk)  # [n, heads, rank]
+        q = torch.cat([q_lat, q_pe[rows]], dim=-1).float().contiguous()  # [n, heads, rank + rope]
+        reqs = [r for r, _, _, _ in spans]
+        q_lens = torch.tensor([end - start for _, start, end, _ in spans], dtype=torch.int32)
+        qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        seq_lens = torch.tensor([n for _, _, _, n in spans], dtype=torch.int32)
+        tables = meta.block_tables[reqs].to(torch.int32).contiguous()
+        o = torch.empty_like(q)
+        threads = max(1, self.num_threads or torch.get_num_threads())
+        self._native.attention(q, o, latent_cache, latent_cache, tables, qsl, seq_lens, float(scale), 0, threads,
+                               PARALLEL_WORK)
+        out[rows] = torch.einsum("qhr,hvr->qhv", o[..., :w_uk.shape[2]].to(w_uv.dtype), w_uv).to(out.dtype)
+
+
+PARALLEL_WORK = 1 << 19  # the C kernel's threshold for waking its threads (CpuAttentionBackend's default)
 
 
 def decompressed(q_nope, q_pe, c, pe, w_uk, w_uv, scale: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ def get_attention_backend(name: str, device: torch.device, kind: str = "full") -
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {BACKENDS}")
     if kind == "mla":
-        return _mla_backend(name)
+        return _mla_backend(name, device)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         backend = _try_triton(device, required=name == "triton")
         if backend is not None:
@@ -50,11 +50,19 @@ def get_attention_backend(name: str, device: torch.device, kind: str = "full") -
     return SdpaBackend()
 
 
-def _mla_backend(name: str):
-    if name not in ("auto", "torch"):
+def _mla_backend(name: str, device: torch.device):
+    """``auto`` on CPU: the absorbed (decode) form on the C kernel when it builds; ``torch``: torch only."""
+    if name not in ("auto", "torch", "cpu"):
         raise ValueError(f"attention_backend={name!r} does not implement multi-head latent attention "
-                         "(DeepSeek V2/V3, a kv_lora_rank in the config); use 'auto' or 'torch'")
+                         "(DeepSeek V2/V3, a kv_lora_rank in the config); use 'auto', 'cpu' or 'torch'")
     from pagedllm.attention.mla import MLABackend
+    from pagedllm.native import bindings
+    if name == "torch" or device.type != "cpu":
+        return MLABackend()
+    if bindings.is_available():
+        return MLABackend(bindings.library())
+    if name == "cpu":
+        raise ValueError("attention_backend='cpu' requested but the C kernel could not be built")
     return MLABackend()
 
 

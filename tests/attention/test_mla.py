@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.attention import mla
 from pagedllm.attention.testing import make_paged_batch
+from pagedllm.native import bindings
 
 HEADS, NOPE, ROPE, V, RANK = 4, 16, 8, 12, 32
 # (cached, new) per request: a fresh prefill, decodes, a chunk over a cached prefix, one block exactly
@@ -34,17 +35,27 @@ def _reference(batch, q_nope, q_pe, w_uk, w_uv, scale):
     return torch.cat(outs)
 
 
+def _backend(kind: str) -> mla.MLABackend:
+    if kind == "torch":
+        return mla.MLABackend()
+    if not bindings.is_available():
+        pytest.skip("the C library does not build here")
+    return mla.MLABackend(bindings.library(), num_threads=2)
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("form", ["chosen", "absorbed", "decompressed"])
-def test_mla_backend_matches_float64(block_size, form, monkeypatch):
+@pytest.mark.parametrize("kind", ["torch", "native"])
+def test_mla_backend_matches_float64(block_size, form, kind, monkeypatch):
+    """``native``: the absorbed requests on the C paged-attention kernel (the latent as one KV head)."""
     if form != "chosen":
         monkeypatch.setattr(mla, "absorbs", lambda *a: form == "absorbed")
     batch, q_nope, q_pe, w_uk, w_uv = _case(block_size)
     scale = (NOPE + ROPE) ** -0.5
     cache = batch.key_cache.clone()
     new = batch.key[:, 0]  # [num_tokens, RANK + ROPE]: the new tokens' latents
-    out = mla.MLABackend().forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:], cache, batch.meta,
-                                   w_uk, w_uv, scale)
+    out = _backend(kind).forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:], cache, batch.meta,
+                                 w_uk, w_uv, scale)
     assert out.shape == (batch.meta.num_tokens, HEADS, V)
     torch.testing.assert_close(out.double(), _reference(batch, q_nope, q_pe, w_uk, w_uv, scale),
                                atol=2e-5, rtol=1e-5)

@@ -61,12 +61,15 @@ def test_chunked_prefill_with_prefix_hits_matches_transformers(deepseek, caplog)
     _assert_logprobs_match(hf, PROMPTS[:6], outs[:6])
 
 
-def test_block_size_16_and_a_latent_pool(deepseek):
+@pytest.mark.parametrize("backend, name", [("auto", "mla-cpu"), ("torch", "mla-torch")])
+def test_block_size_16_and_a_latent_pool(deepseek, backend, name):
+    """``auto``: decode steps on the C kernel (attention/mla.py); ``torch``: all of it in torch."""
     path, _, refs = deepseek
-    llm = LLM(path, block_size=16, num_gpu_blocks_override=400)
+    llm = LLM(path, block_size=16, num_gpu_blocks_override=400, attention_backend=backend)
     outs = _generate(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == refs
     runner = llm.llm_engine.executor.runner
+    assert runner.backend.name == name
     assert runner.kv_spec == KVCacheSpec.mla(RANK, ROPE)
     assert runner.cache.kv.shape == (2, 1, 400, 1, 16, RANK + ROPE)  # no K/V per head anywhere
     assert runner.block_bytes() == 2 * 16 * (RANK + ROPE) * 4
@@ -85,8 +88,8 @@ def test_preemption_keeps_outputs(deepseek, mode):
 
 def test_attention_backends_without_mla_are_refused(deepseek):
     path, _, _ = deepseek
-    with pytest.raises(ValueError, match="attention_backend='cpu' does not implement multi-head latent attention"):
-        LLM(path, attention_backend="cpu", num_gpu_blocks_override=50)
+    with pytest.raises(ValueError, match="attention_backend='sdpa' does not implement multi-head latent attention"):
+        LLM(path, attention_backend="sdpa", num_gpu_blocks_override=50)
 
 
 def test_tensor_parallel_matches_transformers(deepseek):
