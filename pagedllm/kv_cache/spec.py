@@ -59,6 +59,13 @@ class KVCacheSpec:
         """``[num_layers, num_tensors, num_blocks, num_kv_heads, block_size, head_size]``."""
         return (num_layers, self.num_tensors, num_blocks, self.num_kv_heads, block_size, self.head_size)
 
+    def check_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Refuses a KV dtype this kind cannot store: fp8 needs K/V scales, which the latent lacks
+        (a DeepSeek checkpoint's MLA has none; attention/mla.py stores the latent unscaled)."""
+        if self.kind == "mla" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported with multi-head "
+                             "latent attention (DeepSeek V2/V3); use kv_cache_dtype='auto'")
+
     def describe(self) -> str:
         if self.kind == "mla":
             return f"MLA latent of {self.head_size}"

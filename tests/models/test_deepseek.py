@@ -103,3 +103,25 @@ def test_tensor_parallel_matches_transformers(deepseek):
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == refs[:6]
     _assert_logprobs_match(hf, PROMPTS[:6], outs)
+
+
+def test_cpu_kv_tier_round_trips_latent_blocks(deepseek):
+    """Prefix blocks evicted from a small device pool come back from the CPU tier: the tier's
+    slots are latent blocks (kv_cache/offload/worker_store.py reads the pool's shape)."""
+    path, _, refs = deepseek
+    block_bytes = 2 * 8 * (RANK + ROPE) * 4  # layers x tokens x latent x float32
+    llm = LLM(path, block_size=8, max_model_len=128, num_gpu_blocks_override=18,
+              kv_offload_cpu_gb=64.5 * block_bytes / 2**30)
+    assert [o.outputs[0].token_ids for o in _generate(llm, [PROMPTS[1]])] == [refs[1]]
+    fillers = [list(range(100 + i, 200 + i)) for i in range(2)]  # each takes most of the pool
+    for filler in fillers:
+        _generate(llm, [filler])
+    assert [o.outputs[0].token_ids for o in _generate(llm, [PROMPTS[3]])] == [refs[3]]
+    cpu = llm.get_kv_cache_stats().offload["cpu"]
+    assert cpu["hits"] >= len(SHARED) // 8 and cpu["bytes_loaded"] == cpu["hits"] * block_bytes
+
+
+def test_fp8_latent_cache_is_refused_at_start(deepseek):
+    path, _, _ = deepseek
+    with pytest.raises(ValueError, match="kv_cache_dtype=float8_e4m3fn is not supported with multi-head latent"):
+        LLM(path, kv_cache_dtype="fp8", num_gpu_blocks_override=50)
