@@ -19,8 +19,9 @@ Three experiments on a tiny random Llama (built once into ``benchmarks/.cache/``
    qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; hidden size, vocabulary and experts
    shrunk, which the KV does not depend on; dummy weights) versus the same attention stored as K/V
    per head (a Llama with 16 KV heads of head_dim 192, K's width, which V is padded to in a
-   one-head_dim pool): the engine sizes its pool for ``--latent-kv-mib`` MiB and its own block
-   accounting (blocks x block_size) gives tokens per GiB and ``max_model_len`` sequences that fit.
+   one-head_dim pool), in the model's dtype (bfloat16), plus the MLA model with an fp8 latent
+   cache: the engine sizes its pool for ``--latent-kv-mib`` MiB and its own block accounting
+   (blocks x block_size) gives tokens per GiB and ``max_model_len`` sequences that fit.
 
 Run ``python benchmarks/kv_memory.py --quick`` (< 3 min on 2 cores) or without ``--quick`` for
 the full run. Tables go to stdout, results to ``benchmarks/results/kv_memory.{json,png}``.
@@ -136,15 +137,16 @@ def latent_models(cache_dir: Path, num_layers: int) -> dict[str, str]:
             "K/V per head (16 x 192)": build_config_dir(cache_dir / f"kvmem-v2lite-mha-l{num_layers}", per_head)}
 
 
-def run_latent_config(label: str, model: str, args) -> dict:
+def run_latent_config(label: str, model: str, args, **kwargs) -> dict:
     budget = args.latent_kv_mib * 2**20
     llm = LLM(model, load_format="dummy", kv_cache_memory=budget, max_model_len=args.latent_max_model_len,
               max_num_batched_tokens=256, max_num_seqs=1024, swap_space=0, num_threads=args.threads,
-              block_size=16, enable_prefix_caching=False)
+              block_size=16, enable_prefix_caching=False, dtype=args.latent_dtype, **kwargs)
     stats = llm.get_kv_cache_stats()
     block_bytes = llm.llm_engine.executor.block_bytes()
     tokens = stats.num_blocks * stats.block_size
-    row = dict(config=label, block_bytes=block_bytes, bytes_per_token=block_bytes // stats.block_size,
+    row = dict(config=label, kv_dtype=str(llm.llm_engine.executor.runner.cache.kv.dtype).removeprefix("torch."),
+               block_bytes=block_bytes, bytes_per_token=block_bytes // stats.block_size,
                num_blocks=stats.num_blocks, tokens=tokens, tokens_per_gib=round(tokens * 2**30 / budget),
                max_len_seqs=stats.num_blocks // -(-args.latent_max_model_len // stats.block_size))
     llm.llm_engine.shutdown()
@@ -153,10 +155,15 @@ def run_latent_config(label: str, model: str, args) -> dict:
 
 
 def experiment_latent(args) -> list[dict]:
-    rows = [run_latent_config(label, path, args)
-            for label, path in latent_models(args.cache_dir, args.latent_layers).items()]
-    mla, per_head = rows
-    mla["vs_per_head"] = f"x{mla['tokens_per_gib'] / per_head['tokens_per_gib']:.2f}"
+    """The MLA model at the model dtype and with an fp8 latent, and its per-head twin; each row's
+    tokens per GiB against the per-head one."""
+    models = latent_models(args.cache_dir, args.latent_layers)
+    (mla_label, mla_path), (per_head_label, per_head_path) = models.items()
+    rows = [run_latent_config(mla_label, mla_path, args),
+            run_latent_config(mla_label, mla_path, args, kv_cache_dtype="fp8"),
+            run_latent_config(per_head_label, per_head_path, args)]
+    for row in rows[:2]:
+        row["vs_per_head"] = f"x{row['tokens_per_gib'] / rows[2]['tokens_per_gib']:.2f}"
     return rows
 
 
@@ -366,7 +373,8 @@ PREFIX_COLS = [("prefix_caching", "prefix caching"), ("prompt_tokens_total", "pr
                ("prompt_tokens_computed", "computed"), ("prefix_cache_hits", "cache hits (tokens)"),
                ("peak_used_blocks", "peak blocks"), ("peak_running", "peak running"),
                ("output_tok_per_s", "out tok/s"), ("req_per_s", "req/s"), ("wall_s", "wall s")]
-LATENT_COLS = [("config", "KV layout"), ("bytes_per_token", "bytes / token"), ("block_bytes", "bytes / block"),
+LATENT_COLS = [("config", "KV layout"), ("kv_dtype", "KV dtype"), ("bytes_per_token", "bytes / token"),
+               ("block_bytes", "bytes / block"),
                ("num_blocks", "blocks"), ("tokens_per_gib", "tokens / GiB"), ("max_len_seqs", "max_model_len seqs"),
                ("vs_per_head", "vs K/V per head")]
 SHARING_COLS = [("run", "run"), ("peak_used_blocks", "peak blocks"), ("mean_used_blocks", "mean blocks"),
@@ -454,6 +462,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--latent-layers", type=int, default=27, help="experiment 4 layers (DeepSeek-V2-Lite: 27)")
     p.add_argument("--latent-kv-mib", type=int, default=512, help="experiment 4 KV budget in MiB")
     p.add_argument("--latent-max-model-len", type=int, default=512)
+    p.add_argument("--latent-dtype", default="bfloat16", help="experiment 4 model dtype (V2-Lite ships bfloat16)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the model is tiny, and one thread keeps timings "
                         "steady on a busy machine)")
@@ -503,7 +512,7 @@ def report(results: dict, args) -> None:
               f"(n={args.width}: drawn output lengths; beam search and its baselines: {args.beam_max_tokens} tokens)")
         print_table("Blocks with and without sharing", sharing_table_rows(results["sharing"]), SHARING_COLS)
     if "latent" in results:
-        print(f"\n4. Latent KV: DeepSeek-V2-Lite-shaped, {args.latent_layers} layers, float32 KV, "
+        print(f"\n4. Latent KV: DeepSeek-V2-Lite-shaped, {args.latent_layers} layers, {args.latent_dtype} model, "
               f"{args.latent_kv_mib} MiB budget, block_size 16, max_model_len {args.latent_max_model_len}")
         print_table("Tokens per GiB of KV (engine block accounting)", results["latent"], LATENT_COLS)
     write_results(results, args.out, with_plot=all(k in results for k in ("memory", "prefix", "sharing")))

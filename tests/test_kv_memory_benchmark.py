@@ -40,9 +40,11 @@ def test_latent_kv_holds_over_5x_the_tokens_of_per_head_kv(tmp_path):
     out = tmp_path / "latent"
     results = kv_memory.main(["--experiments", "latent", "--latent-layers", "2", "--latent-kv-mib", "64",
                               "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
-    mla, per_head = results["latent"]
-    assert mla["bytes_per_token"] == 2 * (512 + 64) * 4  # one float32 latent per layer
-    assert per_head["bytes_per_token"] == 2 * 2 * 16 * 192 * 4
+    mla, fp8, per_head = results["latent"]
+    assert mla["bytes_per_token"] == 2 * (512 + 64) * 2 and mla["kv_dtype"] == "bfloat16"  # one latent per layer
+    assert fp8["bytes_per_token"] == 2 * (512 + 64) and fp8["kv_dtype"] == "float8_e4m3fn"
+    assert per_head["bytes_per_token"] == 2 * 2 * 16 * 192 * 2
     assert mla["tokens_per_gib"] >= 5 * per_head["tokens_per_gib"] and mla["max_len_seqs"] > per_head["max_len_seqs"]
+    assert fp8["tokens_per_gib"] >= 10 * per_head["tokens_per_gib"]
     assert json.loads(out.with_suffix(".json").read_text())["latent"] == results["latent"]
     assert not out.with_suffix(".png").exists()

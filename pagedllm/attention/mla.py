@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.kv_quant import is_fp8
+from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.native import bindings
 
@@ -46,7 +46,8 @@ def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping:
     """Scatters new latents ``[num_tokens, kv_lora_rank + rope]`` into their slots of
     ``latent_cache`` ``[num_blocks, 1, block_size, kv_lora_rank + rope]``."""
     block_size = latent_cache.shape[2]
-    latent_cache[slot_mapping // block_size, 0, slot_mapping % block_size] = latent.to(latent_cache.dtype)
+    # fp8: unscaled, saturating at the format's largest finite value (kv_cache/spec.py check_cache)
+    latent_cache[slot_mapping // block_size, 0, slot_mapping % block_size] = to_cache_dtype(latent, latent_cache.dtype)
 
 
 def gather_latents(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -99,9 +100,6 @@ class MLABackend:
         w_uv: torch.Tensor,  # [heads, v, kv_lora_rank]
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, heads, v]
-        if is_fp8(latent_cache.dtype):
-            raise ValueError(f"kv_cache_dtype={latent_cache.dtype} is not supported with multi-head latent "
-                             "attention (DeepSeek); use kv_cache_dtype='auto'")
         write_latent(torch.cat([c_kv, k_pe], dim=-1), latent_cache, meta.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         rank = w_uk.shape[2]

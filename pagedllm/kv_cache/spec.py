@@ -59,12 +59,14 @@ class KVCacheSpec:
         """``[num_layers, num_tensors, num_blocks, num_kv_heads, block_size, head_size]``."""
         return (num_layers, self.num_tensors, num_blocks, self.num_kv_heads, block_size, self.head_size)
 
-    def check_cache_dtype(self, dtype: torch.dtype) -> None:
-        """Refuses a KV dtype this kind cannot store: fp8 needs K/V scales, which the latent lacks
-        (a DeepSeek checkpoint's MLA has none; attention/mla.py stores the latent unscaled)."""
-        if self.kind == "mla" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported with multi-head "
-                             "latent attention (DeepSeek V2/V3); use kv_cache_dtype='auto'")
+    def check_cache(self, dtype: torch.dtype, calculate_kv_scales: bool) -> None:
+        """Refuses a KV setting this kind cannot honour: an MLA latent in fp8 is stored unscaled
+        (scale 1.0, saturating, as vLLM does without calibration; attention/mla.py), so scales
+        calibrated from the first batch (``calculate_kv_scales``) have nowhere to go."""
+        if self.kind == "mla" and calculate_kv_scales:
+            raise ValueError("calculate_kv_scales=True is not supported with multi-head latent attention "
+                             f"(DeepSeek V2/V3): its fp8 latent cache ({str(dtype).removeprefix('torch.')}) is "
+                             "stored unscaled")
 
     def describe(self) -> str:
         if self.kind == "mla":

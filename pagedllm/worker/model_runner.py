@@ -99,7 +99,7 @@ class ModelRunner:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
         self.kv_spec = sizing.model_kv_spec(mc, self.num_kv_heads)  # what a token stores per layer
-        self.kv_spec.check_cache_dtype(self.cache_dtype)
+        self.kv_spec.check_cache(self.cache_dtype, config.cache.calculate_kv_scales)
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)

@@ -15,9 +15,10 @@ HEADS, NOPE, ROPE, V, RANK = 4, 16, 8, 12, 32
 REQS = [(0, 7), (13, 1), (20, 5), (5, 1), (31, 1), (0, 16)]
 
 
-def _case(block_size: int, seed: int = 0):
-    """A paged batch whose one "KV head" is the latent, plus queries and kv_b halves."""
-    batch = make_paged_batch(REQS, 1, 1, RANK + ROPE, block_size, seed=seed)
+def _case(block_size: int, seed: int = 0, cache_dtype: torch.dtype = torch.float32):
+    """A paged batch whose one "KV head" is the latent (its values already rounded through
+    ``cache_dtype``, so the oracle sees what the cache holds), plus queries and kv_b halves."""
+    batch = make_paged_batch(REQS, 1, 1, RANK + ROPE, block_size, seed=seed, cache_dtype=cache_dtype)
     g = torch.Generator().manual_seed(seed + 1)
     n = batch.meta.num_tokens
     q_nope, q_pe = torch.randn(n, HEADS, NOPE, generator=g), torch.randn(n, HEADS, ROPE, generator=g)
@@ -72,9 +73,21 @@ def test_absorbed_form_is_chosen_for_short_chunks_only():
     assert not mla.absorbs(128, 128, 128) and not mla.absorbs(512, 128, 128)
 
 
-def test_fp8_latent_cache_is_refused():
-    batch, q_nope, q_pe, w_uk, w_uv = _case(8)
+@pytest.mark.parametrize("kind", ["torch", "native"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_narrow_latent_cache_matches_float64_on_the_stored_values(kind, cache_dtype):
+    """An fp8 (unscaled) or bf16 latent cache: exact up to float32 math on the values it stores."""
+    batch, q_nope, q_pe, w_uk, w_uv = _case(8, cache_dtype=cache_dtype)
+    scale = (NOPE + ROPE) ** -0.5
+    cache = batch.key_cache.clone()
     new = batch.key[:, 0]
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        mla.MLABackend().forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:],
-                                 batch.key_cache.to(torch.float8_e4m3fn), batch.meta, w_uk, w_uv, 0.1)
+    out = _backend(kind).forward(q_nope, q_pe, new[:, :RANK], new[:, RANK:], cache, batch.meta, w_uk, w_uv, scale)
+    torch.testing.assert_close(out.double(), _reference(batch, q_nope, q_pe, w_uk, w_uv, scale), atol=2e-5, rtol=1e-5)
+    slots = batch.meta.slot_mapping
+    assert cache.dtype == cache_dtype and torch.equal(cache[slots // 8, 0, slots % 8].float(), new)
+
+
+def test_fp8_latent_saturates_instead_of_overflowing():
+    cache = torch.zeros(2, 1, 8, 4, dtype=torch.float8_e4m3fn)
+    mla.write_latent(torch.tensor([[1e6, -1e6, 0.5, 2.0]]), cache, torch.tensor([3]))
+    assert cache[0, 0, 3].float().tolist() == [448.0, -448.0, 0.5, 2.0]
