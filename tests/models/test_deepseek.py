@@ -4,8 +4,9 @@ The configs (conftest.FAMILY_CONFIGS): V2-Lite-shaped (direct q_proj, softmax gr
 two shared experts) and V3-shaped (q_lora_rank, sigmoid routing with a random
 e_score_correction_bias, YaRN with mscale); both with a dense first layer and 4 expert groups
 of which 2 are kept. Checked: greedy tokens and logprobs at block sizes 8 (chunked prefill,
-prefix hits) and 16, preemption by recompute and by swap, tensor parallelism over 2 ranks,
-and that the pool holds one latent per token and layer.
+prefix hits) and 16, preemption by recompute and by swap, tensor parallelism over 2 ranks, 2
+pipeline stages, the CPU KV tier, an fp8 latent, and that the pool holds one latent per token
+and layer.
 """
 from __future__ import annotations
 
@@ -103,6 +104,18 @@ def test_tensor_parallel_matches_transformers(deepseek):
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == refs[:6]
     _assert_logprobs_match(hf, PROMPTS[:6], outs)
+
+
+def test_pipeline_parallel_matches_transformers(deepseek):
+    """Two stages: the dense first layer and the MoE layer on different processes, each with its
+    own layers' latent pool."""
+    path, _, refs = deepseek
+    llm = LLM(path, pipeline_parallel_size=2, num_threads=1, block_size=8, num_gpu_blocks_override=200)
+    try:
+        outs = _generate(llm, PROMPTS[:4])
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == refs[:4]
 
 
 def test_cpu_kv_tier_round_trips_latent_blocks(deepseek):
