@@ -11,8 +11,9 @@ from pagedllm.attention.testing import make_paged_batch
 from pagedllm.native import bindings
 
 HEADS, NOPE, ROPE, V, RANK = 4, 16, 8, 12, 32
-# (cached, new) per request: a fresh prefill, decodes, a chunk over a cached prefix, one block exactly
-REQS = [(0, 7), (13, 1), (20, 5), (5, 1), (31, 1), (0, 16)]
+# (cached, new) per request: a fresh prefill, decodes, a chunk over a cached prefix, one block exactly,
+# and a chunk long enough that ``absorbs`` picks the decompressed form for it (these shapes: >= 25 tokens)
+REQS = [(0, 7), (13, 1), (20, 5), (5, 1), (31, 1), (0, 16), (2, 30)]
 
 
 def _case(block_size: int, seed: int = 0, cache_dtype: torch.dtype = torch.float32):
@@ -69,8 +70,10 @@ def test_mla_backend_matches_float64(block_size, form, kind, monkeypatch):
 
 
 def test_absorbed_form_is_chosen_for_short_chunks_only():
-    assert mla.absorbs(1, 128, 128) and mla.absorbs(127, 128, 128)
-    assert not mla.absorbs(128, 128, 128) and not mla.absorbs(512, 128, 128)
+    assert mla.absorbs(24, NOPE, V, RANK, ROPE) and not mla.absorbs(25, NOPE, V, RANK, ROPE)
+    v2 = dict(qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64)  # DeepSeek V2/V3
+    assert mla.absorbs(1, **v2) and mla.absorbs(170, **v2)
+    assert not mla.absorbs(171, **v2) and not mla.absorbs(2048, **v2)
 
 
 @pytest.mark.parametrize("kind", ["torch", "native"])
