@@ -155,12 +155,13 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         if cls.scoring == "softmax" and method not in (None, "greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method={method!r} must be 'greedy' or 'group_limited_greedy' for DeepSeek V2")
 
-    def routing(self, cfg) -> GroupedTopK:
+    @classmethod
+    def routing(cls, cfg) -> GroupedTopK:
         """``norm_topk_prob`` is honoured for V2 too, as DeepSeek's own code and vLLM do (transformers'
         V2 ignores it; the released V2 / V2-Lite configs have it false, so they agree)."""
-        grouped = self.scoring == "sigmoid" or getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
+        grouped = cls.scoring == "sigmoid" or getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
         return GroupedTopK(cfg.num_experts_per_tok, int(cfg.n_group or 1) if grouped else 1,
-                           int(cfg.topk_group or 1) if grouped else 1, self.scoring,
+                           int(cfg.topk_group or 1) if grouped else 1, cls.scoring,
                            bool(getattr(cfg, "norm_topk_prob", False)), float(cfg.routed_scaling_factor))
 
     def make_mlp(self, cfg, spec: DecoderSpec, layer_idx: int) -> nn.Module:

@@ -148,3 +148,32 @@ def test_fp8_latent_cache(deepseek):
         torch.testing.assert_close(got, token_logprobs(hf, prompt, gen), atol=0.06, rtol=0)
     with pytest.raises(ValueError, match="calculate_kv_scales=True is not supported with multi-head latent"):
         LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, num_gpu_blocks_override=50)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grouped_routing_matches_transformers_routers(arch):
+    """GroupedTopK (layers/moe_routing.py) against transformers' router on 512 tokens, 32 experts in
+    8 groups of which 3 are kept; V3 with a random correction bias."""
+    import transformers as tf
+    from conftest import _config
+
+    from pagedllm.layers.moe_routing import GroupedTopK
+    from pagedllm.models import deepseek
+    cfg = _config(arch, num_key_value_heads=4, n_routed_experts=32, n_group=8, topk_group=3, num_experts_per_tok=4)
+    module = tf.models.deepseek_v3.modeling_deepseek_v3 if arch == "deepseek_v3" else \
+        tf.models.deepseek_v2.modeling_deepseek_v2
+    router = (module.DeepseekV3TopkRouter if arch == "deepseek_v3" else module.DeepseekV2TopkRouter)(cfg)
+    g = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=g)
+    bias = None
+    if arch == "deepseek_v3":
+        bias = torch.randn(32, generator=g) * 0.1
+        router.e_score_correction_bias.copy_(bias)
+    x = torch.randn(512, cfg.hidden_size, generator=g)
+    _, ref_w, ref_ids = router(x)
+    model_cls = deepseek.DeepseekV3ForCausalLM if arch == "deepseek_v3" else deepseek.DeepseekV2ForCausalLM
+    routing: GroupedTopK = model_cls.routing(cfg)
+    w, ids = routing(x @ router.weight.T, bias)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order))
