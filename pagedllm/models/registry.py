@@ -1,6 +1,7 @@
 """Architecture name (config.json ``architectures``) -> model class."""
 from __future__ import annotations
 
+from pagedllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
@@ -23,6 +24,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)
 }
 

@@ -22,6 +22,7 @@ from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
+from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
@@ -74,8 +75,9 @@ class ModelRunner:
         self.pipeline = StagePipeline(pp, mc.hidden_size, mc.vocab_size, mc.dtype, self.device) if pp else None
         model_cls = get_model_class(mc.architecture)
         soft_cap = model_cls.attention_soft_cap(mc.hf_config)  # Gemma 2: the C kernel cannot do it
+        kv_kind = kv_spec_for(mc.hf_config, mc.num_kv_heads, mc.head_dim).kind  # MLA: the latent backend
         self.backend = get_attention_backend(backend_for_soft_cap(config.attention_backend, self.device, soft_cap),
-                                             self.device)
+                                             self.device, kv_kind)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
         load_weights(self.model, mc.model, mc.load_format, mc.seed)
@@ -97,6 +99,8 @@ class ModelRunner:
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
+        self.kv_spec = sizing.model_kv_spec(mc, self.num_kv_heads)  # what a token stores per layer
+        self.kv_spec.check_cache(self.cache_dtype, config.cache.calculate_kv_scales)
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
@@ -139,12 +143,11 @@ class ModelRunner:
 
     def _allocate_cache(self) -> None:
         """The KV pool of ``_cache_blocks``, and the decode graphs over it once the weights are there."""
-        mc = self.config.model
         num_blocks, num_cpu_blocks = self._cache_blocks
         self._graphs_wanted = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(self._graphs_wanted), self.block_size,
-                                 self.cache_dtype, self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
+        self.cache = CacheEngine(self.kv_spec, self.stage.num_layers, num_blocks + int(self._graphs_wanted),
+                                 self.block_size, self.cache_dtype, self.device, num_cpu_blocks)
         if not self.weights_asleep:
             self._capture_graphs()
 

@@ -39,16 +39,17 @@ from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
 class TierStore:
     """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA) and a disk tier.
 
-    ``kv`` is the device pool ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
-    a block is ``kv[:, :, b]``, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``. The CPU
-    tier is slot-major, ``[num_slots, num_layers, 2, num_kv_heads, block_size, head_dim]``, so a
+    ``kv`` is the device pool ``[num_layers, num_tensors, num_blocks, num_kv_heads, block_size, head_size]``
+    (kv_cache/spec.py; ``num_tensors`` is 2 for K/V per head, 1 for an MLA latent); a block is
+    ``kv[:, :, b]``, ``[num_layers, num_tensors, num_kv_heads, block_size, head_size]``. The CPU
+    tier is slot-major, ``[num_slots, num_layers, num_tensors, num_kv_heads, block_size, head_size]``, so a
     slot (and a run of consecutive slots) is one contiguous range: a device -> host copy lands
     in it directly, with no host temporary (a copy into a strided host view goes through one).
     """
 
     def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup):
         self.kv = kv
-        self.block_shape = (kv.shape[0], 2) + tuple(kv.shape[3:])
+        self.block_shape = tuple(kv.shape[:2]) + tuple(kv.shape[3:])
         pin = kv.device.type == "cuda"
         self.cpu = torch.empty((num_slots, *self.block_shape), dtype=kv.dtype, pin_memory=pin) if num_slots else None
         self.disk = disk
