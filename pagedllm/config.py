@@ -54,6 +54,10 @@ class ModelConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed (engine/llm_engine.py)
     load_format: str = "auto"  # vLLM's: "auto" / "safetensors" read the checkpoint, "dummy" random weights
+    # vision-language models (multimodal/processor.py): vLLM's limit_mm_per_prompt as (modality, most items)
+    # pairs (no pair: no limit), and mm_processor_kwargs, the HF processor options every request starts from
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+    mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def is_classifier(self) -> bool:

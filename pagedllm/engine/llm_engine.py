@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
+from pagedllm.models.loader import get_model_class
+from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
 from pagedllm.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -71,7 +74,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs,
                                               self.eos_token_ids, config.scheduler.scheduling_policy,
-                                              config.structured_output)
+                                              config.structured_output, _multimodal_processor(config))
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
         self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
                            if config.speculative is not None else None)
@@ -100,7 +103,7 @@ class LLMEngine:
         self._check_runner(processed.pooling is not None)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      pooling=processed.pooling)
+                      pooling=processed.pooling, mm_items=processed.mm_items)
         req.pools_every_position = processed.pooling is not None and (
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
@@ -543,6 +546,28 @@ def _load_tokenizer(model_config):
         raise ValueError(f"tokenizer_mode='slow' but {model_config.tokenizer!r} has no slow (Python) tokenizer "
                          f"here (got {type(tokenizer).__name__}); use tokenizer_mode='auto'")
     return tokenizer
+
+
+def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
+    """A vision-language model's HF processor with the engine's limits (None for a text-only model)."""
+    mc = config.model
+    if not getattr(get_model_class(mc.architecture), "is_multimodal", False):
+        for name, value in (("limit_mm_per_prompt", mc.limit_mm_per_prompt),
+                            ("mm_processor_kwargs", mc.mm_processor_kwargs)):
+            if value:
+                raise ValueError(f"{name}={dict(value)!r} needs a vision-language model; {mc.architecture} is "
+                                 "text-only")
+        return None
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"{mc.architecture} is a vision-language model: pipeline_parallel_size > 1 is not "
+                         "supported for it (use tensor parallelism)")
+    hf = mc.hf_config
+    image_token_id = getattr(hf, "image_token_id", None)
+    image_token_id = image_token_id if image_token_id is not None else hf.image_token_index
+    limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens)
+    model_cls = get_model_class(mc.architecture)
+    return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
+                                               functools.partial(model_cls.image_rows, hf), mc.trust_remote_code)
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:
