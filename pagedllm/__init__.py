@@ -2,8 +2,8 @@
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob"]
+           "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "RequestOutputKind"]
 __version__ = "0.1.0"
