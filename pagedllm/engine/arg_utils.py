@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -133,6 +134,15 @@ def _json_object_or_text(value: dict | str | None, name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name}={value!r} must be a dict (or its JSON text)")
     return value
+
+
+def _media_path(path: str | None) -> str | None:
+    """``allowed_local_media_path`` as an existing directory's real path (None: no local files)."""
+    if not path:
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"allowed_local_media_path={path!r} is not an existing directory")
+    return os.path.realpath(path)
 
 
 def _vllm_field(arg: VllmArg) -> Any:
@@ -311,6 +321,11 @@ class EngineArgs:
     hf_overrides: dict | Callable | None = option(
         None, 'config.json values to override, as JSON ({"rope_theta": 1e6}; a dict value updates a nested '
         "config), or in Python a function from the config to the config", parse=_json_object("hf_overrides"))
+    allowed_local_media_path: str = option(
+        "", "a directory whose files chat requests may send as file:// image URLs (default: none may)")
+    allowed_media_domains: list[str] | None = option(
+        None, "hosts whose http(s) image URLs chat requests may send (default: none; data: URLs always work)",
+        nargs="+")
     limit_mm_per_prompt: dict | None = option(
         None, 'most items of each modality one prompt may carry, as JSON ({"image": 4}); more are refused',
         parse=_json_object("limit_mm_per_prompt"))
@@ -616,6 +631,8 @@ class EngineArgs:
             load_format=self.load_format,
             limit_mm_per_prompt=check_limit_mm_per_prompt(_json_object_or_text(self.limit_mm_per_prompt,
                                                                                 "limit_mm_per_prompt")),
+            allowed_local_media_path=_media_path(self.allowed_local_media_path),
+            allowed_media_domains=tuple(self.allowed_media_domains or ()),
             mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
         )
 

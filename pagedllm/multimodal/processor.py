@@ -75,6 +75,11 @@ class MultiModalProcessor:
         return cls(AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code), image_token_id,
                    limits, image_rows)
 
+    @property
+    def placeholder(self) -> str:
+        """The text that stands for one image in a prompt (``<image>``); the processor expands it."""
+        return getattr(self.hf, "image_token", None) or self.hf.tokenizer.decode([self.image_token_id])
+
     def clone(self) -> MultiModalProcessor:
         other = copy.copy(self)
         other.hf = copy.deepcopy(self.hf)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.multimodal.conftest import IMAGE_TOKENS, hf_generate, make_image
+from tests.multimodal.llava_fixtures import IMAGE_TOKENS, hf_generate, llava_dir, llava_hf, make_image  # noqa: F401 - fixtures
 
 MAX_NEW = 8
 BUDGET = 32  # max_num_batched_tokens: image runs (25 tokens) straddle chunk boundaries

@@ -38,6 +38,7 @@ from .chat_features import (
     resolve_tool_choice,
     tools_for_template,
 )
+from .media import MediaPolicy, load_images
 from .protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -743,11 +744,25 @@ class OpenAIServing:
                                               req.skip_special_tokens
                                               and not keeps_special_tokens(self.chat_options, tool_choice)))
         text = await self.render_chat(req.messages, req.add_generation_prompt, **self.template_options(req))
+        urls = image_urls(req.messages)
+        if urls:  # the model's processor tokenizes the text and expands each image's placeholder
+            images = await self.chat_images(urls)
+            return await self.start(rid, [{"prompt": text, "multi_modal_data": {"image": images}}], params, arrival,
+                                    req)
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival, req)
+
+    async def chat_images(self, urls: list[str]) -> list:
+        """The images of a chat's ``image_url`` parts, after ``limit_mm_per_prompt`` is checked
+        (before any is fetched); fetched and decoded on worker threads (media.py)."""
+        limit = dict(self.model_config.limit_mm_per_prompt).get("image")
+        if limit is not None and len(urls) > limit:
+            raise ServingError(f"the messages have {len(urls)} images, over limit_mm_per_prompt={{'image': {limit}}}",
+                               400, "limit_mm_per_prompt")
+        return await load_images(urls, MediaPolicy.of(self.model_config))
 
     @staticmethod
     def template_options(req: ChatCompletionRequest) -> dict:
@@ -770,8 +785,15 @@ class OpenAIServing:
         """The chat template (the request's, else the server's, else the tokenizer's) applied to the
         messages: the prompt text, rendered on a tokenizer thread. ``kwargs`` go to
         ``apply_chat_template`` (tools, template variables)."""
+        placeholder = self.image_placeholder()
         return await self.engine.with_tokenizer(lambda tokenizer: render_chat(
-            tokenizer, self.chat_template, messages, add_generation_prompt, template, **kwargs))
+            tokenizer, self.chat_template, messages, add_generation_prompt, template, image_placeholder=placeholder,
+            **kwargs))
+
+    def image_placeholder(self) -> str | None:
+        """The prompt text of one image for a vision-language model; None for a text-only one."""
+        multimodal = self.engine.engine.multimodal
+        return multimodal.placeholder if multimodal is not None else None
 
     def chat_response(self, rid: str, model: str, req: ChatCompletionRequest, out: RequestOutput,
                       parsers: list[ChoiceParser]) -> ChatCompletionResponse:
@@ -872,7 +894,7 @@ class OpenAIServing:
 
 
 def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
-                template: str | None = None, **kwargs) -> str:
+                template: str | None = None, image_placeholder: str | None = None, **kwargs) -> str:
     """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
     messages: the prompt text. The one rendering path of the server (and of the router, which must
     see the same tokens). ``kwargs`` go to ``apply_chat_template`` (tools, template variables)."""
@@ -883,7 +905,7 @@ def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessa
     if not messages:
         raise ServingError("messages must not be empty", 400, "messages")
     try:
-        conversation = conversation_of(messages, _message_text)
+        conversation = conversation_of(messages, lambda m: _message_text(m, image_placeholder))
     except RequestFieldError as exc:
         raise ServingError(str(exc), 400, exc.param) from None
     try:
@@ -970,12 +992,30 @@ def _echo_prefix(req: ChatCompletionRequest) -> str:
     return _message_text(last) if last is not None and last.role == "assistant" else ""
 
 
-def _message_text(m: ChatMessage) -> str:
+def _message_text(m: ChatMessage, image_placeholder: str | None = None) -> str:
+    """A message's text; each ``image_url`` part becomes the model's image placeholder and a newline
+    (a vision-language model only: ``image_placeholder``)."""
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    if any(p.type != "text" for p in m.content):
-        raise ServingError("only text content parts are supported", 400, "messages")
-    return "".join(p.text or "" for p in m.content)
+    return "".join(_part_text(p, image_placeholder) for p in m.content)
+
+
+def _part_text(part, image_placeholder: str | None) -> str:
+    if part.type == "text":
+        return part.text or ""
+    if part.type == "image_url" and part.image_url is not None:
+        if image_placeholder is None:
+            raise ServingError("this model takes text only: image_url content parts need a vision-language model",
+                               400, "messages")
+        return image_placeholder + "\n"
+    raise ServingError(f"content part type {part.type!r} is not supported: 'text' or 'image_url' (with its "
+                       "image_url object)", 400, "messages")
+
+
+def image_urls(messages: list[ChatMessage]) -> list[str]:
+    """The ``image_url`` parts' URLs, in message and part order (the placeholders' order)."""
+    return [p.image_url.url for m in messages if isinstance(m.content, list) for p in m.content
+            if p.type == "image_url" and p.image_url is not None]
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
