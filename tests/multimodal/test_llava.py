@@ -147,3 +147,44 @@ def test_text_only_model_refuses_images(llama_dir):
     from pagedllm.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="limit_mm_per_prompt.*text-only"):
         LLMEngine.from_engine_args(EngineArgs(model=llama_dir, kv_cache_memory=2**20, limit_mm_per_prompt={"image": 1}))
+
+
+def test_llm_chat_with_image_parts(llm, llava_hf):
+    """LLM.chat: image_pil and data: image_url parts become placeholders in the template's text."""
+    import base64
+    import io
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    first, second = make_image(71), make_image(72)
+    buf = io.BytesIO()
+    second.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": first},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is this?"}]}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)[0]
+    text = "user: <image>\n<image>\nwhat is this?\nassistant:"
+    assert list(out.outputs[0].token_ids) == hf_generate(llava_hf, text, [first, second], MAX_NEW)
+    with pytest.raises(ValueError, match="not allowed"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a"}}]}],
+                 GREEDY, use_tqdm=False, chat_template=template)
+
+
+def test_preemption_keeps_outputs_exact(llava_dir, llava_hf):
+    """A KV cache too small for every image prompt at once: requests are preempted (recompute)
+    and their images encoded again or hit in the encoder cache; outputs stay exact."""
+    engine = LLM(model=llava_dir, max_model_len=96, num_gpu_blocks_override=16, block_size=8,
+                 max_num_batched_tokens=64)
+    try:
+        cases = [(f"{LONG_TEXT} <image> fox", [make_image(80 + i)]) for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = engine.generate([{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases], params,
+                               use_tqdm=False)
+        assert engine.llm_engine.scheduler.stats.num_preemptions > 0
+        model, processor = llava_hf
+        for (text, images), out in zip(cases, outs):
+            inputs = processor(text=text, images=images, return_tensors="pt")
+            with torch.no_grad():
+                ref = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+            assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    finally:
+        engine.llm_engine.shutdown()
