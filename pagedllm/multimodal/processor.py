@@ -96,15 +96,10 @@ class MultiModalProcessor:
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()
-        runs = self._placeholder_runs(ids, len(images))
-        items = tuple(MultiModalItem(image_hash(img, options), offset, length, self._item_data(out, i, len(images)))
-                      for i, (img, (offset, length)) in enumerate(zip(images, runs)))
-        for item in items:
-            rows = self.image_rows(item.data)
-            if rows != item.length:
-                raise ValueError(f"the model's processor put {item.length} placeholder tokens for an image that the "
-                                 f"model embeds as {rows} rows: its processor config does not match the model "
-                                 "(e.g. num_additional_image_tokens, patch_size)")
+        data = [self._item_data(out, i, len(images)) for i in range(len(images))]
+        runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data])
+        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d)
+                      for img, (offset, length), d in zip(images, runs, data))
         return ids, items
 
     def _images(self, mm_data: object) -> list:
@@ -134,24 +129,28 @@ class MultiModalProcessor:
                              f"{sorted(self.option_names)}")
         return options
 
-    def _placeholder_runs(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
-        """``(offset, length)`` of each image's placeholder run. Adjacent images make one run of
-        equal parts (every image of a fixed-resolution tower takes the same number of tokens)."""
+    def _placeholder_runs(self, ids: list[int], lengths: list[int]) -> list[tuple[int, int]]:
+        """``(offset, length)`` of each image's placeholder run: the placeholder tokens in prompt
+        order, the first ``lengths[0]`` for the first image and so on (adjacent images make one
+        run). ``lengths``: the rows the model embeds each image as; the processor must have put
+        exactly that many placeholders, each image's contiguous."""
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        if len(positions) == 0 or len(positions) % num_images:
-            raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {num_images} images: put "
-                             f"one image placeholder ({self.hf.tokenizer.decode([self.image_token_id])!r}) in the "
-                             "prompt per image")
-        length = len(positions) // num_images
-        runs = [(int(positions[i * length]), length) for i in range(num_images)]
-        for offset, _ in runs:
-            if ids[offset:offset + length] != [self.image_token_id] * length:
-                raise ValueError(f"the prompt's image placeholders do not come in runs of {length} tokens per image: "
-                                 "put exactly one image placeholder in the prompt per image")
-        if length > self.limits.max_item_tokens:
-            raise ValueError(f"an image takes {length} tokens, over the {self.limits.max_item_tokens} that fit in one "
-                             "step's encoder budget (max_num_batched_tokens); use smaller images or raise "
-                             "max_num_batched_tokens")
+        if len(positions) != sum(lengths):
+            raise ValueError(f"the model's processor put {len(positions)} image placeholder tokens in the prompt for "
+                             f"{len(lengths)} images that the model embeds as {sum(lengths)} rows: its processor "
+                             "config does not match the model (e.g. num_additional_image_tokens, patch_size)")
+        runs, start = [], 0
+        for length in lengths:
+            run = positions[start:start + length]
+            if length == 0 or run[-1] - run[0] != length - 1:
+                raise ValueError("the prompt's image placeholders are not one contiguous run per image: put exactly "
+                                 "one image placeholder in the prompt per image")
+            if length > self.limits.max_item_tokens:
+                raise ValueError(f"an image takes {length} tokens, over the {self.limits.max_item_tokens} that fit in "
+                                 "one step's encoder budget (max_num_batched_tokens); use smaller images or raise "
+                                 "max_num_batched_tokens")
+            runs.append((int(run[0]), length))
+            start += length
         return runs
 
     @staticmethod

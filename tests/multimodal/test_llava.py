@@ -188,3 +188,17 @@ def test_preemption_keeps_outputs_exact(llava_dir, llava_hf):
             assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_processor_model_mismatch_is_refused(llava_dir):
+    """A processor whose placeholder count differs from the model's embedding rows (a config
+    mismatch) is refused instead of scattering the wrong rows."""
+    from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
+    processor = MultiModalProcessor.from_pretrained(llava_dir, 368, MultiModalLimits(), lambda data: IMAGE_TOKENS + 1)
+    with pytest.raises(ValueError, match="put 25 image placeholder tokens .* embeds as 26 rows"):
+        processor.process("a <image> b", {"image": make_image(1)})
+    exact = MultiModalProcessor.from_pretrained(llava_dir, 368, MultiModalLimits(), lambda data: IMAGE_TOKENS)
+    ids, items = exact.process("a <image> b <image>", {"image": [make_image(1), make_image(1)]})
+    assert [i.length for i in items] == [IMAGE_TOKENS] * 2 and items[0].hash == items[1].hash  # same content
+    assert items[0].end < items[1].offset and ids.count(368) == 2 * IMAGE_TOKENS
+    assert all(ids[i.offset:i.end] == [368] * IMAGE_TOKENS for i in items)
