@@ -88,7 +88,7 @@ VARIABLES: dict[str, EnvVar] = {
         "most prompts one /v1/completions request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS); more is a 400"),
     "PAGEDLLM_MEDIA_FETCH_TIMEOUT": EnvVar(
         _float("PAGEDLLM_MEDIA_FETCH_TIMEOUT", 5.0),
-        "seconds an image URL of an --allowed-media-domains host may take to download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)"),
+        "seconds an --allowed-media-domains image URL may take to download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)"),
     "PAGEDLLM_MAX_MEDIA_BYTES": EnvVar(
         _int("PAGEDLLM_MAX_MEDIA_BYTES", 20 * 2**20),
         "largest image (encoded bytes) a request may send or point to; larger is a 400"),

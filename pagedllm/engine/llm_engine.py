@@ -524,6 +524,8 @@ class LLMEngine:
         if self.speculator is not None:
             metrics += self.speculator.metrics()
         metrics += self.structured_output.metrics()
+        if self.multimodal is not None:
+            metrics += self.scheduler.encoder.metrics()
         return metrics + _offload_metrics(s.offload)
 
     def _cache_config_labels(self) -> dict[str, str]:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.metrics.stats import Metric
 from pagedllm.multimodal.inputs import EncoderInput, MultiModalItem
 
 
@@ -90,6 +91,13 @@ class EncoderCacheManager:
         for image in list(self.held.get(request_id, ())):
             self._unref(request_id, image)
         self.held.pop(request_id, None)
+
+    def metrics(self) -> list[Metric]:
+        """Images encoded, encoder-cache hits, and what the cache holds (images, embedding rows)."""
+        return [Metric("pagedllm:mm_images_encoded", self.stats.images_encoded, kind="counter"),
+                Metric("pagedllm:mm_encoder_cache_hits", self.stats.cache_hits, kind="counter"),
+                Metric("pagedllm:mm_encoder_cache_images", len(self.entries)),
+                Metric("pagedllm:mm_encoder_cache_usage_perc", sum(self.entries.values()) / self.capacity)]
 
     def take_frees(self) -> list[bytes]:
         frees, self.frees = self.frees, []

@@ -87,6 +87,9 @@ def test_encoder_budget_defers_the_next_image(llm, llava_hf, monkeypatch):
     before = stats.images_encoded
     assert _generate(llm, prompt, images) == hf_generate(llava_hf, prompt, images, MAX_NEW)
     assert stats.images_encoded - before == 2
+    metrics = {m.name: m.value for m in llm.llm_engine.get_metrics()}
+    assert metrics["pagedllm:mm_images_encoded"] == stats.images_encoded
+    assert 0 < metrics["pagedllm:mm_encoder_cache_usage_perc"] <= 1
     first = seen[0]
     assert len(first.mm_spans) == 1 and first.seq_len <= first.mm_spans[0][1] + IMAGE_TOKENS + 10
 
@@ -104,6 +107,10 @@ def test_prefix_cache_keys_on_image_content(llm, llava_hf):
     assert same.num_cached_tokens > offset + IMAGE_TOKENS - 8  # hit through the image's blocks
     assert other.num_cached_tokens <= offset  # only the text blocks before the image are shared
     assert list(same.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    stats = llm.llm_engine.scheduler.encoder.stats
+    encoded, hits = stats.images_encoded, stats.cache_hits
+    _generate(llm, "hello <image> world", [make_image(32)])  # another text (no prefix hit), the cached image
+    assert (stats.images_encoded, stats.cache_hits) == (encoded, hits + 1)
     assert list(other.outputs[0].token_ids) == hf_generate(llava_hf, text, [make_image(32)], MAX_NEW)
 
 
