@@ -31,7 +31,9 @@ from pagedllm.structured_output.grammar import spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
-_MM_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs"})  # vision-language models only
+# vision-language models only; "add_special_tokens" (pagedllm's, with multi_modal_data): False for a chat
+# template's text, which the model's processor must not prefix with another BOS
+_MM_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "add_special_tokens"})
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,17 @@ class InputProcessor:
             return *self.tokenize(prompt), ()
         self._check_prompt_keys(prompt)
         if "multi_modal_data" not in prompt:
-            raise ValueError("mm_processor_kwargs needs multi_modal_data in the same prompt")
+            raise ValueError(f"prompt keys {sorted(_MM_KEYS & set(prompt))} need multi_modal_data in the same prompt")
         if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
             raise ValueError("a prompt with multi_modal_data must give its text as 'prompt' (the model's processor "
                              "expands its image placeholders); prompt_token_ids cannot carry images")
         text = prompt["prompt"]
+        special = prompt.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise ValueError(f"add_special_tokens={special!r:.80} must be true or false")
         self.encode(text)  # the text alone must fit (bounded work on a huge string)
-        ids, items = self.multimodal.process(text, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"))
+        ids, items = self.multimodal.process(text, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"),
+                                             special)
         return text, ids, items
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -152,7 +152,7 @@ class LLM:
             return {"prompt_token_ids": _as_ids(tok.apply_chat_template(messages, tokenize=True, **options))}
         messages = _content_as(conversation, content_format, multimodal.placeholder)
         prompt = {"prompt": tok.apply_chat_template(messages, tokenize=False, **options),
-                  "multi_modal_data": {"image": images}}
+                  "multi_modal_data": {"image": images}, "add_special_tokens": False}  # the template writes its own
         return {**prompt, "mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs is not None else prompt
 
     def get_default_sampling_params(self) -> SamplingParams:

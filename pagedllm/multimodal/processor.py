@@ -85,14 +85,17 @@ class MultiModalProcessor:
         other.hf = copy.deepcopy(self.hf)
         return other
 
-    def process(self, text: str, mm_data: object,
-                kwargs: object = None) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+    def process(self, text: str, mm_data: object, kwargs: object = None,
+                add_special_tokens: bool = True) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Token ids (each image's placeholder expanded to its embedding length) and one item per
-        image, in prompt order. Raises ValueError naming the field for anything it cannot take."""
+        image, in prompt order. ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat
+        template's text, which writes its own). Raises ValueError naming the field for anything
+        it cannot take."""
         images = self._images(mm_data)
         options = self._options(kwargs)
         try:
-            out = self.hf(text=[text], images=images, return_tensors="pt", **options)
+            out = self.hf(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens,
+                          **options)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()

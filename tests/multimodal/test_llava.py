@@ -143,6 +143,7 @@ def test_mm_processor_kwargs_reach_the_processor(llm, llava_hf):
     ({"prompt": "<image> x"}, {"video": make_image(1)}, "modalities"),
     ({"prompt": "<image> x"}, {"image": "not an image"}, "must be a PIL.Image"),
     ({"prompt_token_ids": [5, 6]}, {"image": make_image(1)}, "prompt_token_ids cannot carry images"),
+    ({"prompt": "<image> x", "add_special_tokens": "yes"}, {"image": make_image(1)}, "add_special_tokens='yes'"),
 ])
 def test_bad_multimodal_inputs_are_refused(llm, prompt, mm, match):
     with pytest.raises(ValueError, match=match):
@@ -209,3 +210,17 @@ def test_processor_model_mismatch_is_refused(llava_dir):
     assert [i.length for i in items] == [IMAGE_TOKENS] * 2 and items[0].hash == items[1].hash  # same content
     assert items[0].end < items[1].offset and ids.count(368) == 2 * IMAGE_TOKENS
     assert all(ids[i.offset:i.end] == [368] * IMAGE_TOKENS for i in items)
+
+
+def test_add_special_tokens_reaches_the_processor(llava_dir):
+    """A chat template's text is processed without another BOS (add_special_tokens=False)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
+    processor = MultiModalProcessor.from_pretrained(llava_dir, 368, MultiModalLimits(), lambda data: IMAGE_TOKENS)
+    bos = processor.hf.tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer = processor.hf.tokenizer._tokenizer
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    with_bos, _ = processor.process("a <image> b", {"image": make_image(1)})
+    without, _ = processor.process("a <image> b", {"image": make_image(1)}, add_special_tokens=False)
+    assert with_bos[0] == bos and with_bos[1:] == without and without[0] != bos

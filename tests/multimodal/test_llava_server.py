@@ -115,3 +115,10 @@ def test_text_only_model_refuses_image_parts(live_server):  # noqa: F811
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0)
     body = _bad_request(client, [_data_url(make_image(1))])
     assert "text only" in body["message"]
+
+
+def test_tokenize_refuses_image_parts(server):
+    import httpx
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(make_image(1))}}, {"type": "text", "text": "x"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400 and "does not process images" in r.json()["error"]["message"]

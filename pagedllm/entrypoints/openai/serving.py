@@ -747,8 +747,9 @@ class OpenAIServing:
         urls = image_urls(req.messages)
         if urls:  # the model's processor tokenizes the text and expands each image's placeholder
             images = await self.chat_images(urls)
-            return await self.start(rid, [{"prompt": text, "multi_modal_data": {"image": images}}], params, arrival,
-                                    req)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images},
+                      "add_special_tokens": req.add_special_tokens}
+            return await self.start(rid, [prompt], params, arrival, req)
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
@@ -842,6 +843,10 @@ class OpenAIServing:
         check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
+        if req.messages is not None and image_urls(req.messages):
+            raise ServingError("/tokenize does not process images: image_url parts expand to a number of tokens only "
+                               "the model's processor computes (the chat completion's usage reports it)", 400,
+                               "messages")
         if req.messages is not None:  # rendered and encoded in one tokenizer-thread job (one hop, not two)
             ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, render_chat(
                 tokenizer, self.chat_template, req.messages, req.add_generation_prompt), False, "messages"))
