@@ -24,7 +24,8 @@ LANGUAGE_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qw
 _SELECT_STRATEGIES = ("default", "full")
 # newer transformers checkpoints ("model.language_model.*", top-level "lm_head") -> the legacy names used here
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
-            ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+            ("model.multi_modal_projector.", "multi_modal_projector."), ("model.image_newline", "image_newline"),
+            ("lm_head.", "language_model.lm_head."))
 
 
 def _language_model_class(cfg) -> type[LlamaForCausalLM]:
@@ -44,19 +45,23 @@ class LlavaForConditionalGeneration(nn.Module):
                  ops: str = "native", stage: PipelineStage | None = None):
         super().__init__()
         from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
         self.check_config(cfg)
         self.config, self.tp, self.ops = cfg, tp, ops
         self.language_model = _language_model_class(cfg)(cfg.text_config, backend, max_position, tp, ops, stage)
         self.stage = self.language_model.stage
         cfg.vision_config._attn_implementation = "sdpa"
         self.vision_tower = AutoModel.from_config(cfg.vision_config)
-        self.multi_modal_projector = LlavaMultiModalProjector(cfg)
+        self.multi_modal_projector = self.make_projector(cfg)
         self.feature_layers = cfg.vision_feature_layer
         self.select_strategy = cfg.vision_feature_select_strategy
         # checkpoints name the tower "vision_tower.vision_model.*" (transformers 4) or "vision_tower.*"
         names = {n for n, _ in self.vision_tower.named_parameters()}
         self._tower_has_vision_model = any(n.startswith("vision_model.") for n in names)
+
+    @staticmethod
+    def make_projector(cfg) -> nn.Module:
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+        return LlavaMultiModalProjector(cfg)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -123,14 +128,17 @@ class LlavaForConditionalGeneration(nn.Module):
     @torch.inference_mode()
     def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's embeddings ``[placeholder tokens, hidden]`` from its processor tensors."""
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
-        pixels = data["pixel_values"].to(dtype)  # [1, 3, H, W]
+        return self.project(data["pixel_values"])[0]  # [patches, hidden]
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Tower tiles ``[tiles, 3, H, W]`` -> projected features ``[tiles, patches, hidden]``."""
+        pixels = pixels.to(self.multi_modal_projector.linear_1.weight.dtype)
         out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
         layers = [self.feature_layers] if isinstance(self.feature_layers, int) else list(self.feature_layers)
-        feats = [out.hidden_states[i] for i in layers]  # each [1, 1 + patches, vision hidden]
+        feats = [out.hidden_states[i] for i in layers]  # each [tiles, 1 + patches, vision hidden]
         if self.select_strategy == "default":
             feats = [f[:, 1:] for f in feats]  # the CLS row has no placeholder
-        return self.multi_modal_projector(torch.cat(feats, dim=-1))[0]  # [patches, hidden]
+        return self.multi_modal_projector(torch.cat(feats, dim=-1))  # [tiles, patches, hidden]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed(input_ids)  # [num_tokens, hidden]
@@ -143,3 +151,52 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT ("anyres"): the processor cuts an image into a base view plus a grid of tiles
+    chosen from ``image_grid_pinpoints`` by the image's aspect ratio; the tiles' features are
+    unpadded back to the image's aspect and each row of them ends with ``image_newline``. The
+    packing is transformers' own (``LlavaNextModel.pack_image_features``), so the rows and their
+    order are exactly the checkpoint's."""
+
+    def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
+                 ops: str = "native", stage: PipelineStage | None = None):
+        super().__init__(cfg, backend, max_position, tp, ops, stage)
+        self.image_newline = nn.Parameter(torch.empty(cfg.text_config.hidden_size))
+
+    @staticmethod
+    def make_projector(cfg) -> nn.Module:
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
+        return LlavaNextMultiModalProjector(cfg)
+
+    @classmethod
+    def image_rows(cls, cfg, data: dict[str, torch.Tensor]) -> int:
+        """The packed rows of one image: its tiles' features packed with a 1-wide stand-in."""
+        vc = cfg.vision_config
+        patches = (vc.image_size // vc.patch_size) ** 2 + (cfg.vision_feature_select_strategy == "full")
+        tiles = _num_tiles(cfg, data)
+        stand_in = torch.zeros(tiles, patches, 1)  # [tiles, patches, 1]: only the shapes matter
+        return _pack(cfg, stand_in, data["image_sizes"], torch.zeros(1)).shape[0]
+
+    @torch.inference_mode()
+    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        tiles = _num_tiles(self.config, data)
+        feats = self.project(data["pixel_values"][0, :tiles])  # [tiles, patches, hidden]: padding tiles dropped
+        return _pack(self.config, feats, data["image_sizes"], self.image_newline)  # [rows, hidden]
+
+
+def _num_tiles(cfg, data: dict[str, torch.Tensor]) -> int:
+    """The image's real tiles (the processor pads a batch's images to the most tiles)."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+    return image_size_to_num_patches(data["image_sizes"][0], cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+
+
+def _pack(cfg, feats: torch.Tensor, image_sizes: torch.Tensor, newline: torch.Tensor) -> torch.Tensor:
+    from types import SimpleNamespace
+
+    from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+    owner = SimpleNamespace(config=cfg)  # pack_image_features reads only the config
+    packed, _ = LlavaNextModel.pack_image_features(owner, [feats], image_sizes, cfg.vision_feature_select_strategy,
+                                                   image_newline=newline)
+    return packed[0] if isinstance(packed, (list, tuple)) else packed  # [rows, hidden]
