@@ -82,6 +82,11 @@ class LlavaForConditionalGeneration(nn.Module):
         height, width = data["pixel_values"].shape[-2:]
         return (height // vc.patch_size) * (width // vc.patch_size) + (cfg.vision_feature_select_strategy == "full")
 
+    def dummy_image(self) -> dict[str, torch.Tensor]:
+        """The largest image's processor tensors (for the runner's memory profile)."""
+        size = self.config.vision_config.image_size
+        return {"pixel_values": torch.zeros(1, 3, size, size)}
+
     @property
     def spec(self):
         return self.language_model.spec
@@ -178,6 +183,13 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         tiles = _num_tiles(cfg, data)
         stand_in = torch.zeros(tiles, patches, 1)  # [tiles, patches, 1]: only the shapes matter
         return _pack(cfg, stand_in, data["image_sizes"], torch.zeros(1)).shape[0]
+
+    def dummy_image(self) -> dict[str, torch.Tensor]:
+        """The most tiles: the largest grid's, plus the base view."""
+        size = self.config.vision_config.image_size
+        height, width = max(self.config.image_grid_pinpoints, key=lambda hw: hw[0] * hw[1])
+        tiles = (height // size) * (width // size) + 1
+        return {"pixel_values": torch.zeros(1, tiles, 3, size, size), "image_sizes": torch.tensor([[height, width]])}
 
     @torch.inference_mode()
     def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:

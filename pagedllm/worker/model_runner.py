@@ -347,6 +347,18 @@ class ModelRunner:
             data = {key: value.to(self.device) for key, value in item.data.items()}
             self.encoder_cache[item.hash] = self.model.encode_image(data)  # [placeholder tokens, hidden]
 
+    def _profile_encoder(self) -> None:
+        """A vision-language model's share of the peak: its largest image through the vision tower
+        while a full encoder cache (a step's budget of embedding rows) is held."""
+        dummy = getattr(self.model, "dummy_image", None)
+        if dummy is None:
+            return
+        mc = self.config.model
+        held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,
+                           device=self.device)  # [encoder cache rows, hidden]
+        self.model.encode_image({key: value.to(self.device) for key, value in dummy().items()})
+        del held
+
     def _inputs_embeds(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's token embeddings with each covered image placeholder replaced by its row of the
         image's embeddings (a chunk may start or end inside a run), or None when no chunk covers one."""
@@ -439,6 +451,7 @@ class ModelRunner:
                   for i in range(num_seqs)]
         with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
             self.execute(SchedulerOutput(chunks=chunks))
+        self._profile_encoder()
         if self.decode_graphs is not None:  # captured over the throwaway cache: measured, then dropped
             self.cuda_graph_bytes, self.decode_graphs = self.decode_graphs.memory_bytes, None
             torch.cuda.empty_cache()

@@ -80,3 +80,13 @@ def test_prefix_hit_and_miss(llm, oracle):
     assert same.num_cached_tokens > offset and other.num_cached_tokens <= offset
     assert list(same.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     assert list(other.outputs[0].token_ids) == _reference(oracle, text, [make_image(22, (60, 45))])
+
+
+def test_memory_profile_encodes_the_largest_image(llm):
+    """The runner's memory profile runs the tower on the most tiles any image can take."""
+    runner = llm.llm_engine.executor.runner
+    model = runner.model
+    dummy = model.dummy_image()
+    assert dummy["pixel_values"].shape[1] == 5  # the 2x2 grid and the base view
+    assert model.encode_image(dummy).shape[0] == model.image_rows(model.config, dummy) == 135
+    runner._profile_encoder()
