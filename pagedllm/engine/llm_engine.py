@@ -221,7 +221,8 @@ class LLMEngine:
         if params.max_tokens is None:  # the input processor filled in what max_model_len leaves
             params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority)
+                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
+                      mm_items=processed.mm_items)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 

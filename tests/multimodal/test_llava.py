@@ -224,3 +224,19 @@ def test_add_special_tokens_reaches_the_processor(llava_dir):
     with_bos, _ = processor.process("a <image> b", {"image": make_image(1)})
     without, _ = processor.process("a <image> b", {"image": make_image(1)}, add_special_tokens=False)
     assert with_bos[0] == bos and with_bos[1:] == without and without[0] != bos
+
+
+def test_beam_search_with_an_image(llm, llava_hf):
+    """Every beam (forks included) keeps the image: the beams equal transformers' num_beams=2."""
+    from pagedllm.sampling_params import BeamSearchParams
+    prompt, image = "the quick <image> brown fox", make_image(91)
+    out = llm.beam_search([{"prompt": prompt, "multi_modal_data": {"image": image}}],
+                          BeamSearchParams(beam_width=2, max_tokens=MAX_NEW))[0]
+    model, processor = llava_hf
+    inputs = processor(text=prompt, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=MAX_NEW,
+                             eos_token_id=2, pad_token_id=0)
+    beams = [s[inputs["input_ids"].shape[1]:].tolist() for s in ref]
+    beams = [b[: b.index(2) + 1] if 2 in b else b for b in beams]
+    assert [s.output_token_ids for s in out.sequences] == beams
