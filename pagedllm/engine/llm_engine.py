@@ -22,7 +22,7 @@ from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
-from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
+from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
 from pagedllm.models.loader import get_model_class
 from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
 from pagedllm.outputs import (
@@ -527,7 +527,7 @@ class LLMEngine:
         metrics += self.structured_output.metrics()
         if self.multimodal is not None:
             metrics += self.scheduler.encoder.metrics()
-        return metrics + _offload_metrics(s.offload)
+        return metrics + offload_metrics(s.offload)
 
     def _cache_config_labels(self) -> dict[str, str]:
         cache = self.config.cache
@@ -656,17 +656,6 @@ def _check_sleep_mode_fits(config: EngineConfig) -> None:
                          "weights and pool do not sleep")
 
 
-def _offload_metrics(offload: dict[str, dict[str, float]]) -> list[Metric]:
-    """The KV tiers' counters, labelled by tier (nothing without tiers)."""
-    out = []
-    for tier, t in offload.items():
-        out += [Metric("pagedllm:kv_offload_hits", t["hits"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_misses", t["misses"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_bytes", t["bytes_stored"], {"tier": tier, "direction": "store"}, "counter"),
-                Metric("pagedllm:kv_offload_bytes", t["bytes_loaded"], {"tier": tier, "direction": "load"}, "counter"),
-                Metric("pagedllm:kv_offload_loads", t["loads"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_load_seconds", t["load_seconds"], {"tier": tier}, "counter")]
-    return out
 
 
 def _load_tokenizer(model_config):

@@ -253,7 +253,7 @@ class Scheduler:
         not wait behind swapped requests that may need them)."""
         if report is None:
             return
-        self.kv.offload.add_load_seconds(report.seconds)
+        self.kv.offload.note_report(report)
         for rid, num_ok in report.num_ok.items():
             req = self.loading.pop(rid)
             req.num_computed_tokens = req.num_cached_tokens = self.kv.finish_load(req, num_ok)

@@ -385,8 +385,9 @@ class ModelRunner:
         return rows.float()
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
-        """The step's tier loads, settled after its forward (the disk reads overlapped it)."""
-        return self.tiers.collect() if out.tier_ops and out.tier_ops.loads else None
+        """The step's tier loads, settled after its forward (the disk reads overlapped it), and the
+        tiers' failures since the last report (so any step with tier work reports)."""
+        return self.tiers.collect() if out.tier_ops else None
 
     def forward_stage(self, input_ids, positions, meta, intermediate=None):
         """This rank's stage of the model over one batch (pipeline parallelism: see pipeline_execute)."""
@@ -400,7 +401,9 @@ class ModelRunner:
         (gathered over the pipeline's world group; this rank alone without one)."""
         kv_layers = self.cache.kv.shape[0] if self.cache is not None else 0
         params = sum(p.numel() for p in self.model.parameters())
-        mine = torch.tensor([self.stage.start, self.stage.end, kv_layers, params], dtype=torch.int64)
+        # on this rank's device: NCCL refuses CPU tensors
+        mine = torch.tensor([self.stage.start, self.stage.end, kv_layers, params], dtype=torch.int64,
+                            device=self.device)
         rows = self.pipeline.pp.all_gather(mine) if self.pipeline is not None else mine[None]
         keys = ("first_layer", "end_layer", "kv_layers", "num_params")
         return [dict(zip(keys, row)) for row in rows.tolist()]

@@ -145,7 +145,10 @@ def test_queue_depth_reads_any_servers_names():
             '# TYPE pagedllm:num_requests_waiting gauge\npagedllm:num_requests_waiting{model_name="m"} 3.0\n'
             '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
             '# TYPE pagedllm:kv_cache_usage_perc gauge\npagedllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
-    assert queue_depth(text) == 6
+    assert queue_depth(text) == 5  # one server under two prefixes: its requests count once
+    assert queue_depth(text.replace("pagedllm:", "sglang:")) == 5
+    ours, theirs = text.split("# TYPE vllm")
+    assert queue_depth(ours) == 5 and queue_depth("# TYPE vllm" + theirs) == 1
     assert queue_depth("") == 0
 
 

@@ -11,128 +11,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
+import dataclasses
+import gc
+import json
 import logging
 import math
-import os
 import sys
-import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.http_common import (
+    HttpOptions,
+    add_http_args,
+    fastapi_kwargs,
+    http_options_from_cli,
+    install_middlewares,
+    uvicorn_kwargs,
+)
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
-from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics, add_metrics_args
 from pagedllm.utils import check_int
 
+from . import chat, completions, embeddings, tokenization
 from .admin import include_admin_routes
-from .chat_features import ChatOptions
+from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
+from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
 from .pooling_serving import router as pooling_router
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    ErrorResponse,
-    GenerateRequest,
-    TokenizeRequest,
-)
 from .reasoning_parsers import REASONING_PARSERS
 from .responses import DEFAULT_STORE_SIZE, add_responses_api, add_responses_args
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
+from .serving_base import ShutdownGate
 from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-# routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
-_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank",
-                       "/v2")
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
-
-router = APIRouter()
-
-
-# ---------------------------------------------------------------------- cancellation
-async def with_cancellation(raw: Request, handler: Awaitable):
-    """Runs a handler, cancelling it if the client disconnects first (its requests are aborted).
-
-    Starlette cancels a streaming body on disconnect by itself, but a plain handler keeps
-    running; this races it against the ``http.disconnect`` message.
-    """
-    task = asyncio.ensure_future(handler)
-    watcher = asyncio.ensure_future(_disconnected(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)  # nobody is listening any more
-    return task.result()
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _serving(raw: Request) -> OpenAIServing:
-    return raw.app.state.serving
-
-
-# ---------------------------------------------------------------------- routes
-@router.post("/v1/completions", responses=_ERRORS)
-async def create_completion(request: CompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_completion(request, time.time()))
-
-
-@router.post("/v1/embeddings", responses=_ERRORS)
-async def create_embedding(request: EmbeddingRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_embedding(request, time.time()))
-
-
-@router.post("/v1/chat/completions", responses=_ERRORS)
-async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_chat_completion(request, time.time()))
-
-
-_GENERATE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": GenerateRequest.model_json_schema()}}}}
-
-
-@router.post("/generate", responses=_ERRORS, openapi_extra=_GENERATE_BODY)
-async def generate(raw: Request):
-    """vLLM's legacy endpoint; like vLLM it reads JSON whatever the content type (``curl -d``)."""
-    try:
-        request = GenerateRequest.model_validate_json(await raw.body())
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
-    return await with_cancellation(raw, _serving(raw).generate(request, time.time()))
-
-
-@router.get("/v1/models")
-async def show_models(raw: Request):
-    return _serving(raw).models()
-
-
-@router.post("/tokenize", responses=_ERRORS)
-async def tokenize(request: TokenizeRequest, raw: Request):
-    return await _serving(raw).tokenize(request)
-
-
-@router.post("/detokenize", responses=_ERRORS)
-async def detokenize(request: DetokenizeRequest, raw: Request):
-    return await _serving(raw).detokenize(request)
+router = APIRouter()  # the server's own probes: /health and /metrics
 
 
 @router.get("/health")
@@ -191,24 +113,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
     app.add_exception_handler(Exception, _internal_error)
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._ok(scope):
-            body = error_body("invalid or missing API key", 401, code="invalid_api_key")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)
 
 
 # ---------------------------------------------------------------------- request bodies and shutdown
@@ -303,33 +207,46 @@ def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
 
 
 # ---------------------------------------------------------------------- the app
+# every endpoint family's routes; a new family adds its APIRouter here
+ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, tokenization.router, pooling_router,
+                            router]
+
+
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None,
+              chat_template: str | None = None, api_key: str | list[str] | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
-              response_options: ResponseOptions | None = None,
+              response_options: ResponseOptions | None = None, http_options: HttpOptions | None = None,
               responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
-    ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
-    ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
-    ``--return-tokens-as-token-ids``."""
+    ``chat_options``: tool calling, reasoning and template options (``--enable-auto-tool-choice``,
+    ``--tool-call-parser``, ``--reasoning-parser``...); ``response_options``: ``--enable-prompt-tokens-details``,
+    ``--return-tokens-as-token-ids``; ``http_options``: the deployment (TLS is uvicorn's: see
+    ``uvicorn_kwargs``), ``api_key`` adds keys to its ``api_keys``."""
     limits = limits or ServerLimits()
+    http_options = _with_api_keys(http_options or HttpOptions(), api_key)
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
     prometheus = PrometheusMetrics(names[0], async_engine.model_config.max_model_len)
     async_engine.observers.append(prometheus)
-    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine),
+                  **fastapi_kwargs(http_options))
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
-    app.include_router(router)
+    for routes in ROUTERS:
+        app.include_router(routes)
     add_responses_api(app, responses_store_size)
-    app.include_router(pooling_router)
-    include_admin_routes(app, api_key)
+    include_admin_routes(app)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
-    if api_key:  # added last, so outermost: a request without the key is refused before its body is read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # outside the body limits: a request without the key is refused before its body is read
+    install_middlewares(app, http_options)
     return app
+
+
+def _with_api_keys(options: HttpOptions, api_key: str | list[str] | None) -> HttpOptions:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    return dataclasses.replace(options, api_keys=(*options.api_keys, *keys)) if keys else options
 
 
 def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
@@ -352,18 +269,6 @@ def _served_names(engine, served_model_name: str | list[str] | None) -> list[str
     return list(engine.model_config.served_model_names) or [engine.model_config.model]
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """A path to a template file, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if value.endswith((".jinja", ".jinja2", ".j2")):
-        raise ValueError(f"chat_template={value!r}: file not found")
-    return value
-
-
 def _lifespan(engine: AsyncLLMEngine):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -382,17 +287,17 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
-                        "(or set $PAGEDLLM_API_KEY)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--config", action=ConfigFileAction, default=None, metavar="YAML",
+                   help="read flags from a YAML file (vLLM's format: max-model-len: 4096); the command line wins")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
+    add_metrics_args(g)
+    add_http_args(parser)
     _add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
     add_responses_args(parser)
+    add_refused_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
     return parser
@@ -412,6 +317,16 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                    help="put a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3 (<think>), "
                         "mistral ([THINK]), granite, openai_gptoss / gpt_oss (harmony analysis channel), "
                         "deepseek_v3 (thinking when chat_template_kwargs has thinking: true)")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="message content in the chat template: a string, OpenAI's list of parts (openai), or "
+                        "the one the template loops over (auto, vLLM's detection)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help="leave the tools out of the chat template when a request says tool_choice 'none'")
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                   help="let requests bring their own chat_template (refused otherwise: a template is code)")
+    g.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
+                   help='template variables for every chat request, as JSON, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's chat_template_kwargs override them)")
 
 
 def _add_response_args(parser: argparse.ArgumentParser) -> None:
@@ -421,16 +336,30 @@ def _add_response_args(parser: argparse.ArgumentParser) -> None:
                    help="add usage.prompt_tokens_details.cached_tokens: prompt tokens served by the prefix cache")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="show logprobs tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="end every stream with the usage chunk (as stream_options.include_usage)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat reply after the generation prompt")
+    g.add_argument("--sse-keep-alive-interval", type=int, default=0,
+                   help="send an SSE keep-alive comment on a completion or chat stream silent this many seconds "
+                        "(for proxies with read timeouts); 0: never")
 
 
 def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
     return ResponseOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                           enable_force_include_usage=args.enable_force_include_usage,
+                           response_role=args.response_role,
+                           sse_keep_alive_interval=args.sse_keep_alive_interval)
 
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
     return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                       chat_template_content_format=args.chat_template_content_format)
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -452,12 +381,15 @@ def _limits_from_cli(args: argparse.Namespace) -> ServerLimits:
 
 def run_server(args: argparse.Namespace) -> int:
     """Loads the model, then serves until interrupted (SIGINT/SIGTERM: drains for --shutdown-timeout)."""
-    import uvicorn
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     limits = _limits_from_cli(args)
     chat_options = _chat_options_from_cli(args)  # checked before the model loads
+    check_refused_args(args)
+    env_keys = (envs.PAGEDLLM_API_KEY,) if envs.PAGEDLLM_API_KEY else ()
+    http_options = http_options_from_cli(args, env_keys)
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
+        _check_data_parallel_http(http_options)
         return run_data_parallel(args)
     engine_args = engine_args_from_cli(args)
     config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
@@ -465,14 +397,60 @@ def run_server(args: argparse.Namespace) -> int:
     if is_headless(config, args.headless):
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
-                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args),
+                    chat_template=args.chat_template, limits=limits, chat_options=chat_options,
+                    response_options=_response_options_from_cli(args), http_options=http_options,
                     responses_store_size=args.responses_store_size)
-    # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
-    # and runs the lifespan's shutdown, which stops the engine
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=limits.shutdown_timeout)
+    app.state.metrics.names = args.metrics_names
+    # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the
+    # collector need not walk them again: no GC pauses over them while serving, and an exit seconds
+    # shorter (the final collection over torch's and transformers' objects took 2-4 s)
+    gc.collect()
+    gc.freeze()
+    serve_app(app, args.host, args.port, http_options, limits.shutdown_timeout)
     return 0
+
+
+def serve_app(app: FastAPI, host: str, port: int, http_options: HttpOptions, shutdown_timeout: float) -> None:
+    """Runs the app under uvicorn until SIGINT/SIGTERM, then drains: requests get ``shutdown_timeout``
+    seconds to finish; those still running are ended with a ``server_shutdown`` error (``ShutdownGate``)
+    and the lifespan's shutdown stops the engine."""
+    # uvicorn's own deadline a little later than the gate's, so the ended requests' last bytes go out
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + _FLUSH_SECONDS,
+                            **uvicorn_kwargs(http_options))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained for (as uvicorn.run)
+        DrainingServer(config, app.state.serving.shutdown_gate, shutdown_timeout).run()
+
+
+_FLUSH_SECONDS = 0.5  # after the shutdown deadline: time for the error events and 503s to reach the clients
+
+
+def _check_data_parallel_http(options: HttpOptions) -> None:
+    """The data-parallel router serves plain HTTP on --host/--port (API keys are checked by the replicas)."""
+    plain = dataclasses.replace(HttpOptions(), api_keys=options.api_keys, uvicorn_log_level=options.uvicorn_log_level)
+    changed = [f.name for f in dataclasses.fields(HttpOptions) if getattr(options, f.name) != getattr(plain, f.name)]
+    if changed:
+        raise ValueError(f"{changed} with --data-parallel-size > 1 is not supported: start `pagedllm router` with "
+                         "these flags in front of `pagedllm serve` replicas")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGINT/SIGTERM also arms the ShutdownGate's deadline."""
+
+    def __init__(self, config: uvicorn.Config, gate: ShutdownGate, timeout: float):
+        super().__init__(config)
+        self.gate, self.timeout = gate, timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.armed = False
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None and not self.armed:  # in a signal handler: only hand the loop a callback
+            self.armed = True
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.timeout, self.gate.expire)
 
 
 def register(subparsers) -> None:

@@ -7,8 +7,13 @@ import contextlib
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.api_server import with_cancellation
-from pagedllm.entrypoints.openai.serving import error_body
+from pagedllm.entrypoints.http_common import (
+    HttpOptions,
+    error_body,
+    fastapi_kwargs,
+    install_middlewares,
+    with_cancellation,
+)
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
 
 from .config import RouterConfig
@@ -49,14 +54,18 @@ async def forward(raw: Request) -> Response:
     return await with_cancellation(raw, handler)
 
 
-def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None) -> FastAPI:
-    """The router app; ``hasher`` is needed by the prefix policy (see ``load_hasher``)."""
+def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None,
+                     http_options: HttpOptions | None = None) -> FastAPI:
+    """The router app; ``hasher`` is needed by the prefix policy (see ``load_hasher``); ``http_options``:
+    the deployment middlewares (the same as the server's: CORS, root path, request ids...)."""
     if config.policy == "prefix" and hasher is None:
         raise ValueError("routing_policy='prefix' needs a PromptHasher (the replicas' tokenizer)")
     router = Router(config, hasher)
-    app = FastAPI(title="pagedllm router", lifespan=_lifespan(router))
+    http_options = http_options or HttpOptions()
+    app = FastAPI(title="pagedllm router", lifespan=_lifespan(router), **fastapi_kwargs(http_options))
     app.state.router = router
     app.include_router(routes)
+    install_middlewares(app, http_options)
     return app
 
 

@@ -33,12 +33,15 @@ class Backend:
 
 
 def queue_depth(metrics_text: str) -> int:
-    """Running + waiting requests in a Prometheus text exposition (0 when it has neither)."""
-    total = 0.0
+    """Running + waiting requests in a Prometheus text exposition (0 when it has neither), under
+    any server's prefix; a server exporting the same requests under two (pagedllm's default
+    ``--metrics-names both``: ``pagedllm:`` and ``vllm:``) counts once, by its largest."""
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         if family.name.endswith(_QUEUE_SUFFIXES):
-            total += sum(sample.value for sample in family.samples)
-    return int(total)
+            prefix = family.name.split(":", 1)[0]
+            totals[prefix] = totals.get(prefix, 0.0) + sum(sample.value for sample in family.samples)
+    return int(max(totals.values(), default=0.0))
 
 
 class BackendPool:

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from dataclasses import fields
 
 import httpx
+
+from pagedllm.entrypoints.http_common import HttpOptions, add_http_args, http_options_from_cli, uvicorn_kwargs
 
 from .backends import BackendPool
 from .config import ROUTING_POLICIES, RouterConfig
@@ -60,9 +63,8 @@ def register(subparsers) -> None:
                    help="seconds each backend gets to pass GET /health before the router refuses to start")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS["request_timeout"],
                    help="seconds a backend may go silent during a request before the client gets 504")
-    p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     add_routing_args(p)
+    add_http_args(p, api_key=False, uvicorn_log_level="warning")
     p.set_defaults(func=run_router)
 
 
@@ -74,13 +76,14 @@ def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import load_chat_template
+    from pagedllm.entrypoints.openai.chat_features import load_chat_template
     resolved = _resolved_tokenizer(args.tokenizer or args.model)
     config = config_from_cli(args, tuple(args.backend), tokenizer=resolved, trust_remote_code=args.trust_remote_code,
                              chat_template=load_chat_template(args.chat_template), block_size=args.block_size,
                              startup_timeout=args.startup_timeout, request_timeout=args.request_timeout)
+    http_options = http_options_from_cli(args)
     asyncio.run(check_reachable(config))
-    serve_router(config, args.host, args.port, args.uvicorn_log_level)
+    serve_router(config, args.host, args.port, args.uvicorn_log_level, http_options)
     return 0
 
 
@@ -97,10 +100,13 @@ async def check_reachable(config: RouterConfig) -> None:
         await BackendPool(config.backends, client).wait_reachable(config.startup_timeout)
 
 
-def serve_router(config: RouterConfig, host: str, port: int, log_level: str) -> None:
-    """Runs the router app until interrupted."""
+def serve_router(config: RouterConfig, host: str, port: int, log_level: str,
+                 http_options: HttpOptions | None = None) -> None:
+    """Runs the router app until interrupted; ``http_options``: the deployment flags (TLS, CORS, root
+    path, request ids and logging, middleware), ``log_level`` overriding theirs."""
     import uvicorn
 
     from .app import build_router_app, load_hasher
-    app = build_router_app(config, load_hasher(config))
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    http_options = dataclasses.replace(http_options or HttpOptions(), uvicorn_log_level=log_level)
+    app = build_router_app(config, load_hasher(config), http_options)
+    uvicorn.run(app, host=host, port=port, **uvicorn_kwargs(http_options))
