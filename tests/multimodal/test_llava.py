@@ -240,3 +240,15 @@ def test_beam_search_with_an_image(llm, llava_hf):
     beams = [s[inputs["input_ids"].shape[1]:].tolist() for s in ref]
     beams = [b[: b.index(2) + 1] if 2 in b else b for b in beams]
     assert [s.output_token_ids for s in out.sequences] == beams
+
+
+def test_tensor_parallel_two_ranks(llava_dir, llava_hf):
+    """TP=2: the language model is sharded, each rank runs the (replicated) tower on the images the
+    scheduler output carries; outputs equal transformers'."""
+    engine = LLM(model=llava_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
+                 block_size=8, tensor_parallel_size=2, num_threads=1)
+    try:
+        for text, images in (CASES[0], CASES[2]):
+            assert _generate(engine, text, images) == hf_generate(llava_hf, text, images, MAX_NEW)
+    finally:
+        engine.llm_engine.shutdown()
