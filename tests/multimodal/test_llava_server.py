@@ -122,3 +122,13 @@ def test_tokenize_refuses_image_parts(server):
     parts = [{"type": "image_url", "image_url": {"url": _data_url(make_image(1))}}, {"type": "text", "text": "x"}]
     r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": parts}]})
     assert r.status_code == 400 and "does not process images" in r.json()["error"]["message"]
+
+
+def test_image_detail_other_than_auto_is_refused(client):
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(make_image(1)), "detail": "high"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2)
+    assert "detail" in str(info.value.body)
+    out = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(make_image(1)), "detail": "auto"}}]}])
+    assert out.choices[0].finish_reason == "length"
