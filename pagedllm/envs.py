@@ -86,6 +86,12 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_MAX_COMPLETION_PROMPTS": EnvVar(
         _int("PAGEDLLM_MAX_COMPLETION_PROMPTS", 1024),
         "most prompts one /v1/completions request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS); more is a 400"),
+    "PAGEDLLM_MEDIA_FETCH_TIMEOUT": EnvVar(
+        _float("PAGEDLLM_MEDIA_FETCH_TIMEOUT", 5.0),
+        "seconds an --allowed-media-domains image URL may take to download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)"),
+    "PAGEDLLM_MAX_MEDIA_BYTES": EnvVar(
+        _int("PAGEDLLM_MAX_MEDIA_BYTES", 20 * 2**20),
+        "largest image (encoded bytes) a request may send or point to; larger is a 400"),
     "PAGEDLLM_PORT": EnvVar(
         _int("PAGEDLLM_PORT", 0),
         "first port tried for a tensor-parallel group's store (the next free one is taken; default: any free port)"),

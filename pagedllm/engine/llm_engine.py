@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,8 @@ from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
+from pagedllm.models.loader import get_model_class
+from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
 from pagedllm.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -75,6 +78,7 @@ class LLMEngine:
                                    self.executor.num_cpu_blocks,
                                    build_offload_manager(config, self.executor.block_bytes(),
                                                          self.executor.tier_fingerprints))
+        self.multimodal = _multimodal_processor(config)  # a vision-language model's processor, else None
         self._use_tokenizer(tokenizer)
         self._asleep: set[str] = set()  # the sleep_mode.TAGS still asleep
         self._profiling = False
@@ -97,7 +101,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs,
                                               self.eos_token_ids, config.scheduler.scheduling_policy,
-                                              config.structured_output)
+                                              config.structured_output, self.multimodal)
         self.beam_search = BeamSearchManager(self.scheduler, tokenizer, config.model.max_model_len)
 
     @classmethod
@@ -138,7 +142,7 @@ class LLMEngine:
         self._check_runner(processed.pooling is not None)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      pooling=processed.pooling)
+                      pooling=processed.pooling, mm_items=processed.mm_items)
         req.pools_every_position = processed.pooling is not None and (
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
@@ -217,7 +221,8 @@ class LLMEngine:
         if params.max_tokens is None:  # the input processor filled in what max_model_len leaves
             params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority)
+                      processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
+                      mm_items=processed.mm_items)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 
@@ -520,6 +525,8 @@ class LLMEngine:
         if self.speculator is not None:
             metrics += self.speculator.metrics()
         metrics += self.structured_output.metrics()
+        if self.multimodal is not None:
+            metrics += self.scheduler.encoder.metrics()
         return metrics + offload_metrics(s.offload)
 
     def _cache_config_labels(self) -> dict[str, str]:
@@ -662,6 +669,28 @@ def _load_tokenizer(model_config):
         raise ValueError(f"tokenizer_mode='slow' but {model_config.tokenizer!r} has no slow (Python) tokenizer "
                          f"here (got {type(tokenizer).__name__}); use tokenizer_mode='auto'")
     return tokenizer
+
+
+def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
+    """A vision-language model's HF processor with the engine's limits (None for a text-only model)."""
+    mc = config.model
+    if not getattr(get_model_class(mc.architecture), "is_multimodal", False):
+        for name, value in (("limit_mm_per_prompt", mc.limit_mm_per_prompt),
+                            ("mm_processor_kwargs", mc.mm_processor_kwargs)):
+            if value:
+                raise ValueError(f"{name}={dict(value)!r} needs a vision-language model; {mc.architecture} is "
+                                 "text-only")
+        return None
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"{mc.architecture} is a vision-language model: pipeline_parallel_size > 1 is not "
+                         "supported for it (use tensor parallelism)")
+    hf = mc.hf_config
+    image_token_id = getattr(hf, "image_token_id", None)
+    image_token_id = image_token_id if image_token_id is not None else hf.image_token_index
+    limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens)
+    model_cls = get_model_class(mc.architecture)
+    return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
+                                               functools.partial(model_cls.image_rows, hf), mc.trust_remote_code)
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -73,7 +74,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], arrival_time: float | None = None,
                  parent_id: str | None = None, index: int = 0, cache_salt: str | None = None,
-                 priority: int = 0, pooling: PoolingParams | None = None):
+                 priority: int = 0, pooling: PoolingParams | None = None,
+                 mm_items: tuple[MultiModalItem, ...] = ()):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n sequences this is
@@ -83,6 +85,7 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.mm_items = mm_items  # its images' placeholder runs, in prompt order (multimodal/)
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.pooling = pooling  # a pooling request: its one sampled token is dropped, this is its result
         self.embedding: list[float] | None = None  # set by the engine once its prompt is computed

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.kv_cache.offload.ops import TierOps
+from pagedllm.multimodal.inputs import EncoderInput
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ScheduledChunk:
     # speculative decoding: the last k token_ids are drafts (num_samples is 0); logits come back
     # at the chunk's last k + 1 positions, after every sampling and prompt-logprob row
     num_spec_tokens: int = 0
+    # images whose placeholder runs the chunk covers, as (content hash, offset in the prompt, length):
+    # their rows of the worker's encoder cache replace the placeholders' token embeddings
+    mm_spans: tuple[tuple[bytes, int, int], ...] = ()
 
     @property
     def num_verify_rows(self) -> int:
@@ -59,6 +63,10 @@ class SchedulerOutput:
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     # per-token pooling tasks: (first token row, rows) per span handed back row by row (ExecuteResult.span_rows)
     pool_rows: list[tuple[int, int]] = field(default_factory=list)
+    # multimodal: images to encode before this step's forward (their pixels travel once, here), and
+    # encoder-cache entries the worker drops first (multimodal/encoder_cache.py)
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)
+    encoder_frees: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,4 +88,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
         return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids
-                    or self.tier_ops)
+                    or self.tier_ops or self.encoder_frees)

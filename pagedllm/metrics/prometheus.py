@@ -92,6 +92,10 @@ _HELP = {
     "pagedllm:spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the run.",
     "pagedllm:cache_config_info": "Information of the KV cache's configuration (the labels; value 1).",
     "pagedllm:iteration_tokens_total": "Tokens computed per engine step.",
+    "pagedllm:mm_images_encoded": "Images run through the vision tower (each once while cached).",
+    "pagedllm:mm_encoder_cache_hits": "Images a request needed that the encoder cache already held.",
+    "pagedllm:mm_encoder_cache_images": "Images whose embeddings the encoder cache holds.",
+    "pagedllm:mm_encoder_cache_usage_perc": "Encoder-cache usage: 1 means 100 percent of its embedding rows.",
 }
 
 

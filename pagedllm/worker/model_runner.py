@@ -105,6 +105,9 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
+        # multimodal: image content hash -> its embeddings [placeholder tokens, hidden]
+        # (which entries live is decided by the engine: multimodal/encoder_cache.py)
+        self.encoder_cache: dict[bytes, torch.Tensor] = {}
         self._cache_blocks = (0, 0)  # (device, CPU swap) blocks of the pool, reallocated by wake_up
         self._graphs_wanted = False  # the pool has the decode graphs' padding block (init_cache)
         self.weights_asleep = False
@@ -319,10 +322,14 @@ class ModelRunner:
             return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
+        self._run_encoder(out)
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
-        if self.decode_graphs is not None and self.decode_graphs.holds(meta):
+        embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
+        if embeds is not None:
+            hidden = self.model(input_ids, positions, self.cache.layer_caches, meta, inputs_embeds=embeds)
+        elif self.decode_graphs is not None and self.decode_graphs.holds(meta):
             hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
@@ -332,6 +339,43 @@ class ModelRunner:
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
                              spans, self._span_rows(hidden, out.pool_rows))
+
+    # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
+    def _run_encoder(self, out: SchedulerOutput) -> None:
+        """Drops the encoder-cache entries the scheduler freed, then encodes this step's new images
+        (the vision tower + projector run once per image; every chunk over its run reads the rows)."""
+        for image in out.encoder_frees:
+            self.encoder_cache.pop(image, None)
+        for item in out.encoder_inputs:
+            data = {key: value.to(self.device) for key, value in item.data.items()}
+            self.encoder_cache[item.hash] = self.model.encode_image(data)  # [placeholder tokens, hidden]
+
+    def _profile_encoder(self) -> None:
+        """A vision-language model's share of the peak: its largest image through the vision tower
+        while a full encoder cache (a step's budget of embedding rows) is held."""
+        dummy = getattr(self.model, "dummy_image", None)
+        if dummy is None:
+            return
+        mc = self.config.model
+        held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,
+                           device=self.device)  # [encoder cache rows, hidden]
+        self.model.encode_image({key: value.to(self.device) for key, value in dummy().items()})
+        del held
+
+    def _inputs_embeds(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's token embeddings with each covered image placeholder replaced by its row of the
+        image's embeddings (a chunk may start or end inside a run), or None when no chunk covers one."""
+        if not any(c.mm_spans for c in chunks):
+            return None
+        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
+        base = 0  # the chunk's first row in the flat batch
+        for chunk in chunks:
+            for image, offset, length in chunk.mm_spans:
+                lo, hi = max(offset, chunk.start), min(offset + length, chunk.seq_len)  # prompt positions covered
+                rows = self.encoder_cache[image][lo - offset:hi - offset]  # [hi - lo, hidden]
+                embeds[base + lo - chunk.start:base + hi - chunk.start] = rows.to(embeds.dtype)
+            base += chunk.num_new_tokens
+        return embeds
 
     def _span_rows(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """Per-token pooling: the spans' rows, as a classifier's head sees them (its logits) or
@@ -413,6 +457,7 @@ class ModelRunner:
                   for i in range(num_seqs)]
         with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
             self.execute(SchedulerOutput(chunks=chunks))
+        self._profile_encoder()
         if self.decode_graphs is not None:  # captured over the throwaway cache: measured, then dropped
             self.cuda_graph_bytes, self.decode_graphs = self.decode_graphs.memory_bytes, None
             torch.cuda.empty_cache()
