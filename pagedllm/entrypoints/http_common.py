@@ -246,8 +246,8 @@ class _AccessLogFilter(logging.Filter):
 
 # ---------------------------------------------------------------------- middlewares
 # probes and docs stay open with --api-key (load balancers and Kubernetes call them without a key)
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
-                          "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/is_sleeping", "/docs",
+                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 def install_middlewares(app, options: HttpOptions, protected: Callable[[str], bool] | None = None) -> None:

@@ -4,7 +4,7 @@
 Sleep mode needs ``--enable-sleep-mode`` (else ``/sleep`` and ``/wake_up`` answer 400 saying so);
 while asleep, every generation request gets a 503 (``EngineSleepingError``) and the server
 serves again after ``/wake_up``. The server's API key middleware (http_common) guards them all
-but ``/version`` and ``/ping``, which stay open as ``/health`` (vLLM serves the state-changing
+but ``/version``, ``/ping`` and ``/is_sleeping``, which stay open as ``/health`` (vLLM serves the state-changing
 ones only in its dev mode).
 """
 from __future__ import annotations
