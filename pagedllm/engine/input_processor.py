@@ -48,7 +48,6 @@ class ProcessedRequest:
     cache_salt: str | None = None
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
-    client: str | None = None  # who sent it (e.g. an API key's hash): grammar compiles are shared fairly by client
     mm_items: tuple[MultiModalItem, ...] = ()  # its images' placeholder runs and processor tensors
 
 

@@ -147,7 +147,7 @@ class LLMEngine:
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
-                                                             owner=processed.client or processed.request_id)
+                                                             owner=processed.request_id)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)

@@ -85,18 +85,19 @@ async def reset_prefix_cache(raw: Request, reset_disk: bool = False) -> Response
 @control.post("/start_profile")
 async def start_profile(raw: Request) -> Response:
     """Starts the torch profiler on every rank (needs PAGEDLLM_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR)."""
-    try:
-        await _engine(raw).start_profile()
-    except RuntimeError as exc:
-        return _error(exc)
-    return Response(status_code=200)
+    return await _profiler(raw, start=True)
 
 
 @control.post("/stop_profile")
 async def stop_profile(raw: Request) -> Response:
     """Stops the profiler; each rank writes its trace into the profiler directory."""
+    return await _profiler(raw, start=False)
+
+
+async def _profiler(raw: Request, start: bool) -> Response:
+    engine = _engine(raw)
     try:
-        await _engine(raw).stop_profile()
+        await (engine.start_profile() if start else engine.stop_profile())
     except RuntimeError as exc:
         return _error(exc)
     return Response(status_code=200)
