@@ -28,6 +28,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.kv_cache.events import Subscription
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -310,6 +311,14 @@ class AsyncLLMEngine:
 
     async def get_metrics(self) -> list[Metric]:
         return await self._read(self.engine.get_metrics)
+
+    async def get_kv_snapshot(self) -> dict:
+        """The block pool, block tables and queues now (``engine/kv_events.py``), between two steps."""
+        return await self._read(lambda: self.engine.kv_events.snapshot(self.engine.counters.num_steps))
+
+    async def subscribe_kv_events(self, maxlen: int) -> tuple[Subscription, dict]:
+        """A bounded queue of per-step KV events and the snapshot they start from; ``close()`` it when done."""
+        return await self._call(lambda: self.engine.kv_events.subscribe(maxlen, self.engine.counters.num_steps))
 
     async def _read(self, fn: Callable[[], Any]) -> Any:
         """A read of engine state: on the engine thread while it runs, directly once it has stopped."""

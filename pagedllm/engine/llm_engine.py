@@ -16,6 +16,7 @@ from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.kv_events import KVEventFeed
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
@@ -78,6 +79,7 @@ class LLMEngine:
                                    self.executor.num_cpu_blocks,
                                    build_offload_manager(config, self.executor.block_bytes(),
                                                          self.executor.tier_fingerprints))
+        self.kv_events = KVEventFeed(self.scheduler)  # the dashboard's feed: idle until a viewer subscribes
         self.multimodal = _multimodal_processor(config)  # a vision-language model's processor, else None
         self._use_tokenizer(tokenizer)
         self._asleep: set[str] = set()  # the sleep_mode.TAGS still asleep
@@ -250,6 +252,7 @@ class LLMEngine:
                 self.scheduler.release(rid)
                 self.output_processor.abort(rid)
                 self.beam_search.abort(rid)
+        self.kv_events.publish(self.counters.num_steps)  # freed between steps: viewers see it now
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -279,6 +282,8 @@ class LLMEngine:
             self.speculator.retain(set(self.scheduler.requests))
         self.step_times.add(update=time.perf_counter() - t2, steps=1)
         self.counters.num_steps += 1
+        if self.kv_events.listening:
+            self.kv_events.publish(self.counters.num_steps, sched_out)
         self._maybe_log()
         return outputs
 
@@ -540,6 +545,7 @@ class LLMEngine:
         this engine's disk-tier entries; refused (False) while any request holds blocks."""
         if not self.scheduler.reset_prefix_cache():
             return False
+        self.kv_events.publish(self.counters.num_steps)
         self.executor.sync_kv_tiers(reset_disk)
         return True
 

@@ -74,6 +74,9 @@ class BlockPool:
 
     ``on_evict(block_id, block_hash)``, when set, is called as a cached block is handed out again
     (its hash forgotten), while its K/V are still intact: the KV tiers keep them from there.
+
+    ``changed``: None, or (while the dashboard listens, ``kv_cache/events.py``) the set that every
+    block whose reference count or hash changes is added to.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
@@ -86,6 +89,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding those tokens
         self.on_evict = on_evict
+        self.changed: set[int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,22 +113,30 @@ class BlockPool:
             self._evict_hash(block)
             block.ref_cnt = 1
             out.append(block)
+        if self.changed is not None:
+            self.changed.update(b.block_id for b in out)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Adds a reference to each block, reviving free (cached) ones out of the free queue."""
+        changed = self.changed
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            if changed is not None:
+                changed.add(block.block_id)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drops one reference from each block, in eviction order: the first freed is evicted first."""
+        changed = self.changed
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+            if changed is not None:
+                changed.add(block.block_id)
 
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
@@ -137,6 +149,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.changed is not None:
+            self.changed.add(block.block_id)
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
@@ -145,11 +159,15 @@ class BlockPool:
                 if self.on_evict is not None:
                     self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
+            if self.changed is not None:
+                self.changed.add(block.block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use."""
         if self.free_queue.num_free != self.num_blocks:
             return False
+        if self.changed is not None:
+            self.changed.update(b.block_id for b in self.cached.values())
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()

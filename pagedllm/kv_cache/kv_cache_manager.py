@@ -60,6 +60,8 @@ class KVCacheManager:
         self._released: list[str] = []
         self.prefix_stats = PrefixCacheStats()
         self._load_base: dict[str, int] = {}  # loading request -> its leading device hits
+        # None, or (while the dashboard listens, kv_cache/events.py) the requests whose tables changed
+        self.changed_tables: set[str] | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -107,9 +109,13 @@ class KVCacheManager:
 
     def _mark_dirty(self, request_id: str, index: int) -> None:
         self._dirty_from[request_id] = min(self._dirty_from.get(request_id, index), index)
+        if self.changed_tables is not None:
+            self.changed_tables.add(request_id)
 
     def _drop_table(self, request_id: str) -> list[KVBlock]:
         self._dirty_from.pop(request_id, None)
+        if self.changed_tables is not None:
+            self.changed_tables.add(request_id)
         if request_id in self.tables:
             self._released.append(request_id)
         return self.tables.pop(request_id, [])
@@ -207,6 +213,8 @@ class KVCacheManager:
             keep = next(k for k, b in enumerate(table) if b.block_id == job.items[num_ok].device_block)
         self.pool.free(reversed(table[keep:]))
         del table[keep:]
+        if self.changed_tables is not None:
+            self.changed_tables.add(req.request_id)
         for block in table:
             if block.block_id in loaded:
                 self.pool.cache_block(block, loaded[block.block_id])
