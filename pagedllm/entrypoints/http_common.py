@@ -245,9 +245,10 @@ class _AccessLogFilter(logging.Filter):
 
 
 # ---------------------------------------------------------------------- middlewares
-# probes and docs stay open with --api-key (load balancers and Kubernetes call them without a key)
+# probes and docs stay open with --api-key (load balancers and Kubernetes call them without a key); so does
+# the dashboard's page, which holds no data (its /v1/kv_* feeds need the key: entrypoints/dashboard/page.py)
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/is_sleeping", "/docs",
-                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+                          "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/dashboard"})
 
 
 def install_middlewares(app, options: HttpOptions, protected: Callable[[str], bool] | None = None) -> None:

@@ -45,7 +45,7 @@ from pagedllm.entrypoints.http_guards import (
 from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics, add_metrics_args
 
-from . import chat, completions, embeddings, tokenization
+from . import chat, completions, dashboard, embeddings, tokenization
 from .admin import include_admin_routes
 from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
 from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
@@ -118,7 +118,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 # ---------------------------------------------------------------------- the app
 # every endpoint family's routes; a new family adds its APIRouter here
 ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, tokenization.router, pooling_router,
-                            router]
+                            dashboard.router, router]
 
 
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
@@ -201,6 +201,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
     add_metrics_args(g)
+    dashboard.add_dashboard_args(g)
     add_http_args(parser)
     add_limit_args(parser)
     _add_chat_args(parser)
@@ -293,6 +294,7 @@ def run_server(args: argparse.Namespace) -> int:
                     response_options=_response_options_from_cli(args), http_options=http_options,
                     responses_store_size=args.responses_store_size)
     app.state.metrics.names = args.metrics_names
+    app.state.dashboard = not args.disable_dashboard
     # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the
     # collector need not walk them again: no GC pauses over them while serving, and an exit seconds
     # shorter (the final collection over torch's and transformers' objects took 2-4 s)
