@@ -55,6 +55,9 @@
       this.flashing = new Map();  // block id -> [state name, until ms]
       this.listDirty = true;
       this.lastList = 0;
+      // what the map has shown since the page opened: blocks in motion by kind, tiers loaded from,
+      // the longest swapped queue (for people reading a short run, and for the browser test)
+      this.seen = { swapping: 0, loading: 0, copying: 0, tiers: [], swapped: 0 };
       this.build(root);
       requestAnimationFrame(() => this.frame());
     }
@@ -84,7 +87,7 @@
       root.append(this.root);
       this.mapbox = mapbox;
       this.canvas.addEventListener("mousemove", (e) => this.hover(e));
-      this.canvas.addEventListener("mouseleave", () => { this.tooltip.hidden = true; });
+      this.canvas.addEventListener("mouseleave", () => { this.hovered = null; this.renderTooltip(); });
       window.addEventListener("resize", () => { if (this.n) this.layout(); });
     }
 
@@ -118,6 +121,8 @@
         for (const [kind, items] of Object.entries(ev.moves || {})) {
           for (const item of items) {
             const ids = kind === "copy" ? item : [kind === "load" ? item[0] : item];
+            if (kind === "load" && !this.seen.tiers.includes(item[1])) this.seen.tiers.push(item[1]);
+            this.seen[FLASH[kind]] += ids.length;
             for (const id of ids) { this.flashing.set(id, [FLASH[kind], now + FLASH_MS]); this.dirty.add(id); }
           }
         }
@@ -143,6 +148,7 @@
     setQueues(ev) {
       this.requests = ev.requests;
       this.queueSizes = ev.queue_sizes;
+      this.seen.swapped = Math.max(this.seen.swapped, ev.queue_sizes.swapped || 0);
       this.listDirty = true;
     }
 
@@ -188,7 +194,7 @@
         this.dirty.clear();
         this.mapChanged = true;
       }
-      if (this.mapChanged) this.paintMap();
+      if (this.mapChanged) { this.paintMap(); this.renderTooltip(); }
       if (this.listDirty && now - this.lastList > 200) {
         this.renderQueues();
         this.renderCounts();
@@ -239,13 +245,17 @@
 
     hover(e) {
       const rect = this.canvas.getBoundingClientRect();
-      const id = this.blockAt(e.clientX - rect.left, e.clientY - rect.top);
-      if (id === null) { this.tooltip.hidden = true; return; }
-      const b = this.blockInfo(id);
-      this.tooltip.textContent = `block ${id} · ${b.state}\nref count ${b.ref_cnt}` +
-        `\nhash ${b.hash || "—"}\nowners ${b.owners.length ? b.owners.join(", ") : "—"}`;
+      this.hovered = this.blockAt(e.clientX - rect.left, e.clientY - rect.top);
       this.tooltip.style.left = `${e.clientX + 14}px`;
       this.tooltip.style.top = `${e.clientY + 14}px`;
+      this.renderTooltip();
+    }
+
+    renderTooltip() {  // on every move, and whenever the map changes under a still mouse
+      if (this.hovered === null || this.hovered === undefined) { this.tooltip.hidden = true; return; }
+      const b = this.blockInfo(this.hovered);
+      this.tooltip.textContent = `block ${b.id} · ${b.state}\nref count ${b.ref_cnt}` +
+        `\nhash ${b.hash || "—"}\nowners ${b.owners.length ? b.owners.join(", ") : "—"}`;
       this.tooltip.hidden = false;
     }
 
