@@ -199,3 +199,18 @@ def test_a_prefix_evicted_to_disk_comes_back_as_a_load(page, server):
     wait(page, "p.seen.loading >= 8 && p.seen.tiers.includes('disk')")
     page.screenshot(path=str(ARTIFACTS / "loaded-from-disk.png"))
     assert page.errors == []
+
+
+def test_the_router_page_shows_one_live_panel_per_replica(page, server):
+    from test_router import _router_in_thread
+    port = server.url.rsplit(":", 1)[1]
+    with _router_in_thread([server.url, f"http://localhost:{port}"], api_key=KEY) as url:
+        routed = page.context.new_page()
+        routed.route("**/*", lambda route: route.continue_() if route.request.url.startswith(url) else route.abort())
+        routed.goto(f"{url}/dashboard#key={KEY}")
+        routed.wait_for_function("() => window.pagedllmDashboard.panels.every(p => p.n > 0 && p.connected)")
+        assert routed.evaluate("window.pagedllmDashboard.panels.map(p => [p.spec.base, p.n])") == [
+            ["router/replicas/0/", NUM_BLOCKS], ["router/replicas/1/", NUM_BLOCKS]]
+        assert routed.get_by_test_id("panel").count() == 2
+        routed.screenshot(path=str(ARTIFACTS / "router.png"))
+        routed.close()

@@ -130,3 +130,27 @@ def test_disable_dashboard_answers_404(server):
         assert httpx.get(f"{server.url}/v1/kv_snapshot", headers=AUTH).status_code == 404
     finally:
         server.app.state.dashboard = True
+
+
+@pytest.fixture(scope="module")
+def router_url(server):
+    """A router over two "replicas": the same server under two host names (the router needs distinct URLs)."""
+    from test_router import _router_in_thread
+    port = server.url.rsplit(":", 1)[1]
+    with _router_in_thread([server.url, f"http://localhost:{port}"], api_key=KEY) as url:
+        yield url
+
+
+def test_the_router_page_has_one_panel_per_replica_and_relays_their_feeds(router_url, server):
+    page = httpx.get(f"{router_url}/dashboard")  # public, as on a server
+    assert page.status_code == 200
+    assert '"base": "router/replicas/0/"' in page.text and '"base": "router/replicas/1/"' in page.text
+    assert httpx.get(f"{router_url}/router/replicas/0/v1/kv_snapshot").status_code == 401
+    for index in (0, 1):
+        body = httpx.get(f"{router_url}/router/replicas/{index}/v1/kv_snapshot", headers=AUTH).json()
+        assert body["num_blocks"] == 64 and body["config"]["num_gpu_blocks"] == 64
+    with httpx.stream("GET", f"{router_url}/router/replicas/1/v1/kv_events", headers=AUTH, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert EventReader(r).until("snapshot")["num_blocks"] == 64
+    missing = httpx.get(f"{router_url}/router/replicas/2/v1/kv_snapshot", headers=AUTH)
+    assert missing.status_code == 404 and "replicas are 0..1" in missing.json()["error"]["message"]

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pagedllm.entrypoints.dashboard.page import PAGE_PATH
 from pagedllm.entrypoints.http_common import (
     HttpOptions,
     error_body,
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.http_guards import RequestBodyMiddleware, http_error
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST
 
 from .config import RouterConfig
+from .dashboard import routes as dashboard_routes
 from .prompt_hasher import PromptHasher
 from .proxy import Router, request_headers
 
@@ -80,6 +82,7 @@ def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None,
     http_options = http_options or HttpOptions()
     app = FastAPI(title="pagedllm router", lifespan=_lifespan(router), **fastapi_kwargs(http_options))
     app.state.router = router
+    app.include_router(dashboard_routes)  # before the catch-all forward of ``routes``
     app.include_router(routes)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestBodyMiddleware, limits=config.limits)
@@ -91,8 +94,9 @@ def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None,
 
 
 def key_required(config: RouterConfig) -> Callable[[str], bool]:
-    """Which paths need the API key: all but /health (and the status routes with ``metrics_public``)."""
-    open_paths = frozenset(("/health", *(STATUS_PATHS if config.metrics_public else ())))
+    """Which paths need the API key: all but /health and the dashboard's page, which holds no data (and
+    the status routes with ``metrics_public``)."""
+    open_paths = frozenset(("/health", PAGE_PATH, *(STATUS_PATHS if config.metrics_public else ())))
     return lambda path: path not in open_paths
 
 

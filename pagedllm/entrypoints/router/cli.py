@@ -75,6 +75,8 @@ def register(subparsers) -> None:
     p.add_argument("--backend-api-key", default=None,
                    help="the key to send the backends (Authorization: Bearer KEY) in place of the client's; "
                         "by default the client's Authorization header is passed on as it came")
+    p.add_argument("--disable-dashboard", action="store_true",
+                   help="no /dashboard page and no relays of the backends' /v1/kv_events and /v1/kv_snapshot (404)")
     add_routing_args(p)
     add_limit_args(p)
     add_http_args(p, api_key=False, uvicorn_log_level="warning")
@@ -87,6 +89,7 @@ def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed
     return RouterConfig(backends=backends, policy=args.routing_policy, prefix_table_size=args.prefix_table_size,
                         balance_threshold=args.balance_threshold, health_check_interval=args.health_check_interval,
                         api_key=api_key_from_cli(args), metrics_public=args.metrics_public,
+                        disable_dashboard=getattr(args, "disable_dashboard", False),  # serve's flag with -dp
                         limits=limits_from_cli(args), **fixed)
 
 

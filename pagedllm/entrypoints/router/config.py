@@ -46,6 +46,7 @@ class RouterConfig:
     api_key: str | None = None
     backend_api_key: str | None = None
     metrics_public: bool = False
+    disable_dashboard: bool = False  # no /dashboard and no /router/replicas/... relays (router/dashboard.py)
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self):
@@ -73,8 +74,9 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
                 raise ValueError(f"{name} is invalid: must be a non-empty printable string (or unset)")
-        if not isinstance(self.metrics_public, bool):
-            raise ValueError(f"metrics_public={self.metrics_public!r} is invalid: must be true or false")
+        for name in ("metrics_public", "disable_dashboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be true or false")
         if self.metrics_public and self.api_key is None:
             raise ValueError("metrics_public=True applies only with an api_key (without one every route is public)")
         if not isinstance(self.limits, ServerLimits):
