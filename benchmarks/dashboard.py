@@ -27,6 +27,7 @@ import common
 from common import RESULTS_DIR
 
 from pagedllm import LLM, SamplingParams  # noqa: E402  (after common set up sys.path)
+from pagedllm.engine.kv_events import KVEventFeed  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.entrypoints.dashboard.page import render_page  # noqa: E402
 
@@ -56,8 +57,22 @@ class Viewer(threading.Thread):
         self.sub.close()
 
 
+class TimedPublish:
+    """Wraps ``engine.kv_events.publish`` to add up the engine thread's seconds in it."""
+
+    def __init__(self, engine: LLMEngine):
+        self.seconds, self.inner = 0.0, engine.kv_events.publish
+        engine.kv_events.publish = self
+
+    def __call__(self, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        self.inner(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+
+
 def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, viewers: int) -> dict:
     engine = llm.llm_engine
+    timed = TimedPublish(engine)
     watching = [Viewer(engine) for _ in range(viewers)]
     for v in watching:
         v.start()
@@ -70,9 +85,11 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, viewer
     elapsed = time.perf_counter() - t0
     for v in watching:
         v.close()
+    engine.kv_events.publish = timed.inner
     engine.kv_events.publish(engine.counters.num_steps)  # drops the closed subscriptions: the recorder stops
     assert not engine.kv_events.listening
-    return {"steps": steps, "step_ms": 1000 * elapsed / steps, "events": sum(v.events for v in watching),
+    return {"steps": steps, "step_ms": 1000 * elapsed / steps, "publish_ms": 1000 * timed.seconds / steps,
+            "publish_share": timed.seconds / elapsed, "events": sum(v.events for v in watching),
             "bytes": sum(v.bytes for v in watching), "dropped": sum(v.sub.dropped for v in watching)}
 
 
@@ -91,7 +108,47 @@ def bench_steps(args) -> dict:
     ratios = [w["step_ms"] / n["step_ms"] for n, w in zip(runs[0], runs[3])]
     return {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
             "num_blocks": llm.llm_engine.executor.num_blocks, "runs": {str(k): v for k, v in runs.items()},
-            "median_ratio_3_viewers": statistics.median(ratios), "ratios": ratios}
+            "median_ratio_3_viewers": statistics.median(ratios), "ratios": ratios,
+            "median_publish_share_3_viewers": statistics.median(r["publish_share"] for r in runs[3])}
+
+
+def bench_scheduler_only(args) -> dict:
+    """The feed's bookkeeping against the scheduler's alone (no model: random tokens), the harshest
+    denominator: batch ``args.batch`` to completion, no viewer vs one, interleaved, median ratio."""
+    from pagedllm.config import CacheConfig, SchedulerConfig
+    from pagedllm.engine.request import Request
+    from pagedllm.engine.scheduler import SampledTokens, Scheduler
+
+    def run(listen: bool) -> float:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192, max_model_len=4096),
+                          CacheConfig(block_size=16), 20_000)
+        feed = KVEventFeed(sched)
+        sub = feed.subscribe(1 << 20, 0)[0] if listen else None
+        rng = random.Random(0)
+        for i in range(args.batch):
+            prompt = [rng.randrange(3, 1000) for _ in range(args.input_len)]
+            sched.add_request(Request(str(i), prompt, SamplingParams(max_tokens=args.output_len * 4, ignore_eos=True),
+                                      frozenset()))
+        t0, step = time.perf_counter(), 0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.update([SampledTokens(c.request_id, [rng.randrange(3, 1000)] * c.num_samples, [0.0] * c.num_samples)
+                          for c in out.chunks if c.num_samples])
+            step += 1
+            if feed.listening:
+                feed.publish(step, out)
+            if sub is not None and step % 5 == 0:
+                json.dumps(sub.take(), separators=(",", ":"))  # what the SSE route does with them
+        return (time.perf_counter() - t0) / step
+
+    pairs = []
+    for r in range(args.repeats * 2 + 1):  # interleaved, alternating which goes first
+        first = run(r % 2 == 1)
+        second = run(r % 2 == 0)
+        pairs.append((first, second) if r % 2 == 0 else (second, first))  # (off, on)
+    ratios = [on / off for off, on in pairs]
+    return {"batch": args.batch, "steps_ms_off": [1000 * p[0] for p in pairs],
+            "steps_ms_on": [1000 * p[1] for p in pairs], "median_ratio_1_viewer": statistics.median(ratios)}
 
 
 FRAME_SCRIPT = """async ([numBlocks, changed, frames]) => {
@@ -168,10 +225,14 @@ def main(argv=None) -> dict:
         results["frames"] = bench_frames(args)
         print(json.dumps(results["frames"], indent=1), flush=True)
     if not args.skip_steps:
+        results["scheduler_only"] = bench_scheduler_only(args)
+        ratio = results["scheduler_only"]["median_ratio_1_viewer"]
+        print(f"scheduler-only step, 1 viewer / none: median ratio {ratio:.4f}", flush=True)
         results["steps"] = bench_steps(args)
         s = results["steps"]
         print(f"step ms, no viewer: {[round(r['step_ms'], 2) for r in s['runs']['0']]}; 3 viewers: "
-              f"{[round(r['step_ms'], 2) for r in s['runs']['3']]}; median ratio {s['median_ratio_3_viewers']:.4f}")
+              f"{[round(r['step_ms'], 2) for r in s['runs']['3']]}; median ratio {s['median_ratio_3_viewers']:.4f}; "
+              f"publish {100 * s['median_publish_share_3_viewers']:.3f}% of step time")
     out = RESULTS_DIR / ("dashboard-quick.json" if args.quick else "dashboard.json")
     common.save_json({"meta": {"commit": common.git_commit()}, **results}, out)
     print(f"saved {out}")

@@ -2,9 +2,13 @@
 then one event per step with what changed (``kv_cache/events.py``), for ``/v1/kv_events``.
 
 Runs on the engine thread. ``publish`` costs nothing but a truth test while nobody listens; with
-a viewer, a step costs the blocks and tables it touched plus one line per live request.
+a viewer, a step costs the blocks and tables it touched, plus one line per live request when the
+queues are listed: whenever a queue's size changed, else at most every ``QUEUE_INTERVAL`` seconds
+(listing 64 requests every step was most of the feed's cost at batch 64).
 """
 from __future__ import annotations
+
+import time
 
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
@@ -12,6 +16,7 @@ from pagedllm.kv_cache.events import KVEventHub, KVEventRecorder, Subscription
 
 # requests listed per queue in an event (the page shows queue sizes beyond that)
 MAX_LISTED_PER_QUEUE = 500
+QUEUE_INTERVAL = 0.1  # seconds between two listings of unchanged-size queues (the page redraws them at 5 Hz)
 
 
 class KVEventFeed:
@@ -21,6 +26,7 @@ class KVEventFeed:
         self.scheduler = scheduler
         self.recorder = KVEventRecorder(scheduler.kv)
         self.hub = KVEventHub(self.recorder)
+        self._listed: tuple[float, tuple[int, ...]] = (0.0, ())  # when the queues were last listed, their sizes
 
     @property
     def listening(self) -> bool:
@@ -41,14 +47,22 @@ class KVEventFeed:
         moves and token count), or an operation's between steps (``sched_out`` None: an abort)."""
         if not self.hub.listening:
             return
-        event = {"type": "step", "step": step, **self.recorder.take_diff(), **self._queues()}
+        event = {"type": "step", "step": step, **self.recorder.take_diff()}
+        if self._queues_due():
+            event.update(self._queues())
         if sched_out is not None:
             event["moves"] = _moves(sched_out)
             event["num_tokens"] = sched_out.num_tokens
             event["preempted"] = list(sched_out.preempted_ids)
         self.hub.publish(event)
 
+    def _queues_due(self) -> bool:
+        s, (when, sizes) = self.scheduler, self._listed
+        now_sizes = (len(s.running), len(s.waiting), len(s.swapped), len(s.loading))
+        return now_sizes != sizes or time.monotonic() - when >= QUEUE_INTERVAL
+
     def _queues(self) -> dict:
+        """``requests`` (up to MAX_LISTED_PER_QUEUE of each queue) and ``queue_sizes``."""
         s = self.scheduler
         queues = {"running": s.running, "waiting": s.waiting, "swapped": s.swapped, "loading": s.loading.values()}
         requests = []
@@ -57,7 +71,9 @@ class KVEventFeed:
                 if i == MAX_LISTED_PER_QUEUE:
                     break
                 requests.append(self._describe(req, name))
-        return {"requests": requests, "queue_sizes": {name: len(reqs) for name, reqs in queues.items()}}
+        sizes = {name: len(reqs) for name, reqs in queues.items()}
+        self._listed = (time.monotonic(), tuple(sizes.values()))
+        return {"requests": requests, "queue_sizes": sizes}
 
     def _describe(self, req, queue: str) -> dict:
         kv = self.scheduler.kv

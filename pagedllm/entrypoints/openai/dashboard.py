@@ -6,7 +6,9 @@
 * ``snapshot``: every block's reference count and hash prefix, the block tables and the request
   queues (``engine/kv_events.py``), the config card, and ``dropped`` (events lost so far);
 * ``steps``: a list of the per-step diffs that arrived since the previous message (batched every
-  ``interval`` seconds), each replayable onto the snapshot;
+  ``interval`` seconds), each replayable onto the snapshot, with the step's block moves; the
+  queues (``requests``, ``queue_sizes``) come with a step when a queue changed size, else at most
+  every 0.1 s;
 * ``metrics``: every ``interval_metrics`` seconds, the samples ``/metrics`` exports, parsed back
   from its own text (one source: the page never computes a number a scrape would not show).
 

@@ -127,7 +127,7 @@
           }
         }
         this.step = ev.step;
-        this.setQueues(ev);
+        if (ev.requests) this.setQueues(ev);  // listed when they changed size, else every 0.1 s
       }
     }
 
