@@ -37,6 +37,11 @@ class KVEventFeed:
         sub = self.hub.subscribe(maxlen)
         return sub, self.snapshot(step)
 
+    def attach(self, sub: Subscription, step: int) -> dict:
+        """``subscribe`` for a subscription made by the caller; returns its snapshot."""
+        self.hub.add(sub)
+        return self.snapshot(step)
+
     def snapshot(self, step: int) -> dict:
         kv = self.scheduler.kv
         return {"type": "snapshot", "step": step, **self.recorder.snapshot(), "num_cpu_blocks": kv.num_cpu_blocks,

@@ -53,8 +53,16 @@ def run_generate(args) -> int:
     from pagedllm import LLM
     llm = LLM(**vars(engine_args_from_cli(args)))
     params = sampling_params_from_cli(args, dict(llm.llm_engine.model_config.generation_defaults))
+    trace = None
+    if args.kv_trace:  # the dashboard's event feed of this run, for `pagedllm replay`
+        from pagedllm.entrypoints.dashboard.trace import TraceWriter
+        trace = TraceWriter(llm.llm_engine, args.kv_trace)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    finally:
+        if trace is not None:
+            trace.close()
     elapsed = time.perf_counter() - start
     for out in outputs:
         for comp in out.outputs:
@@ -83,13 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions for prompts", epilog=GENERATE_EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--kv-trace", default=None, metavar="FILE",
+                     help="record the KV-cache dashboard's events of this run as JSON lines (see `pagedllm replay`)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=run_generate)
     from pagedllm.entrypoints import plan
     plan.register(sub)
     for optional in ("pagedllm.entrypoints.chat", "pagedllm.entrypoints.openai.api_server",
-                     "pagedllm.entrypoints.router.cli"):
+                     "pagedllm.entrypoints.router.cli", "pagedllm.entrypoints.dashboard.trace"):
         _register_optional(optional, sub)
     return parser
 

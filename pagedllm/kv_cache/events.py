@@ -145,7 +145,10 @@ class KVEventHub:
 
     def subscribe(self, maxlen: int) -> Subscription:
         """A new subscription; the caller takes its snapshot right after (same thread, same step)."""
-        sub = Subscription(maxlen)
+        return self.add(Subscription(maxlen))
+
+    def add(self, sub: Subscription) -> Subscription:
+        """Adds a subscription made elsewhere (a subclass whose ``push`` writes a trace file)."""
         if not self.recorder.enabled:
             self.recorder.enable()
         self._subs = (*self._subs, sub)
