@@ -154,3 +154,14 @@ def test_the_router_page_has_one_panel_per_replica_and_relays_their_feeds(router
         assert EventReader(r).until("snapshot")["num_blocks"] == 64
     missing = httpx.get(f"{router_url}/router/replicas/2/v1/kv_snapshot", headers=AUTH)
     assert missing.status_code == 404 and "replicas are 0..1" in missing.json()["error"]["message"]
+
+
+def test_a_slow_viewer_gets_a_fresh_snapshot_with_the_dropped_count(server, monkeypatch):
+    from pagedllm.entrypoints.openai import dashboard
+    monkeypatch.setattr(dashboard, "MAX_QUEUED_EVENTS", 2)  # a queue of 2 steps: any request overflows it
+    with httpx.stream("GET", f"{server.url}/v1/kv_events?interval=3", headers=AUTH, timeout=60) as r:
+        events = EventReader(r)
+        assert events.until("snapshot")["dropped"] == 0
+        _complete(server, "overflow", max_tokens=8)  # 8+ steps while the viewer sleeps
+        again = events.until("snapshot")
+    assert again["dropped"] >= 7 and again["num_blocks"] == 64
