@@ -1,7 +1,7 @@
 """A per-step feed of what changed in the KV cache, for the dashboard (``/v1/kv_events``).
 
-Nothing here runs while nobody listens: the block pool and the manager keep ``changed`` /
-``changed_tables`` at None and skip one ``is not None`` test per block operation. Once a listener
+Nothing here runs while nobody listens: the block pool and the manager keep their change sets at
+None (``KVCacheManager.track_changes``) and skip one ``is not None`` test per block operation. Once a listener
 attaches, :class:`KVEventRecorder` turns them on, and each step's :meth:`KVEventRecorder.take_diff`
 reads only the blocks and tables touched since the previous one::
 
@@ -47,16 +47,14 @@ class KVEventRecorder:
 
     @property
     def enabled(self) -> bool:
-        return self.kv.pool.changed is not None
+        return self.kv.tracking_changes
 
     def enable(self) -> None:
         """Starts tracking changes (the next diff holds what changed after this call)."""
-        self.kv.pool.changed = set()
-        self.kv.changed_tables = set()
+        self.kv.track_changes(True)
 
     def disable(self) -> None:
-        self.kv.pool.changed = None
-        self.kv.changed_tables = None
+        self.kv.track_changes(False)
 
     def snapshot(self) -> dict:
         """Every block's reference count and hash prefix, and every device block table."""
@@ -69,10 +67,10 @@ class KVEventRecorder:
     def take_diff(self) -> dict:
         """What changed since the previous diff (or ``enable``): ``blocks`` as ``[id, ref_cnt,
         hash prefix or None]`` in id order, ``tables`` as ``{request id: ids or None}``."""
-        pool, kv = self.kv.pool, self.kv
-        changed, pool.changed = pool.changed, set()
-        tables, kv.changed_tables = kv.changed_tables, set()
-        blocks = [[i, pool.blocks[i].ref_cnt, _hash_prefix(pool.blocks[i].block_hash)] for i in sorted(changed)]
+        kv = self.kv
+        changed, tables = kv.take_changes()
+        pool_blocks = kv.pool.blocks
+        blocks = [[i, pool_blocks[i].ref_cnt, _hash_prefix(pool_blocks[i].block_hash)] for i in sorted(changed)]
         return {"blocks": blocks,
                 "tables": {rid: (kv.block_ids(rid) if rid in kv.tables else None) for rid in sorted(tables)}}
 

@@ -107,6 +107,22 @@ class KVCacheManager:
         released, self._released = self._released, []
         return released
 
+    # ----------------------------------------------------------------- change tracking (kv_cache/events.py)
+    @property
+    def tracking_changes(self) -> bool:
+        return self.changed_tables is not None
+
+    def track_changes(self, on: bool) -> None:
+        """Starts (from empty) or stops recording which blocks and block tables change."""
+        self.pool.changed = set() if on else None
+        self.changed_tables = set() if on else None
+
+    def take_changes(self) -> tuple[set[int], set[str]]:
+        """Block ids and request ids changed since the previous call (or ``track_changes(True)``)."""
+        changes = (self.pool.changed, self.changed_tables)
+        self.track_changes(True)
+        return changes
+
     def _mark_dirty(self, request_id: str, index: int) -> None:
         self._dirty_from[request_id] = min(self._dirty_from.get(request_id, index), index)
         if self.changed_tables is not None:
