@@ -78,17 +78,20 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, viewer
         v.start()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}-{time.monotonic_ns()}", {"prompt_token_ids": p}, params)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, cpu0 = 0, time.perf_counter(), time.thread_time()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     for v in watching:
         v.close()
     engine.kv_events.publish = timed.inner
     engine.kv_events.publish(engine.counters.num_steps)  # drops the closed subscriptions: the recorder stops
     assert not engine.kv_events.listening
-    return {"steps": steps, "step_ms": 1000 * elapsed / steps, "publish_ms": 1000 * timed.seconds / steps,
+    # engine_cpu_ms: the engine thread's own CPU time per step (Python, dispatch; the forward's math runs
+    # on torch's threads), steadier than wall time on a shared machine
+    return {"steps": steps, "step_ms": 1000 * elapsed / steps, "engine_cpu_ms": 1000 * cpu / steps,
+            "publish_ms": 1000 * timed.seconds / steps,
             "publish_share": timed.seconds / elapsed, "events": sum(v.events for v in watching),
             "bytes": sum(v.bytes for v in watching), "dropped": sum(v.sub.dropped for v in watching)}
 
@@ -106,7 +109,9 @@ def bench_steps(args) -> dict:
         for viewers in order:
             runs[viewers].append(run_batch(llm, prompts, params, viewers))
     ratios = [w["step_ms"] / n["step_ms"] for n, w in zip(runs[0], runs[3])]
-    return {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
+    cpu_ratios = [w["engine_cpu_ms"] / n["engine_cpu_ms"] for n, w in zip(runs[0], runs[3])]
+    return {"median_engine_cpu_ratio_3_viewers": statistics.median(cpu_ratios), "engine_cpu_ratios": cpu_ratios,
+            "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
             "num_blocks": llm.llm_engine.executor.num_blocks, "runs": {str(k): v for k, v in runs.items()},
             "median_ratio_3_viewers": statistics.median(ratios), "ratios": ratios,
             "median_publish_share_3_viewers": statistics.median(r["publish_share"] for r in runs[3])}
@@ -232,7 +237,8 @@ def main(argv=None) -> dict:
         s = results["steps"]
         print(f"step ms, no viewer: {[round(r['step_ms'], 2) for r in s['runs']['0']]}; 3 viewers: "
               f"{[round(r['step_ms'], 2) for r in s['runs']['3']]}; median ratio {s['median_ratio_3_viewers']:.4f}; "
-              f"publish {100 * s['median_publish_share_3_viewers']:.3f}% of step time")
+              f"publish {100 * s['median_publish_share_3_viewers']:.3f}% of step time; engine-thread CPU ratio "
+              f"{s['median_engine_cpu_ratio_3_viewers']:.4f}")
     out = RESULTS_DIR / ("dashboard-quick.json" if args.quick else "dashboard.json")
     common.save_json({"meta": {"commit": common.git_commit()}, **results}, out)
     print(f"saved {out}")
