@@ -37,7 +37,7 @@ from pagedllm.layers.gated_activation import gated_activation
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary_variants import make_rotary
+from pagedllm.layers.rotary_variants import long_rope_offset, make_rotary
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: key, value [num_blocks, kv_heads, block, dim]
@@ -268,6 +268,8 @@ class DecoderForCausalLM(nn.Module):
         self.stage = stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.check_config(cfg)
         spec = self.spec = self.decoder_spec(cfg)
+        # LongRoPE: a long-factor request's positions are offset by this (layers/rotary_variants.py)
+        self.long_rope_offset = long_rope_offset(cfg, max_position)
         rotaries = self.make_rotaries(cfg, max_position)
         layers = [DecoderLayer(cfg, spec, self.attention_cls(cfg, spec, rotaries[i], backend, tp, i, ops),
                                self.make_mlp(cfg, spec, i), ops) if stage.owns_layer(i) else MissingLayer()
