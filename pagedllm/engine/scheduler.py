@@ -162,7 +162,7 @@ class Scheduler:
     def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
         """How many of the request's speculative drafts run with its next token: those the
         budget leaves room for, or none when their blocks are not free (never a preemption)."""
-        num = min(len(req.spec_token_ids), budget - num_new)
+        num = min(len(req.spec_token_ids), budget - num_new, self._short_rope_room(req, num_new))
         if num > 0 and self.kv.blocks_needed(req, num_new + num) > self.kv.num_free_blocks:
             return 0
         return num
@@ -342,6 +342,14 @@ class Scheduler:
     def _needs_long_rope(self, req: Request) -> bool:
         limit = self.config.long_rope_from
         return limit is not None and req.num_tokens > limit
+
+    def _short_rope_room(self, req: Request, num_new: int) -> int:
+        """Drafts a short-factor request may verify: none past the original context (their K/V
+        would need the long factors; the request switches once it has grown past it)."""
+        limit = self.config.long_rope_from
+        if limit is None or req.long_rope:
+            return len(req.spec_token_ids)
+        return limit - (req.num_computed_tokens + num_new)
 
     def _recompute_past_short_rope(self) -> None:
         """LongRoPE (layers/rotary_variants.py): a running request whose K/V was computed with the

@@ -26,7 +26,7 @@ def phi3(tmp_path_factory):
                           partial_rotary_factor=0.5, original_max_position_embeddings=ORIGINAL)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, block_size=8, max_num_batched_tokens=32, max_model_len=256, num_gpu_blocks_override=300)
-    return hf, llm
+    return hf, llm, path
 
 
 @pytest.mark.parametrize("lo, hi", [(5, ORIGINAL - GREEDY.max_tokens), (ORIGINAL + 1, 120)], ids=["short", "long"])
@@ -34,7 +34,7 @@ def test_short_and_long_requests_match_transformers(phi3, lo, hi):
     """Short requests (within L through their last token) rotate with the short factors, as
     transformers does for them, although max_model_len is past L; long prompts with the long ones
     from their first prefill chunk (32-token chunks: the first ends within L)."""
-    hf, llm = phi3
+    hf, llm, _ = phi3
     prompts = random_prompts(6, seed=lo, lo=lo, hi=hi)
     outs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
@@ -56,7 +56,7 @@ def test_request_crossing_the_original_context_matches_transformers(phi3):
     short-factor blocks (their hashes key on the factor set), and a second run of the same prompts
     hits the long-factor blocks of the first run's recomputation.
     """
-    hf, llm = phi3
+    hf, llm, _ = phi3
     prompts = random_prompts(6, seed=7, lo=ORIGINAL - 10, hi=ORIGINAL)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     refs = [hf_greedy(hf, p, 20) for p in prompts]
@@ -72,7 +72,7 @@ def test_the_factor_sets_differ_on_these_prompts(phi3):
     """The checks above can fail: transformers' short and long factors give different greedy
     continuations for some of the short prompts (so picking one set per engine, from max_model_len,
     would not match)."""
-    hf, _ = phi3
+    hf, _, _ = phi3
     prompts = random_prompts(6, seed=5, lo=5, hi=ORIGINAL - GREEDY.max_tokens)
     short = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -85,3 +85,20 @@ def test_the_factor_sets_differ_on_these_prompts(phi3):
     finally:
         rotary.original_inv_freq.copy_(saved)
     assert short != long
+
+
+def test_self_drafting_across_the_original_context(phi3):
+    """Speculative decoding with the model as its own draft, on requests that cross L: the target
+    verifies no short-factor draft past L (its K/V would need the long factors), and the draft
+    model switches to the long factors too, so the draft agrees with the target on every token it
+    proposes, and the output is transformers' greedy one."""
+    hf, _, path = phi3
+    prompts = random_prompts(4, seed=8, lo=ORIGINAL - 10, hi=ORIGINAL)
+    llm = LLM(path, block_size=8, max_model_len=256, num_gpu_blocks_override=300,
+              speculative_config={"model": path, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in prompts]
+    metrics = {m.name: m.value for m in llm.get_metrics() if not m.labels}
+    drafted = metrics["pagedllm:spec_decode_num_draft_tokens"]
+    assert drafted > 0 and metrics["pagedllm:spec_decode_num_accepted_tokens"] == drafted
