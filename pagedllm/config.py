@@ -123,6 +123,9 @@ class SchedulerConfig:
     # it: for max_model_len tokens, or for prompt + max_tokens ("request"). Benchmarks only.
     preallocation: str = "none"
     scheduling_policy: str = "fcfs"
+    # LongRoPE (Phi-3): a request of more tokens than this computes its K/V with the long factors,
+    # recomputed once when it grows past it (layers/rotary_variants.py); None: one factor set for all
+    long_rope_from: int | None = None
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:

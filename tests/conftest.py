@@ -95,6 +95,16 @@ FAMILY_CONFIGS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 1.0,
                          "beta_fast": 32, "beta_slow": 1}, **MOE)),
+    # Llama 4 (tests/models/test_llama4.py, built with num_hidden_layers=4): the 4th layer NoPE and global,
+    # the others chunked (chunk 16: prompts cross it) with the L2 q/k norm; temperature tuning that moves
+    # from position 7 on; MoE on layers 1 and 3 (4 experts, top-1, a shared expert), dense MLPs of another
+    # width on 0 and 2; llama3 RoPE
+    "llama4": ("Llama4TextConfig", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
+        intermediate_size_mlp=96, interleave_moe_layer_step=2, attention_chunk_size=16, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=8, attn_scale=0.5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     # both soft caps bind (tests/models/test_families.py checks): attention scores reach ~0.3, logits ~1.7
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                     layer_types=["sliding_attention", "full_attention"],

@@ -21,10 +21,10 @@ class GraphSafeDecodeBackend(TorchReferenceBackend):
     supports_cuda_graphs = True
 
     def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None,
-                logits_soft_cap=None):
-        if meta.max_query_len > 1 or sliding_window or logits_soft_cap:  # host values: fixed at capture time
+                logits_soft_cap=None, attention_chunk_size=None):
+        if meta.max_query_len > 1 or sliding_window or logits_soft_cap or attention_chunk_size:  # host values
             return super().forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window,
-                                   logits_soft_cap)
+                                   logits_soft_cap, attention_chunk_size)
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         n, heads, head_dim = query.shape
         kv_heads = key_cache.shape[1]

@@ -43,11 +43,14 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk_size: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally; with a
         ``sliding_window`` W, the token at position p sees positions p - W + 1 .. p only; with a
         ``logits_soft_cap`` c (Gemma 2), each scaled score s becomes ``tanh(s / c) * c`` before the
-        softmax. A backend that cannot do something it is asked raises ValueError."""
+        softmax; with an ``attention_chunk_size`` C (chunked local attention, Llama 4), the context
+        is cut into chunks of C positions and the token at position p sees ``p // C * C .. p`` only
+        (its own chunk). A backend that cannot do something it is asked raises ValueError."""
 
 
 def check_soft_cap(logits_soft_cap: float | None, backend: str) -> None:
@@ -55,6 +58,26 @@ def check_soft_cap(logits_soft_cap: float | None, backend: str) -> None:
     if logits_soft_cap is not None:
         raise ValueError(f"logits_soft_cap={logits_soft_cap!r} is not supported by attention_backend={backend!r}; "
                          "use 'torch', 'sdpa' or 'triton'")
+
+
+def check_chunk_size(attention_chunk_size) -> None:
+    """Refuses a chunk size the kernels cannot mean (None: no chunking)."""
+    if attention_chunk_size is not None and not (isinstance(attention_chunk_size, int)
+                                                 and not isinstance(attention_chunk_size, bool)
+                                                 and attention_chunk_size > 0):
+        raise ValueError(f"attention_chunk_size={attention_chunk_size!r} must be None or an int > 0")
+
+
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
+    """``[q_len, n]`` True where the query at ``q_pos[i]`` sees the key at ``k_pos[j]``: causal,
+    within the sliding ``window`` and within the query's attention ``chunk`` where given."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk:
+        visible &= k_pos[None, :] >= (q_pos // chunk * chunk)[:, None]
+    return visible
 
 
 def write_kv(

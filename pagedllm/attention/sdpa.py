@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, write_kv
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, visible_keys, write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -16,7 +16,9 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                attention_chunk_size: int | None = None):
+        check_chunk_size(attention_chunk_size)
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
@@ -28,7 +30,7 @@ class SdpaBackend(AttentionBackend):
             k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
-            mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
+            mask = _causal_mask(end - start, seq_len, q.device, sliding_window, attention_chunk_size)
             if logits_soft_cap:
                 o = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
             else:
@@ -50,11 +52,12 @@ def _soft_capped_attention(q, k, v, mask, scale: float, soft_cap: float) -> torc
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
-def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None) -> torch.Tensor | None:
+def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None,
+                 chunk: int | None = None) -> torch.Tensor | None:
     windowed = bool(window) and seq_len > window
-    if q_len == 1 and not windowed:
+    chunked = bool(chunk) and seq_len > chunk
+    if q_len == 1 and not windowed and not chunked:
         return None  # a decode token sees the whole context
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
-    return mask & (k_pos > q_pos[:, None] - window) if windowed else mask
+    k_pos = torch.arange(seq_len, device=device)
+    return visible_keys(q_pos, k_pos, window if windowed else None, chunk if chunked else None)  # [q_len, seq_len]

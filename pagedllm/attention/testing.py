@@ -96,10 +96,11 @@ def make_paged_batch(
 
 
 def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
     (and, with ``sliding_window`` W, only the last W positions visible; with ``logits_soft_cap``
-    c, explicit softmax over ``tanh(s / c) * c``)."""
+    c, explicit softmax over ``tanh(s / c) * c``; with ``attention_chunk_size`` C, only the
+    positions of the query's own C-aligned chunk visible)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -116,6 +117,8 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
         mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
         if sliding_window:
             mask &= k_pos > q_pos[:, None] - sliding_window
+        if attention_chunk_size:
+            mask &= k_pos // attention_chunk_size == (q_pos // attention_chunk_size)[:, None]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
         if logits_soft_cap:
             s = torch.tanh(q @ k.transpose(1, 2) * batch.scale / logits_soft_cap) * logits_soft_cap

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, write_kv
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, visible_keys, write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -16,17 +16,19 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                attention_chunk_size: int | None = None):
+        check_chunk_size(attention_chunk_size)
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for r, start, end, seq_len in meta.request_spans():
             out[start:end] = _attend_one(query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len,
-                                         scale, sliding_window, logits_soft_cap)
+                                         scale, sliding_window, logits_soft_cap, attention_chunk_size)
         return out
 
 
 def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None,
-                soft_cap: float | None = None):
+                soft_cap: float | None = None, chunk: int | None = None):
     """Online-softmax attention of one request's query chunk over its paged context."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -46,10 +48,8 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         if soft_cap:
             s = torch.tanh(s / soft_cap) * soft_cap
         k_pos = torch.arange(b * block_size, b * block_size + n, device=q.device)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [q_len, n]
-        if window:
-            causal &= k_pos[None, :] > q_pos[:, None] - window
-        s = s.masked_fill(~causal[:, None, :], float("-inf"))
+        visible = visible_keys(q_pos, k_pos, window, chunk)  # [q_len, n]
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))
         # rows with nothing visible yet keep m = -inf; use 0 there to avoid inf - inf
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

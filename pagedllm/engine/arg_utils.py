@@ -55,6 +55,7 @@ from pagedllm.engine.vllm_args import VllmArg, unknown_keyword_error, vllm_args,
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
+from pagedllm.layers.rotary_variants import long_rope_offset
 from pagedllm.models.loader import (
     DEMO_MODEL_NAME,
     LOAD_FORMATS,
@@ -503,7 +504,8 @@ class EngineArgs:
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
-                                      self.preallocation, self.scheduling_policy),
+                                      self.preallocation, self.scheduling_policy,
+                                      self._long_rope_from(model_config)),
             parallel=self._parallel_config(model_config),
             device=device,
             attention_backend=self.attention_backend,
@@ -588,6 +590,13 @@ class EngineArgs:
             raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from None
         check_draft_vocab(draft.vocab_size, target.vocab_size, spec.model)
         return dataclasses.replace(spec, draft=dataclasses.replace(draft, dtype=target.dtype))
+
+    @staticmethod
+    def _long_rope_from(model_config: ModelConfig) -> int | None:
+        """LongRoPE's switch point for the scheduler (SchedulerConfig.long_rope_from), None without one."""
+        hf = model_config.hf_config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        return long_rope_offset(text, model_config.max_model_len)
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         path = resolve_model_path(self.model, self._hub())

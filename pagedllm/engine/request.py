@@ -112,6 +112,7 @@ class Request:
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured_outputs: this sequence's matcher
         self.spec_token_ids: list[int] = []  # speculative drafts to verify in the next step
+        self.long_rope = False  # LongRoPE: its K/V is computed with the long factors (engine/scheduler.py)
 
     @property
     def num_tokens(self) -> int:

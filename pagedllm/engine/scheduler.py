@@ -130,6 +130,7 @@ class Scheduler:
         self.encoder.begin_step()
         if self.by_priority:  # stable: forks and equal keys keep their admission order
             self.running.sort(key=_priority_key)
+        self._recompute_past_short_rope()
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
             budget = self._schedule_swapped(out, budget)
@@ -161,7 +162,7 @@ class Scheduler:
     def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
         """How many of the request's speculative drafts run with its next token: those the
         budget leaves room for, or none when their blocks are not free (never a preemption)."""
-        num = min(len(req.spec_token_ids), budget - num_new)
+        num = min(len(req.spec_token_ids), budget - num_new, self._short_rope_room(req, num_new))
         if num > 0 and self.kv.blocks_needed(req, num_new + num) > self.kv.num_free_blocks:
             return 0
         return num
@@ -214,6 +215,7 @@ class Scheduler:
                 continue
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
+            req.long_rope = self._needs_long_rope(req)  # (before its block hashes: they key on it)
             # prompt logprobs and MEAN / CLS pooling need every prompt position computed: no prefix hits
             every_position = req.params.prompt_logprobs is not None or req.pools_every_position
             hits, num_hit = ([], 0) if every_position else self.kv.get_computed_blocks(req)
@@ -324,6 +326,7 @@ class Scheduler:
             num_prompt_logprob_rows=prompt_rows,
             num_spec_tokens=num_spec,
             mm_spans=mm_spans,
+            long_rope=req.long_rope,
         ))
 
     def end_verification(self, request_id: str) -> None:
@@ -335,6 +338,31 @@ class Scheduler:
             return
         req.num_computed_tokens = req.num_tokens - 1
         self.kv.rollback(req)
+
+    def _needs_long_rope(self, req: Request) -> bool:
+        limit = self.config.long_rope_from
+        return limit is not None and req.num_tokens > limit
+
+    def _short_rope_room(self, req: Request, num_new: int) -> int:
+        """Drafts a short-factor request may verify: none past the original context (their K/V
+        would need the long factors; the request switches once it has grown past it)."""
+        limit = self.config.long_rope_from
+        if limit is None or req.long_rope:
+            return len(req.spec_token_ids)
+        return limit - (req.num_computed_tokens + num_new)
+
+    def _recompute_past_short_rope(self) -> None:
+        """LongRoPE (layers/rotary_variants.py): a running request whose K/V was computed with the
+        short factors and that has grown past the original context is recomputed with the long ones:
+        its blocks are freed and it waits at the front of the queue, as after a recompute preemption
+        (not counted as one), so no sequence's K/V mixes the two factor sets."""
+        for req in [r for r in self.running if not r.long_rope and self._needs_long_rope(r)]:
+            self.running.remove(req)
+            self.encoder.release(req.request_id)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self._enqueue(self.waiting, req, front=True)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the victim's blocks out when asked and possible, else recompute it later."""
@@ -406,6 +434,7 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = parent.first_scheduled_time
         child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+        child.long_rope = parent.long_rope
         self.kv.fork(parent, child)
         self.requests[child_id] = child
         self.sequences[parent.parent_id].append(child_id)

@@ -29,6 +29,9 @@ class ScheduledChunk:
     # images whose placeholder runs the chunk covers, as (content hash, offset in the prompt, length):
     # their rows of the worker's encoder cache replace the placeholders' token embeddings
     mm_spans: tuple[tuple[bytes, int, int], ...] = ()
+    # LongRoPE: the request rotates with the long factors (its positions are offset into the rotary
+    # table's long half, layers/rotary_variants.py)
+    long_rope: bool = False
 
     @property
     def num_verify_rows(self) -> int:

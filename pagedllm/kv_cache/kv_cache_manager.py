@@ -159,6 +159,8 @@ class KVCacheManager:
     def _request_hashes(self, req) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
         extra = (req.cache_salt,) if req.cache_salt else ()
+        if getattr(req, "long_rope", False):  # LongRoPE: long-factor K/V is another block's content
+            extra += ("long_rope",)
         # image hashes key the blocks over their placeholders
         spans = [(item.hash, item.offset, item.length) for item in getattr(req, "mm_items", ())]
         extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra, spans)

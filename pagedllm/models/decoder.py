@@ -37,7 +37,7 @@ from pagedllm.layers.gated_activation import gated_activation
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary_variants import make_rotary
+from pagedllm.layers.rotary_variants import long_rope_offset, make_rotary
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: key, value [num_blocks, kv_heads, block, dim]
@@ -109,6 +109,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
+        self.attention_chunk_size: int | None = None  # chunked local attention (Llama 4, llama4.py)
         self.logits_soft_cap = spec.attn_logit_softcap
         # k_scale / v_scale of an fp8 KV cache (per tensor, or per this rank's KV heads)
         kv_quant.add_scales(self, self.qkv_proj.kv_heads_of_rank(), self.qkv_proj.total_kv_heads)
@@ -120,17 +121,22 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.position_qk(positions, q, k)
         fp8_cache = kv_quant.is_fp8(kv_cache[0].dtype)
         if fp8_cache:  # the K/V scales folded into q, k, v and the output
             q, k, v = kv_quant.scale_inputs(self, q, k, v)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                   logits_soft_cap=self.logits_soft_cap)
+                                   logits_soft_cap=self.logits_soft_cap,
+                                   attention_chunk_size=self.attention_chunk_size)
         if fp8_cache:
             out = kv_quant.scale_output(self, out)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]
+
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q/k norms then RoPE, on ``[num_tokens, heads, head_dim]``; Llama 4 overrides the order."""
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(positions, q, k)
 
     def split_qkv(self, qkv: torch.Tensor, q_size: int, kv_size: int):
         """q, k, v ``[num_tokens, size]`` each; families with a norm over the whole projection override it."""
@@ -262,6 +268,8 @@ class DecoderForCausalLM(nn.Module):
         self.stage = stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.check_config(cfg)
         spec = self.spec = self.decoder_spec(cfg)
+        # LongRoPE: a long-factor request's positions are offset by this (layers/rotary_variants.py)
+        self.long_rope_offset = long_rope_offset(cfg, max_position)
         rotaries = self.make_rotaries(cfg, max_position)
         layers = [DecoderLayer(cfg, spec, self.attention_cls(cfg, spec, rotaries[i], backend, tp, i, ops),
                                self.make_mlp(cfg, spec, i), ops) if stage.owns_layer(i) else MissingLayer()

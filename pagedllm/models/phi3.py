@@ -1,5 +1,10 @@
 """Phi-3 / Phi-4: the Llama layer, with q/k/v and gate/up already fused in the checkpoint,
-LongRoPE (``longrope`` / ``su``, layers/rotary_variants.py) and partial rotary where configured."""
+LongRoPE (``longrope`` / ``su``) and partial rotary where configured.
+
+LongRoPE is per request (layers/rotary_variants.py): short factors while a request fits
+``original_max_position_embeddings``, long ones past it, the switch made by recomputing the
+request's K/V (engine/scheduler.py), so the model only reads the positions it is given: the
+runner offsets a long-factor request's positions into the long half of the rotary table."""
 from __future__ import annotations
 
 from collections.abc import Iterator

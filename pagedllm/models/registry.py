@@ -6,6 +6,7 @@ from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedllm.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from pagedllm.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
@@ -27,6 +28,8 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # text-only (models/llama4.py)
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # vision-language (multimodal/)
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)

@@ -39,6 +39,7 @@ class DraftSequence:
     drafts: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per draft: what it was drawn from
     stuck: bool = False  # its last row allowed no token: no more drafts this step
+    long_rope: bool = False  # LongRoPE draft: its K/V is computed with the long factors
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,12 @@ class DraftModelProposer:
         return seq
 
     def _allocate(self, seq: DraftSequence, req: Request) -> bool:
+        limit = getattr(self.runner.model, "long_rope_offset", None)
+        if limit is not None and not seq.long_rope and seq.num_tokens > limit:
+            # LongRoPE draft past its original context: all its K/V again with the long factors
+            # (layers/rotary_variants.py), as the target's scheduler does
+            self.kv.free(seq)
+            seq.num_computed_tokens, seq.long_rope = 0, True
         if self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens):
             return True
         self.kv.free(seq)  # no room: this request decodes plainly; its draft restarts later
@@ -128,7 +135,8 @@ class DraftModelProposer:
         start = seq.num_computed_tokens
         seq.num_computed_tokens = seq.num_tokens
         block_start, new_blocks = self.kv.take_block_update(seq.request_id)
-        return ScheduledChunk(seq.request_id, seq.all_token_ids[start:], start, block_start, new_blocks, num_samples=1)
+        return ScheduledChunk(seq.request_id, seq.all_token_ids[start:], start, block_start, new_blocks, num_samples=1,
+                              long_rope=seq.long_rope)
 
     def retain(self, live_ids: set[str]) -> None:
         """Frees the draft state of every request not in ``live_ids``."""

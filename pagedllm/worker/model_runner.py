@@ -437,12 +437,25 @@ class ModelRunner:
             sample_idx = np.concatenate([sample_idx, starts + offsets])
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
+        self._offset_long_rope(chunks, query_lens, host)
         size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
         if size is not None:  # a decode-only step: into the CUDA graphs' input buffers
             return self.decode_graphs.prepare(host, size)
         dev = to_device(host, self.device)  # one host->device copy for the whole step
         meta = AttentionMetadata.from_tensors(dev, host, self.block_size)
         return dev["input_ids"], dev["positions"], meta, dev["sample_idx"]
+
+    def _offset_long_rope(self, chunks: list[ScheduledChunk], query_lens: np.ndarray, host: dict) -> None:
+        """LongRoPE: the positions of long-factor requests index the long half of the model's rotary
+        table (layers/rotary_variants.py); the attention metadata keeps the true positions."""
+        long = np.fromiter((c.long_rope for c in chunks), dtype=bool, count=len(chunks))
+        if not long.any():
+            return
+        offset = getattr(self.model, "long_rope_offset", None)
+        if offset is None:
+            raise RuntimeError(f"{type(self.model).__name__} has no LongRoPE table, but a request asked for the "
+                               "long factors")
+        host["positions"] = host["positions"] + np.repeat(long * offset, query_lens)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> None:

@@ -29,20 +29,22 @@ ATOL = RTOL = 1e-5
 MIXED = [(0, 1), (37, 1), (5, 20), (40, 33), (0, 70), (100, 1), (16, 16), (31, 2)]
 
 
-def run(backend, batch: PagedBatch, query=None, key=None, value=None, window=None):
+def run(backend, batch: PagedBatch, query=None, key=None, value=None, window=None, chunk=None):
     kc, vc = batch.fresh_caches()
     q = batch.query if query is None else query
     k = batch.key if key is None else key
     v = batch.value if value is None else value
-    out = backend.forward(q, k, v, kc, vc, batch.meta, batch.scale, window)
+    out = backend.forward(q, k, v, kc, vc, batch.meta, batch.scale, window, attention_chunk_size=chunk)
     return out, kc, vc
 
 
-def check_against_oracles(batch: PagedBatch, backend=None, window=None):
-    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2, parallel_work=0), batch, window=window)
-    ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch, window=window)
+def check_against_oracles(batch: PagedBatch, backend=None, window=None, chunk=None):
+    out, kc, vc = run(backend or CpuAttentionBackend(num_threads=2, parallel_work=0), batch, window=window,
+                      chunk=chunk)
+    ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch, window=window, chunk=chunk)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out.double(), dense_attention_f64(batch, window), atol=ATOL, rtol=RTOL)
+    dense = dense_attention_f64(batch, window, attention_chunk_size=chunk)
+    torch.testing.assert_close(out.double(), dense, atol=ATOL, rtol=RTOL)
     # the written slots hold exactly the new K/V, and nothing else in the pool changed
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     for r in range(batch.meta.num_reqs):
@@ -70,6 +72,24 @@ def test_sliding_window(window, block_size):
     out = check_against_oracles(batch, window=window)
     if window < 100:  # the window changes the answer for the long requests
         assert not torch.allclose(out.double(), dense_attention_f64(batch), atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk, window", [(1, None), (8, None), (24, None), (64, None), (100, 37)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_chunked_local_attention(chunk, window, block_size):
+    """Chunked local attention (Llama 4): each row sees only its own ``chunk``-aligned chunk, on
+    decodes, prefill chunks that cross chunk boundaries and tiles whose rows sit in different
+    chunks (the wide AVX-512 path too: 8 query heads per KV head), against both oracles."""
+    batch = make_paged_batch(MIXED + [(120, 40)], num_heads=8, num_kv_heads=1, head_dim=64,
+                             block_size=block_size, seed=chunk)  # fmt: skip
+    out = check_against_oracles(batch, window=window, chunk=chunk)
+    assert not torch.allclose(out.double(), dense_attention_f64(batch, window), atol=1e-3)
+
+
+def test_bad_attention_chunk_size_is_refused():
+    batch = make_paged_batch([(3, 2)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
+    with pytest.raises(ValueError, match="attention_chunk_size=-1 must be None or an int > 0"):
+        run(CpuAttentionBackend(), batch, chunk=-1)
 
 
 # Decode rows (q_len 1) at contexts on and around block edges. With at least one decode item per

@@ -39,6 +39,30 @@ def test_torch_backends_sliding_window(backend, window):
 
 
 @pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
+@pytest.mark.parametrize("chunk, window", [(1, None), (8, None), (13, None), (16, 5)])
+def test_torch_backends_chunked_local_attention(backend, chunk, window):
+    """Chunked local attention (Llama 4): a token sees only its own ``chunk``-aligned chunk
+    (and, with a window too, the window's part of it), decodes and chunks across boundaries."""
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=chunk)
+    kc, vc = batch.fresh_caches()
+    out = backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale, window,
+                            attention_chunk_size=chunk)
+    dense = dense_attention_f64(batch, window, attention_chunk_size=chunk)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.double(), dense_attention_f64(batch, window), atol=1e-3)  # the chunks mattered
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
+@pytest.mark.parametrize("chunk", [0, -8, 8.0, True])
+def test_bad_attention_chunk_size_is_refused(backend, chunk):
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    kc, vc = batch.fresh_caches()
+    with pytest.raises(ValueError, match=f"attention_chunk_size={chunk!r} must be None or an int > 0"):
+        backend().forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale,
+                          attention_chunk_size=chunk)
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend, SdpaBackend], ids=["torch", "sdpa"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_torch_backends_over_an_fp8_cache(backend, cache_dtype):
     """K/V are stored rounded to fp8 and widened on read: dense attention over the fp8-rounded

@@ -84,7 +84,8 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.0], "long
 @pytest.mark.parametrize("max_model_len, lo, hi", [(256, 70, 120), (64, 10, 50)], ids=["long", "short"])
 def test_phi3_longrope_partial_rotary_matches_transformers(tmp_path, max_model_len, lo, hi):
     """Past original_max_position_embeddings (64) transformers rotates with the long factors,
-    within it with the short ones; the engine picks by max_model_len (rotary_variants.py)."""
+    within it with the short ones; so does the engine, per request (rotary_variants.py;
+    test_phi3_longrope.py covers short requests under a long max_model_len and the switch)."""
     import transformers as tf
     path = make_model_dir(tmp_path, "phi3", rope_scaling=LONGROPE, partial_rotary_factor=0.5,
                           original_max_position_embeddings=64)

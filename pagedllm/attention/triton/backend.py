@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size
 from pagedllm.attention.kv_quant import is_fp8, to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton import import_error, interpreting, load_kernels
@@ -110,11 +110,14 @@ class TritonAttentionBackend(AttentionBackend):
         return None if blocker is None else f"{reason}, so the {self.fallback.name} backend runs it: {blocker}"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                attention_chunk_size: int | None = None):
+        plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
+                          attention_chunk_size)
         if plan.fallback_reason is not None:
             return self._fallback_for(plan.fallback_reason).forward(query, key, value, key_cache, value_cache, meta,
-                                                                    scale, sliding_window, logits_soft_cap)
+                                                                    scale, sliding_window, logits_soft_cap,
+                                                                    attention_chunk_size)
         kernels = load_kernels()
         query, key, value = (_unit_stride(t) for t in (query, key, value))
         if is_fp8(key_cache.dtype):  # rounded here (saturating, to nearest even); the kernel copies bytes
@@ -127,14 +130,16 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         if query.shape[0] == 0:
             return out
-        call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0)
+        call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0,
+                             attention_chunk_size or 0)
         self._attend(kernels, plan, call, out)
         return out
 
     def _plan(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window,
-              logits_soft_cap) -> LaunchPlan:
+              logits_soft_cap, attention_chunk_size=None) -> LaunchPlan:
         """The call's plan: cached, or validated (``check_call`` raises for a bad call) and built."""
-        cache_key = plan_key(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+        cache_key = plan_key(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
+                             attention_chunk_size)
         plan = self._plans.get(cache_key)
         if plan is not None:
             self._plans.move_to_end(cache_key)
@@ -142,6 +147,7 @@ class TritonAttentionBackend(AttentionBackend):
         reason = unsupported_reason(query, key_cache)
         if reason is None:
             check_call(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
+            check_chunk_size(attention_chunk_size)
             self.check_device(query.device)
             call = AttentionCall(query, key_cache, value_cache, meta, scale, 0, 0.0)
             plan = LaunchPlan(None, _num_programs(call, attention_tiles(query.shape[2], call.group)))
@@ -179,14 +185,15 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def plan_key(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window,
-             logits_soft_cap) -> tuple:
+             logits_soft_cap, attention_chunk_size=None) -> tuple:
     """What a call's validation and launch arguments depend on: every tensor's shape, strides,
     dtype and device, the block size and the options (with their types, so that a cached plan
     never lets through an argument the validation refuses, e.g. a float window)."""
     tensors = (query, key, value, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                meta.slot_mapping)
     return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), meta.block_size, scale, type(scale),
-            sliding_window, type(sliding_window), logits_soft_cap, type(logits_soft_cap))
+            sliding_window, type(sliding_window), logits_soft_cap, type(logits_soft_cap), attention_chunk_size,
+            type(attention_chunk_size))
 
 
 def _num_programs(call: AttentionCall, tiles: AttentionTiles) -> int:

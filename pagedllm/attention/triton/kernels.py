@@ -99,7 +99,7 @@ def _dot(a, b):
 def _attend_keys(
     q, q_pos, row_ok, k_lo, k_begin, k_end,
     key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, head_dim, block_size,
-    c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window,
+    c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window, chunk,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the rows ``q`` ([BLOCK_M, HEAD_DIM_PAD]) over context positions
@@ -131,6 +131,8 @@ def _attend_keys(
         causal = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if window > 0:
             causal &= k_pos[None, :] > q_pos[:, None] - window
+        if chunk > 0:  # chunked local attention: only the row's own chunk
+            causal &= k_pos[None, :] >= (q_pos // chunk * chunk)[:, None]
         s = tl.where(causal, s * LOG2E, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # rows with nothing visible yet keep m = -inf; use 0 there to avoid inf - inf
@@ -162,16 +164,18 @@ def _tile_rows(query_start_loc_ptr, num_reqs, block_q, heads_per_prog, group,
 
 
 @triton.jit
-def _key_range(seq_len, q_len, q_first, block_q, window):
+def _key_range(seq_len, q_len, q_first, block_q, window, chunk):
     """Context positions the tile's rows can see: [k_lo, k_end).
 
     ::  context: [ cached ........ | new: q_first .. q_last ]
         k_end = position of q_last + 1  (causal)
-        k_lo  = position of q_first - window + 1  (0 without a window)
+        k_lo  = position of q_first - window + 1  (0 without a window), or the start of
+                q_first's attention chunk if later (chunked local attention)
     """
     ctx_start = seq_len - q_len  # position of the request's query 0
     k_end = ctx_start + tl.minimum(q_first + block_q, q_len)
     k_lo = tl.where(window > 0, tl.maximum(ctx_start + q_first - window + 1, 0), 0)
+    k_lo = tl.where(chunk > 0, tl.maximum(k_lo, (ctx_start + q_first) // tl.maximum(chunk, 1) * chunk), k_lo)
     return k_lo, k_end
 
 
@@ -179,7 +183,7 @@ def _key_range(seq_len, q_len, q_first, block_q, window):
 def paged_attention_kernel(
     out_ptr, acc_ptr, m_ptr, row_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale, soft_cap, window, num_reqs, group, heads_per_prog, block_q, head_dim, block_size, num_splits,
+    scale, soft_cap, window, chunk, num_reqs, group, heads_per_prog, block_q, head_dim, block_size, num_splits,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, a_stride_s, a_stride_t, a_stride_h, st_stride_s, st_stride_t,
     c_stride_b, c_stride_h, c_stride_s, bt_stride,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -203,7 +207,7 @@ def paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     mask = row_ok[:, None] & (d < head_dim)[None, :]
     q = tl.load(query_ptr + (token * q_stride_t + head * q_stride_h)[:, None] + d[None, :], mask=mask, other=0.0)
-    k_lo, k_end = _key_range(seq_len, q_len, q_first, block_q, window)
+    k_lo, k_end = _key_range(seq_len, q_len, q_first, block_q, window, chunk)
     k_begin = k_lo // TILE_N * TILE_N  # the key tiles are aligned; k_lo masks the first one
     # split s takes its share of the key tiles (none, if there are fewer tiles than splits); the
     # split count is fixed at launch (under a CUDA graph: at capture), the lengths are read here
@@ -214,7 +218,7 @@ def paged_attention_kernel(
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * bt_stride
     acc, m, row_sum = _attend_keys(
         q, q_pos, row_ok, k_lo, k_begin, k_end, key_cache_ptr, value_cache_ptr, block_table_ptr,
-        kv_head, head_dim, block_size, c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window,
+        kv_head, head_dim, block_size, c_stride_b, c_stride_h, c_stride_s, scale, soft_cap, window, chunk,
         BLOCK_M, TILE_N, HEAD_DIM_PAD)  # fmt: skip
     if num_splits > 1:
         rows = split.to(tl.int64) * a_stride_s + token * a_stride_t + head * a_stride_h  # [BLOCK_M]

@@ -66,6 +66,7 @@ class AttentionCall:
     scale: float
     sliding_window: int  # 0: none
     logits_soft_cap: float  # 0.0: none
+    attention_chunk_size: int = 0  # 0: none (chunked local attention otherwise)
 
     @property
     def group(self) -> int:
@@ -105,6 +106,7 @@ def attention_launch(call: AttentionCall, tiles: AttentionTiles, out: torch.Tens
         query_ptr=q, key_cache_ptr=call.key_cache, value_cache_ptr=call.value_cache,
         block_tables_ptr=meta.block_tables, query_start_loc_ptr=meta.query_start_loc, seq_lens_ptr=meta.seq_lens,
         scale=float(call.scale), soft_cap=float(call.logits_soft_cap), window=int(call.sliding_window),
+        chunk=int(call.attention_chunk_size),
         num_reqs=meta.num_reqs, group=call.group, heads_per_prog=tiles.heads_per_prog, block_q=tiles.block_q,
         head_dim=head_dim, block_size=block_size, num_splits=splits.num_splits,
         q_stride_t=q.stride(0), q_stride_h=q.stride(1), o_stride_t=out.stride(0), o_stride_h=out.stride(1),

@@ -521,6 +521,8 @@ typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size, dtype;
     float scale;
     int window; /* sliding window: a row at position p sees keys p - window + 1 .. p; 0 = all */
+    int attn_chunk; /* chunked local attention (Llama 4): a row at position p sees keys
+                     * p / attn_chunk * attn_chunk .. p (its own chunk); 0 = none */
 } Problem;
 
 typedef struct {
@@ -531,6 +533,17 @@ typedef struct {
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
+
+/* The first visible key of the row whose causal prefix within the keys from position `base` on
+ * is `visible` keys (the row sits at position base + visible - 1), relative to base: the later of
+ * its sliding window's start and its attention chunk's start; <= 0 when it sees from base on.
+ * Rows later in a request never start earlier, so the first row's value bounds the blocks read. */
+static inline int row_first_key(const Problem *P, int base, int visible) {
+    const int p = base + visible - 1;
+    int lo = P->window ? p - P->window + 1 : 0;
+    if (P->attn_chunk) lo = imax(lo, p / P->attn_chunk * P->attn_chunk);
+    return lo - base;
+}
 
 static int cmp_cost_desc(const void *a, const void *b) {
     int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
@@ -917,7 +930,7 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
     int lo[rp], hi[rp]; /* a row's visible keys in the current chunk: [lo, hi) */
     transpose_q(S, rows, rp, D);
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1, cb = chunk_blocks(B);
-    const int lowest_key = P->window ? ctx_start + it->t0 - P->window + 1 : 0;
+    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0 + 1);
     Chunk c;
     for (int b0 = lowest_key > 0 ? lowest_key / B : 0; b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
@@ -926,7 +939,7 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
         const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
         for (int r = 0; r < rp; r++) {
             hi[r] = r < rows ? imin(first_visible + r / group, c.nkeys) : 0;
-            lo[r] = P->window ? first_visible + r / group - P->window : 0;
+            lo[r] = row_first_key(P, c.start, first_visible + r / group);
         }
         const int nv = hi[rows - 1]; /* rows are token-major: the last row sees the most keys */
         if (nv <= 0) continue;
@@ -970,9 +983,9 @@ static void chunk_pairs(const Problem *P, Scratch *S, const Chunk *c, int rows, 
         if (nv0 <= 0 && nv1 <= 0) continue;
         const float *q0 = S->q + (int64_t)r * D;
         chunk_scores(c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
-        /* sliding window: keys before a row's window start drop out of its softmax */
-        const int lo0 = P->window ? first_visible + r / group - P->window : 0;
-        const int lo1 = P->window && pair ? first_visible + (r + 1) / group - P->window : 0;
+        /* sliding window / attention chunk: keys before a row's first visible key drop out of its softmax */
+        const int lo0 = row_first_key(P, c->start, first_visible + r / group);
+        const int lo1 = pair ? row_first_key(P, c->start, first_visible + (r + 1) / group) : 0;
         pair_softmax_pv(S, c, r, S->s, nv0, lo0, S->s + smax, nv1, lo1, D);
     }
 }
@@ -1008,8 +1021,8 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
 
     const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
     const int cb = chunk_blocks(B), smax = cb * B;
-    /* sliding window: blocks wholly before the first row's window are never read */
-    const int lowest_key = P->window ? ctx_start + it->t0 - P->window + 1 : 0;
+    /* sliding window / attention chunk: blocks wholly before the first row's first visible key are never read */
+    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0 + 1);
     const int first_block = lowest_key > 0 ? lowest_key / B : 0;
     Chunk c;
     for (int b0 = first_block; b0 < num_blocks; b0 += cb) {
@@ -1070,9 +1083,10 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  int max_blocks, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
-                 int window, int dtype, int num_threads, int64_t parallel_work) {
+                 int window, int attn_chunk, int dtype, int num_threads, int64_t parallel_work) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
-        block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2 || num_threads <= 0 || window < 0)
+        block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2 || num_threads <= 0 || window < 0 ||
+        attn_chunk < 0)
         return PN_ERR_ARG;
     const Problem P = {
         .query = query, .out = out, .key_cache = key_cache, .value_cache = value_cache,
@@ -1080,7 +1094,8 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         .bt_stride = bt_stride, .q_stride_tok = q_stride_tok, .q_stride_head = q_stride_head,
         .o_stride_tok = o_stride_tok, .o_stride_head = o_stride_head, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-        .dtype = dtype, .scale = scale, .window = window};
+        .dtype = dtype, .scale = scale, .window = window,
+        .attn_chunk = attn_chunk};
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);
