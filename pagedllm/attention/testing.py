@@ -96,10 +96,11 @@ def make_paged_batch(
 
 
 def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
     (and, with ``sliding_window`` W, only the last W positions visible; with ``logits_soft_cap``
-    c, explicit softmax over ``tanh(s / c) * c``)."""
+    c, explicit softmax over ``tanh(s / c) * c``; with ``sinks`` [num_heads], one more logit per
+    head in the softmax, whose probability is dropped, as transformers' GPT-OSS does)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -117,9 +118,14 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
         if sliding_window:
             mask &= k_pos > q_pos[:, None] - sliding_window
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
-        if logits_soft_cap:
-            s = torch.tanh(q @ k.transpose(1, 2) * batch.scale / logits_soft_cap) * logits_soft_cap
-            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        if logits_soft_cap or sinks is not None:
+            s = q @ k.transpose(1, 2) * batch.scale  # [H, q_len, seq_len]
+            if logits_soft_cap:
+                s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+            s = s.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q_len, 1)], dim=-1)
+            o = torch.softmax(s, dim=-1)[..., :seq_len] @ v
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
         outs.append(o.transpose(0, 1))

@@ -82,6 +82,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I32, _I32, _I32, _I32,  # heads, kv heads, head_dim, block_size
         _I64, _I64, _I64, _I64,  # query / out strides (token, head), in elements
         _F32, _I32, _I32, _I32, _I64,  # scale, sliding window (0: none), cache dtype, threads, parallel_work
+        _VP,  # attention sinks [num_heads] float32, or NULL
     ]),
     "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
@@ -227,9 +228,10 @@ class NativeLibrary:
 
     def attention(self, query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  window: int, num_threads: int, parallel_work: int) -> None:
+                  window: int, num_threads: int, parallel_work: int, sinks: torch.Tensor | None = None) -> None:
         """Paged attention into ``out``; query/out ``[num_tokens, num_heads, head_dim]`` float32
-        with unit inner stride; metadata int32 and contiguous; ``window`` 0 = full attention."""
+        with unit inner stride; metadata int32 and contiguous; ``window`` 0 = full attention;
+        ``sinks`` float32 ``[num_heads]`` contiguous (GPT-OSS attention sinks) or None."""
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         rc = self._lib.pa_attention(
@@ -238,7 +240,7 @@ class NativeLibrary:
             seq_lens.shape[0], num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
             num_heads, num_kv_heads, head_dim, block_size,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            scale, window, self.dtype_code(key_cache.dtype), num_threads, parallel_work,
+            scale, window, self.dtype_code(key_cache.dtype), num_threads, parallel_work, _ptr(sinks),
         )  # fmt: skip
         if rc != 0:
             self._raise(rc, "pa_attention")

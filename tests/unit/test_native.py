@@ -63,8 +63,8 @@ def test_argtypes_are_checked_against_the_header_prototypes():
                                                  r"pagedllm_native.h, the bindings declare c_int"):
         abi.check_signatures(sigs, HEADER_TEXT)
     sigs["pa_attention"] = (restype, args[:-1])
-    with pytest.raises(NativeLibraryError, match="pa_attention: 25 arguments in pagedllm_native.h, the bindings "
-                                                 "declare 24"):
+    with pytest.raises(NativeLibraryError, match="pa_attention: 26 arguments in pagedllm_native.h, the bindings "
+                                                 "declare 25"):
         abi.check_signatures(sigs, HEADER_TEXT)
     del sigs["pa_attention"]
     with pytest.raises(NativeLibraryError, match=r"exports \['pa_attention'\] without bindings"):

@@ -208,7 +208,7 @@ PN_EXPORT int pa_attention(const float *query, float *out, const void *key_cache
                            int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
                            int64_t o_stride_head, float scale, int window, int dtype, int num_threads,
-                           int64_t parallel_work);
+                           int64_t parallel_work, const float *sinks);
 
 /* ------------------------------------------------------------------------------------------ */
 /* fused model-body ops (cpu_ops.c)                                                           */
