@@ -110,6 +110,7 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
         self.logits_soft_cap = spec.attn_logit_softcap
+        self.sinks: torch.Tensor | None = None  # [num_heads] attention-sink logits (GPT-OSS sets them)
         # k_scale / v_scale of an fp8 KV cache (per tensor, or per this rank's KV heads)
         kv_quant.add_scales(self, self.qkv_proj.kv_heads_of_rank(), self.qkv_proj.total_kv_heads)
 
@@ -126,8 +127,9 @@ class Attention(nn.Module):
         fp8_cache = kv_quant.is_fp8(kv_cache[0].dtype)
         if fp8_cache:  # the K/V scales folded into q, k, v and the output
             q, k, v = kv_quant.scale_inputs(self, q, k, v)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}  # (backends without sinks never see the name)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                   logits_soft_cap=self.logits_soft_cap)
+                                   logits_soft_cap=self.logits_soft_cap, **extra)
         if fp8_cache:
             out = kv_quant.scale_output(self, out)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]

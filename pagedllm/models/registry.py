@@ -4,6 +4,7 @@ from __future__ import annotations
 from pagedllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
@@ -27,6 +28,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # vision-language (multimodal/)
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)

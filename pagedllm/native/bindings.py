@@ -111,6 +111,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # packed w13 / w2, experts, hidden, inter, y, threads
     ]),
     "dg_gemm": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, panels, bias, in, out, y, threads
+    "mx_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, blocks, scales, bias, in, out, y, threads
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -383,6 +384,17 @@ class NativeLibrary:
                                    _ptr(w2p), experts, hidden, inter, _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "moe_experts", f": x {tuple(x.shape)}, experts {experts}, inter {inter}")
+
+    def mx_linear(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out]`` = x ``[T, in]`` float32 times the MXFP4 weight (``csrc/mxfp4.c``):
+        blocks uint8 ``[out, in / 32, 16]``, scales uint8 ``[out, in / 32]``, bias float32 or
+        None; all contiguous."""
+        rows, in_features = x.shape
+        rc = self._lib.mx_linear(_ptr(x), rows, _ptr(blocks), _ptr(scales), _ptr(bias), in_features, blocks.shape[0],
+                                 _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "mx_linear", f": x {tuple(x.shape)}, blocks {tuple(blocks.shape)}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``
