@@ -111,7 +111,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # packed w13 / w2, experts, hidden, inter, y, threads
     ]),
     "dg_gemm": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, panels, bias, in, out, y, threads
-    "mx_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, blocks, scales, bias, in, out, y, threads
+    # x, T, blocks, scales, bias, in, out, y, threads
+    "mx_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
