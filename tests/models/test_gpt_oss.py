@@ -149,7 +149,7 @@ def test_preemption(gpt_oss):
     llm = LLM(str(float_dir), block_size=8, num_gpu_blocks_override=24, max_num_seqs=8, max_model_len=128)
     outs = _generate(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == refs
-    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    assert llm.get_kv_cache_stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "mxfp4"])
