@@ -19,8 +19,9 @@ counts on the host (``cuda_graph_blocker`` says so).
 
 GPT-OSS adds per-expert biases (``bias=True``: ``w13_bias [experts, 2 * inter]`` and ``w2_bias
 [experts, hidden]``, the latter added on rank 0 only, since the ranks' partial outputs are summed)
-and its own gated activation (``act_and_mul``); those layers run the torch path (the C kernel and
-the Triton GEMMs have no bias). Its MXFP4 experts are ``quantization/mxfp4.py``'s subclass.
+and its own gated activation (``act_and_mul``); the Triton GEMMs add the biases, the C kernel has
+none (those layers run the torch path on the CPU). Its MXFP4 experts are ``quantization/mxfp4.py``'s
+subclass.
 """
 from __future__ import annotations
 
@@ -119,10 +120,8 @@ class FusedMoE(nn.Module):
     def cuda_graph_blocker(self) -> str | None:
         """Why this layer's forward cannot be captured in a CUDA graph, or None (the model
         runner asks every module that has this method)."""
-        if self.ops == "triton" and self.w13_bias is None:
-            return None
         if self.ops == "triton":
-            return "the MoE experts with biases (GPT-OSS) read their token counts on the host"
+            return None
         return "the MoE experts built with fused_ops='native' read their token counts on the host"
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -131,11 +130,17 @@ class FusedMoE(nn.Module):
     def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts for a routing decided elsewhere (DeepSeek's grouped top-k, layers/moe_routing.py):
         ``weights`` float32 and expert ``ids``, both ``[tokens, top_k]``."""
-        if self.ops == "triton" and self.w13_bias is None:
+        if self.ops == "triton":
             from pagedllm.layers.triton_ops.fused_moe import fused_experts
-            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul))
+            b2 = self.w2_bias if self.w2_bias is not None and self.tp_rank == 0 else None  # ranks are summed
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul,
+                                                    self.w13_bias, b2))
         if self.kernel_weights is not None and cpu_ops.usable(x):
             return self.tp.all_reduce(moe_cpu.run_experts(x, weights, ids, self.kernel_weights))
+        return self.forward_grouped(x, weights, ids)
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The torch path: slots sorted by expert, then ``expert_linear`` per expert with tokens."""
         flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import _tokenizer, random_prompts
+from mxfp4_reference import pack_mxfp4
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import mxfp4
@@ -59,20 +60,6 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The format's packer for ``w [..., out, in]``: per 32-element group the shared exponent is
-    floor(log2(amax)) - 2 (e2m1's largest exponent), values rounded to the nearest e2m1 code
-    (saturating at +-6), two codes per byte, the even element in the low nibble."""
-    groups = w.reshape(*w.shape[:-1], -1, mxfp4.GROUP).float()  # [..., out, in / 32, 32]
-    amax = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
-    exp = torch.floor(torch.log2(amax)) - 2
-    values = torch.tensor(mxfp4.E2M1_VALUES)
-    scaled = (groups / torch.exp2(exp)).clamp(-6, 6)
-    codes = (scaled[..., None] - values).abs().argmin(-1).to(torch.uint8)  # [..., 32]
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., in / 32, 16]
-    return blocks, (exp[..., 0] + 127).to(torch.uint8)
 
 
 def make_mxfp4_checkpoint(float_dir: Path, path: Path, hf):

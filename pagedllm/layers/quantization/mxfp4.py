@@ -139,6 +139,9 @@ class Mxfp4FusedMoE(FusedMoE):
         else:
             param.data.copy_(loaded[:, :, start // GROUP:(start + inter) // GROUP])
 
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.forward_grouped(x, weights, ids)  # per expert, on the MXFP4 kernels
+
     def pack_weights(self, kernel: bool = True) -> int:
         return 0  # the MXFP4 kernels read the checkpoint layout
 

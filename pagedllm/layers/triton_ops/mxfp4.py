@@ -52,6 +52,11 @@ def _mxfp4_gemm_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, M, N, K, 
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
 
+def tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small M tiles for decode (weight-bound), square-ish for prefill."""
+    return (16, 32, 64) if m <= 16 else (64, 64, 64)
+
+
 def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x ``[M, K]`` (float32 / float16 / bfloat16), blocks ``[N, K / 32, 16]`` and scales
@@ -64,7 +69,7 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m, block_n, block_k = (16, 32, 64) if m <= 16 else (64, 64, 64)
+    block_m, block_n, block_k = tiles(m)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _mxfp4_gemm_kernel[grid](x, blocks, scales, bias if bias is not None else x, y, m, n, k, x.stride(0), y.stride(0),
                              HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
