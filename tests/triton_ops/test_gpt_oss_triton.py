@@ -35,8 +35,10 @@ def test_mxfp4_gemm_equals_the_dequantized_weight(device, rows, bias):
 def _biased_inputs(tokens: int, experts: int, device):
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=g)
-    w13, w2 = torch.randn(experts, 2 * INTER, HIDDEN, generator=g) * 0.2, torch.randn(experts, HIDDEN, INTER, generator=g) * 0.2
-    b13, b2 = torch.randn(experts, 2 * INTER, generator=g) * 0.3, torch.randn(experts, HIDDEN, generator=g) * 0.3
+    w13 = torch.randn(experts, 2 * INTER, HIDDEN, generator=g) * 0.2
+    w2 = torch.randn(experts, HIDDEN, INTER, generator=g) * 0.2
+    b13 = torch.randn(experts, 2 * INTER, generator=g) * 0.3
+    b2 = torch.randn(experts, HIDDEN, generator=g) * 0.3
     weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
     return [t.to(device) for t in (x, w13, w2, weights, ids, b13, b2)]
 

@@ -131,10 +131,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, slots_per_r
     weights = routing_weights if routing_weights is not None else blocks.num_padded  # (unread)
     grid = (blocks.max_blocks, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, c, weights, bias if bias is not None else weights, blocks.sorted_slots, blocks.block_expert, blocks.num_padded, n, k, blocks.num_slots,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0), SLOTS_PER_ROW=slots_per_row,
-        MUL_WEIGHT=routing_weights is not None, HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        a, w, c, weights, bias if bias is not None else weights, blocks.sorted_slots, blocks.block_expert,
+        blocks.num_padded, n, k, blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        SLOTS_PER_ROW=slots_per_row, MUL_WEIGHT=routing_weights is not None, HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps)
     return c
 
 
