@@ -164,3 +164,13 @@ def test_mxfp4_kernel_matches_transformers_dequantize():
     x, bias = torch.randn(21, 96), torch.randn(40)
     out = mxfp4.mxfp4_linear(x, blocks[1].contiguous(), scales[1].contiguous(), bias)
     torch.testing.assert_close(out.double(), x.double() @ ref[1].double().T + bias.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_pipeline_parallel_2(gpt_oss):
+    """Two stages of one layer each (a sliding one, then a full one): each stage's sinks, experts
+    and KV pool are its layer's."""
+    float_dir, hf, refs, *_ = gpt_oss
+    with LLM(str(float_dir), pipeline_parallel_size=2, num_threads=1, block_size=8,
+             num_gpu_blocks_override=200) as llm:
+        outs = _generate(llm, PROMPTS[:4])
+    assert [o.outputs[0].token_ids for o in outs] == refs[:4]
