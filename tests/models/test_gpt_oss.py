@@ -174,3 +174,23 @@ def test_pipeline_parallel_2(gpt_oss):
              num_gpu_blocks_override=200) as llm:
         outs = _generate(llm, PROMPTS[:4])
     assert [o.outputs[0].token_ids for o in outs] == refs[:4]
+
+
+# openai/gpt-oss-20b config.json (the fields that matter); its safetensors hold 13.76 GB
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def test_plan_counts_mxfp4_experts_at_four_and_a_quarter_bits():
+    from pagedllm.entrypoints.plan import plan_kv
+    plan = plan_kv(GPT_OSS_20B, gpu_memory=80 * 10**9, device="cuda", max_model_len=8192)
+    assert plan.quantization == "mxfp4"
+    assert 13.0e9 < plan.weights_bytes < 14.5e9  # the experts in bf16 would be ~38 GB more
+    float_plan = plan_kv({k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"},
+                         gpu_memory=80 * 10**9, device="cuda", max_model_len=8192)
+    assert float_plan.weights_bytes > 40e9
