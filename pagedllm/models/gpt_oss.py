@@ -63,6 +63,8 @@ class GptOssMoE(nn.Module):
         super().__init__()
         self.router = ReplicatedLinear(cfg.hidden_size, cfg.num_local_experts, bias=True)
         experts_cls = mxfp4.Mxfp4FusedMoE if quantized else FusedMoE
+        # renormalize=True: softmax over the k chosen logits (transformers' router) equals the
+        # softmax over all experts renormalised over the k (fused_moe.route)
         self.experts = experts_cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                    cfg.intermediate_size, True, "swiglu_clamp", tp=tp, ops=ops, bias=True,
                                    act_and_mul=SwigluClamp(cfg.swiglu_alpha, cfg.swiglu_limit))
