@@ -25,6 +25,18 @@ def _e2m1(code):
 
 
 @triton.jit
+def decode_tile(blocks_ptr, scales_ptr, rows, k, N, K):
+    """``W[rows, k]`` transposed, ``[BLOCK_K, BLOCK_N]`` float32, decoded from MXFP4 in registers:
+    element k of row n is nibble k % 2 of byte k // 2, scaled by 2^(scale - 127) of group k // 32.
+    ``rows`` int64 ``[BLOCK_N]``, ``k`` ``[BLOCK_K]``; outside ``N`` x ``K`` reads 0."""
+    mask = (k < K)[:, None] & (rows < N)[None, :]
+    byte = tl.load(blocks_ptr + rows[None, :] * (K // 2) + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((k % 2) * 4)[:, None]) & 15
+    scale = tl.load(scales_ptr + rows[None, :] * (K // 32) + (k // 32)[:, None], mask=mask, other=127).to(tl.int32)
+    return _e2m1(code) * tl.exp2((scale - 127).to(tl.float32))
+
+
+@triton.jit
 def _mxfp4_gemm_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, M, N, K, x_stride, y_stride,
                        HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -38,13 +50,7 @@ def _mxfp4_gemm_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, M, N, K, 
         k_ok = k < K
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * x_stride + k[None, :],
                     mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        row = rn[None, :].to(tl.int64)
-        # [BLOCK_K, BLOCK_N] (W transposed): element k of row n is nibble k % 2 of byte k // 2
-        byte = tl.load(blocks_ptr + row * (K // 2) + (k // 2)[:, None], mask=w_mask, other=0).to(tl.int32)
-        code = (byte >> ((k % 2) * 4)[:, None]) & 15
-        scale = tl.load(scales_ptr + row * (K // 32) + (k // 32)[:, None], mask=w_mask, other=127).to(tl.int32)
-        w = _e2m1(code) * tl.exp2((scale - 127).to(tl.float32))
+        w = decode_tile(blocks_ptr, scales_ptr, rn.to(tl.int64), k, N, K)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
