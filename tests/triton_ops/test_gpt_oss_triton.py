@@ -71,11 +71,12 @@ def _gpt_oss_layer(ops: str, quantized: bool) -> FusedMoE:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("quantized", [False, True], ids=["float", "mxfp4"])
-def test_gpt_oss_expert_layer_on_the_triton_ops_equals_its_torch_path(device, quantized):
+@pytest.mark.parametrize("quantized, tokens", [(False, 6), (True, 6), (True, 40)],
+                         ids=["float", "mxfp4-decode", "mxfp4-prefill-tile"])
+def test_gpt_oss_expert_layer_on_the_triton_ops_equals_its_torch_path(device, quantized, tokens):
     triton_layer, native = _gpt_oss_layer("triton", quantized).to(device), _gpt_oss_layer("native", quantized)
-    assert (triton_layer.cuda_graph_blocker() is None) == (not quantized)
+    assert triton_layer.cuda_graph_blocker() is None and native.cuda_graph_blocker() is not None
     g = torch.Generator().manual_seed(5)
-    x, logits = torch.randn(6, HIDDEN, generator=g), torch.randn(6, 4, generator=g)
+    x, logits = torch.randn(tokens, HIDDEN, generator=g), torch.randn(tokens, 4, generator=g)
     out = triton_layer(x.to(device), logits.to(device))
     torch.testing.assert_close(out.cpu(), native(x, logits), atol=1e-5, rtol=1e-5)

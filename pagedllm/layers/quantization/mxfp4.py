@@ -15,7 +15,9 @@ gpt-oss quantizes only the experts (``gate_up_proj`` with gate / up rows interle
 (``modules_to_not_convert``), so :class:`Mxfp4Method` leaves the linear projections alone and
 :class:`Mxfp4FusedMoE` holds the experts. Kernels: on the CPU ``native/csrc/mxfp4.c`` (decodes a
 group into registers inside the dot product), on CUDA (or Triton's interpreter)
-``layers/triton_ops/mxfp4.py``; :func:`dequantize` is the torch reference both are tested against.
+``layers/triton_ops/mxfp4.py``, whose in-register decode the fused MoE GEMMs also use under
+``ops="triton"`` (no host sync: CUDA-graph capturable); :func:`dequantize` is the torch reference
+they are tested against.
 """
 from __future__ import annotations
 
@@ -140,7 +142,14 @@ class Mxfp4FusedMoE(FusedMoE):
             param.data.copy_(loaded[:, :, start // GROUP:(start + inter) // GROUP])
 
     def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.forward_grouped(x, weights, ids)  # per expert, on the MXFP4 kernels
+        """Triton ops: the device-side grouped GEMMs decoding the blocks in registers (no host
+        sync); otherwise per expert on :func:`mxfp4_linear`."""
+        if self.ops != "triton":
+            return self.forward_grouped(x, weights, ids)
+        from pagedllm.layers.triton_ops.fused_moe import fused_experts
+        b2 = self.w2_bias if self.tp_rank == 0 else None  # ranks are summed
+        return self.tp.all_reduce(fused_experts(x, self.w13_blocks, self.w2_blocks, weights, ids, self.act_and_mul,
+                                                self.w13_bias, b2, self.w13_scales, self.w2_scales))
 
     def pack_weights(self, kernel: bool = True) -> int:
         return 0  # the MXFP4 kernels read the checkpoint layout
@@ -150,4 +159,6 @@ class Mxfp4FusedMoE(FusedMoE):
         return mxfp4_linear(x, blocks[expert], scales[expert], self.expert_bias(expert, which))
 
     def cuda_graph_blocker(self) -> str | None:
-        return "the MXFP4 experts read their token counts on the host"
+        if self.ops == "triton":
+            return None
+        return "the MXFP4 experts built with fused_ops='native' read their token counts on the host"
