@@ -105,6 +105,10 @@ FAMILY_CONFIGS = {
         attn_temperature_tuning=True, floor_scale=8, attn_scale=0.5,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # GPT-OSS (tests/models/test_gpt_oss.py builds its own, with sinks and biases non-trivial): sinks,
+    # alternating windows, biased clamped-SwiGLU experts
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, head_dim=16,
+                                     attn_implementation="eager")),
     # both soft caps bind (tests/models/test_families.py checks): attention scores reach ~0.3, logits ~1.7
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                     layer_types=["sliding_attention", "full_attention"],

@@ -44,13 +44,16 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         attention_chunk_size: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Stores ``key``/``value`` at ``meta.slot_mapping``, then attends causally; with a
         ``sliding_window`` W, the token at position p sees positions p - W + 1 .. p only; with a
         ``logits_soft_cap`` c (Gemma 2), each scaled score s becomes ``tanh(s / c) * c`` before the
         softmax; with an ``attention_chunk_size`` C (chunked local attention, Llama 4), the context
         is cut into chunks of C positions and the token at position p sees ``p // C * C .. p`` only
-        (its own chunk). A backend that cannot do something it is asked raises ValueError."""
+        (its own chunk); with ``sinks`` (GPT-OSS attention sinks, one learned logit per query head)
+        the softmax denominator gains ``exp(sinks[h])``, as if each row saw one more key whose value
+        is zero. A backend that cannot do something it is asked raises ValueError."""
 
 
 def check_soft_cap(logits_soft_cap: float | None, backend: str) -> None:
@@ -78,6 +81,15 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = 
     if chunk:
         visible &= k_pos[None, :] >= (q_pos // chunk * chunk)[:, None]
     return visible
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` as float32 ``[num_heads]`` (contiguous), or None; raises for another shape."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape [{num_heads}] (one logit per query head), got {tuple(sinks.shape)}")
+    return sinks.float().contiguous()
 
 
 def write_kv(

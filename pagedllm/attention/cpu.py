@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_soft_cap
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks, check_soft_cap
 from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
@@ -87,9 +87,10 @@ class CpuAttentionBackend(AttentionBackend):
     @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                attention_chunk_size: int | None = None):
+                attention_chunk_size: int | None = None, sinks=None):
         check_soft_cap(logits_soft_cap, self.name)
         check_chunk_size(attention_chunk_size)
+        sinks = check_sinks(sinks, query.shape[1])
         self._check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)
@@ -100,7 +101,8 @@ class CpuAttentionBackend(AttentionBackend):
         if num_tokens == 0:
             return out.to(query.dtype)
         self._native.attention(q, out, key_cache, value_cache, block_tables, qsl, seq_lens, float(scale),
-                               sliding_window or 0, self._threads(), self.parallel_work, attention_chunk_size or 0)
+                               sliding_window or 0, self._threads(), self.parallel_work, attention_chunk_size or 0,
+                               None if sinks is None else sinks.cpu())
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, check_chunk_size, visible_keys, write_kv
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks, visible_keys, write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -17,8 +17,9 @@ class SdpaBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                attention_chunk_size: int | None = None):
+                attention_chunk_size: int | None = None, sinks=None):
         check_chunk_size(attention_chunk_size)
+        sinks = check_sinks(sinks, query.shape[1])
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
@@ -31,8 +32,8 @@ class SdpaBackend(AttentionBackend):
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
             mask = _causal_mask(end - start, seq_len, q.device, sliding_window, attention_chunk_size)
-            if logits_soft_cap:
-                o = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
+            if logits_soft_cap or sinks is not None:
+                o = _explicit_attention(q, k, v, mask, scale, logits_soft_cap, sinks)
             else:
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                                    enable_gqa=num_heads != num_kv_heads)[0]
@@ -40,16 +41,24 @@ class SdpaBackend(AttentionBackend):
         return out
 
 
-def _soft_capped_attention(q, k, v, mask, scale: float, soft_cap: float) -> torch.Tensor:
-    """SDPA has no soft-cap hook, so the capped scores are computed explicitly:
-    q [heads, q_len, dim], k/v [kv_heads, seq_len, dim] -> [heads, q_len, dim]."""
+def _explicit_attention(q, k, v, mask, scale: float, soft_cap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA has no soft-cap or sink hook, so the scores are computed explicitly:
+    q [heads, q_len, dim], k/v [kv_heads, seq_len, dim] -> [heads, q_len, dim]. A sink is one
+    more score column, dropped after the softmax (it has no value row)."""
     group = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [heads, seq_len, dim]
     s = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [heads, q_len, seq_len]
-    s = torch.tanh(s / soft_cap) * soft_cap
+    if soft_cap:
+        s = torch.tanh(s / soft_cap) * soft_cap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+    if sinks is not None:
+        sink_col = sinks.to(s.device)[:, None, None].expand(-1, s.shape[1], 1)  # [heads, q_len, 1]
+        p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
 
 
 def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None,

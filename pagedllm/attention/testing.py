@@ -96,11 +96,13 @@ def make_paged_batch(
 
 
 def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, attention_chunk_size: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
     (and, with ``sliding_window`` W, only the last W positions visible; with ``logits_soft_cap``
     c, explicit softmax over ``tanh(s / c) * c``; with ``attention_chunk_size`` C, only the
-    positions of the query's own C-aligned chunk visible)."""
+    positions of the query's own C-aligned chunk visible; with ``sinks`` [num_heads], one more
+    logit per head in the softmax, whose probability is dropped, as transformers' GPT-OSS does)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -120,9 +122,14 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
         if attention_chunk_size:
             mask &= k_pos // attention_chunk_size == (q_pos // attention_chunk_size)[:, None]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
-        if logits_soft_cap:
-            s = torch.tanh(q @ k.transpose(1, 2) * batch.scale / logits_soft_cap) * logits_soft_cap
-            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        if logits_soft_cap or sinks is not None:
+            s = q @ k.transpose(1, 2) * batch.scale  # [H, q_len, seq_len]
+            if logits_soft_cap:
+                s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+            s = s.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q_len, 1)], dim=-1)
+            o = torch.softmax(s, dim=-1)[..., :seq_len] @ v
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
         outs.append(o.transpose(0, 1))

@@ -2,13 +2,14 @@
 
 For every request it walks the block table one block at a time, keeping the online-softmax
 state per (query token, head): running max ``m``, running sum ``l`` and an accumulator ``acc``
-rescaled by ``exp(m_old - m_new)`` whenever the max grows. Slow, but obviously right.
+rescaled by ``exp(m_old - m_new)`` whenever the max grows. Slow, but obviously right. An
+attention sink (GPT-OSS) is one more term ``exp(sink - m)`` in the final ``row_sum``.
 """
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, check_chunk_size, visible_keys, write_kv
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks, visible_keys, write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -17,18 +18,19 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                attention_chunk_size: int | None = None):
+                attention_chunk_size: int | None = None, sinks=None):
         check_chunk_size(attention_chunk_size)
+        sinks = check_sinks(sinks, query.shape[1])
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for r, start, end, seq_len in meta.request_spans():
             out[start:end] = _attend_one(query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len,
-                                         scale, sliding_window, logits_soft_cap, attention_chunk_size)
+                                         scale, sliding_window, logits_soft_cap, attention_chunk_size, sinks)
         return out
 
 
 def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None,
-                soft_cap: float | None = None, chunk: int | None = None):
+                soft_cap: float | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None):
     """Online-softmax attention of one request's query chunk over its paged context."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -58,4 +60,6 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         row_sum = row_sum * correction + p.sum(dim=-1)
         acc = acc * correction[..., None] + torch.einsum("qhk,hkd->qhd", p, v)
         m = m_new
+    if sinks is not None:  # the sink's share of the denominator: exp(sink) = exp(m) * exp(sink - m)
+        row_sum = row_sum + torch.exp(sinks.to(q.device)[None, :] - m)
     return (acc / row_sum[..., None]).to(q.dtype)

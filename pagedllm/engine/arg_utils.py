@@ -258,7 +258,7 @@ class EngineArgs:
                                  "on CPU)")
     quantization: str | None = option(None, "weight-only projections: int8 (per-channel) or int4 (group 128) "
                                       "quantized at load, or the checkpoint's format (gptq, awq, "
-                                      "compressed-tensors, fp8; detected from config.json)",
+                                      "compressed-tensors, fp8, mxfp4; detected from config.json)",
                                       choices=QUANTIZATION_METHODS, aliases=("-q",))
     kv_cache_dtype: str = option("auto", "KV cache storage; auto = the model's dtype; fp8 (= fp8_e4m3) and "
                                  "fp8_e5m2 store K/V in one byte with per-layer scales",

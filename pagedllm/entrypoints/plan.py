@@ -33,7 +33,14 @@ from pagedllm.config import (
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
 from pagedllm.kv_cache.spec import KVCacheSpec
-from pagedllm.layers.quantization import LOAD_TIME_METHODS, grouped, keeps_cpu_panels, projection_layout, refuse_moe
+from pagedllm.layers.quantization import (
+    LOAD_TIME_METHODS,
+    grouped,
+    keeps_cpu_panels,
+    mxfp4,
+    projection_layout,
+    refuse_moe,
+)
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
@@ -376,9 +383,14 @@ def _notes(shape: ModelShape, max_model_len: int, budget: int, max_seqs: int) ->
 
 
 def _weights_bytes(shape: ModelShape, num_params: int, dtype: torch.dtype,
-                   layout: tuple[int, int, int] | None) -> int:
+                   layout: tuple[int, int, int] | None, quantization: str | None = None) -> int:
     """Estimated weight bytes; quantized projections (``layout`` = (bits, group, float bytes per
-    group), layers/quantization) take bits / 8 bytes each plus their scales (and zeros)."""
+    group), layers/quantization) take bits / 8 bytes each plus their scales (and zeros); MXFP4
+    experts (gpt-oss) half a byte per weight plus a one-byte scale per 32."""
+    if quantization == "mxfp4":
+        mlp_mats = 3 if shape.gated_mlp else 2
+        experts = shape.num_moe_layers * shape.num_experts * mlp_mats * shape.hidden_size * shape.intermediate_size
+        return (num_params - experts) * dtype.itemsize + experts // 2 + experts // mxfp4.GROUP
     if layout is None:
         return num_params * dtype.itemsize
     proj = projection_params(shape)
@@ -434,7 +446,8 @@ def plan_kv(
     layout = projection_layout(quantization, config)
     with_panels = estimated and device == "cpu" and keeps_cpu_panels(quantization, config)
     panels = _panel_bytes(shape, layout) if with_panels else 0
-    weights = _weights_bytes(shape, num_params, weights_dtype, layout) + panels if estimated else int(weights_bytes)
+    weights = _weights_bytes(shape, num_params, weights_dtype, layout, quantization) + panels if estimated \
+        else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 

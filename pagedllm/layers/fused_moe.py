@@ -16,6 +16,12 @@ CUDA) the layer runs ``triton_ops/fused_moe.py``: the sort by expert on the devi
 GEMM pair over all experts, no host sync, so decode steps can be captured in CUDA graphs. Other
 devices with the native ops take the torch path on the stacked tensors, which reads the expert
 counts on the host (``cuda_graph_blocker`` says so).
+
+GPT-OSS adds per-expert biases (``bias=True``: ``w13_bias [experts, 2 * inter]`` and ``w2_bias
+[experts, hidden]``, the latter added on rank 0 only, since the ranks' partial outputs are summed)
+and its own gated activation (``act_and_mul``); the Triton GEMMs add the biases, the C kernel has
+none (those layers run the torch path on the CPU). Its MXFP4 experts are ``quantization/mxfp4.py``'s
+subclass.
 """
 from __future__ import annotations
 
@@ -45,7 +51,10 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, act: str = "silu", act_field: str = "hidden_act", *,
-                 tp: TensorParallelGroup, ops: str = "native"):
+                 tp: TensorParallelGroup, ops: str = "native", bias: bool = False,
+                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``act_and_mul``: a gated activation ``[rows, 2 * inter] -> [rows, inter]`` that is not
+        one of the config names ``gated_activation`` knows (``act`` then only names it)."""
         super().__init__()
         self.tp = tp
         self.tp_rank, self.tp_size = tp.rank, tp.size
@@ -57,20 +66,33 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.inter = intermediate_size // self.tp_size  # this rank's share of each expert
         self.act, self.ops = act, ops
-        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gated_activation(act, act_field, ops)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
-        self.w13.weight_loader = self.weight_loader
-        self.w2.weight_loader = self.weight_loader
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = act_and_mul or gated_activation(act, act_field, ops)
+        self.create_expert_weights(hidden_size)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
         # set by pack_weights once loaded (CPU float32): the C kernel's panels (moe_cpu.py), else per
         # expert oneDNN-packed copies of (w13[e], w2[e])
         self.kernel_weights: moe_cpu.PackedExperts | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def create_expert_weights(self, hidden_size: int) -> None:
+        """The stacked expert matrices (a quantized subclass registers its own)."""
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        """``shard_id = (expert, "gate" | "up" | "down")``: one expert's checkpoint matrix, this rank's slice."""
+        """``shard_id = (expert, "gate" | "up" | "down")``: one expert's checkpoint matrix (or bias
+        vector), this rank's slice; the down bias ``[hidden]`` is whole on every rank."""
         expert, kind = shard_id
         start = self.tp_rank * self.inter
+        if param is self.w2_bias:
+            param.data[expert].copy_(loaded)
+            return
         if kind == "down":  # [hidden, inter]: split the input dimension
             param.data[expert].copy_(loaded.narrow(1, start, self.inter))
             return
@@ -86,7 +108,7 @@ class FusedMoE(nn.Module):
         The Triton path reads the stacked tensors: nothing to pack."""
         if self.ops == "triton":
             return 0
-        if kernel and moe_cpu.can_pack(self.w13, self.w2, self.act):
+        if kernel and self.w13_bias is None and moe_cpu.can_pack(self.w13, self.w2, self.act):
             self.kernel_weights = moe_cpu.pack_experts(self.w13.detach(), self.w2.detach())
             return 2 * self.num_experts
         packed = [(cpu_ops.pack_weight(w13), cpu_ops.pack_weight(w2)) for w13, w2 in zip(self.w13, self.w2)]
@@ -110,9 +132,15 @@ class FusedMoE(nn.Module):
         ``weights`` float32 and expert ``ids``, both ``[tokens, top_k]``."""
         if self.ops == "triton":
             from pagedllm.layers.triton_ops.fused_moe import fused_experts
-            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul))
+            b2 = self.w2_bias if self.w2_bias is not None and self.tp_rank == 0 else None  # ranks are summed
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul,
+                                                    self.w13_bias, b2))
         if self.kernel_weights is not None and cpu_ops.usable(x):
             return self.tp.all_reduce(moe_cpu.run_experts(x, weights, ids, self.kernel_weights))
+        return self.forward_grouped(x, weights, ids)
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The torch path: slots sorted by expert, then ``expert_linear`` per expert with tokens."""
         flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
@@ -130,8 +158,21 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             rows = grouped[start:start + n]  # [n, hidden]
-            p13, p2 = self.packed[expert] if self.packed else (None, None)
-            h = self.act_and_mul(cpu_ops.linear(rows, self.w13[expert], None, p13))  # [n, inter]
-            out[start:start + n] = cpu_ops.linear(h, self.w2[expert], None, p2)
+            h = self.act_and_mul(self.expert_linear(rows, expert, "w13"))  # [n, inter]
+            out[start:start + n] = self.expert_linear(h, expert, "w2")
             start += n
         return out
+
+    def expert_linear(self, x: torch.Tensor, expert: int, which: str) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` for one expert's ``w13`` or ``w2`` (a quantized subclass overrides it)."""
+        p13, p2 = self.packed[expert] if self.packed else (None, None)
+        weight, packed = (self.w13[expert], p13) if which == "w13" else (self.w2[expert], p2)
+        return cpu_ops.linear(x, weight, self.expert_bias(expert, which), packed)
+
+    def expert_bias(self, expert: int, which: str) -> torch.Tensor | None:
+        """The expert's bias for ``w13`` or ``w2``; the down bias on rank 0 only (ranks are summed)."""
+        if self.w13_bias is None:
+            return None
+        if which == "w13":
+            return self.w13_bias[expert]
+        return self.w2_bias[expert] if self.tp_rank == 0 else None

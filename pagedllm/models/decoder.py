@@ -111,6 +111,7 @@ class Attention(nn.Module):
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
         self.attention_chunk_size: int | None = None  # chunked local attention (Llama 4, llama4.py)
         self.logits_soft_cap = spec.attn_logit_softcap
+        self.sinks: torch.Tensor | None = None  # [num_heads] attention-sink logits (GPT-OSS sets them)
         # k_scale / v_scale of an fp8 KV cache (per tensor, or per this rank's KV heads)
         kv_quant.add_scales(self, self.qkv_proj.kv_heads_of_rank(), self.qkv_proj.total_kv_heads)
 
@@ -125,9 +126,10 @@ class Attention(nn.Module):
         fp8_cache = kv_quant.is_fp8(kv_cache[0].dtype)
         if fp8_cache:  # the K/V scales folded into q, k, v and the output
             q, k, v = kv_quant.scale_inputs(self, q, k, v)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}  # (backends without sinks never see the name)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                    logits_soft_cap=self.logits_soft_cap,
-                                   attention_chunk_size=self.attention_chunk_size)
+                                   attention_chunk_size=self.attention_chunk_size, **extra)
         if fp8_cache:
             out = kv_quant.scale_output(self, out)
         return self.o_proj(out.reshape(-1, q_size))  # [num_tokens, hidden]

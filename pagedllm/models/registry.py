@@ -4,6 +4,7 @@ from __future__ import annotations
 from pagedllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
@@ -30,6 +31,7 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # text-only (models/llama4.py)
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # vision-language (multimodal/)
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)

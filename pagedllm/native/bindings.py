@@ -83,6 +83,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I64, _I64, _I64, _I64,  # query / out strides (token, head), in elements
         _F32, _I32, _I32,  # scale, sliding window (0: none), attention chunk (0: none)
         _I32, _I32, _I64,  # cache dtype, threads, parallel_work
+        _VP,  # attention sinks [num_heads] float32, or NULL
     ]),
     "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
@@ -111,6 +112,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # packed w13 / w2, experts, hidden, inter, y, threads
     ]),
     "dg_gemm": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, panels, bias, in, out, y, threads
+    # x, T, blocks, scales, bias, in, out, y, threads
+    "mx_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -228,10 +231,12 @@ class NativeLibrary:
 
     def attention(self, query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  window: int, num_threads: int, parallel_work: int, attn_chunk: int = 0) -> None:
+                  window: int, num_threads: int, parallel_work: int, attn_chunk: int = 0,
+                  sinks: torch.Tensor | None = None) -> None:
         """Paged attention into ``out``; query/out ``[num_tokens, num_heads, head_dim]`` float32
         with unit inner stride; metadata int32 and contiguous; ``window`` 0 = full attention;
-        ``attn_chunk`` C > 0: chunked local attention (a token sees only its own C-token chunk)."""
+        ``attn_chunk`` C > 0: chunked local attention (a token sees only its own C-token chunk);
+        ``sinks`` float32 ``[num_heads]`` contiguous (GPT-OSS attention sinks) or None."""
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         rc = self._lib.pa_attention(
@@ -240,7 +245,7 @@ class NativeLibrary:
             seq_lens.shape[0], num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
             num_heads, num_kv_heads, head_dim, block_size,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            scale, window, attn_chunk, self.dtype_code(key_cache.dtype), num_threads, parallel_work,
+            scale, window, attn_chunk, self.dtype_code(key_cache.dtype), num_threads, parallel_work, _ptr(sinks),
         )  # fmt: skip
         if rc != 0:
             self._raise(rc, "pa_attention")
@@ -383,6 +388,17 @@ class NativeLibrary:
                                    _ptr(w2p), experts, hidden, inter, _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "moe_experts", f": x {tuple(x.shape)}, experts {experts}, inter {inter}")
+
+    def mx_linear(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor, num_threads: int) -> None:
+        """``out [T, out]`` = x ``[T, in]`` float32 times the MXFP4 weight (``csrc/mxfp4.c``):
+        blocks uint8 ``[out, in / 32, 16]``, scales uint8 ``[out, in / 32]``, bias float32 or
+        None; all contiguous."""
+        rows, in_features = x.shape
+        rc = self._lib.mx_linear(_ptr(x), rows, _ptr(blocks), _ptr(scales), _ptr(bias), in_features, blocks.shape[0],
+                                 _ptr(out), num_threads)
+        if rc != 0:
+            self._raise(rc, "mx_linear", f": x {tuple(x.shape)}, blocks {tuple(blocks.shape)}")
 
     def decoder_forward(self, model: LdModel, batch: LdBatch, out: torch.Tensor, num_threads: int) -> None:
         """The whole decoder stack on ``batch``: final-normed hidden states into ``out``

@@ -324,15 +324,15 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert not done.failures, done.failures
     lines = done.stdout.splitlines()
     from pagedllm.attention.triton.aot import shipped_launches
-    # 11 (query, cache) dtype pairs x 4 attention launches, 7 K/V writes (fp8 caches take fp8 K/V:
-    # one write each), 3 merges; the e4m3-cache kernels (3 x 4 + 1) on sm_90 only, and so the
-    # e5m2 ones with a triton before 3.7
+    # 11 (query, cache) dtype pairs x 5 attention launches (one with attention sinks), 7 K/V writes
+    # (fp8 caches take fp8 K/V: one write each), 3 merges with sinks and 3 without; the e4m3-cache
+    # kernels (3 x 5 + 1) on sm_90 only, and so the e5m2 ones with a triton before 3.7
     e5m2_sm90_only = plan.device_lacks_dtype(torch.float8_e5m2, (8, 0))
-    sm90_only = 13 * (1 + e5m2_sm90_only)
-    assert len(lines) == 2 * len(list(shipped_launches())) - sm90_only == 2 * 54 - sm90_only
+    sm90_only = 16 * (1 + e5m2_sm90_only)
+    assert len(lines) == 2 * len(list(shipped_launches())) - sm90_only == 2 * 68 - sm90_only
     assert {line.split()[0] for line in lines} == {"sm_80", "sm_90"}
     e4m3 = [line for line in lines if "key_cache=fp8e4nv" in line]
-    assert len(e4m3) == 13 and {line.split()[0] for line in e4m3} == {"sm_90"}
+    assert len(e4m3) == 16 and {line.split()[0] for line in e4m3} == {"sm_90"}
     e5m2_archs = {line.split()[0] for line in lines if "key_cache=fp8e5" in line}
     assert e5m2_archs == ({"sm_90"} if e5m2_sm90_only else {"sm_80", "sm_90"})
     check_fp8_dots_match_the_same_dtype_cache(lines)

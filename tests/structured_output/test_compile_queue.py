@@ -170,3 +170,14 @@ def test_a_grammar_not_ready_in_time_fails_its_request_naming_the_option():
 def test_bad_limits_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
         StructuredOutputConfig(**config)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_compile_workers_run_at_a_lower_cpu_priority(queue):
+    """A size-limit compile takes seconds of CPU: it must take what the engine thread leaves."""
+    from pagedllm.structured_output.compile_queue import COMPILE_NICE
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    job = CompileJob(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), "A", False)
+    queue.submit(job)
+    assert job.future.result(WAIT) == min(19, mine + COMPILE_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is unchanged

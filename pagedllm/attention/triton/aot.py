@@ -92,18 +92,24 @@ def shipped_launches() -> Iterator[Launch]:
     for q_dtype, cache_dtype in SUPPORTED_DTYPES:
         for head_dim in {next_pow2(d): d for d in SUPPORTED_HEAD_DIMS}.values():  # one per padded width
             yield from _attention_launches(q_dtype, cache_dtype, head_dim)
+        yield from _attention_launches(q_dtype, cache_dtype, 64, sinks=True)  # GPT-OSS: head_dim 64
         yield _batch1_decode_launch(q_dtype, cache_dtype)
     for q_dtype in dict.fromkeys(q for q, _ in SUPPORTED_DTYPES):  # the merge reads float32 partials
         out = _meta(4, 8, 64, dtype=q_dtype)
-        yield reduce_launch(out, SplitBuffers.empty(3, out))
+        for sinks in (None, _meta(8, dtype=torch.float32)):
+            call = AttentionCall(out, out, out, _metadata(4, 2, 1), 0.1, 0, 0.0, sinks)
+            yield reduce_launch(out, SplitBuffers.empty(3, out), call)
 
 
-def _attention_launches(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Iterator[Launch]:
-    """The attention kernel for one dtype pair and head size (split or not, it is one kernel)."""
+def _attention_launches(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                        sinks: bool = False) -> Iterator[Launch]:
+    """The attention kernel for one dtype pair and head size (split or not, it is one kernel),
+    with attention sinks or without."""
     tokens, heads, kv_heads = 4, 8, 2
     query = _meta(tokens, heads, head_dim, dtype=q_dtype)
     cache = _meta(16, kv_heads, SUPPORTED_BLOCK_SIZES[0], head_dim, dtype=cache_dtype)
-    call = AttentionCall(query, cache, cache, _metadata(tokens, 2, 1), 0.1, 0, 0.0)
+    call = AttentionCall(query, cache, cache, _metadata(tokens, 2, 1), 0.1, 0, 0.0,
+                         _meta(heads, dtype=torch.float32) if sinks else None)
     yield attention_launch(call, attention_tiles(head_dim, call.group), torch.empty_like(query),
                            SplitBuffers.empty(3, query))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, check_chunk_size
+from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks
 from pagedllm.attention.kv_quant import is_fp8, to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton import import_error, interpreting, load_kernels
@@ -111,13 +111,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                attention_chunk_size: int | None = None):
+                attention_chunk_size: int | None = None, sinks=None):
+        sinks = check_sinks(sinks, query.shape[1])
         plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
-                          attention_chunk_size)
+                          attention_chunk_size, sinks)
         if plan.fallback_reason is not None:
+            extra = {} if sinks is None else {"sinks": sinks}  # a fallback without sinks need not know of them
             return self._fallback_for(plan.fallback_reason).forward(query, key, value, key_cache, value_cache, meta,
                                                                     scale, sliding_window, logits_soft_cap,
-                                                                    attention_chunk_size)
+                                                                    attention_chunk_size, **extra)
         kernels = load_kernels()
         query, key, value = (_unit_stride(t) for t in (query, key, value))
         if is_fp8(key_cache.dtype):  # rounded here (saturating, to nearest even); the kernel copies bytes
@@ -131,15 +133,15 @@ class TritonAttentionBackend(AttentionBackend):
         if query.shape[0] == 0:
             return out
         call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0,
-                             attention_chunk_size or 0)
+                             attention_chunk_size or 0, sinks)
         self._attend(kernels, plan, call, out)
         return out
 
     def _plan(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window,
-              logits_soft_cap, attention_chunk_size=None) -> LaunchPlan:
+              logits_soft_cap, attention_chunk_size=None, sinks=None) -> LaunchPlan:
         """The call's plan: cached, or validated (``check_call`` raises for a bad call) and built."""
         cache_key = plan_key(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
-                             attention_chunk_size)
+                             attention_chunk_size, sinks)
         plan = self._plans.get(cache_key)
         if plan is not None:
             self._plans.move_to_end(cache_key)
@@ -173,24 +175,25 @@ class TritonAttentionBackend(AttentionBackend):
         splits = SplitBuffers.empty(num_splits, call.query)
         if num_splits not in plan.attention:  # this call's launches, as templates for the next ones
             tiles = attention_tiles(call.query.shape[2], call.group)
-            reduce = reduce_launch(out, splits).template() if num_splits > 1 else None
+            reduce = reduce_launch(out, splits, call).template() if num_splits > 1 else None
             plan.attention[num_splits] = (attention_launch(call, tiles, out, splits).template(), reduce)
         attention, reduce = plan.attention[num_splits]
         attention.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum,
                        query_ptr=call.query, key_cache_ptr=call.key_cache, value_cache_ptr=call.value_cache,
                        block_tables_ptr=meta.block_tables, query_start_loc_ptr=meta.query_start_loc,
-                       seq_lens_ptr=meta.seq_lens).run(kernels)
+                       seq_lens_ptr=meta.seq_lens, sinks_ptr=call.sinks_arg).run(kernels)
         if reduce is not None:
-            reduce.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum).run(kernels)
+            reduce.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum,
+                        sinks_ptr=call.sinks_arg).run(kernels)
 
 
 def plan_key(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window,
-             logits_soft_cap, attention_chunk_size=None) -> tuple:
+             logits_soft_cap, attention_chunk_size=None, sinks: torch.Tensor | None = None) -> tuple:
     """What a call's validation and launch arguments depend on: every tensor's shape, strides,
     dtype and device, the block size and the options (with their types, so that a cached plan
     never lets through an argument the validation refuses, e.g. a float window)."""
     tensors = (query, key, value, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-               meta.slot_mapping)
+               meta.slot_mapping, *(() if sinks is None else (sinks,)))
     return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), meta.block_size, scale, type(scale),
             sliding_window, type(sliding_window), logits_soft_cap, type(logits_soft_cap), attention_chunk_size,
             type(attention_chunk_size))

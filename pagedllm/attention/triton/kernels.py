@@ -28,6 +28,10 @@ FMA, ``_dot``) over any cache. The fp8 scales never reach the kernel: the model 
 the query (``q * k_scale``, so the scores come out scaled) and the output (``* v_scale``), see
 ``attention/kv_quant.py``.
 
+Attention sinks (GPT-OSS, ``HAS_SINKS``): a head's sink logit is one more term of the softmax
+denominator, added where the output is normalised (``_sink_share``): after the last key of an
+unsplit row, or after the merge of the splits, so it counts once per row however the keys split.
+
 Whether these run compiled or in Triton's interpreter is decided when this module is imported
 (``triton.jit`` reads ``TRITON_INTERPRET`` then, and triton's own library functions were decorated
 the same way when triton was imported), so one process runs in one mode.
@@ -85,6 +89,15 @@ def _tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _sink_share(sinks_ptr, head, m, HAS_SINKS: tl.constexpr):
+    """What a row's sink adds to its running sum: ``exp(sink) / exp(m)`` (base 2, like ``m``)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        return tl.exp2(sink - m)
+    return tl.zeros_like(m)
 
 
 @triton.jit
@@ -182,11 +195,11 @@ def _key_range(seq_len, q_len, q_first, block_q, window, chunk):
 @triton.jit
 def paged_attention_kernel(
     out_ptr, acc_ptr, m_ptr, row_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr,
     scale, soft_cap, window, chunk, num_reqs, group, heads_per_prog, block_q, head_dim, block_size, num_splits,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, a_stride_s, a_stride_t, a_stride_h, st_stride_s, st_stride_t,
     c_stride_b, c_stride_h, c_stride_s, bt_stride,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, num_kv_heads * subgroups, num_splits)``.
 
@@ -227,6 +240,7 @@ def paged_attention_kernel(
         tl.store(m_ptr + stat_rows, m, mask=row_ok)
         tl.store(row_sum_ptr + stat_rows, row_sum, mask=row_ok)
     else:
+        row_sum += _sink_share(sinks_ptr, head, m, HAS_SINKS)  # masked rows: m = -inf, acc = 0, out 0
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # masked rows have row_sum 0
         rows = token * o_stride_t + head * o_stride_h
         tl.store(out_ptr + rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -234,8 +248,9 @@ def paged_attention_kernel(
 
 @triton.jit
 def reduce_splits_kernel(
-    out_ptr, acc_ptr, m_ptr, row_sum_ptr, num_splits, head_dim,
+    out_ptr, acc_ptr, m_ptr, row_sum_ptr, sinks_ptr, num_splits, head_dim,
     o_stride_t, o_stride_h, a_stride_s, a_stride_t, a_stride_h, st_stride_s, st_stride_t,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head): merges the splits' online-softmax states (the same
     rescaling as one more step of the online softmax, split by split)."""
@@ -259,5 +274,6 @@ def reduce_splits_kernel(
         split_acc = tl.load(acc_ptr + split * a_stride_s + token * a_stride_t + head * a_stride_h + d, mask=d_ok)
         acc = acc * correction + split_acc * weight
         m = m_new
+    row_sum += _sink_share(sinks_ptr, head, m, HAS_SINKS)
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)  # every split empty: 0, not NaN
     tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -67,6 +67,12 @@ class AttentionCall:
     sliding_window: int  # 0: none
     logits_soft_cap: float  # 0.0: none
     attention_chunk_size: int = 0  # 0: none (chunked local attention otherwise)
+    sinks: torch.Tensor | None = None  # [num_heads] float32 attention-sink logits (GPT-OSS)
+
+    @property
+    def sinks_arg(self) -> torch.Tensor:
+        """The kernels' ``sinks_ptr``: the sinks, or (never read: ``HAS_SINKS`` is off) the query."""
+        return self.query if self.sinks is None else self.sinks
 
     @property
     def group(self) -> int:
@@ -105,8 +111,8 @@ def attention_launch(call: AttentionCall, tiles: AttentionTiles, out: torch.Tens
         out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum,
         query_ptr=q, key_cache_ptr=call.key_cache, value_cache_ptr=call.value_cache,
         block_tables_ptr=meta.block_tables, query_start_loc_ptr=meta.query_start_loc, seq_lens_ptr=meta.seq_lens,
-        scale=float(call.scale), soft_cap=float(call.logits_soft_cap), window=int(call.sliding_window),
-        chunk=int(call.attention_chunk_size),
+        sinks_ptr=call.sinks_arg, scale=float(call.scale), soft_cap=float(call.logits_soft_cap),
+        window=int(call.sliding_window), chunk=int(call.attention_chunk_size),
         num_reqs=meta.num_reqs, group=call.group, heads_per_prog=tiles.heads_per_prog, block_q=tiles.block_q,
         head_dim=head_dim, block_size=block_size, num_splits=splits.num_splits,
         q_stride_t=q.stride(0), q_stride_h=q.stride(1), o_stride_t=out.stride(0), o_stride_h=out.stride(1),
@@ -116,16 +122,18 @@ def attention_launch(call: AttentionCall, tiles: AttentionTiles, out: torch.Tens
     )  # fmt: skip
     grid = (num_query_tiles(num_tokens, meta.num_reqs, tiles.block_q), num_kv_heads * tiles.subgroups,
             splits.num_splits)
-    constexprs = dict(BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, HEAD_DIM_PAD=tiles.head_dim_pad)
+    constexprs = dict(BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, HEAD_DIM_PAD=tiles.head_dim_pad,
+                      HAS_SINKS=call.sinks is not None)
     return Launch("paged_attention_kernel", grid, args, constexprs,
                   dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
 
-def reduce_launch(out: torch.Tensor, splits: SplitBuffers) -> Launch:
-    """Merges the splits into ``out`` [num_tokens, num_heads, head_dim]."""
+def reduce_launch(out: torch.Tensor, splits: SplitBuffers, call: AttentionCall) -> Launch:
+    """Merges the splits into ``out`` [num_tokens, num_heads, head_dim] (adding ``call``'s sinks)."""
     acc, m = splits.acc, splits.m
     num_splits, num_tokens, num_heads, head_dim = acc.shape
-    args = dict(out_ptr=out, acc_ptr=acc, m_ptr=m, row_sum_ptr=splits.row_sum, num_splits=num_splits,
+    args = dict(out_ptr=out, acc_ptr=acc, m_ptr=m, row_sum_ptr=splits.row_sum, sinks_ptr=call.sinks_arg,
+                num_splits=num_splits,
                 head_dim=head_dim, o_stride_t=out.stride(0), o_stride_h=out.stride(1), a_stride_s=acc.stride(0),
                 a_stride_t=acc.stride(1), a_stride_h=acc.stride(2), st_stride_s=m.stride(0), st_stride_t=m.stride(1))
-    return Launch("reduce_splits_kernel", (num_tokens, num_heads), args, {})
+    return Launch("reduce_splits_kernel", (num_tokens, num_heads), args, dict(HAS_SINKS=call.sinks is not None))

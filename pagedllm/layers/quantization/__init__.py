@@ -13,6 +13,7 @@ Read from a pre-quantized checkpoint (detected from ``quantization_config`` in c
                         float-quantized FP8 W8A8 / W8A16 (fp8.py)
     fp8                 FP8 e4m3 weights, per-tensor or block-wise scales, static or dynamic
                         FP8 activations (fp8.py)
+    mxfp4               gpt-oss's MXFP4 experts (the projections stay float; mxfp4.py)
 
 On CUDA the group-wise 4/8-bit layout runs the Triton dequant-in-GEMM
 (``layers/triton_ops/grouped_gemm.py``), int8 its own Triton GEMM, FP8 ``torch._scaled_mm``.
@@ -30,6 +31,7 @@ from pagedllm.layers.quantization.gptq import GPTQMethod
 from pagedllm.layers.quantization.grouped import grouped_linear
 from pagedllm.layers.quantization.int4 import Int4Method
 from pagedllm.layers.quantization.int8 import C_MAX_ROWS, Int8Method, int8_linear, quantize_int8
+from pagedllm.layers.quantization.mxfp4 import Mxfp4Method
 
 __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create_weights", "fp8_linear",
            "grouped_linear",
@@ -39,7 +41,7 @@ __all__ = ["C_MAX_ROWS", "METHODS", "check_method", "checkpoint_method", "create
 
 LOAD_TIME_METHODS = ("int8", "int4")
 CHECKPOINT_METHODS = {"gptq": GPTQMethod, "awq": AWQMethod, "compressed-tensors": CompressedTensorsMethod,
-                      "fp8": Fp8Method}
+                      "fp8": Fp8Method, "mxfp4": Mxfp4Method}
 METHODS = (*LOAD_TIME_METHODS, *CHECKPOINT_METHODS)
 
 
@@ -102,7 +104,7 @@ def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | N
     :func:`resolve_method`); group -1: one group per output row. None: float weights. For memory
     estimates (``pagedllm plan``): int8 keeps a scale per row, the group-wise layout a scale and
     a scaled zero per group, fp8 a scale per group."""
-    if method is None:
+    if method in (None, "mxfp4"):  # mxfp4: only the experts are quantized, the projections are float
         return None
     if method == "int8":
         return 8, -1, 4
@@ -115,7 +117,7 @@ def projection_layout(method: str | None, hf_config) -> tuple[int, int, int] | N
 def keeps_cpu_panels(method: str | None, hf_config) -> bool:
     """Whether ``method`` (resolved: :func:`resolve_method`) installs the group-wise 4/8-bit layout
     (``grouped.install``), which on the CPU also keeps a panel copy of each projection."""
-    if method in (None, "int8"):
+    if method in (None, "int8", "mxfp4"):
         return False
     return method == "int4" or isinstance(checkpoint_method(hf_config), CheckpointMethod)
 

@@ -27,11 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.triton_ops.mxfp4 import decode_tile
+
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weight_ptr, slots_ptr, block_expert_ptr, num_padded_ptr, N, K,
-                     num_slots, a_stride, w_expert_stride, w_stride, c_stride, SLOTS_PER_ROW: tl.constexpr,
-                     MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+def _moe_gemm_kernel(a_ptr, w_ptr, w_scales_ptr, c_ptr, weight_ptr, bias_ptr, slots_ptr, block_expert_ptr,
+                     num_padded_ptr, N, K, num_slots, a_stride, w_expert_stride, w_stride, c_stride,
+                     SLOTS_PER_ROW: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     MXFP4: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last expert's blocks (the static grid's tail)
@@ -49,10 +52,17 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weight_ptr, slots_ptr, block_expert_pt
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk[None, :] < K - k0
         a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok, other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if MXFP4:  # the expert's MXFP4 blocks / scales (gpt-oss), decoded in registers: [BLOCK_K, BLOCK_N]
+            wt = decode_tile(w_ptr + expert * (N * K // 2), w_scales_ptr + expert * (N * K // 32),
+                             rn.to(tl.int64), k0 + rk, N, K)
+            acc = tl.dot(a, wt.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:  # the expert's bias [experts, N] (GPT-OSS), before the routing weight
+        acc += tl.load(bias_ptr + expert * N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:  # the routing weight, in float32 before the one rounding to the output dtype
         acc *= tl.load(weight_ptr + slots, mask=slot_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + slots[:, None].to(tl.int64) * c_stride + rn[None, :]
@@ -116,31 +126,41 @@ def tiles(num_slots: int, num_experts: int) -> tuple[int, int, int, int]:
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, slots_per_row: int,
-             routing_weights: torch.Tensor | None, tile: tuple[int, int, int, int]) -> torch.Tensor:
-    """``[slots, N]``: row s is ``a[s // slots_per_row] @ w[expert of s]^T``, times
-    ``routing_weights[s]`` (float32, flat) when given. a: [rows, K] with unit inner stride, w:
-    [experts, N, K] contiguous."""
-    _, n, k = w.shape
-    assert a.shape[1] == k and a.stride(1) == 1 and w.is_contiguous() and w.dtype == a.dtype
+             routing_weights: torch.Tensor | None, tile: tuple[int, int, int, int],
+             bias: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``[slots, N]``: row s is ``a[s // slots_per_row] @ w[expert of s]^T`` (plus ``bias[expert
+    of s]`` when given, ``[experts, N]`` contiguous), times ``routing_weights[s]`` (float32, flat)
+    when given. a: [rows, K] with unit inner stride, w: [experts, N, K] contiguous, or with
+    ``w_scales`` the MXFP4 blocks ``[experts, N, K / 32, 16]`` and scales ``[experts, N, K / 32]``."""
+    n, k = w.shape[1], (w.shape[2] * 32 if w_scales is not None else w.shape[2])
+    assert a.shape[1] == k and a.stride(1) == 1 and w.is_contiguous()
+    assert w.dtype == a.dtype if w_scales is None else w_scales.is_contiguous()
     c = torch.empty(blocks.num_slots, n, dtype=a.dtype, device=a.device)
     block_m, block_n, block_k, num_warps = tile
     assert block_m == blocks.block_m
     weights = routing_weights if routing_weights is not None else blocks.num_padded  # (unread)
     grid = (blocks.max_blocks, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, c, weights, blocks.sorted_slots, blocks.block_expert, blocks.num_padded, n, k, blocks.num_slots,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0), SLOTS_PER_ROW=slots_per_row,
-        MUL_WEIGHT=routing_weights is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        a, w, w_scales if w_scales is not None else blocks.num_padded, c, weights,
+        bias if bias is not None else weights, blocks.sorted_slots, blocks.block_expert,
+        blocks.num_padded, n, k, blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        SLOTS_PER_ROW=slots_per_row, MUL_WEIGHT=routing_weights is not None, HAS_BIAS=bias is not None,
+        MXFP4=w_scales is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps)
     return c
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing_weights: torch.Tensor,
-                  ids: torch.Tensor, act_and_mul) -> torch.Tensor:
+                  ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, w13_scales: torch.Tensor | None = None,
+                  w2_scales: torch.Tensor | None = None) -> torch.Tensor:
     """x: [tokens, hidden], w13: [experts, 2 * inter, hidden], w2: [experts, hidden, inter],
     routing_weights / ids: [tokens, top_k] (float32 / int) -> ``[tokens, hidden]``, the sum of
     each token's top-k experts' outputs weighted by its routing weights. ``act_and_mul``:
-    ``[rows, 2 * inter] -> [rows, inter]``."""
+    ``[rows, 2 * inter] -> [rows, inter]``; ``b13`` [experts, 2 * inter] / ``b2`` [experts,
+    hidden]: the experts' biases (GPT-OSS), or None; with ``w13_scales`` / ``w2_scales``, ``w13``
+    and ``w2`` are MXFP4 blocks (``moe_gemm``)."""
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
@@ -148,19 +168,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing_
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel steps along K with unit stride
     tile = tiles(tokens * top_k, experts)
     blocks = align_by_expert(ids, experts, tile[0])
-    gate_up = moe_gemm(x, w13, blocks, top_k, None, tile)  # [slots, 2 * inter]
+    gate_up = moe_gemm(x, w13, blocks, top_k, None, tile, b13, w13_scales)  # [slots, 2 * inter]
     h = act_and_mul(gate_up)  # [slots, inter]
-    out = moe_gemm(h, w2, blocks, 1, routing_weights.flatten().float(), tile)  # [slots, hidden], weighted
+    out = moe_gemm(h, w2, blocks, 1, routing_weights.flatten().float(), tile, b2, w2_scales)  # [slots, hidden]
     return out.view(tokens, top_k, -1).sum(dim=1)  # [tokens, hidden]
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing_weights: torch.Tensor,
-                      ids: torch.Tensor, act_and_mul) -> torch.Tensor:
+                      ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: every token's experts one by one, in float64."""
     y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = act_and_mul((w13[e].double() @ x[t].double())[None])[0]  # [inter]
-            y[t] += float(routing_weights[t, j]) * (w2[e].double() @ h)
+            gate_up = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+            h = act_and_mul(gate_up[None])[0]  # [inter]
+            y[t] += float(routing_weights[t, j]) * (w2[e].double() @ h + (0 if b2 is None else b2[e].double()))
     return y.to(x.dtype)

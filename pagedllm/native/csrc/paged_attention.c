@@ -523,6 +523,7 @@ typedef struct {
     int window; /* sliding window: a row at position p sees keys p - window + 1 .. p; 0 = all */
     int attn_chunk; /* chunked local attention (Llama 4): a row at position p sees keys
                      * p / attn_chunk * attn_chunk .. p (its own chunk); 0 = none */
+    const float *sinks; /* [num_heads] attention-sink logits (GPT-OSS), or NULL */
 } Problem;
 
 typedef struct {
@@ -785,7 +786,8 @@ static void load_rows(const Problem *P, const WorkItem *it, Scratch *S, int rows
     }
 }
 
-/* out rows = acc / l */
+/* out rows = acc / l; a head's sink logit adds exp(sink - m) to l: exp(sink) in the units of
+ * the running sum, which is scaled by exp(-m) (every stored row saw its own key, so m is finite) */
 static void store_rows(const Problem *P, const WorkItem *it, const Scratch *S) {
     const int D = P->head_dim, group = P->num_heads / P->num_kv_heads, ntok = it->t1 - it->t0;
     const int q_begin = P->query_start_loc[it->req];
@@ -793,8 +795,10 @@ static void store_rows(const Problem *P, const WorkItem *it, const Scratch *S) {
         float *ot = P->out + (int64_t)(q_begin + it->t0 + i) * P->o_stride_tok;
         for (int h = 0; h < group; h++) {
             const int r = i * group + h;
-            float *dst = ot + (int64_t)(it->kv_head * group + h) * P->o_stride_head;
-            const float inv = 1.0f / S->l[r];
+            const int head = it->kv_head * group + h;
+            float *dst = ot + (int64_t)head * P->o_stride_head;
+            const float sink = P->sinks ? expf(P->sinks[head] - S->m[r]) : 0.0f;
+            const float inv = 1.0f / (S->l[r] + sink);
             for (int d = 0; d < D; d++) dst[d] = S->acc[(int64_t)r * D + d] * inv;
         }
     }
@@ -1083,7 +1087,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
                  int max_blocks, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
-                 int window, int attn_chunk, int dtype, int num_threads, int64_t parallel_work) {
+                 int window, int attn_chunk, int dtype, int num_threads, int64_t parallel_work, const float *sinks) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
         block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2 || num_threads <= 0 || window < 0 ||
         attn_chunk < 0)
@@ -1095,7 +1099,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         .o_stride_tok = o_stride_tok, .o_stride_head = o_stride_head, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
         .dtype = dtype, .scale = scale, .window = window,
-        .attn_chunk = attn_chunk};
+        .attn_chunk = attn_chunk, .sinks = sinks};
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);

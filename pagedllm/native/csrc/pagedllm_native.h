@@ -1,7 +1,7 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c) plus
+ * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c, mxfp4.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -208,7 +208,7 @@ PN_EXPORT int pa_attention(const float *query, float *out, const void *key_cache
                            int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
                            int64_t o_stride_head, float scale, int window, int attn_chunk, int dtype, int num_threads,
-                           int64_t parallel_work);
+                           int64_t parallel_work, const float *sinks);
 
 /* ------------------------------------------------------------------------------------------ */
 /* fused model-body ops (cpu_ops.c)                                                           */
@@ -310,6 +310,15 @@ uint16_t pn_f32_to_bf16(float f);
 PN_EXPORT int moe_experts(const float *x, int64_t T, const int64_t *ids, const float *topk_w, int64_t top_k,
                           const float *w13p, const float *w2p, int64_t E, int64_t hidden, int64_t inter,
                           float *y, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* MXFP4 weights as gpt-oss ships them (mxfp4.c; layout in that file)                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* y [rows, out] = x [rows, in] W^T + bias (NULL: none); W as blocks [out, in/32, 16] e2m1 pairs
+ * and scales [out, in/32] e8m0; in a multiple of 32; all contiguous. */
+PN_EXPORT int mx_linear(const float *x, int64_t rows, const uint8_t *blocks, const uint8_t *scales,
+                        const float *bias, int64_t in_features, int64_t out_features, float *y, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */
