@@ -108,9 +108,9 @@ def test_a_sync_on_the_graph_path_fails_the_decode_step(tmp_path, monkeypatch):
     from pagedllm.layers.triton_ops import fused_moe
     fused = fused_moe.fused_experts
 
-    def reads_on_host(x, w13, w2, weights, ids, act_and_mul):
+    def reads_on_host(x, w13, w2, weights, ids, *rest):
         ids.max().item()  # e.g. an output size taken from the data
-        return fused(x, w13, w2, weights, ids, act_and_mul)
+        return fused(x, w13, w2, weights, ids, *rest)
     monkeypatch.setattr(fused_moe, "fused_experts", reads_on_host)
     llm = _graph_engine(monkeypatch, make_model_dir(tmp_path, "mixtral", **SHAPES))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
