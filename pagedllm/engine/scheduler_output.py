@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.kv_cache.offload.ops import TierOps
 from pagedllm.multimodal.inputs import EncoderInput
 
@@ -29,6 +31,8 @@ class ScheduledChunk:
     # images whose placeholder runs the chunk covers, as (content hash, offset in the prompt, length):
     # their rows of the worker's encoder cache replace the placeholders' token embeddings
     mm_spans: tuple[tuple[bytes, int, int], ...] = ()
+    # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
+    mrope_positions: np.ndarray | None = None
 
     @property
     def num_verify_rows(self) -> int:

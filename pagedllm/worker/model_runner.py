@@ -26,6 +26,7 @@ from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
+from pagedllm.multimodal.mrope import batch_positions
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
 from pagedllm.utils import cdiv
 from pagedllm.worker import sleep_mode
@@ -319,7 +320,7 @@ class ModelRunner:
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
-            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
+            return ExecuteResult(torch.empty(0, self.config.model.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
         self._run_encoder(out)
@@ -359,7 +360,8 @@ class ModelRunner:
         mc = self.config.model
         held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,
                            device=self.device)  # [encoder cache rows, hidden]
-        self.model.encode_image({key: value.to(self.device) for key, value in dummy().items()})
+        image = dummy(self.config.scheduler.max_num_batched_tokens)  # an image may take one step's encoder budget
+        self.model.encode_image({key: value.to(self.device) for key, value in image.items()})
         del held
 
     def _inputs_embeds(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -437,7 +439,9 @@ class ModelRunner:
             sample_idx = np.concatenate([sample_idx, starts + offsets])
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
-        size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
+        host["positions"] = batch_positions([c.mrope_positions for c in chunks], query_lens, host["positions"])
+        plain = host["positions"].ndim == 1  # [3, num_tokens]: M-RoPE image rows, never a graph replay
+        size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None and plain else None
         if size is not None:  # a decode-only step: into the CUDA graphs' input buffers
             return self.decode_graphs.prepare(host, size)
         dev = to_device(host, self.device)  # one host->device copy for the whole step
