@@ -90,7 +90,7 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id
         self.limits = limits
         image_processor = getattr(hf_processor, "image_processor", None)
-        self.option_names = frozenset(image_processor.to_dict()) if image_processor is not None else frozenset()
+        self.option_names = _image_options(image_processor)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
@@ -192,6 +192,19 @@ class MultiModalProcessor:
                 raise ValueError(f"the processor's {key!r} has {value.shape[0]} rows for {num_images} images: "
                                  "this model's processor output is not one row per image")
         return [{key: value[i:i + 1].clone() for key, value in tensors.items()} for i in range(num_images)]
+
+
+# image-processor call options that change the output's container or device, not the pixels
+_NOT_OPTIONS = frozenset({"return_tensors", "data_format", "input_data_format", "device"})
+
+
+def _image_options(image_processor) -> frozenset[str]:
+    """The options the image processor takes: its config's fields and the call's typed kwargs
+    (transformers 5: ``valid_kwargs``, e.g. Qwen2-VL's ``min_pixels`` / ``max_pixels``)."""
+    if image_processor is None:
+        return frozenset()
+    typed = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return frozenset(image_processor.to_dict()) | (frozenset(typed) - _NOT_OPTIONS)
 
 
 def image_tensors(out: Mapping) -> dict[str, torch.Tensor]:
