@@ -111,7 +111,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's embeddings ``[placeholder tokens, hidden]`` from its processor tensors."""
         return self.project(data["pixel_values"])[0]  # [patches, hidden]
 
@@ -161,7 +161,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         return {"pixel_values": torch.zeros(1, tiles, 3, size, size), "image_sizes": torch.tensor([[height, width]])}
 
     @torch.inference_mode()
-    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         tiles = _num_tiles(self.config, data)
         feats = self.project(data["pixel_values"][0, :tiles])  # [tiles, patches, hidden]: padding tiles dropped
         return _pack(self.config, feats, data["image_sizes"], self.image_newline)  # [rows, hidden]

@@ -109,7 +109,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         return {"pixel_values": torch.zeros(side * side, patch_dim), "image_grid_thw": torch.tensor([[1, side, side]])}
 
     @torch.inference_mode()
-    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's embeddings ``[placeholder tokens, hidden]``: the tower's merged output."""
         pixels = data["pixel_values"].to(self.visual.dtype)  # [patches, patch dim]
         return self.visual(pixels, grid_thw=data["image_grid_thw"]).pooler_output  # [patches / merge ** 2, hidden]

@@ -41,6 +41,17 @@ class VisionLanguageModel(nn.Module):
             return None if inner is None else "language_model." + inner
         return name
 
+    @torch.inference_mode()
+    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's embeddings ``[placeholder tokens, hidden]``: precomputed ``image_embeds``
+        as given (the tower is skipped; multimodal/embeds.py), else the tower's on its pixels."""
+        if "image_embeds" in data:
+            return data["image_embeds"].to(self.language_model.model.embed_tokens.weight.dtype)
+        return self.encode_pixels(data)
+
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must encode its images")
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed(input_ids)  # [num_tokens, hidden]
 

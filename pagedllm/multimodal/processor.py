@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.multimodal.embeds import embeds_hash, expand_placeholders, parse_image_embeds
 from pagedllm.multimodal.inputs import MultiModalItem, image_hash, to_pil_images
 
 MODALITIES = ("image",)
@@ -33,14 +34,16 @@ class ImageLayout:
     split: Callable[[Mapping, int], list[dict[str, torch.Tensor]]] | None = None
     grid: Callable[[dict[str, torch.Tensor]], tuple[int, int, int]] | None = None
     placeholder: str | None = None
+    hidden_size: int | None = None  # the language model's (``image_embeds`` inputs must match it)
 
 
 def image_layout(model_cls: type, hf_config) -> ImageLayout:
     """The model class's ``split_images`` / ``image_grid`` / ``image_placeholder``, where it has them."""
     split, grid = getattr(model_cls, "split_images", None), getattr(model_cls, "image_grid", None)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return ImageLayout(functools.partial(split, hf_config) if split else None,
                        functools.partial(grid, hf_config) if grid else None,
-                       getattr(model_cls, "image_placeholder", None))
+                       getattr(model_cls, "image_placeholder", None), text.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class MultiModalProcessor:
         image, in prompt order. ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat
         template's text, which writes its own). Raises ValueError naming the field for anything
         it cannot take."""
+        if isinstance(mm_data, Mapping) and isinstance(mm_data.get("image"), Mapping):
+            return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images = self._images(mm_data)
         options = self._options(kwargs)
         try:
@@ -132,20 +137,49 @@ class MultiModalProcessor:
                       for img, (offset, length), d in zip(images, runs, data))
         return ids, items
 
+    def _process_embeds(self, text: str, mm_data: Mapping, kwargs: object,
+                        add_special_tokens: bool) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """Precomputed embeddings (multimodal/embeds.py): the text is tokenized alone and each
+        placeholder token repeated to its image's rows; the vision tower never runs for them."""
+        self._check_modalities(mm_data)
+        if kwargs:
+            raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} cannot apply to image_embeds (no image is "
+                             "processed); leave it out")
+        data = parse_image_embeds(mm_data["image"], self.layout.hidden_size, self.layout.grid is not None)
+        self._check_count(len(data))
+        lengths = [d["image_embeds"].shape[0] for d in data]
+        for i, d in enumerate(data):
+            if "image_grid_thw" in d and self.image_rows(d) != lengths[i]:
+                raise ValueError(f"image_embeds[{i}] has {lengths[i]} rows; its image_grid_thw "
+                                 f"{d['image_grid_thw'][0].tolist()} makes {self.image_rows(d)}")
+        ids = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = expand_placeholders(ids, self.image_token_id, lengths)
+        runs = self._placeholder_runs(ids, lengths)
+        grid = self.layout.grid or (lambda d: None)
+        return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d))
+                          for (offset, length), d in zip(runs, data))
+
     def _images(self, mm_data: object) -> list:
+        self._check_modalities(mm_data)
+        images = to_pil_images(mm_data["image"]) if "image" in mm_data else []
+        self._check_count(len(images))
+        return images
+
+    @staticmethod
+    def _check_modalities(mm_data: object) -> None:
         if not isinstance(mm_data, Mapping):
             raise ValueError(f"multi_modal_data={mm_data!r:.80} must be a dict such as {{'image': image}}")
         unknown = sorted(set(mm_data) - set(MODALITIES), key=str)
         if unknown:
             raise ValueError(f"multi_modal_data has {unknown}: this engine takes the modalities {MODALITIES}")
-        images = to_pil_images(mm_data["image"]) if "image" in mm_data else []
+
+    def _check_count(self, num_images: int) -> None:
         limit = self.limits.limit("image")
-        if limit is not None and len(images) > limit:
-            raise ValueError(f"the prompt has {len(images)} images, over limit_mm_per_prompt={{'image': {limit}}}; "
+        if limit is not None and num_images > limit:
+            raise ValueError(f"the prompt has {num_images} images, over limit_mm_per_prompt={{'image': {limit}}}; "
                              "send fewer images (or start the engine with a higher limit_mm_per_prompt)")
-        if not images:
+        if not num_images:
             raise ValueError("multi_modal_data has no image; leave multi_modal_data out for a text-only prompt")
-        return images
 
     def _options(self, kwargs: object) -> dict:
         """The engine's ``mm_processor_kwargs`` updated by the request's; every key must be an
