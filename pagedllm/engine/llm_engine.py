@@ -331,6 +331,8 @@ class LLMEngine:
         if result.hidden is not None:
             self._pool(sched_out, result.hidden, result.logits)
         self.scheduler.finish_loads(result.tier_report)
+        if sched_out.encoder_inputs:
+            self.scheduler.encoder.record_encoder_time(result.encoder_time)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         num_sample_rows, num_prompt_rows = sched_out.num_sample_rows, sched_out.num_prompt_logprob_rows

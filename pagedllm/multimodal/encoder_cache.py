@@ -23,6 +23,8 @@ from pagedllm.multimodal.inputs import EncoderInput, MultiModalItem
 class EncoderCacheStats:
     images_encoded: int = 0  # vision tower runs
     cache_hits: int = 0  # images a chunk needed that were already encoded (another request, or its own earlier chunk)
+    encoder_seconds: float = 0.0  # the vision tower's time, summed over the steps that encoded
+    encoder_steps: int = 0  # steps that encoded at least one image
 
 
 class EncoderCacheManager:
@@ -92,10 +94,18 @@ class EncoderCacheManager:
             self._unref(request_id, image)
         self.held.pop(request_id, None)
 
+    def record_encoder_time(self, seconds: float) -> None:
+        """A step's vision-tower time (the worker measures it; steps that encoded nothing are not counted)."""
+        self.stats.encoder_seconds += seconds
+        self.stats.encoder_steps += 1
+
     def metrics(self) -> list[Metric]:
-        """Images encoded, encoder-cache hits, and what the cache holds (images, embedding rows)."""
+        """Images encoded, encoder-cache hits, the tower's time (seconds and steps: their ratio is
+        the time per encoding step), and what the cache holds (images, embedding rows)."""
         return [Metric("pagedllm:mm_images_encoded", self.stats.images_encoded, kind="counter"),
                 Metric("pagedllm:mm_encoder_cache_hits", self.stats.cache_hits, kind="counter"),
+                Metric("pagedllm:mm_encoder_seconds", self.stats.encoder_seconds, kind="counter"),
+                Metric("pagedllm:mm_encoder_steps", self.stats.encoder_steps, kind="counter"),
                 Metric("pagedllm:mm_encoder_cache_images", len(self.entries)),
                 Metric("pagedllm:mm_encoder_cache_usage_perc", sum(self.entries.values()) / self.capacity)]
 

@@ -51,6 +51,7 @@ class ExecuteResult:
     # SchedulerOutput.pool_rows: their rows one after another [rows, hidden], through a classifier's head
     # [rows, num_labels]
     span_rows: torch.Tensor | None = None
+    encoder_time: float = 0.0  # seconds the vision tower ran this step (multimodal: images encoded)
 
 
 class ModelRunner:
@@ -323,8 +324,9 @@ class ModelRunner:
             return ExecuteResult(torch.empty(0, self.config.model.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
-        self._run_encoder(out)
         t0 = time.perf_counter()
+        self._run_encoder(out)
+        encoder_time, t0 = time.perf_counter() - t0, time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
         embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
@@ -339,7 +341,7 @@ class ModelRunner:
         spans = (torch.stack([hidden[a:a + n].float().sum(0) for a, n in out.pool_spans])  # [spans, hidden]
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
-                             spans, self._span_rows(hidden, out.pool_rows))
+                             spans, self._span_rows(hidden, out.pool_rows), encoder_time)
 
     # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
     def _run_encoder(self, out: SchedulerOutput) -> None:

@@ -84,8 +84,12 @@ def test_qwen2_5_vl_window_attention_tower(qwen2_5_vl_dir):
 
 def test_images_and_their_positions_change_the_output(llm):
     """The oracle comparison means something: the image and where it sits reach the logits."""
+    stats = llm.llm_engine.scheduler.encoder.stats
+    steps, seconds = stats.encoder_steps, stats.encoder_seconds
     outs = {tuple(_generate(llm, f"the quick {PLACEHOLDER} brown fox", [make_image(seed)])) for seed in (11, 12, 13)}
     assert len(outs) > 1
+    metrics = {m.name: m.value for m in llm.llm_engine.get_metrics()}
+    assert metrics["pagedllm:mm_encoder_steps"] == steps + 3 and metrics["pagedllm:mm_encoder_seconds"] > seconds
 
 
 def test_chunk_boundary_inside_an_image_run(llm, hf, monkeypatch):
