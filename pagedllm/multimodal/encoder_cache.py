@@ -27,6 +27,12 @@ class EncoderCacheStats:
     encoder_steps: int = 0  # steps that encoded at least one image
 
 
+def encoder_cache_bytes(rows: int, hidden_size: int, dtype_bytes: int) -> int:
+    """The most the worker's encoder cache holds: ``rows`` embedding rows (the engine sizes the
+    cache and a step's encoder budget to max_num_batched_tokens) of the language model's width."""
+    return rows * hidden_size * dtype_bytes
+
+
 class EncoderCacheManager:
     """Bookkeeping for the worker's encoder cache (sizes in embedding rows, i.e. placeholder tokens).
 
