@@ -52,6 +52,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
                  ops: str = "native", stage: PipelineStage | None = None):
         super().__init__()
         self.config, self.tp, self.ops = cfg, tp, ops
+        # the checkpoint's config.json says it on the top config (transformers 5 ties by that one)
+        cfg.text_config.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.language_model = Qwen2VLTextForCausalLM(cfg.text_config, backend, max_position, tp, ops, stage)
         self.stage = self.language_model.stage
         cfg.vision_config._attn_implementation = "sdpa"

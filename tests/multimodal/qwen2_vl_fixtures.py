@@ -33,14 +33,16 @@ def _ids(tok) -> dict:
     return {name: tok.convert_tokens_to_ids(t) for name, t in zip(names, VISION_TOKENS)}
 
 
-def make_qwen2_vl_dir(path, version: str = "2", seed: int = 0) -> str:
-    """``version``: "2" (Qwen2-VL) or "2.5" (Qwen2.5-VL: window attention + full-attention layers)."""
+def make_qwen2_vl_dir(path, version: str = "2", seed: int = 0, tied: bool = False) -> str:
+    """``version``: "2" (Qwen2-VL) or "2.5" (Qwen2.5-VL: window attention + full-attention layers);
+    ``tied``: the LM head is the embedding (as Qwen2-VL-2B), saved once."""
     import transformers as tf
     tok = _tok()
     if version == "2":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH,
                       spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3, initializer_range=0.05)
-        cfg = tf.Qwen2VLConfig(text_config=_text_fields(tok), vision_config=vision, **_ids(tok))
+        cfg = tf.Qwen2VLConfig(text_config=_text_fields(tok), vision_config=vision, tie_word_embeddings=tied,
+                               **_ids(tok))
         model_cls = tf.Qwen2VLForConditionalGeneration
     else:
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,

@@ -164,3 +164,14 @@ def test_llm_chat_image_parts_use_the_vision_tokens(llm, hf):
 def test_video_is_refused_by_name(llm):
     with pytest.raises(ValueError, match="modalities"):
         llm.generate([{"prompt": "x", "multi_modal_data": {"video": [make_image(1)] * 2}}], GREEDY, use_tqdm=False)
+
+
+def test_tied_lm_head_checkpoint(tmp_path):
+    """tie_word_embeddings on the top config (Qwen2-VL-2B's layout): the head is the embedding."""
+    path = qwen2_vl_fixtures.make_qwen2_vl_dir(tmp_path / "tied", "2", seed=1, tied=True)
+    engine, oracle = _engine(path), load_hf(path)
+    try:
+        for text, images in CASES[:2]:
+            assert _generate(engine, text, images) == hf_generate(oracle, text, images, MAX_NEW)
+    finally:
+        engine.llm_engine.shutdown()
