@@ -32,7 +32,7 @@ class ScheduledChunk:
     # their rows of the worker's encoder cache replace the placeholders' token embeddings
     mm_spans: tuple[tuple[bytes, int, int], ...] = ()
     # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
-    mrope_positions: np.ndarray | None = None
+    mrope_positions: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_verify_rows(self) -> int:

@@ -4,8 +4,9 @@ running requests still need them, and how much encoder work one step may do.
 The worker runs the vision tower + projector once per image (``EncoderInput``) and keeps the
 embeddings under the image's content hash; every chunk of a prompt that covers part of an image's
 placeholder run reads its rows from there, so a chunk boundary may fall inside the run. A
-request holds a reference on an image from the step that first needs it until its computed
-tokens pass the run's end (or it is preempted or finished); unreferenced entries stay, as a
+request holds a reference on an image from the step that first needs it until a step after the
+one that computed the run's end (that step's forward still reads the rows, so a later chunk of
+the same step must not evict them), or until it is preempted or finished; unreferenced entries stay, as a
 cache for the next prompt with the same image, until their room is needed (least recently used
 first) and the scheduler tells the worker to drop them (``SchedulerOutput.encoder_frees``).
 """

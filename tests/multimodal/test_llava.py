@@ -252,3 +252,13 @@ def test_tensor_parallel_two_ranks(llava_dir, llava_hf):
             assert _generate(engine, text, images) == hf_generate(llava_hf, text, images, MAX_NEW)
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_an_image_a_step_still_reads_is_not_evicted(llm, llava_hf):
+    """The first prompt's image run ends in its second chunk while the second prompt's image, in
+    the same step, needs the encoder cache's whole room: the first image stays until that step has
+    run (releasing it at schedule time let the second evict it from under the forward)."""
+    cases = [(f"{LONG_TEXT} <image> over", [make_image(101)]), ("<image> the quick brown fox", [make_image(102)])]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], GREEDY, use_tqdm=False)
+    for (text, images), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == hf_generate(llava_hf, text, images, MAX_NEW)
