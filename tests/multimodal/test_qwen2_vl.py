@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.multimodal import qwen2_vl_fixtures
-from tests.multimodal.llava_fixtures import make_image
+from tests.multimodal.llava_fixtures import chunks_seen, make_image
 from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, hf_generate, load_hf
 
 qwen2_vl_dir, qwen2_5_vl_dir = qwen2_vl_fixtures.qwen2_vl_dir, qwen2_vl_fixtures.qwen2_5_vl_dir  # fixtures
@@ -53,18 +53,6 @@ def _generate(llm, text: str, images: list, **kwargs) -> list[int]:
     return list(llm.generate([_prompt(text, images, **kwargs)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def _chunks_seen(llm, monkeypatch) -> list:
-    seen, scheduler = [], llm.llm_engine.scheduler
-    original = scheduler.schedule
-
-    def spy():
-        out = original()
-        seen.extend(out.chunks)
-        return out
-    monkeypatch.setattr(scheduler, "schedule", spy)
-    return seen
-
-
 def test_greedy_matches_transformers_mixed_batch(llm, hf):
     outs = llm.generate([_prompt(t, imgs) for t, imgs in CASES], GREEDY, use_tqdm=False)
     for (text, images), out in zip(CASES, outs):
@@ -98,7 +86,7 @@ def test_chunk_boundary_inside_an_image_run(llm, hf, monkeypatch):
     image_token = hf[1].image_token_id
     offset, length = ids.index(image_token), ids.count(image_token)
     assert offset < BUDGET < offset + length  # the first chunk ends inside the run
-    seen = _chunks_seen(llm, monkeypatch)
+    seen = chunks_seen(llm, monkeypatch)
     assert _generate(llm, text, images) == hf_generate(hf, text, images, MAX_NEW)
     covering = [c for c in seen if c.mm_spans]
     assert len(covering) >= 2 and covering[0].seq_len < offset + length
