@@ -163,3 +163,19 @@ def test_tied_lm_head_checkpoint(tmp_path):
             assert _generate(engine, text, images) == hf_generate(oracle, text, images, MAX_NEW)
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_beam_search_forks_keep_the_positions(llm, hf):
+    """Beams (forked requests) carry the image and its M-RoPE positions: transformers' num_beams=2."""
+    from pagedllm.sampling_params import BeamSearchParams
+    text, image = f"the quick {PLACEHOLDER} brown fox", make_image(91)
+    out = llm.beam_search([{"prompt": text, "multi_modal_data": {"image": image}}],
+                          BeamSearchParams(beam_width=2, max_tokens=MAX_NEW))[0]
+    model, processor = hf
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=MAX_NEW,
+                             eos_token_id=2, pad_token_id=0)
+    beams = [s[inputs["input_ids"].shape[1]:].tolist() for s in ref]
+    beams = [b[: b.index(2) + 1] if 2 in b else b for b in beams]
+    assert [s.output_token_ids for s in out.sequences] == beams
