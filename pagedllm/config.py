@@ -245,6 +245,11 @@ def check_offload(cache: CacheConfig) -> None:
                          "they need enable_prefix_caching=True")
 
 
+def default_max_num_batched_tokens(device_type: str) -> int:
+    """The step's token budget when max_num_batched_tokens is unset (the engine's and plan's)."""
+    return 2048 if device_type == "cpu" else 8192
+
+
 def check_block_size(block_size: int) -> int:
     if block_size not in ALLOWED_BLOCK_SIZES:
         raise ValueError(f"block_size={block_size!r} is not allowed; use one of {ALLOWED_BLOCK_SIZES}")

@@ -45,6 +45,7 @@ from pagedllm.config import (
     SchedulerConfig,
     StructuredOutputConfig,
     default_device,
+    default_max_num_batched_tokens,
     parse_gib,
     parse_swap_space,
     resolve_dtype,
@@ -481,7 +482,7 @@ class EngineArgs:
         device = default_device() if self.device == "auto" else torch.device(self.device)
         model_config = self._model_config(device)
         self._check_offload_layout()
-        max_batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        max_batched = self.max_num_batched_tokens or default_max_num_batched_tokens(device.type)
         layer_ops = resolve_fused_ops(self.fused_ops, device)
         if layer_ops == "triton" and device.type == "cpu" and self.compile_model and not self.enforce_eager:
             raise ValueError("compile_model=True cannot be combined with fused_ops='triton' on the CPU (torch.compile "

@@ -25,7 +25,7 @@ from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
 from pagedllm.models.loader import get_model_class
-from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
+from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor, image_layout
 from pagedllm.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -336,6 +336,8 @@ class LLMEngine:
         if result.hidden is not None:
             self._pool(sched_out, result.hidden, result.logits)
         self.scheduler.finish_loads(result.tier_report)
+        if sched_out.encoder_inputs:
+            self.scheduler.encoder.record_encoder_time(result.encoder_time)
         logits, prepare = result.logits, result.prepare_time  # rank 0's share of execute()
         self.step_times.add(prepare=prepare, forward=t1 - t0 - prepare)
         num_sample_rows, num_prompt_rows = sched_out.num_sample_rows, sched_out.num_prompt_logprob_rows
@@ -696,7 +698,8 @@ def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
     limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens)
     model_cls = get_model_class(mc.architecture)
     return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
-                                               functools.partial(model_cls.image_rows, hf), mc.trust_remote_code)
+                                               functools.partial(model_cls.image_rows, hf), mc.trust_remote_code,
+                                               image_layout(model_cls, hf))
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:

@@ -9,6 +9,7 @@ import time
 import torch
 
 from pagedllm.multimodal.inputs import MultiModalItem
+from pagedllm.multimodal.mrope import MRopePositions
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -86,6 +87,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
         self.mm_items = mm_items  # its images' placeholder runs, in prompt order (multimodal/)
+        self.mrope = MRopePositions.of(len(prompt_token_ids), mm_items)  # M-RoPE positions (None: plain)
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.pooling = pooling  # a pooling request: its one sampled token is dropped, this is its result
         self.embedding: list[float] | None = None  # set by the engine once its prompt is computed

@@ -296,6 +296,9 @@ class Scheduler:
         step's encoder budget (``num_hit``: prefix-cache hits not yet counted as computed)."""
         if not req.mm_items:
             return num_new
+        # images whose runs earlier steps computed (one this step finishes is read by this step's
+        # forward: released next step, never evicted and freed under it by a later chunk)
+        self.encoder.release_done(req.request_id, req.mm_items, req.num_computed_tokens)
         return self.encoder.fit(req.mm_items, req.num_computed_tokens + num_hit, num_new)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
@@ -306,7 +309,6 @@ class Scheduler:
             end = min(start + num_new, req.num_prompt_tokens)
             out.encoder_inputs.extend(self.encoder.schedule(req.request_id, req.mm_items, start, end))
             mm_spans = tuple((m.hash, m.offset, m.length) for m in req.mm_items if m.overlaps(start, end))
-            self.encoder.release_done(req.request_id, req.mm_items, req.num_computed_tokens)
         # speculative drafts run past the request's tokens (verified, then rolled back: end_verification)
         num_spec = max(0, req.num_computed_tokens - req.num_tokens)
         samples = 0
@@ -327,6 +329,7 @@ class Scheduler:
             num_spec_tokens=num_spec,
             mm_spans=mm_spans,
             long_rope=req.long_rope,
+            mrope_positions=req.mrope.rows(start, start + num_new) if req.mrope is not None else None,
         ))
 
     def end_verification(self, request_id: str) -> None:

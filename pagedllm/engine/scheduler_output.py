@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.kv_cache.offload.ops import TierOps
 from pagedllm.multimodal.inputs import EncoderInput
 
@@ -32,6 +34,8 @@ class ScheduledChunk:
     # LongRoPE: the request rotates with the long factors (its positions are offset into the rotary
     # table's long half, layers/rotary_variants.py)
     long_rope: bool = False
+    # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
+    mrope_positions: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_verify_rows(self) -> int:

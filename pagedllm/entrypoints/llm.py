@@ -16,6 +16,7 @@ from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.entrypoints import score_utils
 from pagedllm.entrypoints.openai.media import MediaPolicy, load_image
 from pagedllm.metrics.stats import KVCacheStats, Metric
+from pagedllm.multimodal.embeds import chat_embeds
 from pagedllm.outputs import (
     BeamSearchOutput,
     ClassificationOutput,
@@ -151,8 +152,13 @@ class LLM:
             messages = _content_as(conversation, content_format)
             return {"prompt_token_ids": _as_ids(tok.apply_chat_template(messages, tokenize=True, **options))}
         messages = _content_as(conversation, content_format, multimodal.placeholder)
+        embeds = _parts_of(conversation, "image_embeds")
+        if embeds and len(embeds) != len(images):
+            raise ValueError("a conversation gives either images (image_url, image_pil) or image_embeds parts, "
+                             "not both")
         prompt = {"prompt": tok.apply_chat_template(messages, tokenize=False, **options),
-                  "multi_modal_data": {"image": images}, "add_special_tokens": False}  # the template writes its own
+                  "multi_modal_data": {"image": chat_embeds(embeds) if embeds else images},
+                  "add_special_tokens": False}  # the template writes its own
         return {**prompt, "mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs is not None else prompt
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -376,23 +382,25 @@ def _joined_text(parts: list, i: int, image_placeholder: str | None = None) -> s
             texts.append(image_placeholder)
             continue
         if kind != "text":
-            allowed = "text, image_url and image_pil parts" if image_placeholder else "only text parts (text-only)"
+            allowed = ("text, image_url, image_pil and image_embeds parts" if image_placeholder
+                       else "only text parts (text-only)")
             raise ValueError(f"messages[{i}].content has a {kind!r} part: {allowed} are supported")
         texts.append(part.get("text", ""))
     return "\n".join(texts)
 
 
-_IMAGE_PARTS = ("image_url", "image_pil")
+_IMAGE_PARTS = ("image_url", "image_pil", "image_embeds")
 
 
 def chat_images(conversation: list[dict], model_config) -> list:
-    """The images of a conversation's ``image_url`` / ``image_pil`` parts, in order."""
+    """The images of a conversation's ``image_url`` / ``image_pil`` parts (PIL images) and its
+    ``image_embeds`` parts (as given), in order."""
     images = []
     for i, message in enumerate(conversation):
         for part in message.get("content") if isinstance(message.get("content"), list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_pil":
-                images.append(part.get("image_pil"))
+            if kind in ("image_pil", "image_embeds"):
+                images.append(part.get(kind))  # embeds: told apart by _chat_prompt
             elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
@@ -400,6 +408,13 @@ def chat_images(conversation: list[dict], model_config) -> list:
                     raise ValueError(f"messages[{i}]: an image_url part needs image_url={{'url': ...}}")
                 images.append(load_image(url, MediaPolicy.of(model_config)))
     return images
+
+
+def _parts_of(conversation: list[dict], kind: str) -> list:
+    """The values of a conversation's ``kind`` parts, in order."""
+    return [part.get(kind) for message in conversation
+            for part in (message.get("content") if isinstance(message.get("content"), list) else ())
+            if isinstance(part, dict) and part.get("type") == kind]
 
 
 def _template_kwargs(given: dict | None, options: dict) -> dict:

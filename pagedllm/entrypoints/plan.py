@@ -27,6 +27,7 @@ from pagedllm.config import (
     KV_CACHE_DTYPES,
     check_block_size,
     check_memory_utilization,
+    default_max_num_batched_tokens,
     dtype_name,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -45,6 +46,7 @@ from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
 from pagedllm.models.moe import is_sparse_layer
+from pagedllm.multimodal.encoder_cache import encoder_cache_bytes
 from pagedllm.utils import format_size, parse_size
 
 __all__ = [
@@ -339,6 +341,9 @@ class KVPlan:
     device: str = "cuda"  # the device planned for (PLAN_DEVICES)
     active_params: int = 0  # per token (MoE: top-k experts), what FLOPs scale with; = num_params if dense
     panel_bytes: int = 0  # of weights_bytes: the CPU's panel copy of 4/8-bit group-wise codes (grouped.py)
+    # a vision-language model's encoder cache (image embeddings), held outside the KV budget
+    encoder_cache_bytes: int = 0
+    max_num_batched_tokens: int = 0
 
     @property
     def paging_gain(self) -> float:
@@ -420,6 +425,7 @@ def plan_kv(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
     device: str = "cuda",
+    max_num_batched_tokens: int | None = None,
 ) -> KVPlan:
     """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
 
@@ -429,7 +435,10 @@ def plan_kv(
     ``dtype`` and ``kv_cache_dtype`` mean what they mean to the engine running on ``device``
     ("auto" on "cuda": the checkpoint's half type; on "cpu": float32). The per-token and
     per-block bytes come from ``kv_cache.planning``, the functions the engine sizes its pool with.
-    Activations and runtime overhead are not modelled. Raises ``ValueError`` (``ConfigError``
+    A vision-language config (one with ``vision_config``) also holds an encoder cache of
+    ``max_num_batched_tokens`` (default: the engine's on ``device``) embedding rows, taken from the
+    KV budget as the engine's memory profile does. Activations and runtime overhead are not
+    modelled. Raises ``ValueError`` (``ConfigError``
     for config problems) on bad input.
     """
     check_block_size(block_size)
@@ -449,7 +458,11 @@ def plan_kv(
     weights = _weights_bytes(shape, num_params, weights_dtype, layout, quantization) + panels if estimated \
         else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
-    budget = usable - weights
+    max_batched = default_max_num_batched_tokens(device) if max_num_batched_tokens is None else max_num_batched_tokens
+    _check_positive("max_num_batched_tokens", max_batched)
+    encoder = encoder_cache_bytes(max_batched, shape.hidden_size, weights_dtype.itemsize) if "vision_config" in config \
+        else 0
+    budget = usable - weights - encoder
 
     per_token = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype)
     per_block = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype, block_size)
@@ -467,7 +480,8 @@ def plan_kv(
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
-        active_params=count_params(shape, active=True), panel_bytes=panels,
+        active_params=count_params(shape, active=True), panel_bytes=panels, encoder_cache_bytes=encoder,
+        max_num_batched_tokens=max_batched,
     )
 
 
@@ -600,6 +614,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mean-len", type=_positive_int, default=None, metavar="N",
                         help="average sequence length (prompt + output) for the paged estimate "
                              "(default: half of --max-model-len)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+                        help="the step's token budget, which sizes a vision-language model's encoder cache "
+                             "(default: the engine's, 2048 on cpu, 8192 on cuda)")
     parser.add_argument("--weights-memory", type=_size_arg, default=None, metavar="SIZE",
                         help="use this weights size instead of the estimate from the config")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -639,6 +656,8 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
              + (f", {format_size(plan.panel_bytes)} of it the CPU GEMM's panel copy" if plan.panel_bytes else "")),
         _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
                                          f" = {format_size(plan.usable_memory)}"),
+        *([_row(f"encoder cache ({plan.max_num_batched_tokens} image rows)", format_size(plan.encoder_cache_bytes))]
+          if plan.encoder_cache_bytes else []),
         _row("memory for KV cache", format_size(plan.kv_budget)),
         "",
         _row("KV per token", f"{format_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} B)"),
@@ -659,7 +678,8 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
 
 def _with_flag_names(message: str) -> str:
     """Name CLI flags rather than plan_kv parameters in error messages."""
-    for name in ("max_model_len", "mean_len", "gpu_memory_utilization", "gpu_memory", "block_size"):
+    for name in ("max_model_len", "mean_len", "gpu_memory_utilization", "gpu_memory", "block_size",
+                 "max_num_batched_tokens"):
         message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
     return message
 
@@ -673,6 +693,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, dtype=args.dtype, mean_len=args.mean_len,
             weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device,
+            max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )
     except ValueError as e:  # includes ConfigError
         print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)

@@ -94,6 +94,8 @@ _HELP = {
     "pagedllm:iteration_tokens_total": "Tokens computed per engine step.",
     "pagedllm:mm_images_encoded": "Images run through the vision tower (each once while cached).",
     "pagedllm:mm_encoder_cache_hits": "Images a request needed that the encoder cache already held.",
+    "pagedllm:mm_encoder_seconds": "Seconds the vision tower ran (over mm_encoder_steps: the time per encoding step).",
+    "pagedllm:mm_encoder_steps": "Engine steps that ran the vision tower on at least one image.",
     "pagedllm:mm_encoder_cache_images": "Images whose embeddings the encoder cache holds.",
     "pagedllm:mm_encoder_cache_usage_perc": "Encoder-cache usage: 1 means 100 percent of its embedding rows.",
 }

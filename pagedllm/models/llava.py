@@ -18,6 +18,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineStage
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.vision_language import VisionLanguageModel
 
 # text_config.model_type -> the language model's family
 LANGUAGE_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
@@ -36,10 +37,8 @@ def _language_model_class(cfg) -> type[LlamaForCausalLM]:
     return LANGUAGE_MODELS[model_type]
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """Vision tower + projector + language model; ``config`` is the whole LLaVA config."""
-
-    is_multimodal = True
 
     def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
                  ops: str = "native", stage: PipelineStage | None = None):
@@ -82,22 +81,11 @@ class LlavaForConditionalGeneration(nn.Module):
         height, width = data["pixel_values"].shape[-2:]
         return (height // vc.patch_size) * (width // vc.patch_size) + (cfg.vision_feature_select_strategy == "full")
 
-    def dummy_image(self) -> dict[str, torch.Tensor]:
-        """The largest image's processor tensors (for the runner's memory profile)."""
+    def dummy_image(self, max_rows: int) -> dict[str, torch.Tensor]:
+        """The largest image's processor tensors (for the runner's memory profile); every image
+        is the tower's one size here, whatever ``max_rows`` allows."""
         size = self.config.vision_config.image_size
         return {"pixel_values": torch.zeros(1, 3, size, size)}
-
-    @property
-    def spec(self):
-        return self.language_model.spec
-
-    @property
-    def model(self) -> nn.Module:
-        """The decoder stack (what the runner compiles and the C decoder walks)."""
-        return self.language_model.model
-
-    def stage_layers(self) -> list[nn.Module]:
-        return self.language_model.stage_layers()
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
@@ -106,9 +94,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 name = old + name.removeprefix(new)
                 break
         if name.startswith("language_model."):
-            for target, part, shard in self.language_model.checkpoint_weights(name.removeprefix("language_model."),
-                                                                             tensor):
-                yield "language_model." + target, part, shard
+            yield from self.language_weights(name, tensor)
             return
         if name.startswith("vision_tower."):
             name = self._tower_name(name)
@@ -123,15 +109,9 @@ class LlavaForConditionalGeneration(nn.Module):
             rest = "vision_model." + rest
         return "vision_tower." + rest
 
-    def stage_weight_name(self, name: str) -> str | None:
-        if name.startswith("language_model."):
-            inner = self.language_model.stage_weight_name(name.removeprefix("language_model."))
-            return None if inner is None else "language_model." + inner
-        return name
-
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's embeddings ``[placeholder tokens, hidden]`` from its processor tensors."""
         return self.project(data["pixel_values"])[0]  # [patches, hidden]
 
@@ -145,17 +125,6 @@ class LlavaForConditionalGeneration(nn.Module):
             feats = [f[:, 1:] for f in feats]  # the CLS row has no placeholder
         return self.multi_modal_projector(torch.cat(feats, dim=-1))  # [tiles, patches, hidden]
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed(input_ids)  # [num_tokens, hidden]
-
-    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None, inputs_embeds=None):
-        return self.language_model.model(input_ids, positions, kv_caches, meta, intermediate, inputs_embeds)
-
-    def enable_fused_decode(self, backend: AttentionBackend) -> str | None:
-        return self.language_model.enable_fused_decode(backend)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
@@ -184,7 +153,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         stand_in = torch.zeros(tiles, patches, 1)  # [tiles, patches, 1]: only the shapes matter
         return _pack(cfg, stand_in, data["image_sizes"], torch.zeros(1)).shape[0]
 
-    def dummy_image(self) -> dict[str, torch.Tensor]:
+    def dummy_image(self, max_rows: int) -> dict[str, torch.Tensor]:
         """The most tiles: the largest grid's, plus the base view."""
         size = self.config.vision_config.image_size
         height, width = max(self.config.image_grid_pinpoints, key=lambda hw: hw[0] * hw[1])
@@ -192,7 +161,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         return {"pixel_values": torch.zeros(1, tiles, 3, size, size), "image_sizes": torch.tensor([[height, width]])}
 
     @torch.inference_mode()
-    def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         tiles = _num_tiles(self.config, data)
         feats = self.project(data["pixel_values"][0, :tiles])  # [tiles, patches, hidden]: padding tiles dropped
         return _pack(self.config, feats, data["image_sizes"], self.image_newline)  # [rows, hidden]

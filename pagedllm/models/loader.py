@@ -265,7 +265,8 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
 
 def _check_all_loaded(model, params: dict, loaded: set) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [n for n, p in params.items() if n not in loaded and not (tied and n == "lm_head.weight")
+    # a vision-language model's head sits under its language model ("language_model.lm_head.weight")
+    missing = [n for n, p in params.items() if n not in loaded and not (tied and n.endswith("lm_head.weight"))
                and not getattr(p, "optional_in_checkpoint", False)]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

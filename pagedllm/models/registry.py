@@ -12,6 +12,7 @@ from pagedllm.models.llava import LlavaForConditionalGeneration, LlavaNextForCon
 from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from pagedllm.models.seq_cls import SEQUENCE_CLASSIFIERS
 
 MODEL_REGISTRY = {
@@ -34,6 +35,8 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # vision-language (multimodal/)
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # M-RoPE (multimodal/mrope.py)
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)
 }
 

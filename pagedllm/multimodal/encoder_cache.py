@@ -4,8 +4,9 @@ running requests still need them, and how much encoder work one step may do.
 The worker runs the vision tower + projector once per image (``EncoderInput``) and keeps the
 embeddings under the image's content hash; every chunk of a prompt that covers part of an image's
 placeholder run reads its rows from there, so a chunk boundary may fall inside the run. A
-request holds a reference on an image from the step that first needs it until its computed
-tokens pass the run's end (or it is preempted or finished); unreferenced entries stay, as a
+request holds a reference on an image from the step that first needs it until a step after the
+one that computed the run's end (that step's forward still reads the rows, so a later chunk of
+the same step must not evict them), or until it is preempted or finished; unreferenced entries stay, as a
 cache for the next prompt with the same image, until their room is needed (least recently used
 first) and the scheduler tells the worker to drop them (``SchedulerOutput.encoder_frees``).
 """
@@ -23,6 +24,14 @@ from pagedllm.multimodal.inputs import EncoderInput, MultiModalItem
 class EncoderCacheStats:
     images_encoded: int = 0  # vision tower runs
     cache_hits: int = 0  # images a chunk needed that were already encoded (another request, or its own earlier chunk)
+    encoder_seconds: float = 0.0  # the vision tower's time, summed over the steps that encoded
+    encoder_steps: int = 0  # steps that encoded at least one image
+
+
+def encoder_cache_bytes(rows: int, hidden_size: int, dtype_bytes: int) -> int:
+    """The most the worker's encoder cache holds: ``rows`` embedding rows (the engine sizes the
+    cache and a step's encoder budget to max_num_batched_tokens) of the language model's width."""
+    return rows * hidden_size * dtype_bytes
 
 
 class EncoderCacheManager:
@@ -92,10 +101,18 @@ class EncoderCacheManager:
             self._unref(request_id, image)
         self.held.pop(request_id, None)
 
+    def record_encoder_time(self, seconds: float) -> None:
+        """A step's vision-tower time (the worker measures it; steps that encoded nothing are not counted)."""
+        self.stats.encoder_seconds += seconds
+        self.stats.encoder_steps += 1
+
     def metrics(self) -> list[Metric]:
-        """Images encoded, encoder-cache hits, and what the cache holds (images, embedding rows)."""
+        """Images encoded, encoder-cache hits, the tower's time (seconds and steps: their ratio is
+        the time per encoding step), and what the cache holds (images, embedding rows)."""
         return [Metric("pagedllm:mm_images_encoded", self.stats.images_encoded, kind="counter"),
                 Metric("pagedllm:mm_encoder_cache_hits", self.stats.cache_hits, kind="counter"),
+                Metric("pagedllm:mm_encoder_seconds", self.stats.encoder_seconds, kind="counter"),
+                Metric("pagedllm:mm_encoder_steps", self.stats.encoder_steps, kind="counter"),
                 Metric("pagedllm:mm_encoder_cache_images", len(self.entries)),
                 Metric("pagedllm:mm_encoder_cache_usage_perc", sum(self.entries.values()) / self.capacity)]
 

@@ -21,8 +21,11 @@ class MultiModalItem:
     hash: bytes
     offset: int
     length: int
-    # the processor's per-image tensors, batch dim 1 (``pixel_values`` [1, 3, H, W], ...)
+    # the processor's per-image tensors (``pixel_values`` [1, 3, H, W], ...; Qwen2-VL: [patches, dim])
     data: dict[str, torch.Tensor] = field(compare=False, repr=False)
+    # M-RoPE models: the run's (t, h, w) token grid (multimodal/mrope.py), and the temporal spacing
+    grid: tuple[int, int, int] | None = None
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:

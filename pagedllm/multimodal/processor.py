@@ -7,16 +7,43 @@ engine loop: a large image never stalls the requests that are running.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedllm.multimodal.embeds import embeds_hash, expand_placeholders, parse_image_embeds
 from pagedllm.multimodal.inputs import MultiModalItem, image_hash, to_pil_images
 
 MODALITIES = ("image",)
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What a model says about its images beyond their embedding rows (``None``: LLaVA's defaults).
+
+    ``split``: the processor's output -> one dict of tensors per image (default: row ``i`` of each
+    tensor; Qwen2-VL concatenates every image's patches, split by their grids); ``grid``: an
+    image's M-RoPE token grid ``(t, h, w)`` (multimodal/mrope.py); ``placeholder``: the text that
+    stands for one image in a chat prompt (default: the processor's image token).
+    """
+
+    split: Callable[[Mapping, int], list[dict[str, torch.Tensor]]] | None = None
+    grid: Callable[[dict[str, torch.Tensor]], tuple[int, int, int]] | None = None
+    placeholder: str | None = None
+    hidden_size: int | None = None  # the language model's (``image_embeds`` inputs must match it)
+
+
+def image_layout(model_cls: type, hf_config) -> ImageLayout:
+    """The model class's ``split_images`` / ``image_grid`` / ``image_placeholder``, where it has them."""
+    split, grid = getattr(model_cls, "split_images", None), getattr(model_cls, "image_grid", None)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return ImageLayout(functools.partial(split, hf_config) if split else None,
+                       functools.partial(grid, hf_config) if grid else None,
+                       getattr(model_cls, "image_placeholder", None), text.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -57,27 +84,28 @@ class MultiModalProcessor:
     each tokenizer thread uses its own ``clone()``."""
 
     def __init__(self, hf_processor, image_token_id: int, limits: MultiModalLimits,
-                 image_rows: Callable[[dict[str, torch.Tensor]], int]):
+                 image_rows: Callable[[dict[str, torch.Tensor]], int], layout: ImageLayout = ImageLayout()):
         """``image_rows``: the model's embedding rows for one image's tensors, which must equal
         the placeholder tokens the processor put in the prompt for it."""
         self.hf = hf_processor
         self.image_rows = image_rows
+        self.layout = layout
         self.image_token_id = image_token_id
         self.limits = limits
         image_processor = getattr(hf_processor, "image_processor", None)
-        self.option_names = frozenset(image_processor.to_dict()) if image_processor is not None else frozenset()
+        self.option_names = _image_options(image_processor)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
                         image_rows: Callable[[dict[str, torch.Tensor]], int],
-                        trust_remote_code: bool = False) -> MultiModalProcessor:
-        from transformers import AutoProcessor
-        return cls(AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code), image_token_id,
-                   limits, image_rows)
+                        trust_remote_code: bool = False, layout: ImageLayout = ImageLayout()) -> MultiModalProcessor:
+        return cls(load_hf_processor(model_dir, trust_remote_code), image_token_id, limits, image_rows, layout)
 
     @property
     def placeholder(self) -> str:
         """The text that stands for one image in a prompt (``<image>``); the processor expands it."""
+        if self.layout.placeholder is not None:
+            return self.layout.placeholder
         return getattr(self.hf, "image_token", None) or self.hf.tokenizer.decode([self.image_token_id])
 
     def clone(self) -> MultiModalProcessor:
@@ -91,6 +119,8 @@ class MultiModalProcessor:
         image, in prompt order. ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat
         template's text, which writes its own). Raises ValueError naming the field for anything
         it cannot take."""
+        if isinstance(mm_data, Mapping) and isinstance(mm_data.get("image"), Mapping):
+            return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images = self._images(mm_data)
         options = self._options(kwargs)
         try:
@@ -99,26 +129,57 @@ class MultiModalProcessor:
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()
-        data = [self._item_data(out, i, len(images)) for i in range(len(images))]
+        split = self.layout.split or self._split_rows
+        data = split(out, len(images))
         runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data])
-        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d)
+        grid = self.layout.grid or (lambda d: None)
+        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d, grid(d))
                       for img, (offset, length), d in zip(images, runs, data))
         return ids, items
 
+    def _process_embeds(self, text: str, mm_data: Mapping, kwargs: object,
+                        add_special_tokens: bool) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """Precomputed embeddings (multimodal/embeds.py): the text is tokenized alone and each
+        placeholder token repeated to its image's rows; the vision tower never runs for them."""
+        self._check_modalities(mm_data)
+        if kwargs:
+            raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} cannot apply to image_embeds (no image is "
+                             "processed); leave it out")
+        data = parse_image_embeds(mm_data["image"], self.layout.hidden_size, self.layout.grid is not None)
+        self._check_count(len(data))
+        lengths = [d["image_embeds"].shape[0] for d in data]
+        for i, d in enumerate(data):
+            if "image_grid_thw" in d and self.image_rows(d) != lengths[i]:
+                raise ValueError(f"image_embeds[{i}] has {lengths[i]} rows; its image_grid_thw "
+                                 f"{d['image_grid_thw'][0].tolist()} makes {self.image_rows(d)}")
+        ids = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = expand_placeholders(ids, self.image_token_id, lengths)
+        runs = self._placeholder_runs(ids, lengths)
+        grid = self.layout.grid or (lambda d: None)
+        return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d))
+                          for (offset, length), d in zip(runs, data))
+
     def _images(self, mm_data: object) -> list:
+        self._check_modalities(mm_data)
+        images = to_pil_images(mm_data["image"]) if "image" in mm_data else []
+        self._check_count(len(images))
+        return images
+
+    @staticmethod
+    def _check_modalities(mm_data: object) -> None:
         if not isinstance(mm_data, Mapping):
             raise ValueError(f"multi_modal_data={mm_data!r:.80} must be a dict such as {{'image': image}}")
         unknown = sorted(set(mm_data) - set(MODALITIES), key=str)
         if unknown:
             raise ValueError(f"multi_modal_data has {unknown}: this engine takes the modalities {MODALITIES}")
-        images = to_pil_images(mm_data["image"]) if "image" in mm_data else []
+
+    def _check_count(self, num_images: int) -> None:
         limit = self.limits.limit("image")
-        if limit is not None and len(images) > limit:
-            raise ValueError(f"the prompt has {len(images)} images, over limit_mm_per_prompt={{'image': {limit}}}; "
+        if limit is not None and num_images > limit:
+            raise ValueError(f"the prompt has {num_images} images, over limit_mm_per_prompt={{'image': {limit}}}; "
                              "send fewer images (or start the engine with a higher limit_mm_per_prompt)")
-        if not images:
+        if not num_images:
             raise ValueError("multi_modal_data has no image; leave multi_modal_data out for a text-only prompt")
-        return images
 
     def _options(self, kwargs: object) -> dict:
         """The engine's ``mm_processor_kwargs`` updated by the request's; every key must be an
@@ -157,14 +218,56 @@ class MultiModalProcessor:
         return runs
 
     @staticmethod
-    def _item_data(out: Mapping, index: int, num_images: int) -> dict[str, torch.Tensor]:
-        """Image ``index``'s rows of every per-image tensor the processor returned."""
-        data = {}
-        for key, value in out.items():
-            if key in _TEXT_KEYS or not isinstance(value, torch.Tensor):
-                continue
+    def _split_rows(out: Mapping, num_images: int) -> list[dict[str, torch.Tensor]]:
+        """Each image's row of every per-image tensor the processor returned."""
+        tensors = image_tensors(out)
+        for key, value in tensors.items():
             if value.shape[0] != num_images:
                 raise ValueError(f"the processor's {key!r} has {value.shape[0]} rows for {num_images} images: "
                                  "this model's processor output is not one row per image")
-            data[key] = value[index:index + 1].clone()
-        return data
+        return [{key: value[i:i + 1].clone() for key, value in tensors.items()} for i in range(num_images)]
+
+
+# image-processor call options that change the output's container or device, not the pixels
+_NOT_OPTIONS = frozenset({"return_tensors", "data_format", "input_data_format", "device"})
+
+
+def _image_options(image_processor) -> frozenset[str]:
+    """The options the image processor takes: its config's fields and the call's typed kwargs
+    (transformers 5: ``valid_kwargs``, e.g. Qwen2-VL's ``min_pixels`` / ``max_pixels``)."""
+    if image_processor is None:
+        return frozenset()
+    typed = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return frozenset(image_processor.to_dict()) | (frozenset(typed) - _NOT_OPTIONS)
+
+
+def image_tensors(out: Mapping) -> dict[str, torch.Tensor]:
+    """The processor output's image tensors (its text fields left out)."""
+    return {key: value for key, value in out.items() if key not in _TEXT_KEYS and isinstance(value, torch.Tensor)}
+
+
+def load_hf_processor(model_dir: str, trust_remote_code: bool = False):
+    """The checkpoint's ``AutoProcessor``. Without torchvision (or without a video processor
+    config), transformers cannot build a video processor, so a processor that has one (Qwen2-VL) is
+    loaded without it: images work, and a video input is refused by the engine (``MODALITIES``)."""
+    from transformers import AutoConfig, AutoProcessor
+    try:
+        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (ImportError, OSError) as exc:
+        if "torchvision" not in str(exc).lower() and "video processor" not in str(exc).lower():
+            raise
+        import transformers
+        arch = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).model_type
+        cls = _PROCESSOR_CLASSES.get(arch)
+        if cls is None:
+            raise
+        return image_only_processor(getattr(transformers, cls)).from_pretrained(model_dir)
+
+
+_PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def image_only_processor(cls: type) -> type:
+    """``cls`` without its video processor (its ``__call__`` reads one only for videos)."""
+    attributes = [name for name in cls.get_attributes() if name != "video_processor"]
+    return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attributes))})

@@ -26,6 +26,7 @@ from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
+from pagedllm.multimodal.mrope import batch_positions
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
 from pagedllm.utils import cdiv
 from pagedllm.worker import sleep_mode
@@ -50,6 +51,7 @@ class ExecuteResult:
     # SchedulerOutput.pool_rows: their rows one after another [rows, hidden], through a classifier's head
     # [rows, num_labels]
     span_rows: torch.Tensor | None = None
+    encoder_time: float = 0.0  # seconds the vision tower ran this step (multimodal: images encoded)
 
 
 class ModelRunner:
@@ -319,11 +321,12 @@ class ModelRunner:
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         if not out.chunks:
-            return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
+            return ExecuteResult(torch.empty(0, self.config.model.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
-        self._run_encoder(out)
         t0 = time.perf_counter()
+        self._run_encoder(out)
+        encoder_time, t0 = time.perf_counter() - t0, time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
         embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
@@ -338,7 +341,7 @@ class ModelRunner:
         spans = (torch.stack([hidden[a:a + n].float().sum(0) for a, n in out.pool_spans])  # [spans, hidden]
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
-                             spans, self._span_rows(hidden, out.pool_rows))
+                             spans, self._span_rows(hidden, out.pool_rows), encoder_time)
 
     # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
     def _run_encoder(self, out: SchedulerOutput) -> None:
@@ -359,7 +362,8 @@ class ModelRunner:
         mc = self.config.model
         held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,
                            device=self.device)  # [encoder cache rows, hidden]
-        self.model.encode_image({key: value.to(self.device) for key, value in dummy().items()})
+        image = dummy(self.config.scheduler.max_num_batched_tokens)  # an image may take one step's encoder budget
+        self.model.encode_image({key: value.to(self.device) for key, value in image.items()})
         del held
 
     def _inputs_embeds(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -438,7 +442,9 @@ class ModelRunner:
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         self._offset_long_rope(chunks, query_lens, host)
-        size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
+        host["positions"] = batch_positions([c.mrope_positions for c in chunks], query_lens, host["positions"])
+        plain = host["positions"].ndim == 1  # [3, num_tokens]: M-RoPE image rows, never a graph replay
+        size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None and plain else None
         if size is not None:  # a decode-only step: into the CUDA graphs' input buffers
             return self.decode_graphs.prepare(host, size)
         dev = to_device(host, self.device)  # one host->device copy for the whole step

@@ -60,6 +60,19 @@ def make_llava_next_dir(path, seed: int = 0) -> str:
     return _save(model, tf.LlavaNextProcessor, image_processor, tok, path)
 
 
+def chunks_seen(llm, monkeypatch) -> list:
+    """Every ScheduledChunk the scheduler hands out from now on."""
+    seen, scheduler = [], llm.llm_engine.scheduler
+    original = scheduler.schedule
+
+    def spy():
+        out = original()
+        seen.extend(out.chunks)
+        return out
+    monkeypatch.setattr(scheduler, "schedule", spy)
+    return seen
+
+
 def make_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     """A random RGB image (height, width)."""
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (*size, 3), dtype=np.uint8))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.multimodal.llava_fixtures import IMAGE_TOKENS, hf_generate, llava_dir, llava_hf, make_image  # noqa: F401 - fixtures
+from tests.multimodal.llava_fixtures import IMAGE_TOKENS, chunks_seen, hf_generate, llava_dir, llava_hf, make_image  # noqa: F401 - fixtures
 
 MAX_NEW = 8
 BUDGET = 32  # max_num_batched_tokens: image runs (25 tokens) straddle chunk boundaries
@@ -27,19 +27,6 @@ def llm(llava_dir):
 def _generate(llm, prompt: str, images: list, **kwargs) -> list[int]:
     p = {"prompt": prompt, "multi_modal_data": {"image": images}, **kwargs} if images is not None else prompt
     return list(llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-
-
-def _chunks_seen(llm, monkeypatch) -> list:
-    """Every ScheduledChunk the scheduler hands out from now on."""
-    seen, scheduler = [], llm.llm_engine.scheduler
-    original = scheduler.schedule
-
-    def spy():
-        out = original()
-        seen.extend(out.chunks)
-        return out
-    monkeypatch.setattr(scheduler, "schedule", spy)
-    return seen
 
 
 CASES = [
@@ -72,7 +59,7 @@ def test_chunk_boundary_inside_an_image_run(llm, llava_hf, monkeypatch):
     ids = processor(text=prompt, images=[make_image(8)])["input_ids"][0]
     offset = ids.index(processor.tokenizer.convert_tokens_to_ids("<image>"))
     assert offset < BUDGET < offset + IMAGE_TOKENS  # the first chunk ends inside the run
-    seen = _chunks_seen(llm, monkeypatch)
+    seen = chunks_seen(llm, monkeypatch)
     assert _generate(llm, prompt, [make_image(8)]) == hf_generate(llava_hf, prompt, [make_image(8)], MAX_NEW)
     covering = [c for c in seen if c.mm_spans]
     assert len(covering) >= 2 and covering[0].seq_len < offset + IMAGE_TOKENS  # the run was split
@@ -82,7 +69,7 @@ def test_encoder_budget_defers_the_next_image(llm, llava_hf, monkeypatch):
     """Two new images (50 rows) never encode in one step of budget 32: the first chunk stops
     before the second image, and the output is still exact."""
     prompt, images = "<image> hello <image> world", [make_image(21), make_image(22)]
-    seen = _chunks_seen(llm, monkeypatch)
+    seen = chunks_seen(llm, monkeypatch)
     stats = llm.llm_engine.scheduler.encoder.stats
     before = stats.images_encoded
     assert _generate(llm, prompt, images) == hf_generate(llava_hf, prompt, images, MAX_NEW)
@@ -252,3 +239,13 @@ def test_tensor_parallel_two_ranks(llava_dir, llava_hf):
             assert _generate(engine, text, images) == hf_generate(llava_hf, text, images, MAX_NEW)
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_an_image_a_step_still_reads_is_not_evicted(llm, llava_hf):
+    """The first prompt's image run ends in its second chunk while the second prompt's image, in
+    the same step, needs the encoder cache's whole room: the first image stays until that step has
+    run (releasing it at schedule time let the second evict it from under the forward)."""
+    cases = [(f"{LONG_TEXT} <image> over", [make_image(101)]), ("<image> the quick brown fox", [make_image(102)])]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], GREEDY, use_tqdm=False)
+    for (text, images), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == hf_generate(llava_hf, text, images, MAX_NEW)

@@ -86,7 +86,7 @@ def test_memory_profile_encodes_the_largest_image(llm):
     """The runner's memory profile runs the tower on the most tiles any image can take."""
     runner = llm.llm_engine.executor.runner
     model = runner.model
-    dummy = model.dummy_image()
+    dummy = model.dummy_image(runner.config.scheduler.max_num_batched_tokens)
     assert dummy["pixel_values"].shape[1] == 5  # the 2x2 grid and the base view
     assert model.encode_image(dummy).shape[0] == model.image_rows(model.config, dummy) == 135
     runner._profile_encoder()

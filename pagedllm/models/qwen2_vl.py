@@ -1,0 +1,138 @@
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``):
+a ViT over 14x14 patches of two frames (``temporal_patch_size``; an image is its frame twice),
+with 2D rotary positions in the tower, Qwen2.5-VL's windowed attention in all blocks but
+``fullatt_block_indexes``, and a patch merger that turns each 2x2 group of patches into one
+language-model token; the language model is Qwen2 with M-RoPE (layers/rotary_mrope.py), whose
+three-component positions the scheduler computes per request (multimodal/mrope.py).
+
+The processor resizes an image to a multiple of ``patch_size * merge_size`` within
+``min_pixels`` / ``max_pixels`` (``mm_processor_kwargs``) and returns every image's patches in one
+``pixel_values`` ``[sum of patches, 3 * temporal_patch_size * patch_size ** 2]`` with
+``image_grid_thw`` ``[images, 3]``; ``split_images`` cuts that per image. The tower is
+transformers' own module (weights load by their checkpoint names) on SDPA: it runs once per
+image, off the paged-KV path, which only the language model uses.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline import PipelineStage
+from pagedllm.layers.rotary_mrope import make_mrotary
+from pagedllm.models.decoder import head_dim_of
+from pagedllm.models.llama import Qwen2ForCausalLM
+from pagedllm.models.vision_language import VisionLanguageModel
+from pagedllm.multimodal.processor import image_tensors
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# checkpoint prefixes -> the names used here: transformers 5 ("model.language_model.*", "model.visual.*")
+# and the released checkpoints ("model.layers.*", "visual.*"); the first match wins
+_RENAMES = (("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
+            ("visual.", "visual."), ("lm_head.", "language_model.lm_head."), ("model.", "language_model.model."))
+
+
+class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
+    """Qwen2 with M-RoPE rotaries (positions ``[num_tokens]`` or ``[3, num_tokens]``)."""
+
+    def make_rotaries(self, cfg, max_position: int) -> list:
+        rotary = make_mrotary(cfg, head_dim_of(cfg), max_position, self.ops)
+        return [rotary] * cfg.num_hidden_layers
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+    """Vision tower (with its merger) + Qwen2 M-RoPE language model; ``config`` is the whole config."""
+
+    image_placeholder = IMAGE_PLACEHOLDER
+
+    def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
+                 ops: str = "native", stage: PipelineStage | None = None):
+        super().__init__()
+        self.config, self.tp, self.ops = cfg, tp, ops
+        # the checkpoint's config.json says it on the top config (transformers 5 ties by that one)
+        cfg.text_config.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.language_model = Qwen2VLTextForCausalLM(cfg.text_config, backend, max_position, tp, ops, stage)
+        self.stage = self.language_model.stage
+        cfg.vision_config._attn_implementation = "sdpa"
+        self.visual = self.tower_class()._from_config(cfg.vision_config)
+
+    @staticmethod
+    def tower_class() -> type:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        return Qwen2VisionTransformerPretrainedModel
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        Qwen2VLTextForCausalLM.check_config(cfg.text_config)
+        make_mrotary(cfg.text_config, head_dim_of(cfg.text_config), 1)  # refuses an unsupported rope_parameters
+
+    @classmethod
+    def attention_soft_cap(cls, cfg) -> float | None:
+        return None
+
+    # ------------------------------------------------------------------ images (multimodal/processor.py)
+    @staticmethod
+    def merge_size(cfg) -> int:
+        return cfg.vision_config.spatial_merge_size
+
+    @classmethod
+    def image_rows(cls, cfg, data: dict[str, torch.Tensor]) -> int:
+        """One token per ``merge_size ** 2`` patches of the image's grid."""
+        return int(data["image_grid_thw"][0].prod()) // cls.merge_size(cfg) ** 2
+
+    @classmethod
+    def image_grid(cls, cfg, data: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+        """The image's M-RoPE token grid (t, h, w): its patch grid with h and w merged."""
+        t, h, w = data["image_grid_thw"][0].tolist()
+        merge = cls.merge_size(cfg)
+        return t, h // merge, w // merge
+
+    @staticmethod
+    def split_images(cfg, out: Mapping, num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The processor's concatenated patches, cut per image by ``image_grid_thw``."""
+        tensors = image_tensors(out)
+        grids = tensors.get("image_grid_thw")
+        if grids is None or grids.shape[0] != num_images or "pixel_values" not in tensors:
+            raise ValueError(f"the processor returned {sorted(tensors)} for {num_images} images: this model needs "
+                             "pixel_values and one image_grid_thw row per image")
+        patches = grids.prod(-1).tolist()
+        pixels = tensors["pixel_values"].split(patches)  # each [patches, patch dim]
+        return [{"pixel_values": pixels[i].clone(), "image_grid_thw": grids[i:i + 1].clone()}
+                for i in range(num_images)]
+
+    def dummy_image(self, max_rows: int) -> dict[str, torch.Tensor]:
+        """The largest square image one step's encoder budget (``max_rows`` tokens) takes."""
+        vc, merge = self.config.vision_config, self.merge_size(self.config)
+        side = max(1, math.isqrt(max_rows)) * merge  # patches per side
+        patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        return {"pixel_values": torch.zeros(side * side, patch_dim), "image_grid_thw": torch.tensor([[1, side, side]])}
+
+    @torch.inference_mode()
+    def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's embeddings ``[placeholder tokens, hidden]``: the tower's merged output."""
+        pixels = data["pixel_values"].to(self.visual.dtype)  # [patches, patch dim]
+        return self.visual(pixels, grid_thw=data["image_grid_thw"]).pooler_output  # [patches / merge ** 2, hidden]
+
+    # ------------------------------------------------------------------ weights
+    def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
+        for prefix, ours in _RENAMES:
+            if name.startswith(prefix):
+                name = ours + name.removeprefix(prefix)
+                break
+        if name.startswith("language_model."):
+            yield from self.language_weights(name, tensor)
+            return
+        yield name, tensor, None
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 - the HF name
+    """Qwen2.5-VL: the tower has RMSNorm, a gated MLP and windowed attention (``window_size``
+    pixels) in every block but ``fullatt_block_indexes``; the rest is Qwen2-VL's."""
+
+    @staticmethod
+    def tower_class() -> type:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VisionTransformerPretrainedModel
