@@ -19,6 +19,7 @@ except for tokenizers that delete most of their input.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,16 @@ class ProcessedRequest:
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
     mm_items: tuple[MultiModalItem, ...] = ()  # its images' placeholder runs and processor tensors
+    client_id: str | None = None  # who sent it, for per-client fairness (None: the request is its own client)
+
+
+def with_client(processed: ProcessedRequest, client_id: str | None) -> ProcessedRequest:
+    """``processed`` charged to ``client_id`` (None: left as it is); an empty or non-string id is refused."""
+    if client_id is None:
+        return processed
+    if not isinstance(client_id, str) or not client_id:
+        raise ValueError(f"client_id={client_id!r} is invalid: give a non-empty string naming the client, or None")
+    return dataclasses.replace(processed, client_id=client_id)
 
 
 class InputProcessor:

@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
-from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType, with_client
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
@@ -128,12 +128,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0, *,
+                    client_id: str | None = None) -> None:
         """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued).
-        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first."""
+        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first.
+        ``client_id``: who sent it; its grammar compile queues as that client's (one client's many
+        compiles take turns with other clients' as one), default: the request is its own client."""
         self._check_new_id(request_id)
-        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                                cache_salt, priority))
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority)
+        self.add_processed_request(with_client(processed, client_id))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queues a request the input processor already tokenized and validated (possibly on
@@ -147,7 +150,7 @@ class LLMEngine:
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
-                                                             owner=processed.request_id)
+                                                             owner=processed.client_id or processed.request_id)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)

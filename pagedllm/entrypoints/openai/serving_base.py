@@ -31,6 +31,7 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 from .chat_features import ChatOptions
+from .client_identity import client_id
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -415,11 +416,14 @@ class ServingBase:
     async def start(self, base_id: str, prompts: list[PromptType], params: EngineParams, arrival: float,
                     req: SamplingFields | EmbeddingRequest | None = None) -> RequestGroup:
         """Adds every prompt's request; if one is invalid, aborts those already added. ``req``:
-        the request whose ``cache_salt`` and ``priority`` the engine requests take."""
+        the request whose ``cache_salt`` and ``priority`` the engine requests take. Generations are
+        charged to the HTTP client (``client_identity.py``): its grammar compiles queue as one client's."""
         group = RequestGroup(self.engine)
         self.shutdown_gate.admit(group)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         options = {} if req is None else {"cache_salt": req.cache_salt, "priority": req.priority}
+        if isinstance(params, SamplingParams):
+            options["client_id"] = client_id(getattr(req, "user", None))
         try:
             await group.add_all(list(zip(ids, prompts)), params, arrival, **options)
         except BaseException:
