@@ -89,7 +89,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.observers = list(observers or [])
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # set by every op queued for the engine thread (and by a finished compile)
+        engine.set_idle_wake(self._wake)  # an op never waits out step()'s wait for a grammar
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

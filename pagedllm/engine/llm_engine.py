@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +45,8 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 0.05  # step()'s longest wait for a compile when nothing else can run
+
 RowSpan = tuple[Request, bool, int]  # a per-token pooling span: its request, whether it starts the prompt, its rows
 
 __all__ = ["EngineSleepingError", "LLMEngine", "PromptType"]
@@ -71,6 +74,7 @@ class LLMEngine:
         pooling.check_pooler(config.model, config.pooler)
         self.config = config
         self.model_config = config.model
+        self._idle_wake: threading.Event | None = None  # set_idle_wake
         _check_sleep_mode_fits(config)
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.executor = make_executor(config)
@@ -314,10 +318,17 @@ class LLMEngine:
             if self.output_processor.update_text(req) is not None:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
 
+    def set_idle_wake(self, event: threading.Event | None) -> None:
+        """``event`` ends ``step()``'s wait for a grammar (below) when set: the async engine's, so that
+        a request or abort arriving while only grammar-bound requests wait is taken at once (each new
+        request waited up to the whole wait while a big schema compiled)."""
+        self._idle_wake = event
+
     def _wait_for_grammars(self) -> None:
         """Nothing could run: if requests wait for their grammars, wait (briefly) for one to
         compile instead of spinning through empty steps."""
-        self.structured_output.wait_for_any(self.scheduler.waiting_grammars(), timeout=0.05)
+        self.structured_output.wait_for_any(self.scheduler.waiting_grammars(), timeout=GRAMMAR_WAIT_S,
+                                            wake=self._idle_wake)
 
     def _execute(self, sched_out: SchedulerOutput) -> list[SampledTokens]:
         if sched_out.is_empty:
