@@ -28,7 +28,7 @@ from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.grammar import spec_bytes
+from pagedllm.structured_output.grammar import check_spec_size, spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
@@ -245,10 +245,8 @@ class InputProcessor:
         """Refuses a constraint whose spec is over ``max_structured_output_bytes``: compiling it could
         take minutes, and a running compile cannot be interrupted."""
         so = params.structured_outputs
-        limit = self.structured_output.max_spec_bytes
-        if so is not None and (size := spec_bytes(so)) > limit:
-            raise ValueError(f"structured_outputs.{so.kind} is {size} bytes, over max_structured_output_bytes="
-                             f"{limit}; use a smaller spec (or start the engine with a larger limit)")
+        if so is not None:
+            check_spec_size(so.kind, spec_bytes(so), self.structured_output.max_spec_bytes)
 
     @staticmethod
     def _id_list(ids) -> list[int]:
