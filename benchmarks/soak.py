@@ -46,7 +46,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -57,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -714,17 +717,27 @@ MIXED_EXPECTED = {"huge_body": {"413", "reset"}, "stalled_body": {"408"}, "no_ke
                   "huge_schema": {"timeout", "200"}, "oversized_schema": {"400"}, "disconnect_stream": {"200"},
                   "bad_field": {"400"}, "corrupt_tier_file": {"corrupted", "no file", "gone"}}
 SCHEMA_LIMIT = 64 * 2**10  # the server's default --max-structured-output-bytes
+ABUSER_NICE = 10  # the abuser processes' CPU priority below the server's (one host stands in for remote clients)
 
 
 def huge_schema(r: random.Random, limit: int = SCHEMA_LIMIT) -> dict:
     """A schema of fresh property names (never a cache hit) filling ``limit`` bytes: the most
     expensive compile the server accepts (about a second with the tiny model's vocabulary)."""
-    def schema(names: list[str]) -> dict:
-        return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[::2]}
-    names = [f"k{r.getrandbits(40):010x}_{i}" for i in range(limit // 40)]  # over the limit: ~45 bytes a name
-    while len(json.dumps(schema(names)).encode()) > limit - 64:  # the server's size is of its own serialisation
-        del names[-max(1, len(names) // 50):]
-    return schema(names)
+    names = [f"k{r.getrandbits(40):010x}_{i}" for i in range(_schema_names(limit))]
+    return _names_schema(names)
+
+
+def _names_schema(names: list[str]) -> dict:
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[::2]}
+
+
+@functools.cache
+def _schema_names(limit: int) -> int:
+    """How many names fit ``limit`` bytes (the server's size is of its own serialisation)."""
+    n = limit // 40  # over the limit: a name costs ~45 bytes
+    while len(json.dumps(_names_schema([f"k{0:010x}_{i}" for i in range(n)])).encode()) > limit - 64:
+        n -= max(1, n // 50)
+    return n
 
 
 def corrupt_tier_file(tier_dir: str | None, r: random.Random) -> str:
@@ -771,20 +784,21 @@ def mixed_abuse_once(url: str, model: str, kind: str, key: str, r: random.Random
     return str(httpx.post(path, json=body, headers=headers, timeout=60).status_code)
 
 
-def mixed_abuser(url: str, model: str, key: str, stop_at: float, seed: int, tier_dir: str | None,
-                 counts: collections.Counter, lock: threading.Lock) -> None:
-    """Deals MIXED_ABUSES in turn from offset ``seed`` (so a few abusers cover every kind at once)."""
-    r = random.Random(seed)
+def mixed_abuser(url: str, model: str, key: str, start_at: float, stop_at: float, seed: int,
+                 tier_dir: str | None, kinds: tuple[str, ...] = MIXED_ABUSES) -> collections.Counter:
+    """From ``start_at`` to ``stop_at``, deals ``kinds`` in turn from offset ``seed`` (so a few
+    abusers cover every kind at once); returns {(kind, answer): count}."""
+    r, counts = random.Random(seed), collections.Counter()
+    time.sleep(max(0.0, start_at - time.time()))
     for turn in range(10**9):
         if time.time() >= stop_at:
-            return
-        kind = MIXED_ABUSES[(seed + turn) % len(MIXED_ABUSES)]
+            return counts
+        kind = kinds[(seed + turn) % len(kinds)]
         try:
-            status = mixed_abuse_once(url, model, kind, key, r, tier_dir)
+            counts[kind, mixed_abuse_once(url, model, kind, key, r, tier_dir)] += 1
         except httpx.HTTPError as exc:
-            status = type(exc).__name__
-        with lock:
-            counts[kind, status] += 1
+            counts[kind, type(exc).__name__] += 1
+    return counts
 
 
 def health_watch(url: str, stop: threading.Event, seen: collections.Counter) -> None:
@@ -821,22 +835,29 @@ class MixedResult:
 
 
 def mixed_abuse(url: str, model: str, key: str, abuse_key: str, duration: float, *, workers: int, abusers: int,
-                seed: int = 0, tier_dir: str | None = None) -> MixedResult:
+                seed: int = 0, tier_dir: str | None = None, kinds: tuple[str, ...] = MIXED_ABUSES,
+                processes: bool = True) -> MixedResult:
     """Normal completions from ``workers`` clients (key ``key``) alone for half of ``duration``, then
-    beside ``abusers`` clients (key ``abuse_key``) dealing every MIXED_ABUSES kind; /health polled throughout."""
-    health, stop = collections.Counter(), threading.Event()
-    watcher = threading.Thread(target=health_watch, args=(url, stop, health), daemon=True)
-    watcher.start()
+    beside ``abusers`` clients (key ``abuse_key``) dealing ``kinds``; /health polled throughout.
+    ``processes``: each abuser in a process of its own (forked now, before any thread here starts, and
+    asleep until the abuse begins) at nice ``ABUSER_NICE``: building 64 KiB schemas and pushing 20 MB
+    bodies then neither holds this process's GIL nor takes the server's CPU, as remote clients would
+    not, so the normal clients' latencies are the server's; False: threads (a test with the server in
+    this process)."""
     half = duration / 2
-    calm = asyncio.run(normal_traffic(url, model, key, time.time() + half, workers))
-    counts, lock, stop_at = collections.Counter(), threading.Lock(), time.time() + half
-    threads = [threading.Thread(target=mixed_abuser, args=(url, model, abuse_key, stop_at, seed + i, tier_dir,
-                                                           counts, lock)) for i in range(abusers)]
-    for t in threads:
-        t.start()
-    stormy = asyncio.run(normal_traffic(url, model, key, stop_at, workers))
-    for t in threads:
-        t.join()
+    start_at = time.time() + half
+    stop_at = start_at + half
+    pool = (ProcessPoolExecutor(abusers, mp_context=multiprocessing.get_context("fork"), initializer=os.nice,
+                                initargs=(ABUSER_NICE,)) if processes else ThreadPoolExecutor(abusers))
+    with pool:
+        jobs = [pool.submit(mixed_abuser, url, model, abuse_key, start_at, stop_at, seed + i, tier_dir, kinds)
+                for i in range(abusers)]
+        health, stop = collections.Counter(), threading.Event()
+        watcher = threading.Thread(target=health_watch, args=(url, stop, health), daemon=True)
+        watcher.start()
+        calm = asyncio.run(normal_traffic(url, model, key, start_at, workers))
+        stormy = asyncio.run(normal_traffic(url, model, key, stop_at, workers))
+        counts = sum((job.result() for job in jobs), collections.Counter())
     stop.set()
     watcher.join()
     return MixedResult(calm, stormy, counts, health)
@@ -852,7 +873,7 @@ def report_mixed(result: MixedResult, process_exits: int, args: argparse.Namespa
             ("p99 latency of normal traffic during abuse", f"{stormy_p99 * 1000:.0f} ms", ""),
             ("ratio", f"{result.p99_ratio:.2f}x", "<= 1.5x"),
             ("abuses sent / unexpected answers", f"{sum(result.abuses.values())} / {result.unexpected}", "- / 0")]
-    print(f"mixed abuse: {args.duration:g} s, {args.workers} normal clients, {args.abusers} abusers")
+    print(f"mixed abuse: {args.duration:g} s, {args.workers} normal clients, {args.abusers} abusers ({args.abuses})")
     print("| measure | value | target |\n|---|---|---|")
     for name, value, target in rows:
         print(f"| {name} | {value} | {target} |")
@@ -961,6 +982,8 @@ def main() -> int:
     ap.add_argument("--abusers", type=int, default=4, help="router-abuse, mixed: concurrent rude clients")
     ap.add_argument("--api-key", default="soak", help="router-abuse, mixed: the key normal clients send")
     ap.add_argument("--abuse-key", default="abuse", help="mixed: the abusers' key (another client to the server)")
+    ap.add_argument("--abuses", default=",".join(MIXED_ABUSES),
+                    help="mixed: the kinds of abuse dealt, comma-separated (default: all of MIXED_ABUSES)")
     args = ap.parse_args()
     if args.scenario == "router-abuse":
         return run_router_abuse(args)
@@ -980,10 +1003,18 @@ def main() -> int:
         return 0 if report(*result, log.read()) else 1
 
 
+def abuse_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in args.abuses.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(MIXED_ABUSES))
+    if unknown or not kinds:
+        raise SystemExit(f"--abuses={args.abuses!r}: unknown {unknown}; choose from {', '.join(MIXED_ABUSES)}")
+    return kinds
+
+
 def run_mixed(args: argparse.Namespace) -> int:
     if args.base_url:
         result = mixed_abuse(args.base_url.rstrip("/"), args.model, args.api_key, args.abuse_key, args.duration,
-                             workers=args.workers, abusers=args.abusers, seed=args.seed)
+                             workers=args.workers, abusers=args.abusers, seed=args.seed, kinds=abuse_kinds(args))
         return 0 if report_mixed(result, 0, args) else 1
     tier_dir = tempfile.mkdtemp(prefix="soak-tier-")
     args.server_args += (f" --api-key {args.api_key} {args.abuse_key} --request-body-timeout 5"
@@ -993,7 +1024,7 @@ def run_mixed(args: argparse.Namespace) -> int:
         try:
             greedy_before = greedy_reply(url, args.model)
             result = mixed_abuse(url, args.model, args.api_key, args.abuse_key, args.duration, workers=args.workers,
-                                 abusers=args.abusers, seed=args.seed, tier_dir=tier_dir)
+                                 abusers=args.abusers, seed=args.seed, tier_dir=tier_dir, kinds=abuse_kinds(args))
             exits = int(proc.poll() is not None)
             checks = {} if exits else after_storm(url, args.model, greedy_before)
         finally:

@@ -84,16 +84,20 @@ class CompileGate:
             time.sleep(0.01)
 
 
-def complete(url: str, key: str, schema: dict, user: str | None = None):
-    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=WAIT) as client:
+def complete(url: str, key: str, schema: dict, user: str | None = None, timeout: float = WAIT):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout) as client:
         extra = {"structured_outputs": {"json": schema}}
         return client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra,
                                          **({"user": user} if user else {}))
 
 
-def queue_depth(srv) -> float:
+def compile_metric(srv, name: str) -> float:
     metrics = srv.engine.engine.structured_output.metrics()
-    return next(m.value for m in metrics if m.name == "pagedllm:structured_output_compile_queue_depth")
+    return next(m.value for m in metrics if m.name == f"pagedllm:structured_output_{name}")
+
+
+def queue_depth(srv) -> float:
+    return compile_metric(srv, "compile_queue_depth")
 
 
 def wait_queued(srv, n: int) -> None:
@@ -123,7 +127,8 @@ def test_one_clients_big_schemas_hold_at_most_one_slot_ahead_of_another_client(s
         for _ in range(6):
             gate.slots.release()
         assert theirs.result(WAIT).choices and all(f.result(WAIT).choices for f in mine)
-        assert sorted(gate.started[3:]) == ["a2", "a3", "a4"] and len(gate.started) == 6  # the hit compiled nothing
+        # every spec compiled once (A's five arrive in any order); the hit compiled nothing
+        assert sorted(gate.started) == ["a0", "a1", "a2", "a3", "a4", "b0"]
         owners = set(gate.owners)
         assert len(owners) == 2 and all(o.startswith("key:") for o in owners)  # A's five are one client
     finally:
@@ -147,6 +152,35 @@ def test_without_keys_the_user_field_else_the_address_names_the_client(server_mo
         srv.stop()
     assert gate.owners[0] == gate.owners[1] and gate.owners[0].startswith("user:")
     assert gate.owners[2] == "peer:127.0.0.1"
+
+
+def test_a_client_that_leaves_drops_its_queued_compile(server_model_dir, monkeypatch):  # noqa: F811
+    """The issue's clients gave up on huge schemas after 5 s and their compiles ran anyway, holding
+    the compile threads: a compile still queued when its client leaves is dropped, and the slot it
+    would have taken serves the next client."""
+    gate = CompileGate(monkeypatch)
+    srv = start_server(server_model_dir)
+    pool = ThreadPoolExecutor(4)
+    try:
+        busy = [pool.submit(complete, srv.url, "k", big_schema(f"a{i}")) for i in range(2)]
+        gate.wait_started(2)  # both general compile threads held
+        with pytest.raises(openai.APITimeoutError):
+            complete(srv.url, "k", big_schema("gone"), timeout=1.0)
+        deadline = time.monotonic() + WAIT
+        while compile_metric(srv, "compiles_cancelled") < 1:  # the abort reaches the engine thread
+            assert time.monotonic() < deadline, "the queued compile of a departed client was not dropped"
+            time.sleep(0.02)
+        assert queue_depth(srv) == 0
+        for _ in range(3):
+            gate.slots.release()
+        assert all(f.result(WAIT).choices for f in busy)
+        assert complete(srv.url, "k", big_schema("next")).choices
+        assert "gone" not in gate.started and gate.started[-1] == "next"
+    finally:
+        for _ in range(4):
+            gate.slots.release()
+        pool.shutdown(wait=True)
+        srv.stop()
 
 
 @pytest.mark.parametrize("bad", ["", 7])
