@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -308,14 +309,25 @@ def write_random_llama(path: Path, gb: float) -> Path:
     return path
 
 
+_STARTUP = """
+import json, sys, time
+from pagedllm import LLM
+model, disk, threads = sys.argv[1], sys.argv[2] or None, int(sys.argv[3]) or None
+tiers = dict(kv_offload_dir=disk, kv_offload_disk_gb=1) if disk else {}
+t0, c0 = time.perf_counter(), time.process_time()
+llm = LLM(model, max_model_len=256, num_gpu_blocks_override=64, num_threads=threads, **tiers)
+print(json.dumps([time.perf_counter() - t0, time.process_time() - c0]))
+"""
+
+
 def startup_seconds(model: str, disk: Path | None, num_threads: int | None) -> tuple[float, float]:
-    """Wall-clock and CPU seconds (this process, every thread) of one engine start-up: on a busy
+    """Wall-clock and CPU seconds (every thread) of one engine start-up (``LLM(...)``), in a fresh
+    process each time (as a server starts; in one process the starts' memory piled up): on a busy
     machine the CPU seconds are the steadier measure of the work hashing adds."""
-    tiers = dict(kv_offload_dir=str(disk), kv_offload_disk_gb=1) if disk is not None else {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    llm = LLM(model, max_model_len=256, num_gpu_blocks_override=64, num_threads=num_threads, **tiers)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    llm.llm_engine.shutdown()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(common.ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _STARTUP, model, str(disk or ""), str(num_threads or 0)],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    seconds, cpu = json.loads(out.strip().splitlines()[-1])
     return seconds, cpu
 
 
