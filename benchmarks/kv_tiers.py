@@ -27,10 +27,12 @@ at the same device budget.
 Start-up cost of the disk tier's fingerprint (every weights file hashed whole, on a thread beside
 the weight loading, then cached by file identity in the tier directory): ``--startup-gb N``
 writes a random bfloat16 Llama of about N GB to a temporary directory (or measures ``--model``)
-and times engine start-up without a disk tier, with one on a fresh directory (hashed), and again
-(cached), plus the hash alone (its throughput, to estimate larger checkpoints)::
+and times engine start-up without a disk tier, with one on a fresh directory (hashed), and with
+one whose digests are cached, ``--repeats`` rounds in rotating order, reporting medians and the median
+per-round ratio to no tier (target: <= 1.10 when hashing), plus the hash alone (its throughput, to
+estimate larger checkpoints, and what hashing before loading would cost)::
 
-    python benchmarks/kv_tiers.py --startup-gb 1
+    python benchmarks/kv_tiers.py --startup-gb 1 --repeats 5
 
 Writes ``--out``.json and, when matplotlib imports, ``--out``.png (TTFT by tier).
 """
@@ -40,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -306,45 +309,69 @@ def write_random_llama(path: Path, gb: float) -> Path:
     return path
 
 
+_STARTUP = """
+import json, sys, time
+from pagedllm import LLM
+model, disk, threads = sys.argv[1], sys.argv[2] or None, int(sys.argv[3]) or None
+tiers = dict(kv_offload_dir=disk, kv_offload_disk_gb=1) if disk else {}
+t0, c0 = time.perf_counter(), time.process_time()
+llm = LLM(model, max_model_len=256, num_gpu_blocks_override=64, num_threads=threads, **tiers)
+print(json.dumps([time.perf_counter() - t0, time.process_time() - c0]))
+"""
+
+
 def startup_seconds(model: str, disk: Path | None, num_threads: int | None) -> tuple[float, float]:
-    """Wall-clock and CPU seconds (this process, every thread) of one engine start-up: on a busy
+    """Wall-clock and CPU seconds (every thread) of one engine start-up (``LLM(...)``), in a fresh
+    process each time (as a server starts; in one process the starts' memory piled up): on a busy
     machine the CPU seconds are the steadier measure of the work hashing adds."""
-    tiers = dict(kv_offload_dir=str(disk), kv_offload_disk_gb=1) if disk is not None else {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    llm = LLM(model, max_model_len=256, num_gpu_blocks_override=64, num_threads=num_threads, **tiers)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    llm.llm_engine.shutdown()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(common.ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _STARTUP, model, str(disk or ""), str(num_threads or 0)],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    seconds, cpu = json.loads(out.strip().splitlines()[-1])
     return seconds, cpu
 
 
+STARTUP_CASES = ("no_tier", "tier_hashing", "tier_cached")
+
+
 def measure_startup(args) -> dict:
-    """Engine start-up without a disk tier, with one (weights hashed, on a fresh directory) and
-    with one again (digests cached); the hash alone; a linear estimate for 15 GB."""
+    """Engine start-up without a disk tier, with one on a fresh directory (every weights file hashed,
+    on a thread beside the weight loading) and with one whose digest cache is warm; ``--repeats``
+    rounds, the order of the three rotating each round (so none always runs first after the others
+    warmed the machine); medians, and the median of each round's ratio to no_tier. The hash alone,
+    and what a serial hash (hash, then load) would cost: no_tier + hash alone."""
     from pagedllm.kv_cache.offload.fingerprint import content_digest
     with tempfile.TemporaryDirectory(prefix="pagedllm-startup-") as tmp:
         model = Path(args.model) if args.model else write_random_llama(Path(tmp) / "model", args.startup_gb)
         files = sorted(model.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         startup_seconds(str(model), None, args.num_threads)  # warms the page cache and the imports
+        warm = Path(tmp) / "tier-warm"
+        startup_seconds(str(model), warm, args.num_threads)  # fills warm's digest cache
         runs, cpu_runs = [], []
         for i in range(args.repeats):
-            disk = Path(tmp) / f"tier{i}"
-            timed = {case: startup_seconds(str(model), d, args.num_threads)
-                     for case, d in (("no_tier", None), ("tier_hashing", disk), ("tier_cached", disk))}
-            runs.append({case: t[0] for case, t in timed.items()})
-            cpu_runs.append({case: t[1] for case, t in timed.items()})
+            dirs = {"no_tier": None, "tier_hashing": Path(tmp) / f"tier{i}", "tier_cached": warm}
+            order = STARTUP_CASES[i % 3:] + STARTUP_CASES[:i % 3]
+            timed = {case: startup_seconds(str(model), dirs[case], args.num_threads) for case in order}
+            runs.append({case: timed[case][0] for case in STARTUP_CASES})
+            cpu_runs.append({case: timed[case][1] for case in STARTUP_CASES})
         t0, c0 = time.perf_counter(), time.process_time()
         for f in files:
             content_digest(f)
         hash_s, hash_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    best = {k: min(r[k] for r in runs) for k in runs[0]}
-    best_cpu = {k: min(r[k] for r in cpu_runs) for k in cpu_runs[0]}
-    out = dict(checkpoint_gb=size / 1e9, startup_s=best, startup_cpu_s=best_cpu, runs=runs, cpu_runs=cpu_runs,
+    return startup_summary(size, runs, cpu_runs, hash_s, hash_cpu_s)
+
+
+def startup_summary(size: int, runs: list[dict], cpu_runs: list[dict], hash_s: float, hash_cpu_s: float) -> dict:
+    med = {k: statistics.median(r[k] for r in runs) for k in STARTUP_CASES}
+    med_cpu = {k: statistics.median(r[k] for r in cpu_runs) for k in STARTUP_CASES}
+    ratio = {k: statistics.median(r[f"tier_{k}"] / r["no_tier"] for r in runs) for k in ("hashing", "cached")}
+    out = dict(checkpoint_gb=size / 1e9, repeats=len(runs), median_startup_s=med, median_startup_cpu_s=med_cpu,
+               median_ratio_to_no_tier=ratio, added_pct={k: 100 * (v - 1) for k, v in ratio.items()},
+               serial_hash_estimate_s=med["no_tier"] + hash_s, runs=runs, cpu_runs=cpu_runs,
                hash_alone_s=hash_s, hash_alone_cpu_s=hash_cpu_s, hash_gb_per_s=size / 1e9 / hash_s,
-               added_s={k: best[f"tier_{k}"] - best["no_tier"] for k in ("hashing", "cached")},
                estimate_15gb_hash_alone_s=15 / (size / 1e9 / hash_s), commit=common.git_commit())
-    out["added_pct"] = {k: 100 * v / best["no_tier"] for k, v in out["added_s"].items()}
-    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "cpu_runs")}, indent=1))
     return out
 
 

@@ -26,13 +26,29 @@ bodies that stop after 10 bytes, requests without the key). It reports the norma
 (anything but 200), the times the router took a backend out (``router_backend_taken_out_total``;
 a replica is never restarted, so each is an outage), and the p99 latency of normal traffic during the abuse against
 without it (target: at most 1.5x). Exit status 1 if a request was lost or a backend taken out.
+
+    python benchmarks/soak.py --scenario mixed --duration 600
+
+starts ``pagedllm serve --api-key soak abuse --request-body-timeout 5 --kv-offload-dir TMP`` and sends
+plain completions from ``--workers`` clients (key ``soak``): alone for the first half, then beside
+``--abusers`` clients (key ``abuse``, so another client to the compile queue) that deal every kind
+of MIXED_ABUSES in turn: 20 MB bodies (413), bodies that stall (408), no key (401), schemas at the
+size limit with fresh names that the client gives up on after 0.2-2 s, schemas over the limit (400),
+streams closed after a few events, an invalid field (400) and a disk-tier block file overwritten with
+random bytes. It reports, as a table: normal requests lost (anything but 200; target 0), engine
+restarts (the server exiting, or /health, polled every 0.5 s, going down; target 0), the p99 latency
+of normal traffic during the abuse against without it (target at most 1.5x) and abuse answers other
+than expected; then the after-storm checks (idle, every block free, the same greedy reply, no
+traceback in the log). Exit status 1 if any of these fails (the latency ratio is reported only).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import functools
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -43,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -689,6 +706,183 @@ def router_abuse(args: argparse.Namespace, url: str) -> bool:
     return lost == 0 and taken_out == 0 and all(b["healthy"] for b in backends)
 
 
+# ---------------------------------------------------------------------- mixed abuse of one server
+MIXED_ABUSES = ("huge_body", "stalled_body", "no_key", "huge_schema", "oversized_schema", "disconnect_stream",
+                "bad_field", "corrupt_tier_file")
+# the answers of a server that holds; anything else is counted as unexpected (huge_body: the server
+# answers 413 and closes while the client still sends, which may reset the connection before the answer
+# is read; huge_schema: the client gives up first, or the compile made it in time; a tier file can be
+# gone, evicted meanwhile)
+MIXED_EXPECTED = {"huge_body": {"413", "reset"}, "stalled_body": {"408"}, "no_key": {"401"},
+                  "huge_schema": {"timeout", "200"}, "oversized_schema": {"400"}, "disconnect_stream": {"200"},
+                  "bad_field": {"400"}, "corrupt_tier_file": {"corrupted", "no file", "gone"}}
+SCHEMA_LIMIT = 64 * 2**10  # the server's default --max-structured-output-bytes
+ABUSER_NICE = 10  # the abuser processes' CPU priority below the server's (one host stands in for remote clients)
+
+
+def huge_schema(r: random.Random, limit: int = SCHEMA_LIMIT) -> dict:
+    """A schema of fresh property names (never a cache hit) filling ``limit`` bytes: the most
+    expensive compile the server accepts (about a second with the tiny model's vocabulary)."""
+    names = [f"k{r.getrandbits(40):010x}_{i}" for i in range(_schema_names(limit))]
+    return _names_schema(names)
+
+
+def _names_schema(names: list[str]) -> dict:
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[::2]}
+
+
+@functools.cache
+def _schema_names(limit: int) -> int:
+    """How many names fit ``limit`` bytes (the server's size is of its own serialisation)."""
+    n = limit // 40  # over the limit: a name costs ~45 bytes
+    while len(json.dumps(_names_schema([f"k{0:010x}_{i}" for i in range(n)])).encode()) > limit - 64:
+        n -= max(1, n // 50)
+    return n
+
+
+def corrupt_tier_file(tier_dir: str | None, r: random.Random) -> str:
+    """Overwrites 64 random bytes of a random disk-tier block file (header or payload)."""
+    files = sorted(Path(tier_dir).rglob("*.kv")) if tier_dir else []
+    if not files:
+        return "no file"
+    try:
+        with open(r.choice(files), "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(r.randrange(max(size - 64, 1)))
+            f.write(r.randbytes(64))
+    except OSError:
+        return "gone"
+    return "corrupted"
+
+
+def mixed_abuse_once(url: str, model: str, kind: str, key: str, r: random.Random, tier_dir: str | None) -> str:
+    """One abuse of ``kind`` (MIXED_ABUSES) as client ``key``; returns what came back."""
+    if kind in ("huge_body", "stalled_body", "no_key"):
+        return abuse_once(url, kind, key)
+    if kind == "corrupt_tier_file":
+        return corrupt_tier_file(tier_dir, r)
+    headers, path = {"Authorization": f"Bearer {key}"}, f"{url}/v1/completions"
+    body = {"model": model, "prompt": prompt(r), "max_tokens": 4}
+    if kind == "huge_schema":  # the client gives up after 0.2-2 s: its queued compile must be dropped
+        body["structured_outputs"] = {"json": huge_schema(r)}
+        try:
+            return str(httpx.post(path, json=body, headers=headers, timeout=r.uniform(0.2, 2.0)).status_code)
+        except httpx.TimeoutException:
+            return "timeout"
+    if kind == "oversized_schema":
+        body["structured_outputs"] = {"json": huge_schema(r, 2 * SCHEMA_LIMIT)}
+    elif kind == "bad_field":
+        name, value, _ = r.choice(BAD_COMPLETION_FIELDS)
+        body[name] = value
+    else:  # disconnect_stream: a few events, then the connection is closed
+        body.update(stream=True, max_tokens=40, ignore_eos=True)
+        with httpx.stream("POST", path, json=body, headers=headers, timeout=60) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i >= r.randint(0, 5):
+                    break
+            return str(resp.status_code)
+    return str(httpx.post(path, json=body, headers=headers, timeout=60).status_code)
+
+
+def mixed_abuser(url: str, model: str, key: str, start_at: float, stop_at: float, seed: int,
+                 tier_dir: str | None, kinds: tuple[str, ...] = MIXED_ABUSES) -> collections.Counter:
+    """From ``start_at`` to ``stop_at``, deals ``kinds`` in turn from offset ``seed`` (so a few
+    abusers cover every kind at once); returns {(kind, answer): count}."""
+    r, counts = random.Random(seed), collections.Counter()
+    time.sleep(max(0.0, start_at - time.time()))
+    for turn in range(10**9):
+        if time.time() >= stop_at:
+            return counts
+        kind = kinds[(seed + turn) % len(kinds)]
+        try:
+            counts[kind, mixed_abuse_once(url, model, kind, key, r, tier_dir)] += 1
+        except httpx.HTTPError as exc:
+            counts[kind, type(exc).__name__] += 1
+    return counts
+
+
+def health_watch(url: str, stop: threading.Event, seen: collections.Counter) -> None:
+    """Polls /health every 0.5 s: ``seen["down"]`` counts the times it went from 200 to anything else."""
+    up = True
+    while not stop.wait(0.5):
+        try:
+            ok = httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        seen["polls"] += 1
+        seen["down"] += up and not ok
+        up = ok
+
+
+@dataclass
+class MixedResult:
+    calm: list[tuple[float, int]]
+    stormy: list[tuple[float, int]]
+    abuses: collections.Counter
+    health: collections.Counter
+
+    @property
+    def lost(self) -> int:
+        return sum(status != 200 for _, status in self.calm + self.stormy)
+
+    @property
+    def unexpected(self) -> int:
+        return sum(k for (kind, status), k in self.abuses.items() if status not in MIXED_EXPECTED[kind])
+
+    @property
+    def p99_ratio(self) -> float:
+        return p99([t for t, _ in self.stormy]) / p99([t for t, _ in self.calm])
+
+
+def mixed_abuse(url: str, model: str, key: str, abuse_key: str, duration: float, *, workers: int, abusers: int,
+                seed: int = 0, tier_dir: str | None = None, kinds: tuple[str, ...] = MIXED_ABUSES,
+                processes: bool = True) -> MixedResult:
+    """Normal completions from ``workers`` clients (key ``key``) alone for half of ``duration``, then
+    beside ``abusers`` clients (key ``abuse_key``) dealing ``kinds``; /health polled throughout.
+    ``processes``: each abuser in a process of its own (forked now, before any thread here starts, and
+    asleep until the abuse begins) at nice ``ABUSER_NICE``: building 64 KiB schemas and pushing 20 MB
+    bodies then neither holds this process's GIL nor takes the server's CPU, as remote clients would
+    not, so the normal clients' latencies are the server's; False: threads (a test with the server in
+    this process)."""
+    half = duration / 2
+    start_at = time.time() + half
+    stop_at = start_at + half
+    pool = (ProcessPoolExecutor(abusers, mp_context=multiprocessing.get_context("fork"), initializer=os.nice,
+                                initargs=(ABUSER_NICE,)) if processes else ThreadPoolExecutor(abusers))
+    with pool:
+        jobs = [pool.submit(mixed_abuser, url, model, abuse_key, start_at, stop_at, seed + i, tier_dir, kinds)
+                for i in range(abusers)]
+        health, stop = collections.Counter(), threading.Event()
+        watcher = threading.Thread(target=health_watch, args=(url, stop, health), daemon=True)
+        watcher.start()
+        calm = asyncio.run(normal_traffic(url, model, key, start_at, workers))
+        stormy = asyncio.run(normal_traffic(url, model, key, stop_at, workers))
+        counts = sum((job.result() for job in jobs), collections.Counter())
+    stop.set()
+    watcher.join()
+    return MixedResult(calm, stormy, counts, health)
+
+
+def report_mixed(result: MixedResult, process_exits: int, args: argparse.Namespace) -> bool:
+    calm_p99, stormy_p99 = p99([t for t, _ in result.calm]), p99([t for t, _ in result.stormy])
+    rows = [("normal requests alone / beside the abuse", f"{len(result.calm)} / {len(result.stormy)}", ""),
+            ("normal requests lost (not 200)", result.lost, "0"),
+            ("engine restarts (server exits + /health going down)",
+             f"{process_exits + result.health['down']} ({result.health['polls']} polls)", "0"),
+            ("p99 latency of normal traffic alone", f"{calm_p99 * 1000:.0f} ms", ""),
+            ("p99 latency of normal traffic during abuse", f"{stormy_p99 * 1000:.0f} ms", ""),
+            ("ratio", f"{result.p99_ratio:.2f}x", "<= 1.5x"),
+            ("abuses sent / unexpected answers", f"{sum(result.abuses.values())} / {result.unexpected}", "- / 0")]
+    print(f"mixed abuse: {args.duration:g} s, {args.workers} normal clients, {args.abusers} abusers ({args.abuses})")
+    print("| measure | value | target |\n|---|---|---|")
+    for name, value, target in rows:
+        print(f"| {name} | {value} | {target} |")
+    for (kind, status), k in sorted(result.abuses.items()):
+        flag = "" if status in MIXED_EXPECTED[kind] else "  UNEXPECTED"
+        print(f"  abuse {kind:18s} -> {status}: {k}{flag}")
+    return result.lost == 0 and process_exits + result.health["down"] == 0 and result.unexpected == 0
+
+
 # ---------------------------------------------------------------------- the server under test
 def tiny_model(path: Path) -> str:
     """A tiny random Llama with a byte-level BPE tokenizer (multi-byte characters split across
@@ -781,14 +975,20 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=24, help="KV blocks of 8 tokens for the started server")
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "pagedllm-soak-model"))
     ap.add_argument("--server-args", default="", help="more flags for the started server")
-    ap.add_argument("--scenario", default="storm", choices=["storm", "router-abuse"],
+    ap.add_argument("--scenario", default="storm", choices=["storm", "router-abuse", "mixed"],
                     help="storm: every scenario against one server; router-abuse: huge and stalled bodies and "
-                         "keyless requests beside normal traffic, through `serve --data-parallel-size 2`")
-    ap.add_argument("--abusers", type=int, default=4, help="router-abuse: concurrent rude clients")
-    ap.add_argument("--api-key", default="soak", help="router-abuse: the router's key (normal clients send it)")
+                         "keyless requests beside normal traffic, through `serve --data-parallel-size 2`; mixed: "
+                         "every abuse of MIXED_ABUSES beside normal traffic against one server with a disk tier")
+    ap.add_argument("--abusers", type=int, default=4, help="router-abuse, mixed: concurrent rude clients")
+    ap.add_argument("--api-key", default="soak", help="router-abuse, mixed: the key normal clients send")
+    ap.add_argument("--abuse-key", default="abuse", help="mixed: the abusers' key (another client to the server)")
+    ap.add_argument("--abuses", default=",".join(MIXED_ABUSES),
+                    help="mixed: the kinds of abuse dealt, comma-separated (default: all of MIXED_ABUSES)")
     args = ap.parse_args()
     if args.scenario == "router-abuse":
         return run_router_abuse(args)
+    if args.scenario == "mixed":
+        return run_mixed(args)
     if args.base_url:
         return 0 if report(*run(args, args.base_url.rstrip("/")), None) else 1
     with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-server-", delete=False) as log:
@@ -801,6 +1001,43 @@ def main() -> int:
         log.seek(0)
         print(f"server log: {log.name}")
         return 0 if report(*result, log.read()) else 1
+
+
+def abuse_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in args.abuses.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(MIXED_ABUSES))
+    if unknown or not kinds:
+        raise SystemExit(f"--abuses={args.abuses!r}: unknown {unknown}; choose from {', '.join(MIXED_ABUSES)}")
+    return kinds
+
+
+def run_mixed(args: argparse.Namespace) -> int:
+    if args.base_url:
+        result = mixed_abuse(args.base_url.rstrip("/"), args.model, args.api_key, args.abuse_key, args.duration,
+                             workers=args.workers, abusers=args.abusers, seed=args.seed, kinds=abuse_kinds(args))
+        return 0 if report_mixed(result, 0, args) else 1
+    tier_dir = tempfile.mkdtemp(prefix="soak-tier-")
+    args.server_args += (f" --api-key {args.api_key} {args.abuse_key} --request-body-timeout 5"
+                         f" --kv-offload-dir {tier_dir} --kv-offload-disk-gb 1")
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-mixed-", delete=False) as log:
+        proc, url = start_server(args, log)
+        try:
+            greedy_before = greedy_reply(url, args.model)
+            result = mixed_abuse(url, args.model, args.api_key, args.abuse_key, args.duration, workers=args.workers,
+                                 abusers=args.abusers, seed=args.seed, tier_dir=tier_dir, kinds=abuse_kinds(args))
+            exits = int(proc.poll() is not None)
+            checks = {} if exits else after_storm(url, args.model, greedy_before)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        log.seek(0)
+        text = log.read()
+    ok = report_mixed(result, exits, args)
+    checks["no traceback in the server log"] = ("Traceback" not in text, text.count("Traceback"))
+    for name, (passed, seen) in checks.items():
+        print(f"after: {name:32s} {'ok' if passed else 'FAILED'}  ({seen})")
+    print(f"server log: {log.name}")
+    return 0 if ok and all(passed for passed, _ in checks.values()) else 1
 
 
 def run_router_abuse(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, with_client
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.kv_cache.events import Subscription
 from pagedllm.metrics.stats import KVCacheStats, Metric
@@ -90,7 +90,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.observers = list(observers or [])
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # set by every op queued for the engine thread (and by a finished compile)
+        engine.set_idle_wake(self._wake)  # an op never waits out step()'s wait for a grammar
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -130,24 +131,25 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, *, cache_salt: str | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, client_id: str | None = None) -> RequestStream:
         """Tokenizes and validates the request on a tokenizer thread (raises ValueError on bad
-        input), then queues it on the engine thread; returns its stream."""
+        input), then queues it on the engine thread; returns its stream. ``client_id``: as
+        ``LLMEngine.add_request``'s (the server passes the HTTP client's)."""
         return (await self.add_requests([(request_id, prompt)], params, arrival_time,
-                                        cache_salt=cache_salt, priority=priority))[0]
+                                        cache_salt=cache_salt, priority=priority, client_id=client_id))[0]
 
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams,
                            arrival_time: float | None = None,
                            queue: asyncio.Queue | None = None, *, cache_salt: str | None = None,
-                           priority: int = 0) -> list[RequestStream]:
+                           priority: int = 0, client_id: str | None = None) -> list[RequestStream]:
         """``add_request`` for a batch of ``(request_id, prompt)`` with one tokenizer-thread job and
         one engine-thread op for all of them: each hop costs the event loop tens of microseconds,
         which, per prompt, held it (and ``/health``) for seconds on a request of 100k prompts.
         Raises the first invalid prompt's error (in order); none of the batch stays queued then.
         ``queue``: one queue shared by the batch's streams (see ``RequestStream``)."""
         return await self._add_streams(requests, queue, lambda proc: [
-            proc.process(rid, prompt, params, arrival_time, cache_salt, priority) for rid, prompt in requests],
-            self._add_processed)
+            with_client(proc.process(rid, prompt, params, arrival_time, cache_salt, priority), client_id)
+            for rid, prompt in requests], self._add_processed)
 
     async def _add_streams(self, requests: list[tuple[str, PromptType]], queue: asyncio.Queue | None,
                            process: Callable[[InputProcessor], list[ProcessedRequest]],

@@ -19,6 +19,7 @@ except for tokenizers that delete most of their input.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.grammar import spec_bytes
+from pagedllm.structured_output.grammar import check_spec_size, spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
@@ -49,6 +50,16 @@ class ProcessedRequest:
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
     mm_items: tuple[MultiModalItem, ...] = ()  # its images' placeholder runs and processor tensors
+    client_id: str | None = None  # who sent it, for per-client fairness (None: the request is its own client)
+
+
+def with_client(processed: ProcessedRequest, client_id: str | None) -> ProcessedRequest:
+    """``processed`` charged to ``client_id`` (None: left as it is); an empty or non-string id is refused."""
+    if client_id is None:
+        return processed
+    if not isinstance(client_id, str) or not client_id:
+        raise ValueError(f"client_id={client_id!r} is invalid: give a non-empty string naming the client, or None")
+    return dataclasses.replace(processed, client_id=client_id)
 
 
 class InputProcessor:
@@ -234,10 +245,8 @@ class InputProcessor:
         """Refuses a constraint whose spec is over ``max_structured_output_bytes``: compiling it could
         take minutes, and a running compile cannot be interrupted."""
         so = params.structured_outputs
-        limit = self.structured_output.max_spec_bytes
-        if so is not None and (size := spec_bytes(so)) > limit:
-            raise ValueError(f"structured_outputs.{so.kind} is {size} bytes, over max_structured_output_bytes="
-                             f"{limit}; use a smaller spec (or start the engine with a larger limit)")
+        if so is not None:
+            check_spec_size(so.kind, spec_bytes(so), self.structured_output.max_spec_bytes)
 
     @staticmethod
     def _id_list(ids) -> list[int]:

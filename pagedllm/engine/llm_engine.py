@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -15,7 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
-from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType, with_client
 from pagedllm.engine.kv_events import KVEventFeed
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
@@ -45,6 +46,8 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 0.05  # step()'s longest wait for a compile when nothing else can run
+
 RowSpan = tuple[Request, bool, int]  # a per-token pooling span: its request, whether it starts the prompt, its rows
 
 __all__ = ["EngineSleepingError", "LLMEngine", "PromptType"]
@@ -72,6 +75,7 @@ class LLMEngine:
         pooling.check_pooler(config.model, config.pooler)
         self.config = config
         self.model_config = config.model
+        self._idle_wake: threading.Event | None = None  # set_idle_wake
         _check_sleep_mode_fits(config)
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.executor = make_executor(config)
@@ -130,12 +134,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0, *,
+                    client_id: str | None = None) -> None:
         """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued).
-        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first."""
+        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first.
+        ``client_id``: who sent it; its grammar compile queues as that client's (one client's many
+        compiles take turns with other clients' as one), default: the request is its own client."""
         self._check_new_id(request_id)
-        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                                cache_salt, priority))
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority)
+        self.add_processed_request(with_client(processed, client_id))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queues a request the input processor already tokenized and validated (possibly on
@@ -149,7 +156,7 @@ class LLMEngine:
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
-                                                             owner=processed.request_id)
+                                                             owner=processed.client_id or processed.request_id)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)
@@ -316,10 +323,17 @@ class LLMEngine:
             if self.output_processor.update_text(req) is not None:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
 
+    def set_idle_wake(self, event: threading.Event | None) -> None:
+        """``event`` ends ``step()``'s wait for a grammar (below) when set: the async engine's, so that
+        a request or abort arriving while only grammar-bound requests wait is taken at once (each new
+        request waited up to the whole wait while a big schema compiled)."""
+        self._idle_wake = event
+
     def _wait_for_grammars(self) -> None:
         """Nothing could run: if requests wait for their grammars, wait (briefly) for one to
         compile instead of spinning through empty steps."""
-        self.structured_output.wait_for_any(self.scheduler.waiting_grammars(), timeout=0.05)
+        self.structured_output.wait_for_any(self.scheduler.waiting_grammars(), timeout=GRAMMAR_WAIT_S,
+                                            wake=self._idle_wake)
 
     def _execute(self, sched_out: SchedulerOutput) -> list[SampledTokens]:
         if sched_out.is_empty:

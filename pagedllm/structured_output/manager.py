@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -143,6 +144,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
         self._claims: Counter[CompileJob] = Counter()  # live GrammarStates per job not yet compiled
         self._batch_matcher = None
+        self._wakes_on_done: weakref.WeakSet[Future] = weakref.WeakSet()  # compiles that set wait_for_any's wake
         self._bitmask = np.empty((8, (vocab_size + 31) // 32), dtype=np.int32)  # fill_bitmask's buffer
         self.stats = StructuredOutputStats()
 
@@ -208,11 +210,21 @@ class StructuredOutputManager:
                 Metric("pagedllm:structured_output_compile_queue_depth", self._queue.depth()),
                 Metric("pagedllm:structured_output_compiles_running", self._queue.num_running())]
 
-    def wait_for_any(self, states: list[GrammarState], timeout: float) -> None:
-        """Blocks until one of ``states`` is compiled or ``timeout`` passes (an idle engine's wait)."""
+    def wait_for_any(self, states: list[GrammarState], timeout: float, wake: threading.Event | None = None) -> None:
+        """Blocks until one of ``states`` is compiled or ``timeout`` passes (an idle engine's wait).
+        ``wake``: an event that also ends the wait (the async engine's, set by a new request or an
+        abort, which must not wait out a compile); every pending compile sets it when it ends."""
         pending = [s.compiled for s in states]
-        if pending:
+        if not pending:
+            return
+        if wake is None:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            return
+        for future in pending:
+            if future not in self._wakes_on_done:  # one callback per compile, not one per idle step
+                self._wakes_on_done.add(future)
+                future.add_done_callback(lambda _: wake.set())
+        wake.wait(timeout)
 
     # ------------------------------------------------------------------ sampling
     def fill_bitmask(self, grammars: list[GrammarState | None]) -> np.ndarray | None:

@@ -175,3 +175,33 @@ def test_lone_surrogate_is_a_value_error_naming_the_prompt(engine_args):
             await anext(engine.generate("ab\ud800", SamplingParams(), "s"))
         return await engine.get_kv_cache_stats()
     assert run(engine_args, body).num_used_blocks == 0
+
+
+def test_a_request_arriving_while_a_grammar_compiles_does_not_wait_for_it(engine_args, monkeypatch):
+    """An engine with only a grammar-bound request waits in step() for the compile; a new request
+    (or an abort) ends that wait at once. It used to wait it out: every normal request behind a
+    big schema's compile took up to the wait longer (here the wait is made 60 s, so a request done
+    in well under 30 s shows it was not waited out)."""
+    import pagedllm.engine.llm_engine as llm_engine
+    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_output.manager import StructuredOutputManager
+    monkeypatch.setattr(llm_engine, "GRAMMAR_WAIT_S", 60.0)
+    release, compile_grammar = threading.Event(), StructuredOutputManager._compile
+    monkeypatch.setattr(StructuredOutputManager, "_compile",
+                        lambda self, params: release.wait(120) and compile_grammar(self, params))
+
+    async def body(engine):
+        held = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[ab]{2}"))
+        bound = asyncio.ensure_future(texts_of(engine.generate("hi", held, "bound")))
+        await asyncio.sleep(0.5)  # the engine is now in step()'s wait for the grammar
+        t0 = time.monotonic()
+        free = await texts(engine, "final_only", "free")
+        took = time.monotonic() - t0
+        release.set()
+        return took, free, await bound
+    took, free, bound = run(engine_args, body)
+    assert took < 30 and len(free) == 1 and bound[-1] in ("aa", "ab", "ba", "bb")
+
+
+async def texts_of(gen) -> list[str]:
+    return [out.outputs[0].text async for out in gen]

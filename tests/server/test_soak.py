@@ -43,3 +43,22 @@ def test_short_storm_leaves_the_server_serving(tmp_path, caplog):
     finally:
         srv.stop()
     srv.engine.engine.scheduler.kv.check_integrity()  # the engine thread has stopped: nothing races it
+
+
+def test_mixed_abuse_for_a_few_seconds_loses_no_normal_request(tmp_path):
+    """benchmarks/soak.py --scenario mixed in miniature: every abuse kind at least once (one abuser per
+    kind) beside normal traffic; no normal request lost, /health never down, every abuse answered as
+    expected, the server idle afterwards. The latency ratio is the benchmark's to report, not checked."""
+    from pagedllm.entrypoints.http_guards import ServerLimits
+    model_dir, tier = soak.tiny_model(tmp_path / "model"), tmp_path / "tier"
+    srv = start_server(model_dir, api_key=["soak", "abuse"], limits=ServerLimits(request_body_timeout=1.0),
+                       num_gpu_blocks_override=24, max_num_seqs=16, kv_offload_dir=str(tier), kv_offload_disk_gb=0.01)
+    try:
+        result = soak.mixed_abuse(srv.url, "tiny", "soak", "abuse", 6.0, workers=2,
+                                  abusers=len(soak.MIXED_ABUSES), tier_dir=str(tier), processes=False)
+        assert {kind for kind, _ in result.abuses} == set(soak.MIXED_ABUSES), result.abuses
+        assert result.lost == 0 and result.unexpected == 0, result.abuses
+        assert result.health["down"] == 0 and result.health["polls"] > 0
+        assert srv.wait_idle().num_used_blocks == 0 and srv.engine.num_in_flight == 0
+    finally:
+        srv.stop()

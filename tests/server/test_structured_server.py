@@ -94,7 +94,7 @@ def test_completion_constraint_fields(client, extra, check):
     ("/v1/completions", {"structured_outputs": {"choice": ["x" * 1000] * 70}}, "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}}}},
-     "structured_outputs"),
+     "response_format"),
 ])
 def test_bad_constraints_are_400_and_the_server_keeps_serving(live_server, path, body, param):  # noqa: F811
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "hello"}
@@ -106,6 +106,28 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(live_server, path,
                                                                 "guided_choice": ["ok"]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ok"
     assert live_server.wait_idle().num_used_blocks == 0
+
+
+BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40000)}}  # ~1 MB
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"structured_outputs": {"json": BIG_SCHEMA}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": BIG_SCHEMA}}}),
+    ("/generate", {"structured_outputs": {"json": BIG_SCHEMA}}),
+    ("/v1/completions", {"guided_regex": "a" * 70000}),
+])
+def test_a_spec_over_the_limit_is_refused_before_it_is_parsed(live_server, monkeypatch, path, body):  # noqa: F811
+    """The size limit used to be checked after the constructor parsed the spec on the event loop:
+    a 3 MB schema (a body under the 4 MiB limit) held every client 4.6 s before its 400."""
+    import pagedllm.structured_output.grammar as grammar
+    parsed = []
+    monkeypatch.setattr(grammar, "check_grammar", lambda params: parsed.append(params.kind))
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "hello"}
+    r = httpx.post(f"{live_server.url}{path}", json={**base, "max_tokens": 5, **body}, timeout=60)
+    assert r.status_code == 400 and "max_structured_output_bytes=65536" in r.json()["error"]["message"], r.text
+    assert parsed == []
 
 
 def test_truncate_prompt_tokens_and_top_k_zero(client):

@@ -2,6 +2,8 @@
 compiles, and the manager's compile timeout and release."""
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 

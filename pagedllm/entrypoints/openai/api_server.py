@@ -49,6 +49,7 @@ from . import chat, completions, dashboard, embeddings, tokenization
 from .admin import include_admin_routes
 from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
 from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
+from .client_identity import ClientIdentityMiddleware
 from .pooling_serving import router as pooling_router
 from .reasoning_parsers import REASONING_PARSERS
 from .responses import DEFAULT_STORE_SIZE, add_responses_api, add_responses_args
@@ -148,6 +149,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     include_admin_routes(app)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
+    app.add_middleware(ClientIdentityMiddleware, keys_checked=bool(http_options.api_keys))  # client_identity.py
     # outside the body limits: a request without the key is refused before its body is read
     install_middlewares(app, http_options)
     return app

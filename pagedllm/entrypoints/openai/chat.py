@@ -45,12 +45,12 @@ from .serving_base import (
     ServingError,
     check_fields,
     collect,
+    constraint_source,
     continuous_usage,
     refuse_streamed_best_of,
     response_id,
     serving_of,
     sse,
-    structured_outputs_of,
 )
 from .tool_parsers.forced import forced_call_schema
 
@@ -209,7 +209,7 @@ def forced_call_fields(req: ChatCompletionRequest, tool_choice: Any) -> dict:
     compact JSON (free whitespace would only let a model pad the call)."""
     if not is_forced(tool_choice):
         return {}
-    if structured_outputs_of(req) is not None:
+    if constraint_source(req) is not None:
         raise ServingError(f"tool_choice={tool_choice if isinstance(tool_choice, str) else 'a named function'!r} "
                            "constrains the output to the call: it cannot be combined with response_format, "
                            "structured_outputs or guided_*", 400, "tool_choice")

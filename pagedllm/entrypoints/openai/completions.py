@@ -38,6 +38,7 @@ from .serving_base import (
     ServingError,
     bad_request,
     check_fields,
+    check_raw_spec_size,
     collect,
     continuous_usage,
     refuse_streamed_best_of,
@@ -151,6 +152,7 @@ class CompletionServing(ServingBase):
                      "use /v1/completions)")
         fields = req.model_dump(exclude={"prompt", "stream"})
         try:
+            check_raw_spec_size(fields.get("structured_outputs"), self.max_spec_bytes)
             params = SamplingParams(**fields, output_kind="cumulative" if req.stream else "final_only")
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None

@@ -29,8 +29,10 @@ from pagedllm.entrypoints.openai_common import ServingError
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.grammar import check_spec_size, raw_spec_size
 
 from .chat_features import ChatOptions
+from .client_identity import client_id
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -121,21 +123,38 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs_of(req: SamplingFields, max_bytes: int | None = None) -> StructuredOutputsParams | None:
     """The request's output constraint from whichever field gives it (``structured_outputs``, a
-    ``guided_*`` field or ``response_format``); two at once, or an invalid one, is a 400 naming the field."""
-    _check_guided_options(req)
-    sources = [(name, kwargs) for name, kwargs in _constraint_sources(req) if kwargs is not None]
-    if not sources:
+    ``guided_*`` field or ``response_format``); two at once, or an invalid one, is a 400 naming the field.
+    ``max_bytes``: the engine's ``max_structured_output_bytes``, checked before the spec is parsed."""
+    source = constraint_source(req)
+    if source is None:
         return None
-    if len(sources) > 1:
-        names = [name for name, _ in sources]
-        raise ServingError(f"{' and '.join(names)} both constrain the output; give only one", 400, names[1])
-    name, kwargs = sources[0]
+    name, kwargs = source
     try:
+        check_raw_spec_size(kwargs, max_bytes)
         return StructuredOutputsParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ServingError(f"{name}: {exc}", 400, name) from None
+
+
+def constraint_source(req: SamplingFields) -> tuple[str, dict] | None:
+    """``(field name, StructuredOutputsParams' keyword arguments)`` of the request's one constraint,
+    unparsed; two at once is a 400 naming the second."""
+    _check_guided_options(req)
+    sources = [(name, kwargs) for name, kwargs in _constraint_sources(req) if kwargs is not None]
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ServingError(f"{' and '.join(names)} both constrain the output; give only one", 400, names[1])
+    return sources[0] if sources else None
+
+
+def check_raw_spec_size(fields: dict | None, max_bytes: int | None) -> None:
+    """ValueError for a spec over ``max_bytes`` (None: no check), before anything parses it: parsing
+    happens on the event loop, and a 3 MB schema (a body under the 4 MiB limit) held it 4.6 s."""
+    found = raw_spec_size(fields) if fields and max_bytes is not None else None
+    if found is not None:
+        check_spec_size(*found, max_bytes)
 
 
 def _constraint_sources(req: SamplingFields) -> list[tuple[str, dict | None]]:
@@ -346,6 +365,7 @@ class ServingBase:
         self.chat_options = chat_options or ChatOptions()
         self.response_options = response_options or ResponseOptions()
         self.shutdown_gate = ShutdownGate()
+        self.max_spec_bytes = engine.engine.config.structured_output.max_spec_bytes  # checked before parsing
 
     # ------------------------------------------------------------------ shared checks
     def check_model(self, name: str | None) -> str:
@@ -378,7 +398,7 @@ class ServingBase:
         kwargs.update(n=1 if req.n is None else req.n, seed=req.seed, ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, output_kind=output_kind,
-                      structured_outputs=structured_outputs_of(req), bad_words=req.bad_words,
+                      structured_outputs=structured_outputs_of(req, self.max_spec_bytes), bad_words=req.bad_words,
                       truncate_prompt_tokens=req.truncate_prompt_tokens)
         kwargs.update(fields)  # the handler's own (a forced tool call's constraint replaces the None above)
         try:
@@ -415,11 +435,14 @@ class ServingBase:
     async def start(self, base_id: str, prompts: list[PromptType], params: EngineParams, arrival: float,
                     req: SamplingFields | EmbeddingRequest | None = None) -> RequestGroup:
         """Adds every prompt's request; if one is invalid, aborts those already added. ``req``:
-        the request whose ``cache_salt`` and ``priority`` the engine requests take."""
+        the request whose ``cache_salt`` and ``priority`` the engine requests take. Generations are
+        charged to the HTTP client (``client_identity.py``): its grammar compiles queue as one client's."""
         group = RequestGroup(self.engine)
         self.shutdown_gate.admit(group)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         options = {} if req is None else {"cache_salt": req.cache_salt, "priority": req.priority}
+        if isinstance(params, SamplingParams):
+            options["client_id"] = client_id(getattr(req, "user", None))
         try:
             await group.add_all(list(zip(ids, prompts)), params, arrival, **options)
         except BaseException:
