@@ -15,6 +15,7 @@ import argparse
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -28,6 +29,7 @@ from pagedllm.attention.triton.launch import (
     write_kv_launch,
 )
 from pagedllm.attention.triton.plan import (
+    DECODE_MAX_QUERY_LEN,
     FP8_DTYPES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
@@ -99,13 +101,17 @@ def shipped_launches() -> Iterator[Launch]:
 
 
 def _attention_launches(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Iterator[Launch]:
-    """The attention kernel for one dtype pair and head size (split or not, it is one kernel)."""
+    """The attention kernel for one dtype pair and head size (split or not, it is one kernel):
+    decode tiles, and the prefill tiles (PREFILL_BLOCK_M rows) of a step with a long chunk."""
     tokens, heads, kv_heads = 4, 8, 2
     query = _meta(tokens, heads, head_dim, dtype=q_dtype)
     cache = _meta(16, kv_heads, SUPPORTED_BLOCK_SIZES[0], head_dim, dtype=cache_dtype)
     call = AttentionCall(query, cache, cache, _metadata(tokens, 2, 1), 0.1, 0, 0.0)
     yield attention_launch(call, attention_tiles(head_dim, call.group), torch.empty_like(query),
                            SplitBuffers.empty(3, query))
+    prefill = replace(call, meta=_metadata(tokens, 2, DECODE_MAX_QUERY_LEN + 1))
+    yield attention_launch(prefill, attention_tiles(head_dim, call.group, prefill=True), torch.empty_like(query),
+                           SplitBuffers.empty(1, query))
 
 
 def _batch1_decode_launch(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Launch:
@@ -138,9 +144,10 @@ def describe(launch: Launch) -> str:
 
 
 def dot_instructions(kernel) -> str:
-    """The tensor-core instructions in a compiled kernel's PTX (``mma.sync`` / ``wgmma`` with their
-    shapes and operand types), comma-separated; ``fma`` where there is none (float32 dots)."""
-    found = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\.aligned\.[\w.]+", kernel.asm["ptx"]))
+    """The tensor-core instructions in a compiled kernel's PTX (``mma.sync`` / sm_90's
+    ``wgmma.mma_async.sync``, which a 64-row tile gets, with their shapes and operand types),
+    comma-separated; ``fma`` where there is none (float32 dots)."""
+    found = set(re.findall(r"\b(?:wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]+", kernel.asm["ptx"]))
     return ",".join(sorted(found)) or "fma"
 
 
