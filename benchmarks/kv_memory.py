@@ -23,12 +23,14 @@ Three experiments on a tiny random Llama (built once into ``benchmarks/.cache/``
    cache: the engine sizes its pool for ``--latent-kv-mib`` MiB and its own block accounting
    (blocks x block_size) gives tokens per GiB and ``max_model_len`` sequences that fit.
 5. **Latent decode step (MLA).** One V2-Lite attention layer's decode step (write the new latent,
-   attend, map through W_UV) at contexts 512, 2048 and 8192 on a paged float32 latent cache: the
-   absorbed form on the C latent kernel (``native/csrc/mla_decode.c``, what the engine runs), the
-   absorbed form on the generic C paged-attention kernel with the latent as both K and V (what ran
-   before that kernel), and decompress-then-attend (the latents expanded to per-head K/V with
-   W_UK / W_UV, then attention, in torch). Interleaved in one run; medians, and the median of
-   each repeat's ratio to decompress-then-attend.
+   attend, map through W_UV) at contexts 512, 2048 and 8192 on a paged latent cache
+   (``--latent-cache-dtype``, float32 by default): the absorbed form on the C latent kernel
+   (``native/csrc/mla_decode.c``, what the engine runs), the absorbed form on the generic C
+   paged-attention kernel with the latent as both K and V (what ran before that kernel; called
+   directly, without MLABackend's per-step host work), and decompress-then-attend (the latents
+   expanded to per-head K/V with W_UK / W_UV, then attention, in torch). Interleaved in one run,
+   in a rotating order; medians (the absorbed methods' samples average ``--latent-calls`` steps),
+   and the median of each round's ratio to decompress-then-attend.
 
 Run ``python benchmarks/kv_memory.py --quick`` (< 3 min on 2 cores) or without ``--quick`` for
 the full run. Tables go to stdout, results to ``benchmarks/results/kv_memory.{json,png}``.
@@ -177,7 +179,7 @@ def experiment_latent(args) -> list[dict]:
 DECOMPRESS = "decompress then attend (torch)"
 
 
-def latent_decode_case(context: int, batch: int, seed: int = 0):
+def latent_decode_case(context: int, batch: int, seed: int = 0, cache_dtype: str = "float32"):
     """One V2-Lite attention layer's decode step: ``batch`` requests with ``context - 1`` cached
     latents each and one new token, on a shuffled paged pool (block_size 16), plus its query
     parts and kv_b_proj halves. Returns (paged batch, q_nope, q_pe, w_uk, w_uv, scale)."""
@@ -186,7 +188,8 @@ def latent_decode_case(context: int, batch: int, seed: int = 0):
     from pagedllm.attention.testing import make_paged_batch
     heads, rank, rope = (V2_LITE_ATTENTION[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim"))
     nope, v = V2_LITE_ATTENTION["qk_nope_head_dim"], V2_LITE_ATTENTION["v_head_dim"]
-    paged = make_paged_batch([(context - 1, 1)] * batch, 1, 1, rank + rope, 16, seed=seed)
+    paged = make_paged_batch([(context - 1, 1)] * batch, 1, 1, rank + rope, 16, seed=seed,
+                             cache_dtype=getattr(torch, cache_dtype))
     g = torch.Generator().manual_seed(seed)
     q_nope, q_pe = torch.randn(batch, heads, nope, generator=g), torch.randn(batch, heads, rope, generator=g)
     w_uk, w_uv = torch.randn(heads, nope, rank, generator=g) * 0.05, torch.randn(heads, v, rank, generator=g) * 0.05
@@ -225,7 +228,7 @@ def latent_decode_methods(threads: int) -> dict:
         mla.write_latent(paged.key[:, 0], cache, meta.slot_mapping)
         outs = []
         for r, start, end, seq_len in meta.request_spans():
-            lat = mla.gather_latents(cache, meta.block_tables[r], seq_len)
+            lat = mla.gather_latents(cache, meta.block_tables[r], seq_len).to(q_nope.dtype)
             outs.append(mla.decompressed(q_nope[start:end], q_pe[start:end], lat[:, :rank], lat[:, rank:], w_uk, w_uv,
                                          scale))
         return torch.cat(outs)
@@ -243,7 +246,7 @@ def experiment_latent_decode(args) -> list[dict]:
     methods = latent_decode_methods(args.threads)
     rows = []
     for context in args.latent_contexts:
-        case = latent_decode_case(context, args.latent_decode_batch)
+        case = latent_decode_case(context, args.latent_decode_batch, cache_dtype=args.latent_cache_dtype)
         paged, q_nope, q_pe, w_uk, w_uv, scale = case
         rank = w_uk.shape[2]
         ctx = paged.ctx_k[0][:, 0]  # request 0's whole context of latents
@@ -256,10 +259,14 @@ def experiment_latent_decode(args) -> list[dict]:
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 step = methods[name]
                 cache = paged.key_cache.clone()
+                # the fast methods run a few steps per sample (writing the same latent again each
+                # time), so that one sample is not one scheduler tick of a busy machine
+                calls = 1 if name == DECOMPRESS else args.latent_calls
                 start = time.perf_counter()
-                out = step(case, cache)
+                for _ in range(calls):
+                    out = step(case, cache)
                 if rep:
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append((time.perf_counter() - start) / calls)
                 else:  # every method computes the same attention (float64 oracle, request 0)
                     torch.testing.assert_close(out[:1].double(), ref, atol=1e-4, rtol=1e-4)
         base = times[DECOMPRESS]
@@ -572,6 +579,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--latent-contexts", type=int, nargs="+", default=[512, 2048, 8192], help="experiment 5 contexts")
     p.add_argument("--latent-decode-batch", type=int, default=1, help="experiment 5 decode requests per step")
     p.add_argument("--latent-repeats", type=int, default=7, help="experiment 5 timed rounds")
+    p.add_argument("--latent-cache-dtype", default="float32", choices=["float32", "bfloat16", "float8_e4m3fn"],
+                   help="experiment 5 latent cache dtype (the CPU engine's default: the model's, float32)")
+    p.add_argument("--latent-calls", type=int, default=10,
+                   help="experiment 5 steps per sample of the absorbed methods (decompress-then-attend: 1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the model is tiny, and one thread keeps timings "
                         "steady on a busy machine)")
@@ -627,7 +638,8 @@ def report(results: dict, args) -> None:
         print_table("Tokens per GiB of KV (engine block accounting)", results["latent"], LATENT_COLS)
     if "latent-decode" in results:
         print(f"\n5. Latent decode step: one DeepSeek-V2-Lite attention layer, {args.latent_decode_batch} request(s), "
-              f"float32 latent cache, block_size 16, {args.threads} thread(s), median of {args.latent_repeats}")
+              f"{args.latent_cache_dtype} latent cache, block_size 16, {args.threads} thread(s), median of "
+              f"{args.latent_repeats}")
         print_table("MLA decode: absorbed (latents only) vs decompress-then-attend", results["latent-decode"],
                     LATENT_DECODE_COLS)
     write_results(results, args.out, with_plot=all(k in results for k in ("memory", "prefix", "sharing")))
