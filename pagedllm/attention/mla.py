@@ -74,8 +74,9 @@ def absorbs(q_len: int, qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: in
     """Whether the absorbed form takes fewer multiply-adds for a ``q_len``-token chunk (per head and
     context token: ``q_len * (2 * rank + rope)`` against ``rank * (nope + v)`` to expand plus
     ``q_len * (nope + rope + v)`` to attend). DeepSeek V2/V3: chunks under 171 tokens. Measured
-    on 2 CPU cores (V2-Lite shapes, one layer): decode at context 512 / 2048 / 8192, absorbed on the
-    C kernel ~9 / 20 / 34 ms against decompressed ~180 / 420 / 1500 ms; a 256-token chunk at
+    on 2 CPU cores (V2-Lite shapes, one layer): decode at context 512 / 2048 / 8192, absorbed (then on
+    the generic C paged-attention kernel; the latent kernel: benchmarks/kv_memory.py experiment 5)
+    ~9 / 20 / 34 ms against decompressed ~180 / 420 / 1500 ms; a 256-token chunk at
     context 2048, 315 ms against 250 ms; a 1024-token prefill, 515 against 508 ms."""
     absorbed = q_len * (2 * kv_lora_rank + qk_rope_head_dim)
     return absorbed < kv_lora_rank * (qk_nope_head_dim + v_head_dim) + q_len * (
