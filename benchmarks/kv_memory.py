@@ -22,6 +22,15 @@ Three experiments on a tiny random Llama (built once into ``benchmarks/.cache/``
    one-head_dim pool), in the model's dtype (bfloat16), plus the MLA model with an fp8 latent
    cache: the engine sizes its pool for ``--latent-kv-mib`` MiB and its own block accounting
    (blocks x block_size) gives tokens per GiB and ``max_model_len`` sequences that fit.
+5. **Latent decode step (MLA).** One V2-Lite attention layer's decode step (write the new latent,
+   attend, map through W_UV) at contexts 512, 2048 and 8192 on a paged latent cache
+   (``--latent-cache-dtype``, float32 by default): the absorbed form on the C latent kernel
+   (``native/csrc/mla_decode.c``, what the engine runs), the absorbed form on the generic C
+   paged-attention kernel with the latent as both K and V (what ran before that kernel; called
+   directly, without MLABackend's per-step host work), and decompress-then-attend (the latents
+   expanded to per-head K/V with W_UK / W_UV, then attention, in torch). Interleaved in one run,
+   in a rotating order; medians (the absorbed methods' samples average ``--latent-calls`` steps),
+   and the median of each round's ratio to decompress-then-attend.
 
 Run ``python benchmarks/kv_memory.py --quick`` (< 3 min on 2 cores) or without ``--quick`` for
 the full run. Tables go to stdout, results to ``benchmarks/results/kv_memory.{json,png}``.
@@ -49,7 +58,7 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 MODEL_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 FIRST_TOKEN_ID = 3  # ids 0..2 are pad, bos, eos in the test tokenizer
-EXPERIMENTS = ("memory", "prefix", "sharing", "latent")
+EXPERIMENTS = ("memory", "prefix", "sharing", "latent", "latent-decode")
 # DeepSeek-V2-Lite's attention and layer count; everything the KV does not depend on made small
 V2_LITE_ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
                          qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
@@ -164,6 +173,108 @@ def experiment_latent(args) -> list[dict]:
             run_latent_config(per_head_label, per_head_path, args)]
     for row in rows[:2]:
         row["vs_per_head"] = f"x{row['tokens_per_gib'] / rows[2]['tokens_per_gib']:.2f}"
+    return rows
+
+
+DECOMPRESS = "decompress then attend (torch)"
+
+
+def latent_decode_case(context: int, batch: int, seed: int = 0, cache_dtype: str = "float32"):
+    """One V2-Lite attention layer's decode step: ``batch`` requests with ``context - 1`` cached
+    latents each and one new token, on a shuffled paged pool (block_size 16), plus its query
+    parts and kv_b_proj halves. Returns (paged batch, q_nope, q_pe, w_uk, w_uv, scale)."""
+    import torch
+
+    from pagedllm.attention.testing import make_paged_batch
+    heads, rank, rope = (V2_LITE_ATTENTION[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim"))
+    nope, v = V2_LITE_ATTENTION["qk_nope_head_dim"], V2_LITE_ATTENTION["v_head_dim"]
+    paged = make_paged_batch([(context - 1, 1)] * batch, 1, 1, rank + rope, 16, seed=seed,
+                             cache_dtype=getattr(torch, cache_dtype))
+    g = torch.Generator().manual_seed(seed)
+    q_nope, q_pe = torch.randn(batch, heads, nope, generator=g), torch.randn(batch, heads, rope, generator=g)
+    w_uk, w_uv = torch.randn(heads, nope, rank, generator=g) * 0.05, torch.randn(heads, v, rank, generator=g) * 0.05
+    return paged, q_nope, q_pe, w_uk, w_uv, (nope + rope) ** -0.5
+
+
+def latent_decode_methods(threads: int) -> dict:
+    """name -> step(case, cache) for experiment 5; each writes the new latents and returns [batch, heads, v]."""
+    import torch
+
+    from pagedllm.attention import mla
+    from pagedllm.native import bindings
+    lib = bindings.library()
+    kernel = mla.MLABackend(lib, num_threads=threads)
+
+    def absorbed_c(case, cache):
+        paged, q_nope, q_pe, w_uk, w_uv, scale = case
+        new = paged.key[:, 0]
+        return kernel.forward(q_nope, q_pe, new[:, :-q_pe.shape[-1]], new[:, -q_pe.shape[-1]:], cache, paged.meta,
+                              w_uk, w_uv, scale)
+
+    def absorbed_generic(case, cache):
+        """The latent as the one KV head of the generic kernel, for K and V (rope channels of V dropped)."""
+        paged, q_nope, q_pe, w_uk, w_uv, scale = case
+        meta, rank = paged.meta, w_uk.shape[2]
+        mla.write_latent(paged.key[:, 0], cache, meta.slot_mapping)
+        q = torch.cat([mla.absorb_query(q_nope, w_uk), q_pe], dim=-1).contiguous()  # [batch, heads, rank + rope]
+        o = torch.empty_like(q)
+        lib.attention(q, o, cache, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, 0, threads,
+                      1 << 19)
+        return mla.latent_to_value(o[..., :rank].contiguous(), w_uv)
+
+    def decompressed(case, cache):
+        paged, q_nope, q_pe, w_uk, w_uv, scale = case
+        meta, rank = paged.meta, w_uk.shape[2]
+        mla.write_latent(paged.key[:, 0], cache, meta.slot_mapping)
+        outs = []
+        for r, start, end, seq_len in meta.request_spans():
+            lat = mla.gather_latents(cache, meta.block_tables[r], seq_len).to(q_nope.dtype)
+            outs.append(mla.decompressed(q_nope[start:end], q_pe[start:end], lat[:, :rank], lat[:, rank:], w_uk, w_uv,
+                                         scale))
+        return torch.cat(outs)
+
+    return {"absorbed, C latent kernel": absorbed_c, "absorbed, generic C paged attention": absorbed_generic,
+            DECOMPRESS: decompressed}
+
+
+def experiment_latent_decode(args) -> list[dict]:
+    """Experiment 5: each method's step time per context, interleaved repeat by repeat."""
+    import torch
+
+    from pagedllm.attention import mla
+    torch.set_num_threads(args.threads)
+    methods = latent_decode_methods(args.threads)
+    rows = []
+    for context in args.latent_contexts:
+        case = latent_decode_case(context, args.latent_decode_batch, cache_dtype=args.latent_cache_dtype)
+        paged, q_nope, q_pe, w_uk, w_uv, scale = case
+        rank = w_uk.shape[2]
+        ctx = paged.ctx_k[0][:, 0]  # request 0's whole context of latents
+        ref = mla.mla_reference(q_nope[:1], q_pe[:1], ctx[:, :rank], ctx[:, rank:], w_uk, w_uv, scale)
+        times = {name: [] for name in methods}
+        names = list(methods)
+        for rep in range(args.latent_repeats + 1):  # the first round warms up, untimed
+            # each round in another order: no method always runs right after decompress-then-attend
+            # frees its gigabyte of expanded K/V (the next allocations then fault their pages in)
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                step = methods[name]
+                cache = paged.key_cache.clone()
+                # the fast methods run a few steps per sample (writing the same latent again each
+                # time), so that one sample is not one scheduler tick of a busy machine
+                calls = 1 if name == DECOMPRESS else args.latent_calls
+                start = time.perf_counter()
+                for _ in range(calls):
+                    out = step(case, cache)
+                if rep:
+                    times[name].append((time.perf_counter() - start) / calls)
+                else:  # every method computes the same attention (float64 oracle, request 0)
+                    torch.testing.assert_close(out[:1].double(), ref, atol=1e-4, rtol=1e-4)
+        base = times[DECOMPRESS]
+        for name, ts in times.items():
+            ratio = float(np.median([b / t for b, t in zip(base, ts)]))
+            rows.append(dict(context=context, method=name, ms=round(1e3 * float(np.median(ts)), 2),
+                             vs_decompress=f"x{ratio:.1f}"))
+            _progress(rows[-1])
     return rows
 
 
@@ -377,6 +488,8 @@ LATENT_COLS = [("config", "KV layout"), ("kv_dtype", "KV dtype"), ("bytes_per_to
                ("block_bytes", "bytes / block"),
                ("num_blocks", "blocks"), ("tokens_per_gib", "tokens / GiB"), ("max_len_seqs", "max_model_len seqs"),
                ("vs_per_head", "vs K/V per head")]
+LATENT_DECODE_COLS = [("context", "context"), ("method", "method"), ("ms", "ms / step"),
+                      ("vs_decompress", "speed vs decompress (same-run ratio)")]
 SHARING_COLS = [("run", "run"), ("peak_used_blocks", "peak blocks"), ("mean_used_blocks", "mean blocks"),
                 ("preemptions", "preempt"), ("saved", "saved by sharing (peak / mean)")]
 
@@ -463,6 +576,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--latent-kv-mib", type=int, default=512, help="experiment 4 KV budget in MiB")
     p.add_argument("--latent-max-model-len", type=int, default=512)
     p.add_argument("--latent-dtype", default="bfloat16", help="experiment 4 model dtype (V2-Lite ships bfloat16)")
+    p.add_argument("--latent-contexts", type=int, nargs="+", default=[512, 2048, 8192], help="experiment 5 contexts")
+    p.add_argument("--latent-decode-batch", type=int, default=1, help="experiment 5 decode requests per step")
+    p.add_argument("--latent-repeats", type=int, default=7, help="experiment 5 timed rounds")
+    p.add_argument("--latent-cache-dtype", default="float32", choices=["float32", "bfloat16", "float8_e4m3fn"],
+                   help="experiment 5 latent cache dtype (the CPU engine's default: the model's, float32)")
+    p.add_argument("--latent-calls", type=int, default=10,
+                   help="experiment 5 steps per sample of the absorbed methods (decompress-then-attend: 1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the model is tiny, and one thread keeps timings "
                         "steady on a busy machine)")
@@ -489,7 +609,8 @@ def main(argv=None) -> dict:
                "model": MODEL_SHAPE,
                "workload": long_tailed(args.num_requests, args, args.seed).summary()}
     runs = {"memory": lambda: experiment_memory(model, args), "prefix": lambda: experiment_prefix(model, args),
-            "sharing": lambda: experiment_sharing(model, args), "latent": lambda: experiment_latent(args)}
+            "sharing": lambda: experiment_sharing(model, args), "latent": lambda: experiment_latent(args),
+            "latent-decode": lambda: experiment_latent_decode(args)}
     for name in args.experiments:
         results[name] = runs[name]()
     results["total_s"] = round(time.perf_counter() - start, 1)
@@ -515,6 +636,12 @@ def report(results: dict, args) -> None:
         print(f"\n4. Latent KV: DeepSeek-V2-Lite-shaped, {args.latent_layers} layers, {args.latent_dtype} model, "
               f"{args.latent_kv_mib} MiB budget, block_size 16, max_model_len {args.latent_max_model_len}")
         print_table("Tokens per GiB of KV (engine block accounting)", results["latent"], LATENT_COLS)
+    if "latent-decode" in results:
+        print(f"\n5. Latent decode step: one DeepSeek-V2-Lite attention layer, {args.latent_decode_batch} request(s), "
+              f"{args.latent_cache_dtype} latent cache, block_size 16, {args.threads} thread(s), median of "
+              f"{args.latent_repeats}")
+        print_table("MLA decode: absorbed (latents only) vs decompress-then-attend", results["latent-decode"],
+                    LATENT_DECODE_COLS)
     write_results(results, args.out, with_plot=all(k in results for k in ("memory", "prefix", "sharing")))
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_memory.py"
 _spec = importlib.util.spec_from_file_location("pagedllm_bench_kv_memory", _PATH)
 kv_memory = importlib.util.module_from_spec(_spec)
@@ -48,3 +50,20 @@ def test_latent_kv_holds_over_5x_the_tokens_of_per_head_kv(tmp_path):
     assert fp8["tokens_per_gib"] >= 10 * per_head["tokens_per_gib"]
     assert json.loads(out.with_suffix(".json").read_text())["latent"] == results["latent"]
     assert not out.with_suffix(".png").exists()
+
+
+def test_latent_decode_step_times_every_method_on_the_same_attention(tmp_path):
+    """Experiment 5 at small contexts: each method's output is checked against the float64 MLA
+    reference inside the run (its warm-up round), then timed; one row per (context, method)."""
+    from pagedllm.native import bindings
+    if not bindings.is_available():
+        pytest.skip("the C library does not build here")
+    out = tmp_path / "decode"
+    results = kv_memory.main(["--experiments", "latent-decode", "--latent-contexts", "40", "130",
+                              "--latent-repeats", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    rows = results["latent-decode"]
+    assert [(r["context"], r["method"]) for r in rows] == [
+        (c, m) for c in (40, 130) for m in ("absorbed, C latent kernel", "absorbed, generic C paged attention",
+                                            kv_memory.DECOMPRESS)]
+    assert all(r["ms"] > 0 for r in rows) and {r["vs_decompress"] for r in rows[2::3]} == {"x1.0"}
+    assert json.loads(out.with_suffix(".json").read_text())["latent-decode"] == rows

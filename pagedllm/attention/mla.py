@@ -27,20 +27,26 @@ Two equal ways to compute it, picked per request by cost:
 
 Both read only latents through the block table; ``mla_reference`` below is the float64 oracle.
 
-On the CPU the absorbed form runs on the C paged-attention kernel (``native/csrc/paged_attention.c``,
-attention/cpu.py) with no new kernel: it *is* multi-query attention with one KV head of width
-``kv_lora_rank + rope``, the query ``[W_UK^T q_nope | q_pe]``, and the latent cache passed as both
-the key and the value cache; the first ``kv_lora_rank`` channels of its output are the latent-space
-output (the value's ``rope`` channels are computed and dropped: 64 of 576 for DeepSeek, 11%).
-All the absorbed requests of a step go in one call; the decompressed ones run in torch.
+The absorbed requests of a step go through one kernel call, reading only latents: on CPU tensors
+the C kernel (``native/csrc/mla_decode.c``), on CUDA the Triton kernel
+(``attention/triton/mla_kernels.py``); both take the query ``[W_UK^T q_nope | q_pe]`` and return
+the latent-space output, which ``W_UV`` maps to the heads' values. Each latent row is read once for
+every head of a token and p.v covers only the ``kv_lora_rank`` channels. The decompressed requests
+(and everything without a kernel) run in torch.
 """
 from __future__ import annotations
+
+import itertools
+import logging
 
 import torch
 
 from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.triton.latent import latent_attention, unsupported_latent_cache
 from pagedllm.native import bindings
+
+logger = logging.getLogger(__name__)
 
 
 def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -68,8 +74,9 @@ def absorbs(q_len: int, qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: in
     """Whether the absorbed form takes fewer multiply-adds for a ``q_len``-token chunk (per head and
     context token: ``q_len * (2 * rank + rope)`` against ``rank * (nope + v)`` to expand plus
     ``q_len * (nope + rope + v)`` to attend). DeepSeek V2/V3: chunks under 171 tokens. Measured
-    on 2 CPU cores (V2-Lite shapes, one layer): decode at context 512 / 2048 / 8192, absorbed on the
-    C kernel ~9 / 20 / 34 ms against decompressed ~180 / 420 / 1500 ms; a 256-token chunk at
+    on 2 CPU cores (V2-Lite shapes, one layer): decode at context 512 / 2048 / 8192, absorbed (then on
+    the generic C paged-attention kernel; the latent kernel: benchmarks/kv_memory.py experiment 5)
+    ~9 / 20 / 34 ms against decompressed ~180 / 420 / 1500 ms; a 256-token chunk at
     context 2048, 315 ms against 250 ms; a 1024-token prefill, 515 against 508 ms."""
     absorbed = q_len * (2 * kv_lora_rank + qk_rope_head_dim)
     return absorbed < kv_lora_rank * (qk_nope_head_dim + v_head_dim) + q_len * (
@@ -85,12 +92,18 @@ class MLABackend:
 
     supports_cuda_graphs = False
 
-    def __init__(self, native: bindings.NativeLibrary | None = None, num_threads: int | None = None):
-        """``native``: the C library whose paged-attention kernel runs the absorbed form on CPU
-        tensors (None: torch only)."""
+    def __init__(self, native: bindings.NativeLibrary | None = None, num_threads: int | None = None,
+                 triton: bool = False):
+        """``native``: the C library whose latent kernel runs the absorbed form on CPU tensors;
+        ``triton``: the Triton latent kernel runs it (CUDA tensors, or CPU tensors under
+        ``TRITON_INTERPRET=1``). Neither: torch only."""
+        if native is not None and triton:
+            raise ValueError("MLABackend takes the C library (CPU) or triton=True (CUDA), not both")
         self._native = native
+        self._triton = triton
+        self._warned: set[str] = set()
         self.num_threads = num_threads
-        self.name = "mla-cpu" if native is not None else "mla-torch"
+        self.name = "mla-triton" if triton else "mla-cpu" if native is not None else "mla-torch"
 
     def cuda_graph_blocker(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int,
                            block_size: int) -> str | None:
@@ -113,11 +126,11 @@ class MLABackend:
         rank = w_uk.shape[2]
         dims = (w_uk.shape[1], w_uv.shape[1], rank, q_pe.shape[-1])  # nope, v, rank, rope: for ``absorbs``
         spans = meta.request_spans()
-        if self._native is not None and latent_cache.device.type == "cpu":
-            native = [s for s in spans if absorbs(s[2] - s[1], *dims)]
-            if native:
-                self._absorbed_native(q_nope, q_pe, latent_cache, meta, native, w_uk, w_uv, scale, out)
-                spans = [s for s in spans if s not in native]
+        if self._has_kernel(latent_cache):
+            kernel_spans = [s for s in spans if absorbs(s[2] - s[1], *dims)]
+            if kernel_spans:
+                self._absorbed_kernel(q_nope, q_pe, latent_cache, meta, kernel_spans, w_uk, w_uv, scale, out)
+                spans = [s for s in spans if s not in kernel_spans]
         for r, start, end, seq_len in spans:
             latents = gather_latents(latent_cache, meta.block_tables[r], seq_len).to(q_nope.dtype)
             c, pe = latents[:, :rank], latents[:, rank:]  # [seq_len, rank], [seq_len, rope]
@@ -125,26 +138,39 @@ class MLABackend:
             out[start:end] = attend(q_nope[start:end], q_pe[start:end], c, pe, w_uk, w_uv, scale)
         return out
 
-    def _absorbed_native(self, q_nope, q_pe, latent_cache, meta: AttentionMetadata, spans, w_uk, w_uv,
+    def _has_kernel(self, latent_cache: torch.Tensor) -> bool:
+        """Whether a latent kernel runs the absorbed requests: the C one on CPU tensors, the Triton
+        one where triton compiles the cache dtype (not an e4m3 cache before sm_89: torch runs it,
+        with a warning, once)."""
+        if not self._triton:
+            return self._native is not None and latent_cache.device.type == "cpu"
+        reason = unsupported_latent_cache(latent_cache)
+        if reason is not None and reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("%s: multi-head latent attention runs in torch instead", reason)
+        return reason is None
+
+    def _absorbed_kernel(self, q_nope, q_pe, latent_cache, meta: AttentionMetadata, spans, w_uk, w_uv,
                          scale: float, out: torch.Tensor) -> None:
-        """The absorbed form of ``spans``' requests in one C kernel call (module docstring)."""
-        rows = torch.cat([torch.arange(start, end) for _, start, end, _ in spans])  # their tokens, in order
+        """The absorbed form of ``spans``' requests in one latent-kernel call (module docstring)."""
+        device, rank = latent_cache.device, w_uk.shape[2]
+        rows = torch.cat([torch.arange(start, end) for _, start, end, _ in spans]).to(device)  # their tokens
         q_lat = absorb_query(q_nope[rows], w_uk)  # [n, heads, rank]
-        q = torch.cat([q_lat, q_pe[rows]], dim=-1).float().contiguous()  # [n, heads, rank + rope]
-        reqs = [r for r, _, _, _ in spans]
-        q_lens = torch.tensor([end - start for _, start, end, _ in spans], dtype=torch.int32)
-        qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        seq_lens = torch.tensor([n for _, _, _, n in spans], dtype=torch.int32)
-        tables = meta.block_tables[reqs].to(torch.int32).contiguous()
-        o = torch.empty_like(q)
-        threads = max(1, self.num_threads or torch.get_num_threads())
-        self._native.attention(q, o, latent_cache, latent_cache, tables, qsl, seq_lens, float(scale), 0, threads,
-                               PARALLEL_WORK)
-        out[rows] = latent_to_value(o[..., :w_uk.shape[2]].to(w_uv.dtype), w_uv).to(out.dtype)
-
-
-PARALLEL_WORK = 1 << 19  # the C kernel's threshold for waking its threads (CpuAttentionBackend's default)
+        q = torch.cat([q_lat, q_pe[rows]], dim=-1)  # [n, heads, rank + rope]
+        q_lens = [end - start for _, start, end, _ in spans]
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([n for _, _, _, n in spans], dtype=torch.int32, device=device)
+        tables = meta.block_tables[[r for r, _, _, _ in spans]].to(torch.int32).contiguous()
+        if self._triton:
+            o_lat = latent_attention(q.contiguous(), latent_cache, tables, qsl, seq_lens, rank, scale,
+                                     max(q_lens), max(n for _, _, _, n in spans))
+        else:
+            q = q.float().contiguous()
+            o_lat = q.new_empty(q.shape[0], q.shape[1], rank)
+            threads = max(1, self.num_threads or torch.get_num_threads())
+            self._native.mla_latent_attention(q, o_lat, latent_cache, tables, qsl, seq_lens, rank, float(scale),
+                                              threads)
+        out[rows] = latent_to_value(o_lat.to(w_uv.dtype), w_uv).to(out.dtype)
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

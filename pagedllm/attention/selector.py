@@ -51,13 +51,23 @@ def get_attention_backend(name: str, device: torch.device, kind: str = "full") -
 
 
 def _mla_backend(name: str, device: torch.device):
-    """``auto`` on CPU: the absorbed (decode) form on the C kernel when it builds; ``torch``: torch only."""
+    """``auto``: the absorbed (decode) form on the C latent kernel on CPU when it builds, on the
+    Triton latent kernel on CUDA when triton imports; ``torch``: torch only."""
     if name not in ("auto", "torch", "cpu"):
         raise ValueError(f"attention_backend={name!r} does not implement multi-head latent attention "
                          "(DeepSeek V2/V3, a kv_lora_rank in the config); use 'auto', 'cpu' or 'torch'")
     from pagedllm.attention.mla import MLABackend
     from pagedllm.native import bindings
-    if name == "torch" or device.type != "cpu":
+    if name == "torch":
+        return MLABackend()
+    if device.type == "cuda":
+        from pagedllm.attention.triton import import_error
+        error = import_error()
+        if error is None:
+            return MLABackend(triton=True)
+        logger.warning("multi-head latent attention runs in torch on CUDA: %s", error)
+        return MLABackend()
+    if device.type != "cpu":
         return MLABackend()
     if bindings.is_available():
         return MLABackend(bindings.library())

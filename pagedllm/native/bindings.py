@@ -85,6 +85,13 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I32, _I32, _I64,  # cache dtype, threads, parallel_work
         _VP,  # attention sinks [num_heads] float32, or NULL
     ]),
+    "mla_latent_attention": (_I32, [
+        _VP, _VP, _VP, _VP, _VP, _VP,  # query, out, latent cache, block_tables, qsl, seq_lens
+        _I32, _I64, _I64, _I32, _I64,  # num_reqs, num_tokens, num_blocks, max_blocks, bt_stride
+        _I32, _I32, _I32, _I32,  # heads, kv_lora_rank, rope dims, block_size
+        _I64, _I64, _I64, _I64,  # query / out strides (token, head), in elements
+        _F32, _I32, _I32,  # scale, cache dtype, threads
+    ]),
     "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
@@ -249,6 +256,26 @@ class NativeLibrary:
         )  # fmt: skip
         if rc != 0:
             self._raise(rc, "pa_attention")
+
+    def mla_latent_attention(self, query: torch.Tensor, out: torch.Tensor, latent_cache: torch.Tensor,
+                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                             kv_lora_rank: int, scale: float, num_threads: int) -> None:
+        """MLA's absorbed form (csrc/mla_decode.c) into ``out`` ``[num_tokens, num_heads,
+        kv_lora_rank]``; query ``[num_tokens, num_heads, kv_lora_rank + rope]`` = ``[W_UK^T q_nope |
+        q_pe]``, both float32 with unit inner stride; latent_cache ``[num_blocks, 1, block_size,
+        kv_lora_rank + rope]``; metadata int32 and contiguous."""
+        num_tokens, num_heads, width = query.shape
+        num_blocks, _, block_size, _ = latent_cache.shape
+        rc = self._lib.mla_latent_attention(
+            query.data_ptr(), out.data_ptr(), latent_cache.data_ptr(),
+            block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], num_tokens, num_blocks, block_tables.shape[1], block_tables.stride(0),
+            num_heads, kv_lora_rank, width - kv_lora_rank, block_size,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scale, self.dtype_code(latent_cache.dtype), num_threads,
+        )  # fmt: skip
+        if rc != 0:
+            self._raise(rc, "mla_latent_attention")
 
     # --- fused model-body ops (float32) ---------------------------------------------------------
 

@@ -185,13 +185,55 @@ def test_launch_plans_are_built_once_per_call_signature(monkeypatch):
     assert len(validated) == 1 and torch.equal(first, second)
     torch.testing.assert_close(first, run(TorchReferenceBackend(), batch)[0], atol=ATOL, rtol=RTOL)
     (plan,) = backend._plans.values()
-    templates = [plan.write, plan.attention[1][0]]
+    templates = [plan.write, plan.attention[1, False][0]]
     assert not any(isinstance(v, torch.Tensor) for t in templates for v in t.args.values())  # keeps nothing alive
     run(backend, make_paged_batch([(5, 3), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8))
     assert len(validated) == 2 and len(backend._plans) == 2
     run(backend, batch, sliding_window=5)
     with pytest.raises(ValueError, match="sliding_window=5.0"):
         run(backend, batch, sliding_window=5.0)
+
+
+def _launched(monkeypatch) -> list:
+    """Records every kernel launch the backend runs (then runs it)."""
+    from pagedllm.attention.triton.launch import Launch
+    launches, real = [], Launch.run
+    monkeypatch.setattr(Launch, "run", lambda self, kernels: launches.append(self) or real(self, kernels))
+    return launches
+
+
+@pytest.mark.parametrize("window, soft_cap, cache_dtype", [(None, None, torch.float32), (9, 2.0, torch.float8_e4m3fn)])
+def test_prefill_steps_take_64_row_tiles_of_a_gqa_group(monkeypatch, window, soft_cap, cache_dtype):
+    """A step with a chunk longer than a decode's packs 64 (query token, head) rows of one GQA
+    group into each program: at group 4, 16 tokens, so a chunk's K/V tiles are read by a quarter
+    of the programs the 16-row decode tiles would take. A fresh prompt, a chunk over a cached
+    prefix (a prefix hit), a decode and a request with nothing new share the step; windows,
+    soft-capping and an fp8 cache still equal the reference."""
+    reqs = [(0, 40), (30, 33), (57, 1), (20, 0)]
+    batch = make_paged_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=5,
+                             cache_dtype=cache_dtype)  # fmt: skip
+    launches = _launched(monkeypatch)
+    check(batch, sliding_window=window, logits_soft_cap=soft_cap)
+    (attention,) = [launch for launch in launches if launch.kernel == "paged_attention_kernel"]
+    rows, heads_per_prog, block_q = (attention.constexprs["BLOCK_M"], attention.args["heads_per_prog"],
+                                     attention.args["block_q"])
+    assert rows >= 64 and heads_per_prog == 4 and block_q * heads_per_prog == rows == plan.PREFILL_BLOCK_M
+    # programs per KV head: each request's chunk in ceil(q_len / block_q) tiles (the kernel's numbering
+    # also gives every request one spare), each tile walking its keys once for all 4 heads
+    assert attention.grid == (batch.meta.num_tokens // block_q + len(reqs), 2, 1)
+    assert sum(-(-q // block_q) for _, q in reqs) == 3 + 3 + 1  # decode tiles: 10 + 9 + 1
+    assert sum(-(-q // (plan.BLOCK_M // 4)) for _, q in reqs) == 20
+
+
+def test_decode_steps_keep_16_row_tiles(monkeypatch):
+    """Decodes (and chunks up to DECODE_MAX_QUERY_LEN tokens) keep BLOCK_M rows: a 64-row tile
+    would hold one token's 4 heads and 60 masked rows."""
+    batch = make_paged_batch([(9, 1), (40, 1), (3, plan.DECODE_MAX_QUERY_LEN)], num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=8, seed=2)  # fmt: skip
+    launches = _launched(monkeypatch)
+    check(batch)
+    (attention,) = [launch for launch in launches if launch.kernel == "paged_attention_kernel"]
+    assert attention.constexprs["BLOCK_M"] == plan.BLOCK_M == 16
 
 
 def test_bfloat16_write_is_exact():
@@ -324,15 +366,16 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert not done.failures, done.failures
     lines = done.stdout.splitlines()
     from pagedllm.attention.triton.aot import shipped_launches
-    # 11 (query, cache) dtype pairs x 5 attention launches (one with attention sinks), 7 K/V writes
-    # (fp8 caches take fp8 K/V: one write each), 3 merges with sinks and 3 without; the e4m3-cache
-    # kernels (3 x 5 + 1) on sm_90 only, and so the e5m2 ones with a triton before 3.7
+    # 11 (query, cache) dtype pairs x 9 attention launches (3 padded head dims x decode and prefill
+    # tiles, attention sinks at head dim 64 x decode and prefill tiles, and the batch-1 decode), 7 K/V
+    # writes (fp8 caches take fp8 K/V: one write each), 3 merges with sinks and 3 without; the
+    # e4m3-cache kernels (3 x 9 + 1) on sm_90 only, and so the e5m2 ones with a triton before 3.7
     e5m2_sm90_only = plan.device_lacks_dtype(torch.float8_e5m2, (8, 0))
-    sm90_only = 16 * (1 + e5m2_sm90_only)
-    assert len(lines) == 2 * len(list(shipped_launches())) - sm90_only == 2 * 68 - sm90_only
+    sm90_only = 28 * (1 + e5m2_sm90_only)
+    assert len(lines) == 2 * len(list(shipped_launches())) - sm90_only == 2 * 112 - sm90_only
     assert {line.split()[0] for line in lines} == {"sm_80", "sm_90"}
     e4m3 = [line for line in lines if "key_cache=fp8e4nv" in line]
-    assert len(e4m3) == 16 and {line.split()[0] for line in e4m3} == {"sm_90"}
+    assert len(e4m3) == 28 and {line.split()[0] for line in e4m3} == {"sm_90"}
     e5m2_archs = {line.split()[0] for line in lines if "key_cache=fp8e5" in line}
     assert e5m2_archs == ({"sm_90"} if e5m2_sm90_only else {"sm_80", "sm_90"})
     check_fp8_dots_match_the_same_dtype_cache(lines)
@@ -350,11 +393,16 @@ def check_fp8_dots_match_the_same_dtype_cache(lines: list[str]) -> None:
             arch, query, cache, rest, dot = m.groups()
             dots[arch, query, cache, rest] = dot
     fp8 = [(key, dot) for key, dot in dots.items() if key[2].startswith("fp8") and key[1] != "fp32"]
-    assert len(fp8) >= 16  # fp16 and bf16 models x 2 fp8 formats x 4 launches, on sm_90 at least
+    assert len(fp8) >= 28  # fp16 and bf16 models x 2 fp8 formats x 7 launches, on sm_90 at least
     for (arch, query, _cache, rest), dot in fp8:
         ptx_type = {"fp16": ".f16.", "bf16": ".bf16."}[query]  # the PTX name of the operands' type
-        assert dot == dots[arch, query, query, rest] and dot.startswith("mma.sync.aligned.") and ptx_type in dot
+        assert dot == dots[arch, query, query, rest] and ptx_type in dot
+        assert dot.startswith(("mma.sync.aligned.", "wgmma.mma_async.sync.aligned."))
     assert {dot for (_, query, _, _), dot in dots.items() if query == "fp32"} == {"fma"}
+    # sm_90's warpgroup MMA needs 64 rows per program: the prefill tiles get it, the 16-row ones cannot
+    prefill = {dot for (arch, query, _, rest), dot in dots.items()
+               if arch == "sm_90" and query != "fp32" and f"'BLOCK_M': {plan.PREFILL_BLOCK_M}" in rest}
+    assert prefill and all(dot.startswith("wgmma.") for dot in prefill)
 
 
 @pytest.mark.parametrize("cache_dtype, capability, triton_version, lacks", [

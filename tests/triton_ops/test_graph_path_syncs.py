@@ -27,7 +27,8 @@ from pagedllm.models.registry import MODEL_REGISTRY
 
 pytestmark = [pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors needs TRITON_INTERPRET=1"),
               pytest.mark.usefixtures("single_torch_thread")]
-# MLA (DeepSeek V2/V3) has no Triton kernel yet: its torch path runs eagerly on CUDA (no graph path)
+# MLA (DeepSeek V2/V3): MLABackend loops over the step's requests on the host (its latent kernels, C and
+# Triton, run per step, not under a graph), so these families have no graph path
 NO_GRAPH_PATH = ("deepseek_v2", "deepseek_v3")
 FAMILIES = tuple(a for a in (*ARCHS, *FAMILY_CONFIGS) if a not in NO_GRAPH_PATH)
 # head_dim 64: the smallest the Triton attention kernels take (a smaller one falls back to a

@@ -5,7 +5,7 @@ through (``tl.dot`` shape limits, types, shared memory).
 The launches are built by the same ``launch.py`` functions the backend uses, over meta-device
 tensors, so the compiled signatures are the launched ones.
 
-    python -m pagedllm.attention.triton.aot [--arch 80 90]
+    python -m pagedllm.attention.triton.aot [--arch 80 90] [--mla]
 
 Needs the compiled kernels: run it without ``TRITON_INTERPRET=1``.
 """
@@ -15,6 +15,8 @@ import argparse
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
+from types import ModuleType
 
 import torch
 
@@ -28,6 +30,7 @@ from pagedllm.attention.triton.launch import (
     write_kv_launch,
 )
 from pagedllm.attention.triton.plan import (
+    DECODE_MAX_QUERY_LEN,
     FP8_DTYPES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
@@ -97,21 +100,25 @@ def shipped_launches() -> Iterator[Launch]:
     for q_dtype in dict.fromkeys(q for q, _ in SUPPORTED_DTYPES):  # the merge reads float32 partials
         out = _meta(4, 8, 64, dtype=q_dtype)
         for sinks in (None, _meta(8, dtype=torch.float32)):
-            call = AttentionCall(out, out, out, _metadata(4, 2, 1), 0.1, 0, 0.0, sinks)
+            call = AttentionCall(out, out, out, _metadata(4, 2, 1), 0.1, 0, 0.0, sinks=sinks)
             yield reduce_launch(out, SplitBuffers.empty(3, out), call)
 
 
 def _attention_launches(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
                         sinks: bool = False) -> Iterator[Launch]:
     """The attention kernel for one dtype pair and head size (split or not, it is one kernel),
-    with attention sinks or without."""
+    with attention sinks or without: decode tiles, and the prefill tiles (PREFILL_BLOCK_M rows) of
+    a step with a long chunk."""
     tokens, heads, kv_heads = 4, 8, 2
     query = _meta(tokens, heads, head_dim, dtype=q_dtype)
     cache = _meta(16, kv_heads, SUPPORTED_BLOCK_SIZES[0], head_dim, dtype=cache_dtype)
     call = AttentionCall(query, cache, cache, _metadata(tokens, 2, 1), 0.1, 0, 0.0,
-                         _meta(heads, dtype=torch.float32) if sinks else None)
+                         sinks=_meta(heads, dtype=torch.float32) if sinks else None)
     yield attention_launch(call, attention_tiles(head_dim, call.group), torch.empty_like(query),
                            SplitBuffers.empty(3, query))
+    prefill = replace(call, meta=_metadata(tokens, 2, DECODE_MAX_QUERY_LEN + 1))
+    yield attention_launch(prefill, attention_tiles(head_dim, call.group, prefill=True), torch.empty_like(query),
+                           SplitBuffers.empty(1, query))
 
 
 def _batch1_decode_launch(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Launch:
@@ -124,29 +131,31 @@ def _batch1_decode_launch(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Lau
                             SplitBuffers.empty(1, query))
 
 
-def compile_launch(launch: Launch, arch: int):
-    """Compiles one launch for ``sm_<arch>``; returns triton's CompiledKernel."""
+def compile_launch(launch: Launch, arch: int, kernels: ModuleType | None = None):
+    """Compiles one launch of ``kernels`` (default: the attention kernels) for ``sm_<arch>``;
+    returns triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from pagedllm.attention.triton import load_kernels
     sig = signature(launch.args) | {name: "constexpr" for name in launch.constexprs}
-    src = triton.compiler.ASTSource(fn=getattr(load_kernels(), launch.kernel), signature=sig,
+    src = triton.compiler.ASTSource(fn=getattr(kernels or load_kernels(), launch.kernel), signature=sig,
                                     constexprs=specialized_constants(launch.args) | launch.constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch.options)
 
 
 def describe(launch: Launch) -> str:
     """The kernel, the dtypes of its data pointers, constexprs and options, on one line."""
-    data = ("query_ptr", "key_ptr", "acc_ptr", "key_cache_ptr", "out_ptr")
+    data = ("query_ptr", "key_ptr", "acc_ptr", "key_cache_ptr", "latent_cache_ptr", "out_ptr")
     dtypes = " ".join(f"{name[:-4]}={t[1:]}" for name, t in signature(launch.args).items() if name in data)
     return f"{launch.kernel} {dtypes} {specialized_constants(launch.args) | launch.constexprs} {launch.options}"
 
 
 def dot_instructions(kernel) -> str:
-    """The tensor-core instructions in a compiled kernel's PTX (``mma.sync`` / ``wgmma`` with their
-    shapes and operand types), comma-separated; ``fma`` where there is none (float32 dots)."""
-    found = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\.aligned\.[\w.]+", kernel.asm["ptx"]))
+    """The tensor-core instructions in a compiled kernel's PTX (``mma.sync`` / sm_90's
+    ``wgmma.mma_async.sync``, which a 64-row tile gets, with their shapes and operand types),
+    comma-separated; ``fma`` where there is none (float32 dots)."""
+    found = set(re.findall(r"\b(?:wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]+", kernel.asm["ptx"]))
     return ",".join(sorted(found)) or "fma"
 
 
@@ -156,14 +165,17 @@ def _needs_newer_arch(launch: Launch, arch: int) -> bool:
     return any(isinstance(v, torch.Tensor) and device_lacks_dtype(v.dtype, capability) for v in launch.args.values())
 
 
-def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:
-    """Compiles every shipped launch for every arch (e4m3-cache kernels from sm_89 on); returns
-    one line per kernel (ending in ``dot=``, its ``dot_instructions``) and raises on a failure or
-    a kernel needing more shared memory than the target has."""
+def compile_all(archs: tuple[int, ...] = ARCHS, mla: bool = False) -> list[str]:
+    """Compiles every shipped launch (``mla``: the MLA latent kernels' instead) for every arch
+    (e4m3-cache kernels from sm_89 on); returns one line per kernel (ending in ``dot=``, its
+    ``dot_instructions``) and raises on a failure or a kernel needing more shared memory than the
+    target has."""
+    from pagedllm.attention.triton.latent import load_mla_kernels, shipped_latent_launches
+    launches, kernels = (shipped_latent_launches(), load_mla_kernels()) if mla else (shipped_launches(), None)
     lines = []
-    for launch in shipped_launches():
+    for launch in launches:
         for arch in [a for a in archs if not _needs_newer_arch(launch, a)]:
-            kernel = compile_launch(launch, arch)
+            kernel = compile_launch(launch, arch, kernels)
             shared = kernel.metadata.shared
             if shared > MAX_SHARED_MEMORY[arch]:
                 raise RuntimeError(f"sm_{arch} {describe(launch)}: {shared} bytes of shared memory")
@@ -174,12 +186,13 @@ def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--mla", action="store_true", help="the MLA latent kernels (latent.py) instead")
     args = parser.parse_args(argv)
     from pagedllm.attention.triton import interpreting
     if interpreting():
         print("the kernels were built for Triton's interpreter: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    for line in compile_all(tuple(args.arch)):
+    for line in compile_all(tuple(args.arch), args.mla):
         print(line)
     return 0
 

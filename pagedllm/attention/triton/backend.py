@@ -31,6 +31,7 @@ from pagedllm.attention.triton.plan import (
     choose_num_kv_splits,
     device_lacks_dtype,
     installed_triton_version,
+    is_prefill_step,
     num_query_tiles,
 )
 
@@ -45,10 +46,11 @@ class LaunchPlan:
     and the launches as templates (``Launch.template``: no tensors), each call binding its own."""
 
     fallback_reason: str | None  # the kernels do not cover this configuration
-    num_programs: int = 0  # the unsplit grid, for the split heuristic
+    num_programs: int = 0  # the unsplit grid of decode tiles, for the split heuristic (decode steps only)
     write: Launch | None = None  # the K/V write, from the first call with new tokens
-    # per split count (the one call-dependent choice: it follows max_seq_len), filled as met
-    attention: dict[int, tuple[Launch, Launch | None]] = field(default_factory=dict)
+    # per (split count, prefill tiles): the call-dependent choices (they follow the host maxima
+    # max_seq_len and max_query_len), filled as met
+    attention: dict[tuple[int, bool], tuple[Launch, Launch | None]] = field(default_factory=dict)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -173,11 +175,12 @@ class TritonAttentionBackend(AttentionBackend):
         num_splits = self.num_kv_splits or choose_num_kv_splits(
             plan.num_programs, meta.max_query_len, meta.max_seq_len, _num_sms(call.query.device))
         splits = SplitBuffers.empty(num_splits, call.query)
-        if num_splits not in plan.attention:  # this call's launches, as templates for the next ones
-            tiles = attention_tiles(call.query.shape[2], call.group)
+        variant = (num_splits, is_prefill_step(meta.max_query_len))
+        if variant not in plan.attention:  # this call's launches, as templates for the next ones
+            tiles = attention_tiles(call.query.shape[2], call.group, prefill=variant[1])
             reduce = reduce_launch(out, splits, call).template() if num_splits > 1 else None
-            plan.attention[num_splits] = (attention_launch(call, tiles, out, splits).template(), reduce)
-        attention, reduce = plan.attention[num_splits]
+            plan.attention[variant] = (attention_launch(call, tiles, out, splits).template(), reduce)
+        attention, reduce = plan.attention[variant]
         attention.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum,
                        query_ptr=call.query, key_cache_ptr=call.key_cache, value_cache_ptr=call.value_cache,
                        block_tables_ptr=meta.block_tables, query_start_loc_ptr=meta.query_start_loc,

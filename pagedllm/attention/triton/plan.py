@@ -26,10 +26,15 @@ SUPPORTED_DTYPES = (
 
 MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group a program serves (bigger groups: several programs)
 DECODE_MAX_QUERY_LEN = 16  # steps whose chunks are all this short count as decode steps
-# rows per program, decode and prefill alike (as vLLM's unified Triton kernel): the smallest
-# tl.dot M, and one compiled variant for mixed batches. A larger prefill tile would cut K/V
-# re-reads for long prompts; it is one line here once a GPU measurement says it pays.
+# rows per program of a decode step: the smallest tl.dot M, so a decode token's few GQA heads
+# waste few rows
 BLOCK_M = 16
+# rows per program of a step with a longer chunk (prefill): (query token, head) pairs of one GQA
+# group packed into M, so every K/V tile a program loads serves 64 rows. A request's chunk of
+# q_len tokens is then read by ceil(q_len / block_q) programs per KV head instead of 4x as many
+# (GQA group 4: 16 tokens per program, not 4); decodes in the same step get a tile each, mostly
+# masked rows, as they would in any unified kernel.
+PREFILL_BLOCK_M = 64
 MAX_KV_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256  # a split must have this many keys to pay for its share of the merge
 
@@ -74,7 +79,7 @@ class AttentionTiles:
     head_dim_pad: int  # head_dim rounded up to a power of two (arange needs one); the rest is masked
     heads_per_prog: int
     subgroups: int
-    num_warps: int
+    num_warps: int  # 8 for a 64-row tile at head_dim 256: its float32 accumulator alone is 64 KiB
     num_stages: int = 2  # K and V tiles per stage: <= 64 KiB even in float32, fits sm_80's shared memory
 
     @property
@@ -82,12 +87,21 @@ class AttentionTiles:
         return self.block_m // self.heads_per_prog
 
 
-def attention_tiles(head_dim: int, group: int) -> AttentionTiles:
+def is_prefill_step(max_query_len: int) -> bool:
+    """Whether a step's longest chunk is longer than a decode's: it gets PREFILL_BLOCK_M-row tiles."""
+    return max_query_len > DECODE_MAX_QUERY_LEN
+
+
+def attention_tiles(head_dim: int, group: int, prefill: bool = False) -> AttentionTiles:
+    """The tiles of a decode step (BLOCK_M rows) or, ``prefill``, of a step with a longer chunk
+    (PREFILL_BLOCK_M rows: ``PREFILL_BLOCK_M // min(group, 16)`` query tokens per program)."""
     head_dim_pad = next_pow2(head_dim)
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    block_m = PREFILL_BLOCK_M if prefill else BLOCK_M
     # 32 keys at head_dim 256 keep the K/V tiles and the score tile as small as 64 keys at 128
-    return AttentionTiles(block_m=BLOCK_M, tile_n=32 if head_dim_pad > 128 else 64, head_dim_pad=head_dim_pad,
-                          heads_per_prog=heads_per_prog, subgroups=-(-group // heads_per_prog), num_warps=4)
+    return AttentionTiles(block_m=block_m, tile_n=32 if head_dim_pad > 128 else 64, head_dim_pad=head_dim_pad,
+                          heads_per_prog=heads_per_prog, subgroups=-(-group // heads_per_prog),
+                          num_warps=8 if prefill and head_dim_pad > 128 else 4)
 
 
 def num_query_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
@@ -104,7 +118,7 @@ def choose_num_kv_splits(num_programs: int, max_query_len: int, max_seq_len: int
     streaming multiprocessors): then most SMs idle while each program walks a long context.
     Splitting aims for ~2 programs per SM, keeps MIN_KEYS_PER_SPLIT keys per split and at most
     MAX_KV_SPLITS. Long prefills, big batches and short contexts never split."""
-    if max_query_len > DECODE_MAX_QUERY_LEN or num_programs >= num_sms:
+    if is_prefill_step(max_query_len) or num_programs >= num_sms:
         return 1
     by_occupancy = -(-2 * num_sms // num_programs)
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT

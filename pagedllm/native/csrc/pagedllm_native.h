@@ -1,7 +1,8 @@
 /* pagedllm_native.h: everything the CPU library shares with Python, declared once.
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
- * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c, mxfp4.c) plus
+ * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c, mxfp4.c,
+ * mla_decode.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -319,6 +320,20 @@ PN_EXPORT int moe_experts(const float *x, int64_t T, const int64_t *ids, const f
  * and scales [out, in/32] e8m0; in a multiple of 32; all contiguous. */
 PN_EXPORT int mx_linear(const float *x, int64_t rows, const uint8_t *blocks, const uint8_t *scales,
                         const float *bias, int64_t in_features, int64_t out_features, float *y, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* multi-head latent attention, absorbed form (mla_decode.c; layouts there)                   */
+/* ------------------------------------------------------------------------------------------ */
+
+/* out [T, heads, rank] = softmax(scale * query . latents^T) . c_kv over each token's causal context,
+ * query [T, heads, rank + rope] = [W_UK^T q_nope | q_pe], latent_cache [blocks, 1, block_size, rank + rope]. */
+PN_EXPORT int mla_latent_attention(const float *query, float *out, const void *latent_cache,
+                                   const int32_t *block_tables, const int32_t *query_start_loc,
+                                   const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
+                                   int max_blocks, int64_t bt_stride, int num_heads, int kv_lora_rank, int rope_dim,
+                                   int block_size, int64_t q_stride_tok, int64_t q_stride_head,
+                                   int64_t o_stride_tok, int64_t o_stride_head, float scale, int dtype,
+                                   int num_threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */
