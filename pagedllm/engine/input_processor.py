@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.config import StructuredOutputConfig
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.grammar import spec_bytes
@@ -44,6 +45,7 @@ class ProcessedRequest:
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
     client: str | None = None  # who sent it (e.g. an API key's hash): grammar compiles are shared fairly by client
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class InputProcessor:
@@ -76,7 +78,8 @@ class InputProcessor:
     # ------------------------------------------------------------------ the whole request
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None,
-                priority: int = 0, pooling: PoolingParams | None = None) -> ProcessedRequest:
+                priority: int = 0, pooling: PoolingParams | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Raises ValueError/TypeError naming the field for anything the engine cannot run.
 
         ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
@@ -97,7 +100,10 @@ class InputProcessor:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
         self.check_structured_output_size(params)
-        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling,
+                                lora_request=lora_request)
 
     @staticmethod
     def _salt_of(prompt: PromptType, cache_salt: str | None) -> object:

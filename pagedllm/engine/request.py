@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -73,7 +74,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], arrival_time: float | None = None,
                  parent_id: str | None = None, index: int = 0, cache_salt: str | None = None,
-                 priority: int = 0, pooling: PoolingParams | None = None):
+                 priority: int = 0, pooling: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n sequences this is
@@ -83,6 +85,8 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # its adapter's device slot while it holds a reference (lora/slot_pool.py)
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.pooling = pooling  # a pooling request: its one sampled token is dropped, this is its result
         self.embedding: list[float] | None = None  # set by the engine once its prompt is computed
@@ -109,6 +113,12 @@ class Request:
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured_outputs: this sequence's matcher
         self.spec_token_ids: list[int] = []  # speculative drafts to verify in the next step
+
+    def hash_extra_keys(self) -> tuple:
+        """What its prefix-cache block hashes mix in besides the tokens: its cache salt and its
+        adapter (two adapters, like two salts, never share K/V)."""
+        salt = (self.cache_salt,) if self.cache_salt else ()
+        return salt + self.lora_request.cache_key() if self.lora_request is not None else salt
 
     @property
     def num_tokens(self) -> int:

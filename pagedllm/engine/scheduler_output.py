@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.kv_cache.offload.ops import TierOps
+from pagedllm.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ScheduledChunk:
     # speculative decoding: the last k token_ids are drafts (num_samples is 0); logits come back
     # at the chunk's last k + 1 positions, after every sampling and prompt-logprob row
     num_spec_tokens: int = 0
+    lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
 
     @property
     def num_verify_rows(self) -> int:
@@ -59,6 +61,8 @@ class SchedulerOutput:
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     # per-token pooling tasks: (first token row, rows) per span handed back row by row (ExecuteResult.span_rows)
     pool_rows: list[tuple[int, int]] = field(default_factory=list)
+    # adapters to write into their device slots before forward (lora/slot_pool.py)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,4 +84,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
         return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids
-                    or self.tier_ops)
+                    or self.tier_ops or self.lora_loads)

@@ -22,6 +22,7 @@ from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
+from pagedllm.lora.model import LoRAModel
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
 from pagedllm.utils import cdiv
@@ -89,10 +90,12 @@ class ModelRunner:
             cpu_ops.pack_model(self.model, available_ram())
             if keep_freed_memory():
                 logger.debug("glibc malloc keeps freed memory in its heaps (PAGEDLLM_HEAP_MALLOC)")
-            reason = self.model.enable_fused_decode(self.backend) if pp is None else \
-                "pipeline parallelism: the C decoder runs the whole layer stack in one call"
+            reason = self._fused_decode_blocker(pp) or self.model.enable_fused_decode(self.backend)
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
+        # enable_lora: adapter slots on the decoder layers' projections (lora/model.py)
+        self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
+                               self.device) if config.lora is not None else None)
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
@@ -100,6 +103,13 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
+
+    def _fused_decode_blocker(self, pp: PipelineGroup | None) -> str | None:
+        if pp is not None:
+            return "pipeline parallelism: the C decoder runs the whole layer stack in one call"
+        if self.config.lora is not None:
+            return "enable_lora: adapters run in the layers' linear ops, which the C decoder does not call"
+        return None
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -180,6 +190,8 @@ class ModelRunner:
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
+        for slot, lora_request in out.lora_loads:  # adapters admitted this step, before they run
+            self.lora.load(slot, lora_request)
         if not out.chunks:
             return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
@@ -253,6 +265,9 @@ class ModelRunner:
             starts = np.repeat(last + 1 - verify_rows, verify_rows)
             offsets = np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows)
             sample_idx = np.concatenate([sample_idx, starts + offsets])
+        if self.lora is not None:  # each token runs with its chunk's adapter slot
+            slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=len(chunks))
+            self.lora.set_batch(np.repeat(slots, query_lens))
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
@@ -271,7 +286,8 @@ class ModelRunner:
         saved = self.cache
         self.init_cache(num_seqs * blocks_per_seq, with_tiers=False)
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
-                                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
+                                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1,
+                                 lora_slot=0 if self.lora is not None else -1)  # every token through LoRA
                   for i in range(num_seqs)]
         with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
             self.execute(SchedulerOutput(chunks=chunks))
@@ -296,6 +312,8 @@ class ModelRunner:
         reason = self.backend.cuda_graph_blocker(c.model.dtype, self.cache_dtype, c.model.head_dim, self.block_size)
         if reason is None and (c.parallel.pipeline_parallel_size > 1 or c.compile_model):
             reason = "pipeline parallelism and compile_model run eagerly"
+        if reason is None and c.lora is not None:
+            reason = "enable_lora: the step's adapter mapping is not captured"
         if reason is None and c.parallel.tensor_parallel_size > 1 and not envs.PAGEDLLM_TP_CUDA_GRAPHS:
             reason = "tensor parallelism captures only with PAGEDLLM_TP_CUDA_GRAPHS=1 (not yet run on GPUs)"
         if reason:

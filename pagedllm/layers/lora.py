@@ -1,0 +1,85 @@
+"""Batched LoRA over a mixed batch: each token carries an adapter slot (-1: the base model).
+
+Every LoRA-enabled linear layer holds a :class:`LoRASlots`: ``a [slots, R, in]`` and
+``b [slots, out, R]`` for ``max_loras`` adapters, where ``R = num_sub * max_lora_rank`` (a fused
+projection such as qkv stacks its sub-projections' ranks, and its B is block-diagonal over them)
+and the adapter's scale is folded into ``b``. A layer adds ``(x @ a[s].T) @ b[s].T`` to the
+output rows of the tokens of slot ``s`` (Punica's shrink, then expand).
+
+The step's token -> slot mapping (:class:`LoRABatch`) is one object shared by every layer and
+set by the model runner before each forward (as vLLM's punica wrapper): threading it through
+every module's forward would change every model family's signature for one feature.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class LoRABatch:
+    """The step's tokens grouped by adapter slot: ``perm`` (the LoRA tokens' rows, ordered by slot)
+    and ``segments`` (slot, start, end) into it. Base-model tokens are in no segment, so they pay
+    nothing; a batch without LoRA tokens skips the op altogether."""
+
+    def __init__(self):
+        self.perm: torch.Tensor | None = None  # [num_lora_tokens] int64, on the device
+        self.segments: list[tuple[int, int, int]] = []
+        self.whole: bool = False  # one slot covers every token, in order: no gather / scatter
+
+    def set(self, token_slots: np.ndarray, device: torch.device) -> None:
+        """``token_slots``: one slot per token of the step's flat batch (-1: base)."""
+        rows = np.flatnonzero(token_slots >= 0)
+        if rows.size == 0:
+            self.perm, self.segments, self.whole = None, [], False
+            return
+        order = rows[np.argsort(token_slots[rows], kind="stable")]
+        slots = token_slots[order]
+        bounds = np.flatnonzero(np.diff(slots)) + 1
+        starts = np.concatenate([[0], bounds])
+        ends = np.concatenate([bounds, [order.size]])
+        self.segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+        self.whole = len(self.segments) == 1 and order.size == token_slots.size
+        self.perm = None if self.whole else torch.from_numpy(order).to(device, non_blocking=True)
+
+    def clear(self) -> None:
+        self.perm, self.segments, self.whole = None, [], False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.segments)
+
+
+def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       batch: LoRABatch) -> torch.Tensor:
+    """The torch reference: ``y[rows of slot s] += (x[rows] @ a[s].T) @ b[s].T``, one shrink and
+    one expand per adapter present in the batch (grouped by slot), in ``a``'s dtype.
+
+    ``x [tokens, in]``, ``y [tokens, out]``, ``a [slots, R, in]``, ``b [slots, out, R]``."""
+    if not batch.active:
+        return y
+    xs = x if batch.whole else x.index_select(0, batch.perm)  # [lora tokens, in]
+    xs = xs.to(a.dtype)
+    delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)  # [lora tokens, out]
+    for slot, start, end in batch.segments:
+        shrunk = xs[start:end] @ a[slot].T  # [n, R]
+        torch.matmul(shrunk, b[slot].T, out=delta[start:end])  # [n, out]
+    if batch.whole:
+        return y + delta.to(y.dtype)
+    return y.index_add(0, batch.perm, delta.to(y.dtype))
+
+
+class LoRASlots:
+    """One linear layer's adapter slots (see the module docstring); written by lora/model.py."""
+
+    def __init__(self, num_slots: int, rank: int, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device, batch: LoRABatch):
+        self.a = torch.zeros(num_slots, rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, rank, dtype=dtype, device=device)
+        self.batch = batch
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lora_shrink_expand(x, y, self.a, self.b, self.batch)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
