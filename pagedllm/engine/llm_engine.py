@@ -503,7 +503,23 @@ class LLMEngine:
         if self.speculator is not None:
             metrics += self.speculator.metrics()
         metrics += self.structured_output.metrics()
+        if self.scheduler.lora_slots is not None:
+            metrics += self._lora_metrics()
         return metrics + _offload_metrics(s.offload)
+
+    def _lora_metrics(self) -> list[Metric]:
+        """vLLM's ``lora_requests_info`` (a gauge of the time, its labels the adapters of running and
+        waiting requests), and the slot pool's loads, hits and evictions."""
+        sched, stats = self.scheduler, self.scheduler.lora_slots.stats
+
+        def names(queue) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in queue if r.lora_request is not None}))
+        labels = {"running_lora_adapters": names(sched.running), "waiting_lora_adapters": names(sched.waiting),
+                  "max_lora": str(self.config.lora.max_loras)}
+        return [Metric("pagedllm:lora_requests_info", time.time(), labels),
+                Metric("pagedllm:lora_loads", stats.loads, kind="counter"),
+                Metric("pagedllm:lora_hits", stats.hits, kind="counter"),
+                Metric("pagedllm:lora_evictions", stats.evictions, kind="counter")]
 
     def _cache_config_labels(self) -> dict[str, str]:
         cache = self.config.cache

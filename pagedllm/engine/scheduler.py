@@ -22,6 +22,12 @@ request goes back to its place in it, not to the front), and the running request
 it before each step, so they get the token budget in that order and the one preempted when
 blocks run out is the last: the lowest priority, latest arrival (vLLM's victim). Running
 requests are never preempted to admit a waiting one, whatever its priority (as in vLLM).
+
+With ``enable_lora`` the adapters' device slots are admitted by like blocks (lora/slot_pool.py):
+a waiting request takes a reference on its adapter's slot when admitted (its adapter is loaded
+into a free or least recently used unreferenced slot if not resident: ``out.lora_loads``); one
+whose adapter can get no slot keeps its place while the requests behind it go ahead. Running and
+swapped requests hold their reference; finishing or preemption by recompute drops it.
 """
 from __future__ import annotations
 
