@@ -60,7 +60,7 @@ def _config(arch: str, **overrides):
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
-        return tf.Qwen3Config(head_dim=16, **common)
+        return tf.Qwen3Config(**{"head_dim": 16, **common})
     if arch in FAMILY_CONFIGS:
         cls_name, extra = FAMILY_CONFIGS[arch]
         return getattr(tf, cls_name)(**{**extra, **common})

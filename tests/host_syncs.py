@@ -8,6 +8,10 @@ its call site, except inside the two sanctioned transfers: ``to_device`` (one pi
 non-blocking upload) and ``to_host`` (the step's one fetch), which are counted by name instead,
 with the reads they make themselves. A test then asserts "one fetch, no stray sync" for the code
 it runs on CPU tensors exactly as it would run on CUDA ones.
+
+``no_host_syncs`` is the strict mode for code that CUDA graphs capture: the first stray sync
+(or a ``torch.cuda`` synchronize) raises ``HostSync`` at its call site, and only the Triton
+interpreter's kernel launches may read tensors (a compiled launch reads none).
 """
 from __future__ import annotations
 
@@ -16,20 +20,28 @@ import traceback
 
 import torch
 
-_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__", "unique")
-_FUNCTIONS = ("nonzero", "masked_select", "unique", "argwhere")
+_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__", "unique",
+          "bincount", "equal", "allclose")
+# torch functions that read a value on the host inside C++ (an output size, a Python bool): on
+# CUDA ``bincount`` reads the input's maximum, ``equal`` / ``allclose`` their answer
+_FUNCTIONS = ("nonzero", "masked_select", "unique", "argwhere", "bincount", "equal", "allclose")
+
+
+class HostSync(AssertionError):
+    """A host synchronisation where none may happen (``no_host_syncs``)."""
 
 
 class HostSyncs:
     """``stray``: call sites of syncs outside the sanctioned transfers; ``fetches`` / ``uploads``
     / ``kernels``: calls of ``to_host`` / ``to_device`` / a Triton kernel launch (the
     interpreter reads its CPU tensors; a compiled launch does not); ``fetch_reads``: the reads
-    ``to_host`` made. With ``armed`` False nothing is recorded outside ``arm_within``'s calls."""
+    ``to_host`` made. With ``armed`` False nothing is recorded outside ``arm_within``'s calls;
+    with ``strict`` a stray sync raises ``HostSync`` instead of being recorded."""
 
-    def __init__(self, armed: bool = True):
+    def __init__(self, armed: bool = True, strict: bool = False):
         self.stray: list[str] = []
         self.fetches = self.uploads = self.kernels = self.fetch_reads = self.armed_calls = 0
-        self.armed = armed
+        self.armed, self.strict = armed, strict
         self._inside: str | None = None
 
     def arm_within(self, monkeypatch, owner, name: str) -> None:
@@ -50,7 +62,10 @@ class HostSyncs:
         if self._inside == "fetch":
             self.fetch_reads += 1
         elif self._inside is None:
-            self.stray.append(f"{what} at {traceback.format_stack(limit=3)[0].strip()}")
+            site = f"{what} at {traceback.format_stack(limit=3)[0].strip()}"
+            if self.strict:
+                raise HostSync(f"host synchronisation on a capturable path: {site}")
+            self.stray.append(site)
 
     def sanctioned(self, kind: str, fn):
         def wrapper(*args, **kwargs):
@@ -71,16 +86,22 @@ def _is_mask(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _repeats_read_on_host(input=None, repeats=None, *args, **kwargs) -> bool:
+    if kwargs.get("output_size") is not None:
+        return False
+    return isinstance(input if repeats is None else repeats, torch.Tensor)  # (one argument: the repeats)
+
+
 def _has_device(args, kwargs) -> bool:
     return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
 
 
 @contextlib.contextmanager
 def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_sites: tuple = (),
-                     armed: bool = True):
+                     armed: bool = True, strict: bool = False):
     """Patches the sync points; ``fetch_sites`` / ``upload_sites`` / ``kernel_sites``: ``(module,
     name)`` pairs bound to ``to_host`` / ``to_device`` / a kernel launcher in the code under test."""
-    syncs = HostSyncs(armed)
+    syncs = HostSyncs(armed, strict)
 
     def watch(owner, name, what, when=lambda *a, **k: True):
         original = getattr(owner, name)
@@ -95,10 +116,17 @@ def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_
         watch(torch.Tensor, name, f"Tensor.{name}")
     for name in _FUNCTIONS:
         watch(torch, name, f"torch.{name}")
+    # without output_size the result's length is the repeats' sum, read on the host
+    for owner in (torch, torch.Tensor):
+        watch(owner, "repeat_interleave", "repeat_interleave without output_size", _repeats_read_on_host)
+    watch(torch, "where", "torch.where(condition) (a nonzero)", lambda *a, **k: len(a) + len(k) == 1)
     watch(torch.Tensor, "__getitem__", "boolean-mask index", lambda self, index: _is_mask(index))
     watch(torch.Tensor, "__setitem__", "boolean-mask write", lambda self, index, value: _is_mask(index))
     watch(torch.Tensor, "to", "Tensor.to(device)", lambda self, *a, **k: _has_device(a, k))
     watch(torch.Tensor, "cuda", "Tensor.cuda")
+    watch(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    for owner in (torch.cuda.Stream, torch.cuda.Event):
+        watch(owner, "synchronize", f"{owner.__name__}.synchronize")
     for name in ("tensor", "as_tensor"):
         watch(torch, name, f"torch.{name}(device=)", lambda *a, **k: "device" in k)
     for module, name in fetch_sites:
@@ -108,3 +136,20 @@ def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_
     for module, name in kernel_sites:
         monkeypatch.setattr(module, name, syncs.sanctioned("kernel", getattr(module, name)))
     yield syncs
+
+
+def interpreted_launches() -> list:
+    """The Triton interpreter's launch, as a ``kernel_sites`` entry: it copies every tensor
+    argument to the host and back, which a compiled launch does not."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return [(InterpretedFunction, "run")]
+
+
+@contextlib.contextmanager
+def no_host_syncs(monkeypatch, fetch_sites: list = (), upload_sites: list = (), armed: bool = True):
+    """``count_host_syncs`` in strict mode with every interpreted kernel launch sanctioned: code
+    run inside it (or, with ``armed`` False, inside ``arm_within``'s calls) raises ``HostSync``
+    at the first device->host read, data-dependent shape or synchronize."""
+    with count_host_syncs(monkeypatch, list(fetch_sites), list(upload_sites), interpreted_launches(), armed,
+                          strict=True) as syncs:
+        yield syncs

@@ -11,7 +11,11 @@ rank's partial output is summed with one all-reduce.
 
 On the CPU (float32) the loaded experts are packed once (``pack_weights``): for SiLU layers whose
 sizes fit the panels, one C call does all of the above (``moe_cpu.py``); otherwise the GEMMs run
-on oneDNN-packed per-expert copies. Other devices take the torch path on the stacked tensors.
+on oneDNN-packed per-expert copies. Built for the Triton ops (``ops="triton"``, the default on
+CUDA) the layer runs ``triton_ops/fused_moe.py``: the sort by expert on the device and one grouped
+GEMM pair over all experts, no host sync, so decode steps can be captured in CUDA graphs. Other
+devices with the native ops take the torch path on the stacked tensors, which reads the expert
+counts on the host (``cuda_graph_blocker`` says so).
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.inter = intermediate_size // self.tp_size  # this rank's share of each expert
-        self.act = act
+        self.act, self.ops = act, ops
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gated_activation(act, act_field, ops)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
@@ -78,7 +82,10 @@ class FusedMoE(nn.Module):
         are loaded); returns how many matrices were packed, 0 where packing does not apply.
         Preferred: the C kernel's panels (``moe_cpu``; ``kernel=False`` skips it, for A/B runs);
         else every expert's two matrices packed for oneDNN, which at ~16 rows per expert (batch
-        64) runs about twice as fast as MKL on the plain layout (benchmarks/RESULTS.md, MoE)."""
+        64) runs about twice as fast as MKL on the plain layout (benchmarks/RESULTS.md, MoE).
+        The Triton path reads the stacked tensors: nothing to pack."""
+        if self.ops == "triton":
+            return 0
         if kernel and moe_cpu.can_pack(self.w13, self.w2, self.act):
             self.kernel_weights = moe_cpu.pack_experts(self.w13.detach(), self.w2.detach())
             return 2 * self.num_experts
@@ -88,8 +95,18 @@ class FusedMoE(nn.Module):
         self.packed = packed
         return 2 * self.num_experts
 
+    def cuda_graph_blocker(self) -> str | None:
+        """Why this layer's forward cannot be captured in a CUDA graph, or None (the model
+        runner asks every module that has this method)."""
+        if self.ops == "triton":
+            return None
+        return "the MoE experts built with fused_ops='native' read their token counts on the host"
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)  # [tokens, k] each
+        if self.ops == "triton":
+            from pagedllm.layers.triton_ops.fused_moe import fused_experts
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul))
         if self.kernel_weights is not None and cpu_ops.usable(x):
             return self.tp.all_reduce(moe_cpu.run_experts(x, weights, ids, self.kernel_weights))
         flat_ids = ids.flatten()  # [tokens * k], slot s belongs to token s // k

@@ -310,6 +310,9 @@ class ModelRunner:
         if not c.cuda_graphs:  # not CUDA, or enforce_eager
             return False
         reason = self.backend.cuda_graph_blocker(c.model.dtype, self.cache_dtype, c.model.head_dim, self.block_size)
+        if reason is None:  # layers that cannot be captured say why (e.g. FusedMoE.cuda_graph_blocker)
+            reason = next(filter(None, (m.cuda_graph_blocker() for m in self.model.modules()
+                                        if hasattr(m, "cuda_graph_blocker"))), None)
         if reason is None and (c.parallel.pipeline_parallel_size > 1 or c.compile_model):
             reason = "pipeline parallelism and compile_model run eagerly"
         if reason is None and c.lora is not None:

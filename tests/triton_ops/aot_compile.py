@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from pagedllm.attention.triton.aot import MAX_SHARED_MEMORY
-from pagedllm.layers.triton_ops import activation, grouped_gemm, int8_gemm, norm, rotary, sampling
+from pagedllm.layers.triton_ops import activation, fused_moe, grouped_gemm, int8_gemm, norm, rotary, sampling
 
 
 def _specs(dt: str):
@@ -39,7 +39,20 @@ def _specs(dt: str):
                 BLOCK_K=bk), 4)
           for bm, bn, bk in (int8_gemm._tiles(1), int8_gemm._tiles(4096))],  # decode and prefill tiles
         *_grouped_gemm_specs(dt),
+        *_fused_moe_specs(dt),
     ]
+
+
+def _fused_moe_specs(dt: str):
+    """The MoE GEMM as the layer launches it: gate_up (A rows per token, top-2) and down (A rows
+    per slot, routing weights applied), at the decode and prefill tiles."""
+    signature = dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{dt}", weight_ptr="*fp32", slots_ptr="*i32",
+                     block_expert_ptr="*i32", num_padded_ptr="*i32", N="i32", K="i32", num_slots="i32",
+                     a_stride="i32", w_expert_stride="i32", w_stride="i32", c_stride="i32")
+    return [(fused_moe._moe_gemm_kernel, signature,
+             dict(SLOTS_PER_ROW=per_row, MUL_WEIGHT=per_row == 1, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), warps)
+            for per_row in (2, 1) for bm, bn, bk, warps in (fused_moe.tiles(1, 8), fused_moe.tiles(4096, 8))]
 
 
 def _grouped_gemm_specs(dt: str):

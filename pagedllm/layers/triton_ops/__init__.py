@@ -10,6 +10,8 @@ the tests compare it with:
 - ``int8_gemm``: weight-only int8 GEMM, weights widened and scaled in registers
 - ``grouped_gemm``: weight-only 4/8-bit group-wise GEMM (GPTQ/AWQ/compressed-tensors/int4 layout),
   nibbles unpacked and group scales applied in registers
+- ``fused_moe``: the experts of an MoE layer, slots sorted by expert on the device and one grouped
+  GEMM pair over all experts (no host sync: CUDA-graph capturable)
 
 Nothing here is imported unless a model is built for the Triton ops (``layers/ops.py``):
 Triton decides at decoration time whether a kernel is interpreted, and importing it is not
