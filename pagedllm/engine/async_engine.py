@@ -284,6 +284,10 @@ class AsyncLLMEngine:
     async def get_kv_cache_stats(self) -> KVCacheStats:
         return await self._read(self.engine.get_kv_cache_stats)
 
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """``LLMEngine.check_lora`` on the engine thread (ValueError naming what is wrong)."""
+        await self._read(lambda: self.engine.check_lora(lora_request))
+
     async def get_metrics(self) -> list[Metric]:
         return await self._read(self.engine.get_metrics)
 

@@ -35,6 +35,7 @@ from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
 from .chat_features import ChatOptions
+from .lora_serving import LoRAModels, LoRAModulePath, add_lora_args, lora_router
 from .pooling_serving import router as pooling_router
 from .protocol import (
     ChatCompletionRequest,
@@ -306,11 +307,13 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
               chat_template: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
               response_options: ResponseOptions | None = None,
-              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
+              responses_store_size: int = DEFAULT_STORE_SIZE,
+              lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
     ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
     ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
-    ``--return-tokens-as-token-ids``."""
+    ``--return-tokens-as-token-ids``; ``lora_modules``: the adapters served by name (``--lora-modules``,
+    with ``--enable-lora``)."""
     limits = limits or ServerLimits()
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
@@ -320,6 +323,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
+    _add_lora(app, async_engine, names, lora_modules)
     app.include_router(router)
     add_responses_api(app, responses_store_size)
     app.include_router(pooling_router)
@@ -328,6 +332,18 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     if api_key:  # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+def _add_lora(app: FastAPI, engine: AsyncLLMEngine, names: list[str], modules: list[LoRAModulePath] | None) -> None:
+    """With --enable-lora: the adapters served by name, and the runtime (un)load routes when allowed."""
+    if engine.engine.lora_registry is None:
+        if modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return
+    models = app.state.serving.lora_models = LoRAModels(engine, names)
+    models.add_static(modules or [])
+    if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        app.include_router(lora_router)
 
 
 def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
@@ -390,6 +406,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
+    add_lora_args(parser)
     add_responses_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
@@ -465,7 +482,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                     limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args),
-                    responses_store_size=args.responses_store_size)
+                    responses_store_size=args.responses_store_size, lora_modules=args.lora_modules)
     # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
     # and runs the lifespan's shutdown, which stops the engine
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -471,15 +471,20 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.chat_options = chat_options or ChatOptions()
         self.response_options = response_options or ResponseOptions()
+        self.lora_models = None  # LoRAModels (lora_serving.py), set by build_app with --enable-lora
 
     # ------------------------------------------------------------------ shared checks
     def check_model(self, name: str | None) -> str:
         if name is None:
             return self.served_model_names[0]
-        if name not in self.served_model_names:
+        if name not in self.served_model_names and self.lora_for(name) is None:
             raise ServingError(f"The model `{name}` does not exist; this server serves "
                                f"{self.served_model_names}", 400, "model", "model_not_found")
         return name
+
+    def lora_for(self, name: str | None):
+        """The LoRARequest of an adapter served under ``name`` (None: a base model name, or no LoRA)."""
+        return self.lora_models.get(name) if self.lora_models is not None else None
 
     def check_token_ids(self, ids: list[int] | None, param: str) -> None:
         vocab = self.model_config.vocab_size
@@ -544,6 +549,9 @@ class OpenAIServing:
         group = RequestGroup(self.engine)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         options = {} if req is None else {"cache_salt": req.cache_salt, "priority": req.priority}
+        lora = self.lora_for(getattr(req, "model", None))
+        if lora is not None:  # model= named an adapter
+            options["lora_request"] = lora
         try:
             await group.add_all(list(zip(ids, prompts)), params, arrival, **options)
         except BaseException:
@@ -837,9 +845,11 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=text)
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.model_config.model,
-                                         max_model_len=self.model_config.max_model_len)
-                               for name in self.served_model_names])
+        cards = [ModelCard(id=name, root=self.model_config.model, max_model_len=self.model_config.max_model_len)
+                 for name in self.served_model_names]
+        if self.lora_models is not None:
+            cards += self.lora_models.cards(self.model_config.max_model_len)
+        return ModelList(data=cards)
 
     # ------------------------------------------------------------------ legacy /generate
     async def generate(self, req: GenerateRequest, arrival: float):
