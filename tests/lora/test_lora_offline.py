@@ -153,3 +153,36 @@ def test_lora_arguments_are_checked(llama_dir):
             LLM(llama_dir, enable_lora=True, **kwargs)
     with pytest.raises(ValueError, match="lora_int_id=0"):
         LoRARequest("a", 0, "/x")
+
+
+def test_embed_with_an_adapter_equals_peft_hidden_state(small):
+    base, _, tmp = small
+    path = make_adapter(base, tmp.mktemp("embed-lora"), 4, 8, ["q_proj", "o_proj", "up_proj"], seed=7)
+    ref = peft_model(base, path)
+    prompts = random_prompts(2, seed=8, lo=5, hi=20)
+    with LLM(base, runner="pooling", enable_lora=True, max_loras=1) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], lora_request=[LoRARequest("e", 1, path), None],
+                         use_tqdm=False)
+    with torch.no_grad():
+        last = ref.base_model.model.model(torch.tensor([prompts[0]])).last_hidden_state[0, -1]
+        with ref.disable_adapter():
+            plain = ref.base_model.model.model(torch.tensor([prompts[1]])).last_hidden_state[0, -1]
+    for out, want in zip(outs, (last, plain)):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(want, dim=0),
+                                   atol=2e-5, rtol=1e-4)
+
+
+def test_speculative_decoding_verifies_with_the_adapter(small):
+    """n-gram drafts are verified by the target with the request's adapter: outputs unchanged."""
+    base, llm, tmp = small
+    path = make_adapter(base, tmp.mktemp("spec-lora"), 8, 16, ["q_proj", "v_proj", "down_proj"], seed=9)
+    lora = LoRARequest("spec", 11, path)
+    prompts = [{"prompt_token_ids": (p * 4)[:40]} for p in random_prompts(3, seed=10, lo=5, hi=9)]  # repetitive
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=lora, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, speculative_config=spec) as fast:
+        got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, lora_request=lora, use_tqdm=False)]
+        drafted = {m.name: m.value for m in fast.get_metrics() if not m.labels}
+    assert got == want
+    assert drafted.get("pagedllm:spec_decode_num_draft_tokens", 0) > 0
