@@ -90,12 +90,15 @@ class ModelRunner:
             cpu_ops.pack_model(self.model, available_ram())
             if keep_freed_memory():
                 logger.debug("glibc malloc keeps freed memory in its heaps (PAGEDLLM_HEAP_MALLOC)")
-            reason = self._fused_decode_blocker(pp) or self.model.enable_fused_decode(self.backend)
+            reason = self.model.enable_fused_decode(self.backend) if pp is None else \
+                "pipeline parallelism: the C decoder runs the whole layer stack in one call"
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
         # enable_lora: adapter slots on the decoder layers' projections (lora/model.py)
         self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
                                self.device) if config.lora is not None else None)
+        # the one-call C decoder computes the base model only: with LoRA it runs the steps without adapter tokens
+        self._fused_decoder = getattr(getattr(self.model, "model", None), "fused_decoder", None)
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
@@ -103,13 +106,6 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
-
-    def _fused_decode_blocker(self, pp: PipelineGroup | None) -> str | None:
-        if pp is not None:
-            return "pipeline parallelism: the C decoder runs the whole layer stack in one call"
-        if self.config.lora is not None:
-            return "enable_lora: adapters run in the layers' linear ops, which the C decoder does not call"
-        return None
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -268,6 +264,8 @@ class ModelRunner:
         if self.lora is not None:  # each token runs with its chunk's adapter slot
             slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=len(chunks))
             self.lora.set_batch(np.repeat(slots, query_lens))
+            if self._fused_decoder is not None:
+                self.model.model.fused_decoder = None if self.lora.batch.active else self._fused_decoder
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None else None
