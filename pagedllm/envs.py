@@ -108,6 +108,13 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_TP_CUDA_GRAPHS": EnvVar(
         _flag("PAGEDLLM_TP_CUDA_GRAPHS", False),
         "1 captures CUDA graphs for decode under tensor parallelism too (off: not yet verified on GPUs)"),
+    "PAGEDLLM_TORCH_PROFILER_DIR": EnvVar(
+        _str("PAGEDLLM_TORCH_PROFILER_DIR"),
+        "directory for the torch profiler traces of LLM.start_profile()/stop_profile() and the server's "
+        "/start_profile, /stop_profile (unset: profiling is refused)"),
+    "VLLM_TORCH_PROFILER_DIR": EnvVar(
+        _str("VLLM_TORCH_PROFILER_DIR"),
+        "vLLM's name for PAGEDLLM_TORCH_PROFILER_DIR (that one wins when both are set)"),
     # torch.distributed's standard launch variables (torchrun sets them): a multi-node launch
     "MASTER_ADDR": EnvVar(_str("MASTER_ADDR"), "rank 0's host for a multi-node launch when --master-addr is not given"),
     "MASTER_PORT": EnvVar(_parsed("MASTER_PORT", None, int, "a port number"),

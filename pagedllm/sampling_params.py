@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass, field
+from enum import Enum
 
 # OpenAI's seed is an integer; like vLLM we take the int64 range, where every value gets its own
 # random stream (see engine.request.make_generator)
@@ -24,6 +25,15 @@ def _token_id(key, name: str) -> int:
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(str, Enum):
+    """vLLM's ``RequestOutputKind``: what each RequestOutput of a running request holds. A member
+    equals its string (``RequestOutputKind.DELTA == "delta"``), the form SamplingParams stores."""
+
+    CUMULATIVE = "cumulative"  # everything generated so far
+    DELTA = "delta"  # only what is new since the previous output
+    FINAL_ONLY = "final_only"  # nothing until the request finishes
 
 
 @dataclass
@@ -125,7 +135,7 @@ class SamplingParams:
     # text is what the tokenizer's decode() gives; False (slow tokenizers only in HF) is refused
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    output_kind: str = "cumulative"
+    output_kind: str | RequestOutputKind = "cumulative"  # a RequestOutputKind is stored as its string
     structured_outputs: StructuredOutputsParams | None = None  # a dict is converted
     # words never generated: a one-token word is masked always, a longer one when the output ends
     # with all its tokens but the last (vLLM's semantics; tokenized by the input processor)
@@ -200,8 +210,9 @@ class SamplingParams:
             _check(len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                            for t in self.allowed_token_ids),
                    "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative integers")
-        _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
-               "must be 'cumulative', 'delta' or 'final_only'")
+        _check(self.output_kind in tuple(RequestOutputKind), "output_kind", self.output_kind,
+               "must be a RequestOutputKind, or 'cumulative', 'delta' or 'final_only'")
+        self.output_kind = RequestOutputKind(self.output_kind).value
         self._validate_unsupported()
 
     def _validate_structured(self) -> None:

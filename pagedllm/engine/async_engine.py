@@ -156,6 +156,7 @@ class AsyncLLMEngine:
                            add: Callable[[list[ProcessedRequest]], None]) -> list[RequestStream]:
         """Registers the requests' streams, runs ``process`` on a tokenizer thread and ``add`` on
         the engine thread; on any error none of them stays queued."""
+        self.engine.check_awake()  # early, before tokenizing (the engine thread checks again)
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r} is already in use")
@@ -275,10 +276,39 @@ class AsyncLLMEngine:
     def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
+    async def get_model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
     def get_tokenizer(self):
         """A copy of the engine's tokenizer for the caller's thread (a fast tokenizer must not be
         shared with the engine thread, which detokenizes concurrently)."""
         return copy.deepcopy(self.engine.tokenizer)
+
+    # ------------------------------------------------------------------ sleep mode, RPC, profiling
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` on the engine thread (refused while requests are in flight)."""
+        await self._call(self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._read(self.engine.is_sleeping)
+
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """``LLMEngine.collective_rpc`` between two steps (every rank's result, in rank order)."""
+        return await self._call(self.engine.collective_rpc, method, timeout, args, kwargs)
+
+    async def start_profile(self) -> None:
+        await self._call(self.engine.start_profile)
+
+    async def stop_profile(self) -> None:
+        await self._call(self.engine.stop_profile)
+
+    async def reset_prefix_cache(self, reset_disk: bool = False) -> bool:
+        """``LLMEngine.reset_prefix_cache`` between two steps; False while requests hold blocks."""
+        return await self._call(self.engine.reset_prefix_cache, reset_disk)
 
     # ------------------------------------------------------------------ reads
     async def get_kv_cache_stats(self) -> KVCacheStats:

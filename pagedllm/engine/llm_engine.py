@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
@@ -34,14 +36,23 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator, split_rounds
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.worker import sleep_mode
 from pagedllm.worker.device_to_host import to_host
 from pagedllm.worker.executor import make_executor
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 RowSpan = tuple[Request, bool, int]  # a per-token pooling span: its request, whether it starts the prompt, its rows
 
-__all__ = ["LLMEngine", "PromptType"]
+__all__ = ["EngineSleepingError", "LLMEngine", "PromptType"]
+
+# ModelRunner methods that change the weights: cached prefixes were computed with the old ones
+_WEIGHT_UPDATES = frozenset({"load_weights", "update_weights", "reload_weights"})
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine put to sleep (``LLMEngine.sleep``); it serves again after ``wake_up``."""
 
 
 class LLMEngine:
@@ -59,7 +70,8 @@ class LLMEngine:
         pooling.check_pooler(config.model, config.pooler)
         self.config = config
         self.model_config = config.model
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
+        _check_sleep_mode_fits(config)
+        tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.executor = make_executor(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks,
@@ -67,16 +79,9 @@ class LLMEngine:
                                                          self.executor.tier_fingerprints),
                                    config.lora)
         self.lora_registry = LoRARegistry(config.lora, config.model.hf_config) if config.lora is not None else None
-        self.eos_token_ids = _eos_ids(self.tokenizer, config.model)
-        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids,
-                                                         config.structured_output)
-        self.sampler = Sampler(config.layer_ops, self.structured_output)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, config.model.vocab_size, config.model.max_model_len,
-                                              self.scheduler.check_fits, config.model.max_logprobs,
-                                              self.eos_token_ids, config.scheduler.scheduling_policy,
-                                              config.structured_output)
-        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, config.model.max_model_len)
+        self._use_tokenizer(tokenizer)
+        self._asleep: set[str] = set()  # the sleep_mode.TAGS still asleep
+        self._profiling = False
         self.speculator = (Speculator(config, self.executor.num_blocks, self.eos_token_ids)
                            if config.speculative is not None else None)
         self.counters = EngineCounters()
@@ -84,9 +89,42 @@ class LLMEngine:
         self._last_log = time.time()
         self._log_window = [0, 0]  # prompt, generation tokens since the last log line
 
+    def _use_tokenizer(self, tokenizer) -> None:
+        """Builds everything that reads the tokenizer (input and output processing, grammars, beam search)."""
+        config = self.config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = _eos_ids(tokenizer, config.model)
+        self.structured_output = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids,
+                                                         config.structured_output)
+        self.sampler = Sampler(config.layer_ops, self.structured_output)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, config.model.vocab_size, config.model.max_model_len,
+                                              self.scheduler.check_fits, config.model.max_logprobs,
+                                              self.eos_token_ids, config.scheduler.scheduling_policy,
+                                              config.structured_output)
+        self.beam_search = BeamSearchManager(self.scheduler, tokenizer, config.model.max_model_len)
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Replaces the tokenizer (prompts, detokenization, stop tokens, grammars); refused while
+        requests are unfinished or with speculative decoding (its drafter holds the stop tokens)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_tokenizer() needs an idle engine: requests are unfinished")
+        if self.speculator is not None:
+            raise ValueError("set_tokenizer() cannot be combined with speculative_config")
+        old = self.structured_output
+        self._use_tokenizer(tokenizer)
+        old.shutdown()
+
+    def get_model_config(self):
+        """The resolved model config (``ModelConfig``: path, dtype, max_model_len, hf_config, ...)."""
+        return self.model_config
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -211,6 +249,8 @@ class LLMEngine:
         self.lora_registry.check(lora_request)
 
     def _check_new_id(self, request_id: str) -> None:
+        """Every way in checks here: a sleeping engine takes nothing, and ids are unique."""
+        self.check_awake()
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request_id={request_id!r} is already in use")
 
@@ -540,6 +580,83 @@ class LLMEngine:
         blocks are written in the background; until then a lookup misses them)."""
         self.executor.sync_kv_tiers()
 
+    # ------------------------------------------------------------------ sleep mode, RPC, profiling
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV pool on every rank (cached prefixes are forgotten) and offloads the weights
+        to host memory (level 1; on the CPU they are there already) or discards them (level 2:
+        ``wake_up`` gives them uninitialized storage, to be filled by a weight update through
+        ``collective_rpc``, e.g. ``"reload_weights"`` or ``"load_weights"``). Until ``wake_up``
+        every new request raises EngineSleepingError. Needs ``enable_sleep_mode=True`` and an idle
+        engine (vLLM's contract: let the requests finish, or abort them, first)."""
+        level = sleep_mode.check_level(level)
+        self._check_sleep_mode()
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"sleep() needs an idle engine: {self.get_num_unfinished_requests()} request(s) "
+                               "are unfinished; wait for them or abort them first")
+        self.scheduler.reset_prefix_cache()  # the pool's contents are about to go
+        self.executor.sleep(level)
+        self._asleep = set(sleep_mode.TAGS)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Brings back what ``sleep`` freed: ``tags`` None for everything, or some of "weights"
+        and "kv_cache" (vLLM's: wake the weights, update them, then the KV cache, so both are never
+        allocated beside a training step's memory). The KV pool comes back empty, with as many blocks."""
+        tags = sleep_mode.check_tags(tags)
+        self._check_sleep_mode()
+        self.executor.wake_up(tags)
+        self._asleep -= set(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from ``sleep`` until everything is awake again."""
+        return bool(self._asleep)
+
+    def check_awake(self) -> None:
+        """Raises EngineSleepingError while asleep (any part): no request can run then."""
+        if self._asleep:
+            raise EngineSleepingError(f"the engine is asleep ({', '.join(sorted(self._asleep))} released): "
+                                      "call wake_up() before sending requests")
+
+    def _check_sleep_mode(self) -> None:
+        if not self.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: build the engine with enable_sleep_mode=True "
+                             "(the server: --enable-sleep-mode)")
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """Runs ``method`` on every rank's ModelRunner (a method name, or a callable taking the
+        runner as its first argument) and returns each rank's result, in rank order (see
+        ``Executor.collective_rpc`` for errors and ``timeout``). After a weight update by name
+        (``load_weights``, ``update_weights``, ``reload_weights``) the cached prefixes are
+        forgotten; after a callable that changes weights, call ``reset_prefix_cache()``."""
+        if isinstance(method, str) and not callable(getattr(ModelRunner, method, None)):
+            raise ValueError(f"method={method!r} is not a ModelRunner method (e.g. 'load_weights', "
+                             "'update_weights', 'reload_weights'); pass a callable to run your own code")
+        if not isinstance(method, str) and not callable(method):
+            raise TypeError(f"method must be a method name or a callable, got {type(method).__name__}")
+        results = self.executor.collective_rpc(method, timeout, args, kwargs or {})
+        if isinstance(method, str) and method in _WEIGHT_UPDATES and not self.reset_prefix_cache():
+            logger.warning("%s: requests still hold KV blocks computed with the old weights", method)
+        return results
+
+    def start_profile(self) -> None:
+        """Starts the torch profiler on every rank; ``stop_profile`` writes one trace per rank into
+        ``PAGEDLLM_TORCH_PROFILER_DIR`` (or vLLM's ``VLLM_TORCH_PROFILER_DIR``)."""
+        directory = envs.PAGEDLLM_TORCH_PROFILER_DIR or envs.VLLM_TORCH_PROFILER_DIR
+        if not directory:
+            raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) to "
+                               "the directory for the traces before starting the engine")
+        if self._profiling:
+            raise RuntimeError("the profiler is already running; call stop_profile() first")
+        self.executor.start_profile(os.path.abspath(directory))
+        self._profiling = True
+
+    def stop_profile(self) -> None:
+        """Stops the profiler; every rank writes its trace (``*.pt.trace.json``, Chrome's format)."""
+        if not self._profiling:
+            raise RuntimeError("the profiler is not running; call start_profile() first")
+        self._profiling = False
+        self.executor.stop_profile()
+
     def health_error(self) -> str | None:
         """Why this engine can no longer step (e.g. a tensor-parallel worker died), or None."""
         return self.executor.health_error()
@@ -556,6 +673,19 @@ class LLMEngine:
         self.structured_output.shutdown()
         if self.speculator is not None:
             self.speculator.shutdown()
+
+
+def _check_sleep_mode_fits(config: EngineConfig) -> None:
+    """Sleep mode frees the pool and the weights of the target model on every rank: what else
+    points into them is refused."""
+    if not config.model.enable_sleep_mode:
+        return
+    if config.cache.kv_offload_cpu_bytes or config.cache.kv_offload_dir is not None:
+        raise ValueError("enable_sleep_mode=True cannot be combined with KV tiers (kv_offload_cpu_gb, "
+                         "kv_offload_dir): their copies point into the pool that sleep frees")
+    if config.speculative is not None:
+        raise ValueError("enable_sleep_mode=True cannot be combined with speculative_config: the draft model's "
+                         "weights and pool do not sleep")
 
 
 def _offload_metrics(offload: dict[str, dict[str, float]]) -> list[Metric]:

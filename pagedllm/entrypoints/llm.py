@@ -72,7 +72,11 @@ class LLM:
         self.llm_engine.shutdown()
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Uses ``tokenizer`` for prompts and outputs from now on (an idle engine only)."""
+        self.llm_engine.set_tokenizer(tokenizer)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -104,18 +108,37 @@ class LLM:
                             loras=lora_request)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to each conversation, then generates (with
-        ``lora_request`` as in ``generate``)."""
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             documents: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             mm_processor_kwargs: None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: applies the chat template (``chat_template``, else the tokenizer's)
+        to each conversation, then generates.
+
+        ``tools``, ``documents`` and ``chat_template_kwargs`` go to the tokenizer's
+        ``apply_chat_template`` as transformers takes them; ``continue_final_message`` leaves the
+        last (assistant) message open for the model to continue, and excludes
+        ``add_generation_prompt``. ``chat_template_content_format``: "string" joins a message's
+        text parts into one string (with newlines, as vLLM), "openai" passes the parts as they
+        are, "auto" = "string". ``lora_request`` as in ``generate``; multimodal inputs are refused."""
+        _refuse(mm_processor_kwargs, "mm_processor_kwargs", "multimodal inputs are not supported by LLM.chat")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True and add_generation_prompt=True cannot be combined: the "
+                             "first continues the last message, the second starts a new one; pass "
+                             "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools, documents=documents)
+        extra = _template_kwargs(chat_template_kwargs, options)
         prompts = [{"prompt_token_ids": _as_ids(tok.apply_chat_template(
-            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True))}
+            _content_as(conv, chat_template_content_format), tokenize=True, **options, **extra))}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
@@ -276,6 +299,38 @@ class LLM:
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(s),
                                      a.prompt_token_ids + b.prompt_token_ids)
                 for a, b, s in zip(firsts, outs_2, scores)]
+    # ------------------------------------------------------------------ sleep mode, RPC, profiling (RL loops)
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV pool and offloads the weights to host memory (level 1) or discards them
+        (level 2), for an engine built with ``enable_sleep_mode=True``; no request may be
+        unfinished. After level 2, ``wake_up()`` then load weights (``collective_rpc("load_weights",
+        args=(weights,))`` or ``collective_rpc("reload_weights")``) before generating."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Brings back the weights and the KV pool (``tags``: None for both, or ``["weights"]`` /
+        ``["kv_cache"]``, one after the other)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """Runs ``method`` on every rank's worker and returns the results in rank order: a method
+        name (``"load_weights"`` with ``args=(weights,)``, ``weights`` an iterable of ``(name,
+        tensor)`` full tensors with the checkpoint's names, or ``"update_weights"`` with a state
+        dict; ``"reload_weights"``), or a callable taking the worker first (it reaches vLLM's
+        ``worker.model_runner.model`` too)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def start_profile(self) -> None:
+        """Starts the torch profiler on every rank (needs ``PAGEDLLM_TORCH_PROFILER_DIR`` or
+        ``VLLM_TORCH_PROFILER_DIR``); ``stop_profile()`` writes the traces there."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        self.llm_engine.stop_profile()
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
@@ -283,6 +338,46 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = params.clone()
     params.output_kind = "final_only"
     return params
+
+
+def _refuse(value, name: str, why: str) -> None:
+    if value is not None:
+        raise ValueError(f"{name}={value!r} is not supported: {why}; pass None")
+
+
+_CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _content_as(conversation: list[dict], content_format: str) -> list[dict]:
+    """The messages with list contents joined into one string ("string", "auto") or kept ("openai")."""
+    if content_format not in _CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format={content_format!r} must be one of {_CONTENT_FORMATS}")
+    if content_format == "openai":
+        return conversation
+    return [{**m, "content": _joined_text(m["content"], i)} if isinstance(m.get("content"), list) else m
+            for i, m in enumerate(conversation)]
+
+
+def _joined_text(parts: list, i: int) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"messages[{i}].content has a {kind!r} part: only text parts are supported")
+        texts.append(part.get("text", ""))
+    return "\n".join(texts)
+
+
+def _template_kwargs(given: dict | None, options: dict) -> dict:
+    """``chat_template_kwargs``: template variables; it may not repeat chat()'s own arguments."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(given).__name__}")
+    clash = sorted(set(given) & (set(options) | {"conversation", "tokenize"}))
+    if clash:
+        raise ValueError(f"chat_template_kwargs repeats {clash}: pass them as chat()'s own arguments")
+    return given
 
 
 def _as_list(prompts) -> list:

@@ -207,3 +207,11 @@ def pack_model(model: torch.nn.Module, ram_bytes: int | None = None) -> int:
         elif hasattr(module, "pack_weights"):  # several weights per module (FusedMoE's experts)
             count += module.pack_weights()
     return count
+
+
+def drop_packed(model: torch.nn.Module) -> None:
+    """Frees the packed copies ``pack_model`` attached (the weights they copy were discarded);
+    ``pack_model`` makes them again."""
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            module.packed_weight = None

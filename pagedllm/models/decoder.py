@@ -332,6 +332,11 @@ class DecoderForCausalLM(nn.Module):
         """The one-call C decoder covers the Llama family only; returns why not."""
         return f"{type(self).__name__} is not a Llama-family model"
 
+    def disable_fused_decode(self) -> None:
+        """Drops the one-call C decoder and its pointers into the weights and the KV pool
+        (sleep mode frees them); ``enable_fused_decode`` builds it again."""
+        self.model.fused_decoder = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [num_rows, vocab]
         if self.spec.logit_scale != 1.0:

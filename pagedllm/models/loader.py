@@ -186,16 +186,25 @@ def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", se
         return
     if method is not None:
         quantization.create_weights(model, method)
-    _load_tensors(model, model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = load_named_weights(model, iterate_safetensors(model_dir))
+    if is_bare_checkpoint(model.config) and "lm_head.weight" in params and "lm_head.weight" not in loaded:
+        _fill_missing_lm_head(params["lm_head.weight"], params.get("model.embed_tokens.weight"))
+        loaded.add("lm_head.weight")
+    _check_all_loaded(model, params, loaded)
     if method is not None:
         quantization.process_weights(model, method)
 
 
-def _load_tensors(model: nn.Module, model_dir: str) -> None:
+def load_named_weights(model: nn.Module, weights) -> set[str]:
+    """Copies ``(checkpoint name, full tensor)`` pairs into their parameters through each
+    parameter's weight loader (so a tensor-parallel rank keeps its shard, a pipeline stage its
+    layers); returns the parameter names written. Used at load and for weight updates (any
+    subset of the checkpoint's tensors)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
     bare = is_bare_checkpoint(model.config)
-    for name, tensor in iterate_safetensors(model_dir):
+    for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
         if bare:  # a bare decoder's names lack the "model." prefix of *ForCausalLM
@@ -211,10 +220,7 @@ def _load_tensors(model: nn.Module, model_dir: str) -> None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
             _load_one(params[target], part, shard)
             loaded.add(target)
-    if bare and "lm_head.weight" in params and "lm_head.weight" not in loaded:
-        _fill_missing_lm_head(params["lm_head.weight"], params.get("model.embed_tokens.weight"))
-        loaded.add("lm_head.weight")
-    _check_all_loaded(model, params, loaded)
+    return loaded
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -1,10 +1,12 @@
 """Owns the model: builds one flat token batch + AttentionMetadata per step and runs it."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 
+import cloudpickle
 import numpy as np
 import torch
 
@@ -23,9 +25,10 @@ from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.lora.model import LoRAModel
-from pagedllm.models.loader import build_model, get_model_class, load_weights
+from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
 from pagedllm.utils import cdiv
+from pagedllm.worker import sleep_mode
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, agree_on_schedule, capture_sizes, replay_size
@@ -61,6 +64,7 @@ class ModelRunner:
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
     tiers: TierStore | None = None  # this rank's KV tiers (CPU, disk), set by init_cache
+    _fused_decoder = None  # the one-call C decoder once enabled (CPU, Llama family)
 
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup, pp: PipelineGroup | None = None):
         self.config = config
@@ -87,18 +91,14 @@ class ModelRunner:
             elif envs.PAGEDLLM_HUGE_PAGES:
                 logger.info("weights stay in 4 KiB pages: no transparent huge pages here (not Linux, or "
                             "/sys/kernel/mm/transparent_hugepage/enabled is [never])")
-            cpu_ops.pack_model(self.model, available_ram())
             if keep_freed_memory():
                 logger.debug("glibc malloc keeps freed memory in its heaps (PAGEDLLM_HEAP_MALLOC)")
-            reason = self.model.enable_fused_decode(self.backend) if pp is None else \
-                "pipeline parallelism: the C decoder runs the whole layer stack in one call"
+            reason = self._prepare_cpu_kernels()
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
         # enable_lora: adapter slots on the decoder layers' projections (lora/model.py)
         self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
                                self.device) if config.lora is not None else None)
-        # the one-call C decoder computes the base model only: with LoRA it runs the steps without adapter tokens
-        self._fused_decoder = getattr(getattr(self.model, "model", None), "fused_decoder", None)
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
@@ -106,6 +106,26 @@ class ModelRunner:
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
+        self._cache_blocks = (0, 0)  # (device, CPU swap) blocks of the pool, reallocated by wake_up
+        self._graphs_wanted = False  # the pool has the decode graphs' padding block (init_cache)
+        self.weights_asleep = False
+        self.sleeping_weights: sleep_mode.SleepingWeights | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    def _prepare_cpu_kernels(self) -> str | None:
+        """The CPU kernels' own copies of the weights (packed GEMM layouts) and the one-call
+        decoder's pointers into them: made at load and again whenever the weights change.
+        Returns why the one-call decoder is off, or None."""
+        cpu_ops.pack_model(self.model, available_ram())
+        return self._enable_fused_decode()
+
+    def _enable_fused_decode(self) -> str | None:
+        if self.pipeline is not None:
+            return "pipeline parallelism: the C decoder runs the whole layer stack in one call"
+        reason = self.model.enable_fused_decode(self.backend)
+        # the one-call C decoder computes the base model only: with LoRA it runs the steps without adapter tokens
+        self._fused_decoder = self.model.model.fused_decoder if reason is None else None
+        return reason
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -119,21 +139,31 @@ class ModelRunner:
                    tier_fingerprints: tuple[str, ...] = ()) -> None:
         """Allocates the KV pool (and the KV tiers with ``with_tiers``; ``tier_fingerprints``: every
         rank's disk-tier fingerprint, computed once by the executor, else computed here)."""
+        self._cache_blocks = (num_blocks, num_cpu_blocks)
+        self._allocate_cache()
+        if with_tiers:
+            fingerprint = tier_fingerprints[self.tp.rank] if tier_fingerprints else None
+            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes(), fingerprint)
+
+    def _allocate_cache(self) -> None:
+        """The KV pool of ``_cache_blocks``, and the decode graphs over it once the weights are there."""
         mc = self.config.model
-        capture = self._cuda_graphs_apply()
+        num_blocks, num_cpu_blocks = self._cache_blocks
+        self._graphs_wanted = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(capture), self.block_size, self.cache_dtype,
-                                 self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
-        graphs = self._decode_graphs(num_blocks) if capture else None
+        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(self._graphs_wanted), self.block_size,
+                                 self.cache_dtype, self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
+        if not self.weights_asleep:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        graphs = self._decode_graphs(self._cache_blocks[0]) if self._graphs_wanted else None
         if self.device.type == "cuda" and self.tp.size > 1:  # every CUDA rank, capturing or not
             agree_on_schedule(self.tp, graphs.schedule() if graphs else [], self.device)
         if graphs is not None:
             with kv_quant.calibration_paused(self.model):  # capture runs dummy tokens
                 graphs.capture(self.model, self.cache.layer_caches)
         self.decode_graphs = graphs
-        if with_tiers:
-            fingerprint = tier_fingerprints[self.tp.rank] if tier_fingerprints else None
-            self.tiers = build_tier_store(self.config, self.cache.kv, self.tp, self.block_bytes(), fingerprint)
 
     def persist_kv_tiers(self, ops: TierOps) -> None:
         """Writes the blocks of ``ops.moves`` to this rank's disk tier; returns once every rank's are there."""
@@ -170,6 +200,110 @@ class ModelRunner:
         if self.tiers is not None:
             self.tiers.close()  # after its queued disk writes
             self.tiers = None
+
+    # ------------------------------------------------------------------ sleep mode (worker/sleep_mode.py)
+    def sleep(self, level: int) -> None:
+        """Frees the KV pool (its tensors, the decode graphs, the one-call decoder's hold on them);
+        level 1 offloads the weights to host memory (on the CPU they stay where they are), level 2
+        discards them. Sleeping again at level 2 discards weights a level 1 kept."""
+        self._drop_cache()
+        self.sleeping_weights = sleep_mode.put_to_sleep(self.model, level, self.device, self.sleeping_weights)
+        self.weights_asleep = True
+        if level == 2 and self.device.type == "cpu":
+            cpu_ops.drop_packed(self.model)  # the packed copies of the discarded weights
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the freed blocks back to the driver, for other processes
+
+    def _drop_cache(self) -> None:
+        if self.cache is None:
+            return
+        self.cache, self.decode_graphs = None, None
+        self.block_table.reset()
+        if self.device.type == "cpu":
+            self.model.disable_fused_decode()  # it holds pointers into the pool
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Undoes ``sleep`` for ``tags`` ("weights": their storage back, with their values after a
+        level-1 sleep, uninitialized after level 2; "kv_cache": a new, empty pool of the same size)."""
+        if "weights" in tags and self.weights_asleep:
+            discarded = self.sleeping_weights is not None and self.sleeping_weights.discarded
+            sleep_mode.wake(self.model, self.sleeping_weights)
+            self.sleeping_weights, self.weights_asleep = None, False
+            if discarded and self.device.type == "cpu" and huge_pages_enabled():
+                module_to_huge_pages(self.model)  # where the load put them: decode streams them faster
+            if self.cache is not None:
+                self._capture_graphs()
+        if "kv_cache" in tags and self.cache is None:
+            self._allocate_cache()
+        if self.device.type == "cpu" and self.cache is not None and not self.weights_asleep:
+            self._enable_fused_decode()
+
+    def is_sleeping(self) -> bool:
+        return self.weights_asleep or self.cache is None
+
+    # ------------------------------------------------------------------ weight updates (collective_rpc)
+    @property
+    def model_runner(self) -> ModelRunner:
+        """vLLM's ``worker.model_runner``: here the runner is the worker, so a ``collective_rpc``
+        callable written as ``lambda worker: worker.model_runner.model`` finds the model."""
+        return self
+
+    def load_weights(self, weights) -> list[str]:
+        """Copies ``(name, tensor)`` pairs (full, unsharded tensors with the checkpoint's names, any
+        subset of them) into the weights through the model's weight loaders, so each
+        tensor-parallel rank keeps its shard; returns the parameter names written. Cached prefixes
+        were computed with the old weights: ``LLM.collective_rpc`` forgets them for this method."""
+        self._check_updatable()
+        loaded = load_named_weights(self.model, weights)
+        self._weights_changed()
+        return sorted(loaded)
+
+    def update_weights(self, named_tensors) -> list[str]:
+        """``load_weights`` from a state dict (``{name: tensor}``) or ``(name, tensor)`` pairs."""
+        return self.load_weights(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+
+    def reload_weights(self) -> None:
+        """Loads the weights again from the engine's checkpoint (after a level-2 sleep, or to undo updates)."""
+        self._check_updatable()
+        mc = self.config.model
+        load_weights(self.model, mc.model, mc.load_format, mc.seed)
+        self._weights_changed()
+
+    def _check_updatable(self) -> None:
+        if self.config.model.quantization is not None:
+            raise ValueError(f"weight updates need an unquantized model; this one runs "
+                             f"quantization={self.config.model.quantization!r}")
+        if self.weights_asleep:
+            raise RuntimeError("the weights are asleep: call wake_up(tags=['weights']) before loading weights")
+
+    def _weights_changed(self) -> None:
+        if self.device.type == "cpu":
+            self._prepare_cpu_kernels()  # their packed copies hold the old values
+
+    # ------------------------------------------------------------------ collective_rpc and profiling
+    def rpc(self, payload: bytes):
+        """One rank's ``collective_rpc`` call: ``payload`` is the cloudpickled ``(method, args,
+        kwargs)``; a method name is looked up on the runner, a callable gets the runner first."""
+        method, args, kwargs = cloudpickle.loads(payload)
+        fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
+        return fn(*args, **kwargs)
+
+    def start_profile(self, directory: str) -> None:
+        """Starts a torch profiler; ``stop_profile`` writes its trace to ``directory``
+        (``<host>_pagedllm-tp<rank>-pp<stage>.<time>.pt.trace.json``, Chrome trace format)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        stage = self.pipeline.pp.layout.stage if self.pipeline is not None else 0
+        name = f"pagedllm-tp{self.tp.rank}-pp{stage}"
+        self._profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=torch.profiler.tensorboard_trace_handler(directory, name))
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.stop()  # writes the trace (on_trace_ready)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteResult:

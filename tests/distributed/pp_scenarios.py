@@ -67,6 +67,7 @@ def multinode(model: str, prompts: list[list[int]], port: int) -> dict:
     node1 = _headless(model, port, tp=2)
     llm = LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE)
     outputs = [greedy(llm, prompts), greedy(llm, prompts)]
+    ranks = llm.collective_rpc(lambda worker: worker.tp.rank)  # node 1's answer comes through the store
     node1.send_signal(signal.SIGKILL)
     node1.wait()
     t0 = time.monotonic()
@@ -77,8 +78,8 @@ def multinode(model: str, prompts: list[list[int]], port: int) -> dict:
     llm.shutdown()
     wrong = _headless(model, port + 1, tp=1, pp=2)  # world 2 and TP 1 against node 0's TP 2
     mismatch = _raises(lambda: LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port + 1, **ENGINE))
-    return dict(outputs=outputs, killed_error=killed_error, health=health, seconds=seconds, mismatch=mismatch,
-                wrong_exit=wrong.wait(60), wrong_stderr=wrong.stderr.read()[-2000:])
+    return dict(outputs=outputs, ranks=ranks, killed_error=killed_error, health=health, seconds=seconds,
+                mismatch=mismatch, wrong_exit=wrong.wait(60), wrong_stderr=wrong.stderr.read()[-2000:])
 
 
 SCENARIOS = {f.__name__: f for f in (pipeline, multinode)}

@@ -56,3 +56,16 @@ class _RaceLostProcess:
 def test_dead_worker_is_described_even_when_another_thread_reaped_it():
     text = describe_exit(1, _RaceLostProcess(), started=True)
     assert text == "worker rank 1 (pid 4242) was killed by SIGKILL"
+
+
+def test_failures_name_the_pipeline_stage_and_tensor_rank():
+    """Issue 32: under pipeline parallelism a failed rank is named by its stage, not as a tensor rank."""
+    from pagedllm.config import ParallelConfig
+    from pagedllm.worker.executor.multiproc import parallel_kind, rank_label
+    tp2, pp2, both = (ParallelConfig(2, 1), ParallelConfig(1, 2), ParallelConfig(2, 2))
+    assert [parallel_kind(p) for p in (tp2, pp2, both)] == [
+        "tensor-parallel", "pipeline-parallel", "tensor- and pipeline-parallel"]
+    assert rank_label(tp2, 1) == "worker rank 1"
+    assert rank_label(both, 3) == "worker rank 3 [pipeline stage 1, tensor rank 1]"
+    text = describe_exit(1, _RaceLostProcess(), started=True, label=rank_label(pp2, 1))
+    assert text == "worker rank 1 [pipeline stage 1, tensor rank 0] (pid 4242) was killed by SIGKILL"

@@ -77,6 +77,7 @@ def test_tp2_across_two_launches(llama_dir, prompts, expected):
     with another layout is refused."""
     result = scenario("multinode", llama_dir, prompts, _free_ports(2), script=SCENARIOS, timeout=300)
     assert result["outputs"] == [expected, expected]
+    assert result["ranks"] == [0, 1]  # collective_rpc reaches the rank on the other node
     assert "rank 1 (node 1) sent no heartbeat" in result["health"]
     assert result["seconds"] < 20  # the watchdog's 10 s of silence, plus a loaded machine's slack
     assert result["killed_error"] is not None and "sent no heartbeat" in result["killed_error"]

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, ru
 from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
 from pagedllm.utils import check_int
 
+from .admin import include_admin_routes
 from .chat_features import ChatOptions
 from .lora_serving import LoRAModels, LoRAModulePath, add_lora_args, lora_router
 from .pooling_serving import router as pooling_router
@@ -327,6 +328,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.include_router(router)
     add_responses_api(app, responses_store_size)
     app.include_router(pooling_router)
+    include_admin_routes(app, api_key)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
     if api_key:  # added last, so outermost: a request without the key is refused before its body is read

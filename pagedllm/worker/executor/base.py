@@ -3,11 +3,13 @@ size and allocate the KV cache at start-up, and shut down (idempotently, also fr
 from __future__ import annotations
 
 import logging
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import cloudpickle
 import torch
 
 from pagedllm import envs
@@ -25,10 +27,13 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RankCall:
     """One ModelRunner method (the function object, e.g. ``ModelRunner.execute``) with its
-    arguments, run on every rank. Pickles by the method's qualified name."""
+    arguments, run on every rank. Pickles by the method's qualified name. With ``reply`` every
+    rank sends back a ``Reply`` (collective_rpc); otherwise the ranks answer nothing and a rank
+    that raises stops the engine."""
 
     method: Callable[..., Any]
     args: tuple = ()
+    reply: bool = False
 
     def __post_init__(self):
         if getattr(ModelRunner, getattr(self.method, "__name__", ""), None) is not self.method:
@@ -36,6 +41,34 @@ class RankCall:
 
     def run(self, runner: ModelRunner) -> Any:
         return self.method(runner, *self.args)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One rank's answer to a ``reply`` call: its result, or the traceback of what it raised."""
+
+    value: Any = None
+    error: str | None = None
+
+
+def answer(call: RankCall, runner: ModelRunner) -> Reply:
+    """Runs a ``reply`` call on a worker rank; an exception becomes the reply (the rank keeps serving)."""
+    try:
+        return Reply(call.run(runner))
+    except Exception:
+        return Reply(error=traceback.format_exc())
+
+
+def unpicklable_reply(exc: Exception) -> Reply:
+    return Reply(error=f"the result cannot be sent to rank 0 (it does not pickle): {type(exc).__name__}: {exc}")
+
+
+def results_of(replies: list[Reply]) -> list:
+    """Every rank's result, in rank order; RuntimeError with the tracebacks if any rank raised."""
+    failed = [f"rank {rank}:\n{r.error}" for rank, r in enumerate(replies) if r.error is not None]
+    if failed:
+        raise RuntimeError("collective_rpc failed on " + "\n".join(failed))
+    return [r.value for r in replies]
 
 
 class Executor(ABC):
@@ -72,6 +105,10 @@ class Executor(ABC):
     def _run(self, call: RankCall) -> Any:
         """Runs ``call`` on every rank; returns rank 0's result."""
 
+    def _gather(self, call: RankCall, timeout: float | None) -> list[Reply]:
+        """Runs a ``reply`` call on every rank; every rank's Reply (rank 0's exception is raised as is)."""
+        return [Reply(call.run(self.runner))]
+
     @abstractmethod
     def _stop(self, graceful: bool) -> None:
         """Stops the other ranks (asking first when ``graceful``) and releases the group; idempotent."""
@@ -97,6 +134,28 @@ class Executor(ABC):
     def persist_kv_tiers(self, ops) -> None:
         """Every rank writes ``ops``' blocks to its disk tier and waits for them (ModelRunner.persist_kv_tiers)."""
         self.run_on_all_ranks(RankCall(ModelRunner.persist_kv_tiers, (ops,)))
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None, args: tuple, kwargs: dict) -> list:
+        """``method`` (a ModelRunner method name, or a callable taking the runner first) on every
+        rank; every rank's result, in rank order. ``timeout``: seconds to wait for the other ranks'
+        results (None: no limit); past it the engine stops (its ranks are out of step) and
+        TimeoutError is raised. A rank's exception is raised (rank 0's as is, another's as
+        RuntimeError with its traceback) and the engine keeps running."""
+        payload = cloudpickle.dumps((method, tuple(args), dict(kwargs)))  # lambdas and closures too
+        self.check_health()
+        return results_of(self._gather(RankCall(ModelRunner.rpc, (payload,), reply=True), timeout))
+
+    def sleep(self, level: int) -> None:
+        self.run_on_all_ranks(RankCall(ModelRunner.sleep, (level,)))
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        self.run_on_all_ranks(RankCall(ModelRunner.wake_up, (tags,)))
+
+    def start_profile(self, directory: str) -> None:
+        self.run_on_all_ranks(RankCall(ModelRunner.start_profile, (directory,)))
+
+    def stop_profile(self) -> None:
+        self.run_on_all_ranks(RankCall(ModelRunner.stop_profile))
 
     def health_error(self) -> str | None:
         """Why the executor cannot run any more, or None; a read only, safe from any thread."""

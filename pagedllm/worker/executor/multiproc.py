@@ -24,6 +24,7 @@ import ast
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import pickle
 import signal
 import sys
 import threading
@@ -32,22 +33,30 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.distributed.parallel_state import RankGroups, create_store, init_groups, join_store
 from pagedllm.distributed.pipeline import RankLayout
-from pagedllm.worker.executor.base import Executor, RankCall, rank_config, seed_and_threads
+from pagedllm.worker.executor.base import (
+    Executor,
+    RankCall,
+    Reply,
+    answer,
+    rank_config,
+    seed_and_threads,
+    unpicklable_reply,
+)
 from pagedllm.worker.executor.remote import RemoteRanks
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _STOP = None  # the message that ends a worker's loop
-_STARTED, _READY, _ERROR = "started", "ready", "error"
+_STARTED, _READY, _ERROR, _REPLY = "started", "ready", "error", "reply"
 _CAUSE_GRACE_S = 3.0  # how long a failed call waits for a dying worker to report why
 _STOP_GRACE_S = 10.0  # how long shutdown waits for workers to leave before killing them
 
@@ -84,7 +93,10 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts,
         runner = ModelRunner(config, group.tp, group.pp)
         conn.send((_READY,))
         while (call := conn.recv()) is not _STOP:
-            call.run(runner)
+            if call.reply:
+                _send_reply(conn, answer(call, runner))
+            else:
+                call.run(runner)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # rank 0's process is gone: nobody to report to, just leave
     except BaseException:
@@ -93,6 +105,28 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts,
     finally:
         if group is not None:
             group.destroy()
+
+
+def _send_reply(conn: mpc.Connection, reply: Reply) -> None:
+    try:
+        conn.send((_REPLY, reply))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickled before anything is written
+        conn.send((_REPLY, unpicklable_reply(exc)))
+
+
+def parallel_kind(parallel: ParallelConfig) -> str:
+    """What the ranks split: "tensor-parallel", "pipeline-parallel" or both."""
+    if parallel.pipeline_parallel_size == 1:
+        return "tensor-parallel"
+    return "pipeline-parallel" if parallel.tensor_parallel_size == 1 else "tensor- and pipeline-parallel"
+
+
+def rank_label(parallel: ParallelConfig, rank: int) -> str:
+    """``worker rank 3``, with its pipeline stage and tensor rank under pipeline parallelism."""
+    if parallel.pipeline_parallel_size == 1:
+        return f"worker rank {rank}"
+    layout = RankLayout.of(parallel, rank)
+    return f"worker rank {rank} [pipeline stage {layout.stage}, tensor rank {layout.tp_rank}]"
 
 
 def _report(conn: mpc.Connection, text: str) -> None:
@@ -114,6 +148,8 @@ class WorkerProcesses:
     def __init__(self, config: EngineConfig, port: int, timeouts: Timeouts):
         ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
         self.timeout = timeouts.startup
+        self.parallel = config.parallel
+        self.kind = parallel_kind(config.parallel)
         self.procs, self.conns = [], []
         for rank in range(1, config.parallel.ranks_per_node):  # node 0's ranks; others: remote.py
             parent, child = ctx.Pipe()
@@ -142,7 +178,7 @@ class WorkerProcesses:
             left = deadline - time.monotonic()
             if left <= 0:
                 ranks = sorted(i + 1 for i in pending)
-                raise RuntimeError(f"tensor-parallel worker rank(s) {ranks} did not report {what!r} within "
+                raise RuntimeError(f"{self.kind} worker rank(s) {ranks} did not report {what!r} within "
                                    f"{self.timeout:g} s (PAGEDLLM_TP_STARTUP_TIMEOUT)")
             ready = mpc.wait([*pending.values(), *(self.procs[i].sentinel for i in pending)], timeout=left)
             for i in list(pending):
@@ -156,13 +192,17 @@ class WorkerProcesses:
             if conn.poll():
                 kind, *rest = conn.recv()
                 if kind == _ERROR:
-                    raise RuntimeError(f"tensor-parallel worker rank {i + 1} failed during start-up:\n{rest[0]}")
+                    raise RuntimeError(f"{self.kind} {self.label(i + 1)} failed during start-up:\n{rest[0]}")
                 return kind == what
             if proc.is_alive():
                 return False
         except (EOFError, OSError):  # its end of the pipe closed: the worker is exiting
             pass
-        raise RuntimeError("tensor-parallel " + describe_exit(i + 1, proc, started=what != _STARTED))
+        raise RuntimeError(f"{self.kind} " + describe_exit(i + 1, proc, started=what != _STARTED,
+                                                          label=self.label(i + 1)))
+
+    def label(self, rank: int) -> str:
+        return rank_label(self.parallel, rank)
 
     # ------------------------------------------------------------------ running
     def send(self, call: RankCall) -> None:
@@ -180,8 +220,9 @@ class WorkerProcesses:
         rank = next(sentinels[s] for s in ready if s in sentinels)
         if self.cause(0.5) is None:  # cannot happen once the sentinel fired; stay safe anyway
             with self._cause_lock:  # a failed call may be writing ``dead`` at the same moment
-                self.dead = self.dead or describe_exit(rank, self.procs[rank - 1], started=True)
-        logger.error("tensor-parallel worker died: %s", self.dead)
+                self.dead = self.dead or describe_exit(rank, self.procs[rank - 1], started=True,
+                                                       label=self.label(rank))
+        logger.error("%s worker died: %s", self.kind, self.dead)
 
     def cause(self, grace: float) -> str | None:
         """Why a worker failed: its reported traceback or its exit (remembered in ``dead``); waits
@@ -195,10 +236,32 @@ class WorkerProcesses:
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
             reported, closed = _read_report(conn)
             if reported:
-                return f"worker rank {rank} raised:\n{reported}"
+                return f"{self.label(rank)} raised:\n{reported}"
             if closed or not proc.is_alive():  # its pipe closes a moment before it can be reaped
-                return describe_exit(rank, proc, started=True)
+                return describe_exit(rank, proc, started=True, label=self.label(rank))
         return None
+
+    def gather(self, timeout: float | None) -> list[Reply]:
+        """Every worker's Reply to a ``reply`` call, in rank order. Raises TimeoutError when one has
+        not answered within ``timeout`` seconds (None: no limit), RuntimeError when one failed or
+        exited instead (``dead`` says why)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return [self._reply(rank, deadline, timeout) for rank in range(1, len(self.procs) + 1)]
+
+    def _reply(self, rank: int, deadline: float | None, timeout: float | None) -> Reply:
+        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not mpc.wait([conn, proc.sentinel], timeout=left):
+            raise TimeoutError(f"{self.label(rank)} did not answer within {timeout:g} s")
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):  # it exited without a word: cause() describes how
+            raise RuntimeError(f"{self.label(rank)} exited") from None
+        if kind == _ERROR:  # it failed outside the call and is exiting
+            with self._cause_lock:
+                self.dead = self.dead or f"{self.label(rank)} raised:\n{payload}"
+            raise RuntimeError(self.dead)
+        return payload
 
     # ------------------------------------------------------------------ shutdown
     def close(self, graceful: bool = True) -> None:
@@ -251,8 +314,9 @@ def _read_report(conn: mpc.Connection) -> tuple[str | None, bool]:
     return None, False
 
 
-def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
-    """``worker rank 1 was killed by SIGKILL``; for a worker that never started, the likely cause."""
+def describe_exit(rank: int, proc: mp.Process, started: bool, label: str | None = None) -> str:
+    """``worker rank 1 (pid 42) was killed by SIGKILL`` (``label``: how to name the rank, default
+    ``worker rank N``); for a worker that never started, the likely cause."""
     code = _exit_code(proc, 5.0)
     if code is None:
         how = "closed its pipe but is still running"
@@ -260,7 +324,7 @@ def describe_exit(rank: int, proc: mp.Process, started: bool) -> str:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    text = f"worker rank {rank} (pid {proc.pid}) {how}"
+    text = f"{label or f'worker rank {rank}'} (pid {proc.pid}) {how}"
     if not started:
         text += " before it started. " + _spawn_hint()
     return text
@@ -356,7 +420,7 @@ class MultiprocExecutor(Executor):
             self._workers.group = init_groups(config.device, RankLayout.of(config.parallel, 0), store, timeout)
         except RuntimeError as exc:  # the rendezvous timed out: say which worker is missing, if one died
             cause = self._workers.cause(0.0) or self._remote.cause() or str(exc)
-            raise RuntimeError(f"tensor-parallel rendezvous failed: {cause}") from exc
+            raise RuntimeError(f"{self._workers.kind} rendezvous failed: {cause}") from exc
         seed_and_threads(config)
         runner = ModelRunner(config, self._workers.group.tp, self._workers.group.pp)
         self._workers.await_all(_READY)
@@ -383,11 +447,38 @@ class MultiprocExecutor(Executor):
             self._remote.send(call)
             return call.run(self.runner)
         except BaseException as exc:
-            reason = self._failure_reason(exc)
-            self._fail(reason)
-            if isinstance(exc, Exception):
-                raise RuntimeError(f"tensor-parallel step failed, the engine is dead: {reason}") from exc
-            raise
+            self._die(exc)
+
+    def _gather(self, call: RankCall, timeout: float | None) -> list[Reply]:
+        """Sends the call, runs it here, then collects the other ranks' replies (so every pipe
+        stays in step even when rank 0's own call raised, which is then raised as is)."""
+        try:
+            self._workers.send(call)
+            self._remote.send(call)
+        except BaseException as exc:
+            self._die(exc)
+        local, error = None, None
+        try:
+            local = call.run(self.runner)
+        except Exception as exc:
+            error = exc
+        try:
+            others = self._workers.gather(timeout) + self._remote.gather(timeout)
+        except BaseException as exc:
+            self._die(exc)
+        if error is not None:
+            raise error
+        return [Reply(local), *others]
+
+    def _die(self, exc: BaseException) -> NoReturn:
+        """A call failed part-way: the ranks are out of step, so the engine stops; raises why."""
+        reason = self._failure_reason(exc)
+        self._fail(reason)
+        if isinstance(exc, TimeoutError):
+            raise TimeoutError(f"{self._workers.kind} call timed out, the engine is dead: {reason}") from exc
+        if isinstance(exc, Exception):
+            raise RuntimeError(f"{self._workers.kind} step failed, the engine is dead: {reason}") from exc
+        raise exc
 
     def _failure_reason(self, exc: BaseException) -> str:
         local = self._workers.cause(_CAUSE_GRACE_S if self._workers.procs else 0.0)

@@ -33,7 +33,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import RankGroups, init_groups, join_store
 from pagedllm.distributed.pipeline import RankLayout
-from pagedllm.worker.executor.base import RankCall, rank_config, seed_and_threads
+from pagedllm.worker.executor.base import RankCall, Reply, answer, rank_config, seed_and_threads, unpicklable_reply
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,25 @@ class RemoteRanks:
         self._next += 1
         self.store.set(f"call/{self._next}", pickle.dumps(call))
 
+    def gather(self, timeout: float | None) -> list[Reply]:
+        """Every remote rank's Reply to the last call (a ``reply`` one), in rank order; TimeoutError
+        past ``timeout`` seconds (None: no limit), RuntimeError when a rank failed instead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = []
+        for rank in self.ranks:
+            key = f"reply/{self._next}/{rank}"
+            while not self._has(key):
+                failure = self.dead or self.cause()
+                if failure is not None:
+                    raise RuntimeError(failure)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} (node {node_of(rank, self.config)}) did not answer within "
+                                       f"{timeout:g} s")
+                time.sleep(_POLL_S)
+            replies.append(pickle.loads(self.store.get(key)))
+            self.store.delete_key(key)
+        return replies
+
     def cause(self) -> str | None:
         """The first traceback a remote rank reported, if any."""
         for rank in self.ranks if self.store is not None else ():
@@ -192,7 +211,7 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
         runner = ModelRunner(config, groups.tp, groups.pp)
         _start_heartbeat(config, rank, startup_timeout)
         store.set(f"ready/{rank}", "1")
-        _serve_calls(store, runner, p.world_size - p.ranks_per_node)
+        _serve_calls(store, runner, p.world_size - p.ranks_per_node, rank)
     except dist.DistNetworkError:
         logger.info("rank %d: rank 0's store closed; leaving", rank)
     except BaseException:
@@ -220,14 +239,25 @@ def _start_heartbeat(config: EngineConfig, rank: int, timeout: float) -> None:
     threading.Thread(target=beat, name=f"pagedllm-heartbeat-{rank}", daemon=True).start()
 
 
-def _serve_calls(store: dist.TCPStore, runner: ModelRunner, num_readers: int) -> None:
+def _serve_calls(store: dist.TCPStore, runner: ModelRunner, num_readers: int, rank: int) -> None:
     n = 0
     while True:
         n += 1
         call = _next_call(store, n, num_readers)
         if call is None:
             return
-        call.run(runner)
+        if call.reply:
+            _store_reply(store, f"reply/{n}/{rank}", answer(call, runner))
+        else:
+            call.run(runner)
+
+
+def _store_reply(store: dist.TCPStore, key: str, reply: Reply) -> None:
+    try:
+        data = pickle.dumps(reply)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        data = pickle.dumps(unpicklable_reply(exc))
+    store.set(key, data)
 
 
 def _next_call(store: dist.TCPStore, n: int, num_readers: int) -> RankCall | None:
