@@ -155,7 +155,7 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts; give one per prompt")
         engine = self.llm_engine
         add = add or engine.add_request
-        loras = _per_prompt(loras, LoRARequest, None, len(prompts), "lora_request")
+        loras = _per_prompt(_check_loras(loras), LoRARequest, None, len(prompts), "lora_request")
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
@@ -377,6 +377,16 @@ def _template_kwargs(given: dict | None, options: dict) -> dict:
     clash = sorted(set(given) & (set(options) | {"conversation", "tokenize"}))
     if clash:
         raise ValueError(f"chat_template_kwargs repeats {clash}: pass them as chat()'s own arguments")
+    return given
+
+
+def _check_loras(given):
+    """``lora_request``: None, one LoRARequest, or a list of them (None for the base model) per prompt."""
+    ok = given is None or isinstance(given, LoRARequest) or (
+        isinstance(given, (list, tuple)) and all(x is None or isinstance(x, LoRARequest) for x in given))
+    if not ok:
+        raise ValueError(f"lora_request={given!r:.80} is not supported: give a LoRARequest, or a list of one "
+                         "(or None for the base model) per prompt")
     return given
 
 
