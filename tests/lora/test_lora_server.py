@@ -92,3 +92,14 @@ def test_lora_modules_flag_forms():
     for bad in ("no-equals", '{"name": "x"}', '{"name": "x", "path": "/p", "other": 1}'):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_lora_module(bad)
+
+
+def test_lora_modules_are_checked_at_start(server_model_dir, tmp_path):
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.lora_serving import LoRAModulePath
+    modules = [LoRAModulePath("a", str(tmp_path))]
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        build_app(EngineArgs(model=server_model_dir), lora_modules=modules)
+    with pytest.raises(ValueError, match=f"lora_path='{tmp_path}' is not a PEFT adapter"):
+        build_app(EngineArgs(model=server_model_dir, enable_lora=True), lora_modules=modules)

@@ -79,7 +79,10 @@ class LoRAModels:
     def add_static(self, modules: list[LoRAModulePath]) -> None:
         """``--lora-modules``, checked before the server starts (ValueError: the server does not start)."""
         for m in modules:
-            lora = self.new_request(m.name, m.path, m.base_model_name)
+            try:
+                lora = self.new_request(m.name, m.path, m.base_model_name)
+            except ServingError as e:
+                raise ValueError(f"--lora-modules {m.name}={m.path}: {e.message}") from None
             self.engine.engine.check_lora(lora)
             self.adapters[m.name] = lora
 
