@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.native import bindings
+
 
 class LoRABatch:
     """The step's tokens grouped by adapter slot: ``perm`` (the LoRA tokens' rows, ordered by slot)
@@ -61,11 +63,25 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
     xs = xs.to(a.dtype)
     delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)  # [lora tokens, out]
     for slot, start, end in batch.segments:
-        shrunk = xs[start:end] @ a[slot].T  # [n, R]
-        torch.matmul(shrunk, b[slot].T, out=delta[start:end])  # [n, out]
+        _matmul_t(_matmul_t(xs[start:end], a[slot]), b[slot], delta[start:end])  # [n, R], then [n, out]
     if batch.whole:
         return y + delta.to(y.dtype)
     return y.index_add(0, batch.perm, delta.to(y.dtype))
+
+
+def _matmul_t(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T``. float32 on the CPU through the C library's small-batch GEMM, a slice of rows
+    at a time: its threads are those of the layers' other C kernels, while a torch GEMM between them
+    wakes a second OpenMP team (torch bundles its own libgomp) that spins against the first."""
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not bindings.is_available():
+        return torch.matmul(x, w.T, out=out)
+    lib, x = bindings.library(), x.contiguous()
+    step, threads = lib.max_decode_tokens, torch.get_num_threads()
+    for i in range(0, x.shape[0], step):
+        lib.linear(x[i:i + step], w, None, None, out[i:i + step], threads)
+    return out
 
 
 class LoRASlots:
