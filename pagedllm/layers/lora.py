@@ -53,8 +53,9 @@ class LoRABatch:
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        batch: LoRABatch) -> torch.Tensor:
-    """The torch reference: ``y[rows of slot s] += (x[rows] @ a[s].T) @ b[s].T``, one shrink and
-    one expand per adapter present in the batch (grouped by slot), in ``a``'s dtype.
+    """``y[rows of slot s] += (x[rows] @ a[s].T) @ b[s].T`` in place (``y`` is the base layer's fresh
+    output), one shrink and one expand per adapter present in the batch (grouped by slot), in
+    ``a``'s dtype; torch ops (the C library's GEMM for float32 on the CPU).
 
     ``x [tokens, in]``, ``y [tokens, out]``, ``a [slots, R, in]``, ``b [slots, out, R]``."""
     if not batch.active:
@@ -64,9 +65,24 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
     delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)  # [lora tokens, out]
     for slot, start, end in batch.segments:
         _matmul_t(_matmul_t(xs[start:end], a[slot]), b[slot], delta[start:end])  # [n, R], then [n, out]
+    delta = delta.to(y.dtype)
     if batch.whole:
-        return y + delta.to(y.dtype)
-    return y.index_add(0, batch.perm, delta.to(y.dtype))
+        _serial(lambda s: y[s].add_(delta[s]), y)
+    else:
+        _serial(lambda s: y.index_add_(0, batch.perm[s], delta[s]), delta)
+    return y  # the base layer's fresh output, added to in place
+
+
+# torch runs an elementwise op on fewer elements than this in the calling thread (at::internal::GRAIN_SIZE)
+_SERIAL_ELEMENTS = 32768
+
+
+def _serial(op, rows: torch.Tensor) -> None:
+    """Applies ``op`` to slices of rows small enough that torch runs each in this thread: on the
+    CPU a parallel torch op between the C kernels wakes torch's OpenMP team (see ``_matmul_t``)."""
+    step = rows.shape[0] if rows.device.type != "cpu" else max(1, _SERIAL_ELEMENTS // max(1, rows.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        op(slice(i, i + step))
 
 
 def _matmul_t(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,7 @@ def test_lora_op_matches_per_token_reference():
     token_slots = torch.randint(-1, slots, (tokens,), generator=g).numpy()
     batch = LoRABatch()
     batch.set(token_slots, x.device)
-    got = lora_shrink_expand(x, y, a, b, batch)
+    got = lora_shrink_expand(x, y.clone(), a, b, batch)  # adds into its y in place
     want = y.clone()
     for t, s in enumerate(token_slots):
         if s >= 0:
@@ -94,7 +94,7 @@ def test_lora_op_matches_per_token_reference():
     batch.set(torch.full((tokens,), -1).numpy(), x.device)
     assert lora_shrink_expand(x, y, a, b, batch) is y  # base tokens only: nothing runs
     batch.set(torch.full((tokens,), 2).numpy(), x.device)  # one adapter for all: no gather
-    torch.testing.assert_close(lora_shrink_expand(x, y, a, b, batch), y + x @ a[2].T @ b[2].T)
+    torch.testing.assert_close(lora_shrink_expand(x, y.clone(), a, b, batch), y + x @ a[2].T @ b[2].T)
 
 
 @pytest.fixture(scope="module")
