@@ -10,8 +10,10 @@ in one run. Example::
 ``enable_lora``; ``N adapters``: an ``enable_lora`` engine (``--max-loras`` device slots, default
 the largest N) with request i running adapter ``i mod N`` (random rank-``--rank`` adapters on every
 projection: q/k/v/o/gate/up/down). Each row is timed ``--repeats`` times (median); ``vs base`` is
-its throughput over the base model's. ``loads`` / ``evictions``: the adapter slot pool's, over all
-repeats (more adapters than slots make the scheduler page them). vLLM-CPU's LoRA is not run here.
+its throughput over the base model's. The rows run interleaved, repeat after repeat, both engines
+alive, so a change of machine load hits every row. ``loads`` / ``evictions``: the adapter slot pool's
+during the timed runs (more adapters than slots make the scheduler page them). vLLM-CPU's LoRA is
+not run here.
 """
 from __future__ import annotations
 
@@ -63,14 +65,10 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> str:
     return str(path)
 
 
-def timed(llm: LLM, prompts, params, loras, repeats: int) -> tuple[float, list[float]]:
-    llm.generate(prompts[:2], params, lora_request=loras[:2] if loras else None, use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
-    return statistics.median(runs), runs
+def run_once(llm: LLM, prompts, params, loras) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,27 +93,37 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [{"prompt_token_ids": p} for p in common.make_prompts([args.input_len] * args.num_requests, 256, 0)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     kwargs = common.engine_kwargs(args)
-    rows, results = [], {}
-    with LLM(str(model), **kwargs) as base:
-        hf_config = base.llm_engine.model_config.hf_config
-        base_tok_s, base_runs = timed(base, prompts, params, None, args.repeats)
-    results["base"] = dict(tok_s=base_tok_s, runs_tok_s=base_runs)
-    rows.append(["base", "-", f"{base_tok_s:.1f}", "1.00", "-", "-"])
-    adapter_dir = common.CACHE_DIR / f"lora-adapters-{model.name}-r{args.rank}"
-    paths = [write_adapter(adapter_dir / f"a{i}", hf_config, args.rank, i) for i in range(max(counts))]
     max_loras = args.max_loras or max(counts)
-    with LLM(str(model), enable_lora=True, max_loras=max_loras, max_lora_rank=args.rank,
-             max_cpu_loras=max(max_loras, max(counts)), **kwargs) as llm:
-        for n in counts:
-            loras = [LoRARequest(f"a{i % n}", i % n + 1, paths[i % n]) for i in range(args.num_requests)]
-            pool = llm.llm_engine.scheduler.lora_slots
-            before = (pool.stats.loads, pool.stats.evictions)
-            tok_s, runs = timed(llm, prompts, params, loras, args.repeats)
-            loads, evictions = pool.stats.loads - before[0], pool.stats.evictions - before[1]
-            results[f"{n}_adapters"] = dict(tok_s=tok_s, runs_tok_s=runs, vs_base=tok_s / base_tok_s, loads=loads,
-                                            evictions=evictions)
-            rows.append([f"{n} adapters", str(max_loras), f"{tok_s:.1f}", f"{tok_s / base_tok_s:.2f}", str(loads),
-                         str(evictions)])
+    with LLM(str(model), **kwargs) as base, LLM(str(model), enable_lora=True, max_loras=max_loras,
+                                                 max_lora_rank=args.rank, max_cpu_loras=max(max_loras, max(counts)),
+                                                 **kwargs) as llm:
+        hf_config = base.llm_engine.model_config.hf_config
+        adapter_dir = common.CACHE_DIR / f"lora-adapters-{model.name}-r{args.rank}"
+        paths = [write_adapter(adapter_dir / f"a{i}", hf_config, args.rank, i) for i in range(max(counts))]
+        rows_of = {"base": (base, None)}
+        rows_of.update({f"{n}_adapters": (llm, [LoRARequest(f"a{i % n}", i % n + 1, paths[i % n])
+                                                for i in range(args.num_requests)]) for n in counts})
+        for engine, loras in rows_of.values():  # warm-up (and every adapter loaded once)
+            engine.generate(prompts[:2], params, lora_request=loras[:2] if loras else None, use_tqdm=False)
+        pool = llm.llm_engine.scheduler.lora_slots
+        runs = {name: [] for name in rows_of}
+        moves = {name: [0, 0] for name in rows_of}
+        for _ in range(args.repeats):  # the rows interleaved: a change of machine load hits them all
+            for name, (engine, loras) in rows_of.items():
+                before = (pool.stats.loads, pool.stats.evictions)
+                runs[name].append(run_once(engine, prompts, params, loras))
+                moves[name][0] += pool.stats.loads - before[0]
+                moves[name][1] += pool.stats.evictions - before[1]
+    base_tok_s = statistics.median(runs["base"])
+    rows, results = [], {}
+    for name, tok_s_runs in runs.items():
+        tok_s = statistics.median(tok_s_runs)
+        results[name] = dict(tok_s=tok_s, runs_tok_s=tok_s_runs, vs_base=tok_s / base_tok_s, loads=moves[name][0],
+                             evictions=moves[name][1])
+        lora_row = name != "base"
+        rows.append([name.replace("_", " "), str(max_loras) if lora_row else "-", f"{tok_s:.1f}",
+                     f"{tok_s / base_tok_s:.2f}", str(moves[name][0]) if lora_row else "-",
+                     str(moves[name][1]) if lora_row else "-"])
     print(common.format_table(["workload", "slots", "out tok/s", "vs base", "loads", "evictions"], rows))
     data = dict(benchmark="lora", date=datetime.now(timezone.utc).isoformat(), commit=common.git_commit(),
                 machine=platform.machine(), model=str(model), rank=args.rank, num_requests=args.num_requests,
