@@ -24,9 +24,15 @@ well past the 48 MiB L3), filled first (untouched pages read as the shared zero 
 ``% read`` = kernel GB/s / sum() GB/s is the relevant ceiling for this read-dominated kernel.
 
 On a GPU (``--device cuda``) the kernel is the engine's attention backend for CUDA
-(``--backend``, default auto), activations are in the cache dtype, calls are timed with CUDA
-events, bandwidth is measured on a device buffer, and nothing is flushed (the K/V of a decode
-batch is far larger than the L2)::
+(``--backend``, default auto), activations are in the cache dtype, bandwidth is measured on a
+device buffer, and nothing is flushed (the K/V of a decode batch is far larger than the L2; at
+batch 1 a context of 4096 fits in an H200's 50 MiB L2, so read that case as an upper bound).
+What is timed is the kernels alone, as a model forward runs them under a CUDA graph: a
+graph-safe backend's step (``supports_cuda_graphs``) is captured once and replayed
+``--replays`` times back to back between two CUDA events, so the host's checks and launch
+building are not counted; other backends (the gather + SDPA baseline, which reads lengths back
+to the host) are called back to back between the events instead. ``timing`` in each case's
+result says which::
 
     python benchmarks/attention.py --device cuda --cache-dtype bfloat16 --num-heads 32 --num-kv-heads 8 \
         --contexts 4096 --cases decode-bs64-ctx4096 --skip-ref
@@ -183,9 +189,11 @@ class GatherSdpaBackend:
         return o.transpose(1, 2)[q_valid]  # [num_tokens, H, D]
 
 
-def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor | None, warmup: int = 2):
-    """(median seconds, last output) of full forward steps on a private copy of the pool;
-    ``flush`` (if given) is read before each call to evict the caches, outside the timing."""
+def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor | None, warmup: int = 2,
+                 replays: int = 20):
+    """(median seconds, last output, how it was timed) of full forward steps on a private copy of
+    the pool; ``flush`` (if given) is read before each CPU call to evict the caches, outside the
+    timing. On CUDA: kernel time per step (``cuda_kernel_seconds``)."""
     kc, vc = batch.fresh_caches()
     if batch.query.device.type == "cpu" and huge_pages_enabled():
         kc, vc = huge_page_copies([kc, vc])  # where the engine keeps its pool (worker/cache_engine.py)
@@ -195,13 +203,48 @@ def time_backend(backend, batch: PagedBatch, repeats: int, flush: torch.Tensor |
         nonlocal out
         out = backend.forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale)
 
+    if batch.query.device.type == "cuda":
+        graph = getattr(backend, "supports_cuda_graphs", False)
+        seconds = cuda_kernel_seconds(step, repeats, replays, graph)
+        return seconds, out, "cuda-graph" if graph else "cuda-events"
     for i in range(warmup + repeats):
         if flush is not None:
             flush.sum()
         elapsed = _timed(step, batch.query.device.type)
         if i >= warmup:
             times.append(elapsed)
-    return statistics.median(times), out
+    return statistics.median(times), out, "wall"
+
+
+def cuda_kernel_seconds(fn, repeats: int, replays: int, graph: bool) -> float:
+    """Median over ``repeats`` of the seconds per call of ``fn``'s kernels: ``replays`` calls
+    back to back between two CUDA events. With ``graph``, ``fn`` (graph-safe) is captured once and
+    the graph is replayed, so no host work sits between the kernels; without, each call's host
+    work is counted wherever it outlasts the kernels queued before it."""
+    fn()  # the JIT compiles, the allocator's first blocks
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        side = torch.cuda.Stream()  # capture after a call on a side stream, as torch's graph docs do
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fn()  # the outputs fn keeps are the graph's: every replay rewrites them
+        run = cuda_graph.replay
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / replays)
+    return statistics.median(times)
 
 
 def on_device(batch: PagedBatch, device: str, dtype: torch.dtype) -> PagedBatch:
@@ -229,8 +272,9 @@ def bench_case(name: str, reqs, backends, args, flush) -> dict:
                        act_dtype.itemsize)
     res, outs = {}, {}
     for b in backends:
-        t, outs[b.name] = time_backend(b, batch, _repeats(b, name, args.repeats), flush)
-        res[b.name] = dict(ms=1e3 * t, gbs=nbytes["total"] / t / 1e9)
+        t, outs[b.name], timing = time_backend(b, batch, _repeats(b, name, args.repeats), flush,
+                                               replays=args.replays)
+        res[b.name] = dict(ms=1e3 * t, gbs=nbytes["total"] / t / 1e9, timing=timing)
     kernel = backends[0].name  # the others are compared with it
     diffs = [(outs[kernel].float() - o.float()).abs().max().item() for k, o in outs.items() if k != kernel]
     return dict(batch=len(reqs), context=reqs[0][0] + reqs[0][1], q_len=reqs[0][1], bytes=nbytes, kernel=kernel,
@@ -295,6 +339,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-ref", action="store_true", help="skip the (slow) torch reference backend")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="auto", help="on cuda: the engine's attention backend to time")
+    ap.add_argument("--replays", type=int, default=20, help="on cuda: steps back to back per timed repeat")
     ap.add_argument("--num-heads", type=int, default=NUM_HEADS)
     ap.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
     ap.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -302,6 +347,8 @@ def parse_args(argv=None):
     ap.add_argument("--output", type=Path, default=None,
                     help="JSON path (default results/attention.json, or results/attention-quick.json)")
     args = ap.parse_args(argv)
+    if args.replays < 1:
+        ap.error(f"--replays={args.replays}: must be >= 1")
     args.repeats = args.repeats or (4 if args.quick else 12)
     args.output = args.output or RESULTS_DIR / ("attention-quick.json" if args.quick else "attention.json")
     args.contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None

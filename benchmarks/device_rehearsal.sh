@@ -18,9 +18,49 @@
 #   bash benchmarks/device_rehearsal.sh [DIR]   # DIR, else $REHEARSAL_DIR, else ~/.cache/pagedllm-rehearsal
 # The venv is built once under DIR (rebuilt when the pins below change); logs, pip-freeze.txt and
 # summary.txt go to DIR/logs. Exit status 0 when every step passed.
+#
+#   bash benchmarks/device_rehearsal.sh --shape [OUT]   # what CI runs (tests/test_gpu_check.py)
+# The script's shape only, with this machine's python and nothing installed: gpu_check.sh itself
+# on the CPU at tiny sizes (DEVICE=cpu SCALE=tiny), with a PATH that has python3 but no `python`
+# and pytest's xdist plugin disabled (as on an image without them); passes when every step
+# started and ran and the report (OUT/gpu_check.json) was written.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+
+shape() {  # shape [OUT]: see the header
+    local out=${1:-$(mktemp -d)} bin dir path
+    bin=$(mktemp -d)
+    path=$bin
+    local IFS=:
+    for dir in $PATH; do  # the PATH less every directory holding a `python` (compilers etc. stay)
+        [ -x "$dir/python" ] || path="$path:$dir"
+    done
+    unset IFS
+    # a wrapper, not a symlink: a venv's python finds its site-packages from the path it runs as
+    # (and sys.executable, not the PATH's entry: that may be a shim needing more than this PATH)
+    printf '#!/bin/sh\nexec %s "$@"\n' "$("${PYTHON3:-python3}" -c 'import sys; print(sys.executable)')" \
+        > "$bin/python3"
+    chmod +x "$bin/python3"
+    env -u PYTHON PATH="$path" DEVICE=cpu SCALE=tiny GPU_TEST_WORKERS=0 PYTEST_ADDOPTS="-p no:xdist" OUT="$out" \
+        bash benchmarks/gpu_check.sh
+    local rc=$? missing=""
+    rm -rf "$bin"
+    for name in $(sed -n 's/^step \([a-z-]*\) [0-9]* .*/\1/p' benchmarks/gpu_check.sh); do
+        [ -s "$out/$name.log" ] || missing="$missing $name"
+    done
+    [ -s "$out/gpu_check.json" ] || missing="$missing gpu_check.json"
+    if [ "$rc" -ne 0 ] || [ -n "$missing" ]; then
+        echo "shape rehearsal FAILED: gpu_check.sh exit $rc; missing:${missing:- nothing} (in $out)"
+        return 1
+    fi
+    echo "shape rehearsal passed: every step of gpu_check.sh ran and wrote its log; report in $out/gpu_check.json"
+}
+
+if [ "${1:-}" = --shape ]; then
+    shape "${2:-}"
+    exit
+fi
 DIR=${1:-${REHEARSAL_DIR:-$HOME/.cache/pagedllm-rehearsal}}
 PY311=${PYTHON311:-python3.11}
 VENV=$DIR/venv

@@ -15,6 +15,13 @@ Three experiments on a tiny random Llama (built once into ``benchmarks/.cache/``
 3. **Sharing.** ``SamplingParams(n=W)`` and beam search of width W versus the same work as W
    independent requests per prompt (prefix caching off and on): blocks in use at peak and on
    average, and the saving.
+4. **Latent KV (MLA).** A DeepSeek-V2-Lite-shaped model (27 layers, 16 heads, kv_lora_rank 512,
+   qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; hidden size, vocabulary and experts
+   shrunk, which the KV does not depend on; dummy weights) versus the same attention stored as K/V
+   per head (a Llama with 16 KV heads of head_dim 192, K's width, which V is padded to in a
+   one-head_dim pool), in the model's dtype (bfloat16), plus the MLA model with an fp8 latent
+   cache: the engine sizes its pool for ``--latent-kv-mib`` MiB and its own block accounting
+   (blocks x block_size) gives tokens per GiB and ``max_model_len`` sequences that fit.
 
 Run ``python benchmarks/kv_memory.py --quick`` (< 3 min on 2 cores) or without ``--quick`` for
 the full run. Tables go to stdout, results to ``benchmarks/results/kv_memory.{json,png}``.
@@ -42,6 +49,13 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 MODEL_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 FIRST_TOKEN_ID = 3  # ids 0..2 are pad, bos, eos in the test tokenizer
+EXPERIMENTS = ("memory", "prefix", "sharing", "latent")
+# DeepSeek-V2-Lite's attention and layer count; everything the KV does not depend on made small
+V2_LITE_ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+V2_LITE_REST = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                    n_group=1, topk_group=1, max_position_embeddings=8192)
 
 
 # --------------------------------------------------------------------------- model and workloads
@@ -51,10 +65,7 @@ def build_model(cache_dir: Path = CACHE_DIR) -> str:
     path = cache_dir / "kvmem-llama-h128-l2-v1024"
     if (path / "config.json").exists():
         return str(path)
-    spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    return conftest.make_model_dir(path, "llama", **MODEL_SHAPE)
+    return _conftest().make_model_dir(path, "llama", **MODEL_SHAPE)
 
 
 @dataclass
@@ -95,6 +106,65 @@ def shared_prefix(args) -> Workload:
     system = random_ids(rng, args.prefix_len)
     suffix = rng.integers(8, 33, args.prefix_requests)
     return Workload([system + random_ids(rng, int(s)) for s in suffix], [args.prefix_output_len] * len(suffix))
+
+
+def _conftest():
+    spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest
+
+
+def build_config_dir(path: Path, config) -> str:
+    """A checkpoint directory without weights (the engine runs it with load_format="dummy")."""
+    if not (path / "config.json").exists():
+        config.save_pretrained(path)
+        _conftest()._tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def latent_models(cache_dir: Path, num_layers: int) -> dict[str, str]:
+    """The V2-Lite-shaped MLA model and its per-head K/V twin (configs only)."""
+    import transformers as tf
+    mla = tf.DeepseekV2Config(num_hidden_layers=num_layers, architectures=["DeepseekV2ForCausalLM"],
+                              **V2_LITE_ATTENTION, **V2_LITE_REST)
+    heads, head_dim = V2_LITE_ATTENTION["num_attention_heads"], 128 + 64  # K = nope + rope wide
+    per_head = tf.LlamaConfig(num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+                              head_dim=head_dim, vocab_size=1024, hidden_size=64, intermediate_size=128,
+                              max_position_embeddings=8192, architectures=["LlamaForCausalLM"])
+    return {"MLA latent (kv_lora_rank 512 + rope 64)": build_config_dir(cache_dir / f"kvmem-v2lite-mla-l{num_layers}",
+                                                                         mla),
+            "K/V per head (16 x 192)": build_config_dir(cache_dir / f"kvmem-v2lite-mha-l{num_layers}", per_head)}
+
+
+def run_latent_config(label: str, model: str, args, **kwargs) -> dict:
+    budget = args.latent_kv_mib * 2**20
+    llm = LLM(model, load_format="dummy", kv_cache_memory=budget, max_model_len=args.latent_max_model_len,
+              max_num_batched_tokens=256, max_num_seqs=1024, swap_space=0, num_threads=args.threads,
+              block_size=16, enable_prefix_caching=False, dtype=args.latent_dtype, **kwargs)
+    stats = llm.get_kv_cache_stats()
+    block_bytes = llm.llm_engine.executor.block_bytes()
+    tokens = stats.num_blocks * stats.block_size
+    row = dict(config=label, kv_dtype=str(llm.llm_engine.executor.runner.cache.kv.dtype).removeprefix("torch."),
+               block_bytes=block_bytes, bytes_per_token=block_bytes // stats.block_size,
+               num_blocks=stats.num_blocks, tokens=tokens, tokens_per_gib=round(tokens * 2**30 / budget),
+               max_len_seqs=stats.num_blocks // -(-args.latent_max_model_len // stats.block_size))
+    llm.llm_engine.shutdown()
+    _progress(row)
+    return row
+
+
+def experiment_latent(args) -> list[dict]:
+    """The MLA model at the model dtype and with an fp8 latent, and its per-head twin; each row's
+    tokens per GiB against the per-head one."""
+    models = latent_models(args.cache_dir, args.latent_layers)
+    (mla_label, mla_path), (per_head_label, per_head_path) = models.items()
+    rows = [run_latent_config(mla_label, mla_path, args),
+            run_latent_config(mla_label, mla_path, args, kv_cache_dtype="fp8"),
+            run_latent_config(per_head_label, per_head_path, args)]
+    for row in rows[:2]:
+        row["vs_per_head"] = f"x{row['tokens_per_gib'] / rows[2]['tokens_per_gib']:.2f}"
+    return rows
 
 
 # --------------------------------------------------------------------------- engine driving
@@ -303,6 +373,10 @@ PREFIX_COLS = [("prefix_caching", "prefix caching"), ("prompt_tokens_total", "pr
                ("prompt_tokens_computed", "computed"), ("prefix_cache_hits", "cache hits (tokens)"),
                ("peak_used_blocks", "peak blocks"), ("peak_running", "peak running"),
                ("output_tok_per_s", "out tok/s"), ("req_per_s", "req/s"), ("wall_s", "wall s")]
+LATENT_COLS = [("config", "KV layout"), ("kv_dtype", "KV dtype"), ("bytes_per_token", "bytes / token"),
+               ("block_bytes", "bytes / block"),
+               ("num_blocks", "blocks"), ("tokens_per_gib", "tokens / GiB"), ("max_len_seqs", "max_model_len seqs"),
+               ("vs_per_head", "vs K/V per head")]
 SHARING_COLS = [("run", "run"), ("peak_used_blocks", "peak blocks"), ("mean_used_blocks", "mean blocks"),
                 ("preemptions", "preempt"), ("saved", "saved by sharing (peak / mean)")]
 
@@ -384,6 +458,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=4, help="n for parallel sampling, beam width")
     p.add_argument("--beam-max-tokens", type=int, help="beam search max_tokens (default 120, quick 48)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experiments", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
+    p.add_argument("--latent-layers", type=int, default=27, help="experiment 4 layers (DeepSeek-V2-Lite: 27)")
+    p.add_argument("--latent-kv-mib", type=int, default=512, help="experiment 4 KV budget in MiB")
+    p.add_argument("--latent-max-model-len", type=int, default=512)
+    p.add_argument("--latent-dtype", default="bfloat16", help="experiment 4 model dtype (V2-Lite ships bfloat16)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the model is tiny, and one thread keeps timings "
                         "steady on a busy machine)")
@@ -409,37 +488,48 @@ def main(argv=None) -> dict:
     results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "model": MODEL_SHAPE,
                "workload": long_tailed(args.num_requests, args, args.seed).summary()}
-    results["memory"] = experiment_memory(model, args)
-    results["prefix"] = experiment_prefix(model, args)
-    results["sharing"] = experiment_sharing(model, args)
+    runs = {"memory": lambda: experiment_memory(model, args), "prefix": lambda: experiment_prefix(model, args),
+            "sharing": lambda: experiment_sharing(model, args), "latent": lambda: experiment_latent(args)}
+    for name in args.experiments:
+        results[name] = runs[name]()
     results["total_s"] = round(time.perf_counter() - start, 1)
     report(results, args)
     return results
 
 
 def report(results: dict, args) -> None:
-    w = results["workload"]
-    print(f"\n1. Long-tailed workload: {w['num_requests']} requests; prompt lengths {_lens(w['prompt_len'])}; "
-          f"output lengths {_lens(w['output_len'])}; KV budget {args.budget_seqs} x {args.max_model_len} tokens")
-    print_table("KV utilization and concurrency", results["memory"], MEMORY_COLS)
-    print(f"\n2. Shared prefix: {args.prefix_requests} requests, {args.prefix_len}-token system prompt + 8-32 "
-          f"unique tokens, {args.prefix_output_len} output tokens, block_size 16")
-    print_table("Prefix caching", results["prefix"], PREFIX_COLS)
-    print(f"\n3. Sharing: {args.sharing_prompts} long-tailed prompts, width {args.width}, block_size 16 "
-          f"(n={args.width}: drawn output lengths; beam search and its baselines: {args.beam_max_tokens} tokens)")
-    print_table("Blocks with and without sharing", sharing_table_rows(results["sharing"]), SHARING_COLS)
-    write_results(results, args.out)
+    if "memory" in results:
+        w = results["workload"]
+        print(f"\n1. Long-tailed workload: {w['num_requests']} requests; prompt lengths {_lens(w['prompt_len'])}; "
+              f"output lengths {_lens(w['output_len'])}; KV budget {args.budget_seqs} x {args.max_model_len} tokens")
+        print_table("KV utilization and concurrency", results["memory"], MEMORY_COLS)
+    if "prefix" in results:
+        print(f"\n2. Shared prefix: {args.prefix_requests} requests, {args.prefix_len}-token system prompt + 8-32 "
+              f"unique tokens, {args.prefix_output_len} output tokens, block_size 16")
+        print_table("Prefix caching", results["prefix"], PREFIX_COLS)
+    if "sharing" in results:
+        print(f"\n3. Sharing: {args.sharing_prompts} long-tailed prompts, width {args.width}, block_size 16 "
+              f"(n={args.width}: drawn output lengths; beam search and its baselines: {args.beam_max_tokens} tokens)")
+        print_table("Blocks with and without sharing", sharing_table_rows(results["sharing"]), SHARING_COLS)
+    if "latent" in results:
+        print(f"\n4. Latent KV: DeepSeek-V2-Lite-shaped, {args.latent_layers} layers, {args.latent_dtype} model, "
+              f"{args.latent_kv_mib} MiB budget, block_size 16, max_model_len {args.latent_max_model_len}")
+        print_table("Tokens per GiB of KV (engine block accounting)", results["latent"], LATENT_COLS)
+    write_results(results, args.out, with_plot=all(k in results for k in ("memory", "prefix", "sharing")))
 
 
 def _lens(d: dict) -> str:
     return f"median {d['median']:g}, mean {d['mean']:g}, p90 {d['p90']:g}, max {d['max']}"
 
 
-def write_results(results: dict, out: Path) -> None:
+def write_results(results: dict, out: Path, with_plot: bool = True) -> None:
+    """The JSON, and the figure of experiments 1-3 when they ran."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')} ({results['total_s']} s)")
+    if with_plot:
+        plot(results, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.json')}{' and ' + str(out.with_suffix('.png')) if with_plot else ''} "
+          f"({results['total_s']} s)")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,20 @@ at the same device budget.
     python benchmarks/kv_tiers.py --quick   # doc 512 tokens, 1 repeat (~1 min on 2 cores)
     python benchmarks/kv_tiers.py           # doc 4096 tokens, 3 repeats
 
+Start-up cost of the disk tier's fingerprint (every weights file hashed whole, on a thread beside
+the weight loading, then cached by file identity in the tier directory): ``--startup-gb N``
+writes a random bfloat16 Llama of about N GB to a temporary directory (or measures ``--model``)
+and times engine start-up without a disk tier, with one on a fresh directory (hashed), and again
+(cached), plus the hash alone (its throughput, to estimate larger checkpoints)::
+
+    python benchmarks/kv_tiers.py --startup-gb 1
+
 Writes ``--out``.json and, when matplotlib imports, ``--out``.png (TTFT by tier).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -64,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-system-len", type=int, default=None, help="first message tokens (1024; quick 128)")
     p.add_argument("--disk-dir", type=Path, default=None, help="disk tier directory (default: a temporary one)")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "kv_tiers", help="results path, no suffix")
+    p.add_argument("--startup-gb", type=float, default=None,
+                   help="only measure the disk tier's start-up cost, on a random checkpoint of this many GB")
     args = p.parse_args(argv)
     common.fill_unset(args, dict(doc_len=512, repeats=1, chats=3, turns=3, chat_system_len=128),
                       dict(doc_len=4096, repeats=3, chats=6, turns=4, chat_system_len=1024))
@@ -264,11 +275,88 @@ def report(summary: dict[str, dict], chat: dict[str, dict]) -> None:
     print(common.format_table(["chat", "prefix hit rate", "prompt tokens computed", "mean TTFT ms"], rows))
 
 
+# --------------------------------------------------------------------------- start-up cost of the fingerprint
+
+
+def write_random_llama(path: Path, gb: float) -> Path:
+    """A random-weight bfloat16 Llama of about ``gb`` GB: hidden 2048, as many layers as fit."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    hidden, inter, vocab, kv = 2048, 5632, 8192, 1024
+    layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (kv, hidden),
+             "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+             "mlp.down_proj.weight": (hidden, inter), "input_layernorm.weight": (hidden,),
+             "post_attention_layernorm.weight": (hidden,)}
+    layer_bytes = 2 * sum(torch.Size(s).numel() for s in layer.values())
+    layers = max(1, round((gb * 1e9 - 4 * vocab * hidden) / layer_bytes))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    shapes.update({f"model.layers.{i}.{k}": v for i in range(layers) for k, v in layer.items()})
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(v, generator=g) * 0.02).to(torch.bfloat16) for k, v in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16",
+                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    common.word_tokenizer(vocab).save_pretrained(path)
+    return path
+
+
+def startup_seconds(model: str, disk: Path | None, num_threads: int | None) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process, every thread) of one engine start-up: on a busy
+    machine the CPU seconds are the steadier measure of the work hashing adds."""
+    tiers = dict(kv_offload_dir=str(disk), kv_offload_disk_gb=1) if disk is not None else {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    llm = LLM(model, max_model_len=256, num_gpu_blocks_override=64, num_threads=num_threads, **tiers)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    llm.llm_engine.shutdown()
+    return seconds, cpu
+
+
+def measure_startup(args) -> dict:
+    """Engine start-up without a disk tier, with one (weights hashed, on a fresh directory) and
+    with one again (digests cached); the hash alone; a linear estimate for 15 GB."""
+    from pagedllm.kv_cache.offload.fingerprint import content_digest
+    with tempfile.TemporaryDirectory(prefix="pagedllm-startup-") as tmp:
+        model = Path(args.model) if args.model else write_random_llama(Path(tmp) / "model", args.startup_gb)
+        files = sorted(model.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files)
+        startup_seconds(str(model), None, args.num_threads)  # warms the page cache and the imports
+        runs, cpu_runs = [], []
+        for i in range(args.repeats):
+            disk = Path(tmp) / f"tier{i}"
+            timed = {case: startup_seconds(str(model), d, args.num_threads)
+                     for case, d in (("no_tier", None), ("tier_hashing", disk), ("tier_cached", disk))}
+            runs.append({case: t[0] for case, t in timed.items()})
+            cpu_runs.append({case: t[1] for case, t in timed.items()})
+        t0, c0 = time.perf_counter(), time.process_time()
+        for f in files:
+            content_digest(f)
+        hash_s, hash_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    best = {k: min(r[k] for r in runs) for k in runs[0]}
+    best_cpu = {k: min(r[k] for r in cpu_runs) for k in cpu_runs[0]}
+    out = dict(checkpoint_gb=size / 1e9, startup_s=best, startup_cpu_s=best_cpu, runs=runs, cpu_runs=cpu_runs,
+               hash_alone_s=hash_s, hash_alone_cpu_s=hash_cpu_s, hash_gb_per_s=size / 1e9 / hash_s,
+               added_s={k: best[f"tier_{k}"] - best["no_tier"] for k in ("hashing", "cached")},
+               estimate_15gb_hash_alone_s=15 / (size / 1e9 / hash_s), commit=common.git_commit())
+    out["added_pct"] = {k: 100 * v / best["no_tier"] for k, v in out["added_s"].items()}
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.num_threads:
         import torch
         torch.set_num_threads(args.num_threads)
+    if args.startup_gb is not None:  # (with --model: that checkpoint, whatever the size given)
+        results = measure_startup(args)
+        common.save_json(results, args.out.with_name(args.out.name + "_startup").with_suffix(".json"))
+        return results
     model = args.model or str(common.ensure_model(common.default_model_dir()))
     from transformers import AutoConfig
     s = Setup(args, AutoConfig.from_pretrained(model).vocab_size)

@@ -16,6 +16,16 @@ traceback. Exit status 1 if any check failed.
 
 The baseline is the server itself before the storm (the greedy reply it must still give).
 ``tests/server/test_soak.py`` runs a short storm of the same scenarios in CI.
+
+    python benchmarks/soak.py --scenario router-abuse --duration 600
+
+starts ``pagedllm serve --data-parallel-size 2 --api-key soak`` (the router in front of two
+replicas) and sends plain completions from ``--workers`` clients: for the first half of the run
+alone, for the second half beside ``--abusers`` rude clients (20 MB bodies, 200 MB chunked bodies,
+bodies that stop after 10 bytes, requests without the key). It reports the normal requests lost
+(anything but 200), the times the router took a backend out (``router_backend_taken_out_total``;
+a replica is never restarted, so each is an outage), and the p99 latency of normal traffic during the abuse against
+without it (target: at most 1.5x). Exit status 1 if a request was lost or a backend taken out.
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ import json
 import os
 import random
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -573,6 +584,111 @@ def after_storm(url: str, model: str, greedy_before: list[str]) -> dict[str, obj
             "preemptions so far (information)": (True, preemptions(url))}
 
 
+# ---------------------------------------------------------------------- router abuse
+ABUSES = ("huge_body", "huge_chunked_body", "stalled_body", "no_key")
+_PIECE = b"x" * 2**20
+
+
+def _abuse_request(kind: str, key: str) -> tuple[bytes, list[bytes] | object]:
+    """The head and the body pieces of one rude request (pieces made as they are sent)."""
+    auth = f"Authorization: Bearer {key}\r\n".encode() if kind != "no_key" else b""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n" + auth
+    if kind == "huge_body":
+        return head + b"Content-Length: %d\r\n\r\n" % (20 * len(_PIECE)), [_PIECE] * 20
+    if kind == "huge_chunked_body":
+        chunks = (b"%x\r\n%s\r\n" % (len(_PIECE), _PIECE) for _ in range(200))
+        return head + b"Transfer-Encoding: chunked\r\n\r\n", chunks
+    if kind == "stalled_body":  # 10 of 30 bytes, then nothing: the router must answer 408
+        return head + b"Content-Length: 30\r\n\r\n", [b'{"prompt":']
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    return head + b"Content-Length: %d\r\n\r\n" % len(body), [body]
+
+
+def abuse_once(url: str, kind: str, key: str, timeout: float = 90) -> str:
+    """Sends one rude request over a plain socket, stopping as soon as an answer arrives; returns its
+    status ("reset" when the connection was reset before a status could be read)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    head, pieces = _abuse_request(kind, key)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        try:
+            sock.sendall(head)
+            for piece in pieces:
+                if select.select([sock], [], [], 0)[0]:  # answered already: stop sending
+                    break
+                sock.sendall(piece)
+            answer = sock.recv(64)
+        except OSError:
+            return "reset"
+    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "no answer"
+
+
+def abuser(url: str, key: str, stop_at: float, seed: int, counts: collections.Counter, lock: threading.Lock) -> None:
+    r = random.Random(seed)
+    while time.time() < stop_at:
+        kind = r.choice(ABUSES)
+        status = abuse_once(url, kind, key)
+        with lock:
+            counts[kind, status] += 1
+
+
+async def normal_traffic(url: str, model: str, key: str, stop_at: float, workers: int) -> list[tuple[float, int]]:
+    """(latency s, status) of plain short completions from ``workers`` clients until ``stop_at``."""
+    results: list[tuple[float, int]] = []
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def worker(w: int) -> None:
+        r = random.Random(w)
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            while time.time() < stop_at:
+                body = {"model": model, "prompt": prompt(r), "max_tokens": r.randint(1, 8), "temperature": 0}
+                t0 = time.perf_counter()
+                try:
+                    status = (await http.post(f"{url}/v1/completions", json=body)).status_code
+                except httpx.HTTPError:
+                    status = 0
+                results.append((time.perf_counter() - t0, status))
+    await asyncio.gather(*(worker(w) for w in range(workers)))
+    return results
+
+
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def router_total(url: str, key: str, name: str) -> float:
+    """A ``pagedllm:router_<name>_total`` counter of the router, summed over backends."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    return sum(float(v) for v in re.findall(rf"^pagedllm:router_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def router_abuse(args: argparse.Namespace, url: str) -> bool:
+    """Normal traffic alone for half of ``--duration``, then beside ``--abusers`` rude clients."""
+    half, key = args.duration / 2, args.api_key
+    taken_out_before = router_total(url, key, "backend_taken_out")
+    calm = asyncio.run(normal_traffic(url, args.model, key, time.time() + half, args.workers))
+    counts, lock, stop_at = collections.Counter(), threading.Lock(), time.time() + half
+    threads = [threading.Thread(target=abuser, args=(url, key, stop_at, args.seed + i, counts, lock))
+               for i in range(args.abusers)]
+    for t in threads:
+        t.start()
+    stormy = asyncio.run(normal_traffic(url, args.model, key, stop_at, args.workers))
+    for t in threads:
+        t.join()
+    lost = sum(status != 200 for _, status in calm + stormy)
+    taken_out = router_total(url, key, "backend_taken_out") - taken_out_before
+    backends = httpx.get(f"{url}/router/backends", headers={"Authorization": f"Bearer {key}"}).json()["backends"]
+    calm_p99, stormy_p99 = p99([t for t, _ in calm]), p99([t for t, _ in stormy])
+    print(f"normal traffic: {len(calm)} requests alone, {len(stormy)} beside {args.abusers} abusers")
+    print(f"  p99 latency alone {calm_p99 * 1000:.0f} ms, during abuse {stormy_p99 * 1000:.0f} ms "
+          f"({stormy_p99 / calm_p99:.2f}x, target <= 1.5x)")
+    print(f"  requests lost: {lost}; backends taken out: {taken_out:g}; healthy after: "
+          f"{sum(b['healthy'] for b in backends)}/{len(backends)}")
+    for (kind, status), k in sorted(counts.items()):
+        print(f"  abuse {kind:18s} -> {status}: {k}")
+    return lost == 0 and taken_out == 0 and all(b["healthy"] for b in backends)
+
+
 # ---------------------------------------------------------------------- the server under test
 def tiny_model(path: Path) -> str:
     """A tiny random Llama with a byte-level BPE tokenizer (multi-byte characters split across
@@ -665,7 +781,14 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=24, help="KV blocks of 8 tokens for the started server")
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "pagedllm-soak-model"))
     ap.add_argument("--server-args", default="", help="more flags for the started server")
+    ap.add_argument("--scenario", default="storm", choices=["storm", "router-abuse"],
+                    help="storm: every scenario against one server; router-abuse: huge and stalled bodies and "
+                         "keyless requests beside normal traffic, through `serve --data-parallel-size 2`")
+    ap.add_argument("--abusers", type=int, default=4, help="router-abuse: concurrent rude clients")
+    ap.add_argument("--api-key", default="soak", help="router-abuse: the router's key (normal clients send it)")
     args = ap.parse_args()
+    if args.scenario == "router-abuse":
+        return run_router_abuse(args)
     if args.base_url:
         return 0 if report(*run(args, args.base_url.rstrip("/")), None) else 1
     with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-server-", delete=False) as log:
@@ -678,6 +801,23 @@ def main() -> int:
         log.seek(0)
         print(f"server log: {log.name}")
         return 0 if report(*result, log.read()) else 1
+
+
+def run_router_abuse(args: argparse.Namespace) -> int:
+    if args.base_url:
+        return 0 if router_abuse(args, args.base_url.rstrip("/")) else 1
+    args.server_args += f" --data-parallel-size 2 --api-key {args.api_key} --request-body-timeout 5"
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-router-", delete=False) as log:
+        proc, url = start_server(args, log)
+        try:
+            ok = router_abuse(args, url)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        log.seek(0)
+        text = log.read()
+        print(f"server log: {log.name} ({text.count('Traceback')} tracebacks)")
+        return 0 if ok and "Traceback" not in text else 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,13 @@ class ModelConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed (engine/llm_engine.py)
     load_format: str = "auto"  # vLLM's: "auto" / "safetensors" read the checkpoint, "dummy" random weights
+    # vision-language models (multimodal/processor.py): vLLM's limit_mm_per_prompt as (modality, most items)
+    # pairs (no pair: no limit), and mm_processor_kwargs, the HF processor options every request starts from
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+    mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
+    # where chat image URLs may come from besides data: URLs (entrypoints/openai/media.py)
+    allowed_local_media_path: str | None = None  # a directory (real path) for file:// URLs
+    allowed_media_domains: tuple[str, ...] = ()  # hosts for http(s) URLs
 
     @property
     def is_classifier(self) -> bool:

@@ -94,8 +94,14 @@ VARIABLES: dict[str, EnvVar] = {
         "most prompts one /v1/completions request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS); more is a 400"),
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
         _flag_or_vllm("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
-        "1 adds the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "1 turns on the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else a 404; vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING is read when this is unset)"),
+    "PAGEDLLM_MEDIA_FETCH_TIMEOUT": EnvVar(
+        _float("PAGEDLLM_MEDIA_FETCH_TIMEOUT", 5.0),
+        "seconds an --allowed-media-domains image URL may take to download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)"),
+    "PAGEDLLM_MAX_MEDIA_BYTES": EnvVar(
+        _int("PAGEDLLM_MAX_MEDIA_BYTES", 20 * 2**20),
+        "largest image (encoded bytes) a request may send or point to; larger is a 400"),
     "PAGEDLLM_PORT": EnvVar(
         _int("PAGEDLLM_PORT", 0),
         "first port tried for a tensor-parallel group's store (the next free one is taken; default: any free port)"),

@@ -81,6 +81,20 @@ FAMILY_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"],
                                         rope_local_base_freq=100.0, final_logit_softcapping=0.5)),
+    # DeepSeek (tests/models/test_deepseek.py): MLA (a direct q_proj like V2-Lite, a q_lora_rank bottleneck
+    # like V3), grouped top-k routing (4 groups of 2, 2 kept), a dense first layer, YaRN with mscale on V3;
+    # built with num_key_value_heads=num_attention_heads (an override: MLA has no KV-head grouping)
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, **MOE)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1}, **MOE)),
     # both soft caps bind (tests/models/test_families.py checks): attention scores reach ~0.3, logits ~1.7
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                     layer_types=["sliding_attention", "full_attention"],

@@ -19,7 +19,8 @@ def test_kv_memory_small_run(tmp_path):
         "--num-requests", "12", "--max-model-len", "256", "--prompt-median", "24", "--output-median", "24",
         "--budget-seqs", "2", "--block-sizes", "16", "64", "--prefix-requests", "4", "--prefix-len", "100",
         "--prefix-output-len", "4", "--prefix-kv-tokens", "4096", "--sharing-prompts", "2",
-        "--beam-max-tokens", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+        "--beam-max-tokens", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+        "--experiments", "memory", "prefix", "sharing"])
     assert json.loads(out.with_suffix(".json").read_text())["memory"] == results["memory"]
     assert out.with_suffix(".png").stat().st_size > 0
     by_mode = {r["config"]: r for r in results["memory"]}
@@ -33,3 +34,17 @@ def test_kv_memory_small_run(tmp_path):
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"] == off["prompt_tokens_total"]
     shared = [r for r in results["sharing"] if "savings" in r]
     assert all(s["peak_saved_pct"] > 0 for s in shared[0]["savings"][:1] + shared[1]["savings"])
+
+
+def test_latent_kv_holds_over_5x_the_tokens_of_per_head_kv(tmp_path):
+    out = tmp_path / "latent"
+    results = kv_memory.main(["--experiments", "latent", "--latent-layers", "2", "--latent-kv-mib", "64",
+                              "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    mla, fp8, per_head = results["latent"]
+    assert mla["bytes_per_token"] == 2 * (512 + 64) * 2 and mla["kv_dtype"] == "bfloat16"  # one latent per layer
+    assert fp8["bytes_per_token"] == 2 * (512 + 64) and fp8["kv_dtype"] == "float8_e4m3fn"
+    assert per_head["bytes_per_token"] == 2 * 2 * 16 * 192 * 2
+    assert mla["tokens_per_gib"] >= 5 * per_head["tokens_per_gib"] and mla["max_len_seqs"] > per_head["max_len_seqs"]
+    assert fp8["tokens_per_gib"] >= 10 * per_head["tokens_per_gib"]
+    assert json.loads(out.with_suffix(".json").read_text())["latent"] == results["latent"]
+    assert not out.with_suffix(".png").exists()

@@ -27,3 +27,16 @@ def test_kv_tiers_quick_run(llama_dir, tmp_path):
     chat = results["chat"]
     assert chat["with CPU tier"]["prefix_hit_rate"] > chat["device only"]["prefix_hit_rate"]
     assert chat["with CPU tier"]["prompt_tokens_computed"] < chat["device only"]["prompt_tokens_computed"]
+
+
+def test_kv_tiers_startup_run(llama_dir, tmp_path):
+    """``--startup-gb`` on a given checkpoint: every start-up case timed, the hash throughput and the
+    15 GB estimate derived from it."""
+    out = tmp_path / "res" / "kv_tiers"
+    results = kv_tiers.main(["--model", llama_dir, "--startup-gb", "0", "--repeats", "1", "--num-threads", "1",
+                             "--out", str(out)])
+    saved = json.loads(out.with_name("kv_tiers_startup.json").read_text())
+    assert saved["startup_s"] == results["startup_s"]
+    assert set(results["startup_s"]) == {"no_tier", "tier_hashing", "tier_cached"}
+    assert all(v > 0 for v in results["startup_s"].values()) and results["hash_gb_per_s"] > 0
+    assert results["estimate_15gb_hash_alone_s"] == 15 / results["hash_gb_per_s"]

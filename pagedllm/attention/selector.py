@@ -24,12 +24,15 @@ def backend_for_soft_cap(name: str, device: torch.device, soft_cap: float | None
     return "sdpa"
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, kind: str = "full") -> AttentionBackend:
     """``auto``: the C kernel on CPU (SDPA if it cannot be built), the Triton kernels on CUDA
     (SDPA, with a warning, if triton is missing or for a head size / block size / dtype pair
-    they do not cover). A named backend that cannot run raises."""
+    they do not cover). A named backend that cannot run raises. ``kind``: the model's KV spec
+    kind (kv_cache/spec.py); "mla" (DeepSeek) gets the latent backend, attention/mla.py."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {BACKENDS}")
+    if kind == "mla":
+        return _mla_backend(name, device)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         backend = _try_triton(device, required=name == "triton")
         if backend is not None:
@@ -45,6 +48,22 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("attention_backend='cpu' requested but the C kernel could not be built")
     from pagedllm.attention.sdpa import SdpaBackend
     return SdpaBackend()
+
+
+def _mla_backend(name: str, device: torch.device):
+    """``auto`` on CPU: the absorbed (decode) form on the C kernel when it builds; ``torch``: torch only."""
+    if name not in ("auto", "torch", "cpu"):
+        raise ValueError(f"attention_backend={name!r} does not implement multi-head latent attention "
+                         "(DeepSeek V2/V3, a kv_lora_rank in the config); use 'auto', 'cpu' or 'torch'")
+    from pagedllm.attention.mla import MLABackend
+    from pagedllm.native import bindings
+    if name == "torch" or device.type != "cpu":
+        return MLABackend()
+    if bindings.is_available():
+        return MLABackend(bindings.library())
+    if name == "cpu":
+        raise ValueError("attention_backend='cpu' requested but the C kernel could not be built")
+    return MLABackend()
 
 
 def _try_triton(device: torch.device, required: bool) -> AttentionBackend | None:

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -62,9 +63,11 @@ from pagedllm.models.loader import (
     HubOptions,
     apply_hf_overrides,
     checkpoint_dtype,
+    get_model_class,
     resolve_model_path,
 )
 from pagedllm.models.registry import resolve_architecture
+from pagedllm.multimodal.processor import check_limit_mm_per_prompt
 from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
@@ -134,6 +137,15 @@ def _json_object_or_text(value: dict | str | None, name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name}={value!r} must be a dict (or its JSON text)")
     return value
+
+
+def _media_path(path: str | None) -> str | None:
+    """``allowed_local_media_path`` as an existing directory's real path (None: no local files)."""
+    if not path:
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"allowed_local_media_path={path!r} is not an existing directory")
+    return os.path.realpath(path)
 
 
 def _vllm_field(arg: VllmArg) -> Any:
@@ -312,6 +324,17 @@ class EngineArgs:
     hf_overrides: dict | Callable | None = option(
         None, 'config.json values to override, as JSON ({"rope_theta": 1e6}; a dict value updates a nested '
         "config), or in Python a function from the config to the config", parse=_json_object("hf_overrides"))
+    allowed_local_media_path: str = option(
+        "", "a directory whose files chat requests may send as file:// image URLs (default: none may)")
+    allowed_media_domains: list[str] | None = option(
+        None, "hosts whose http(s) image URLs chat requests may send (default: none; data: URLs always work)",
+        nargs="+")
+    limit_mm_per_prompt: dict | None = option(
+        None, 'most items of each modality one prompt may carry, as JSON ({"image": 4}); more are refused',
+        parse=_json_object("limit_mm_per_prompt"))
+    mm_processor_kwargs: dict | None = option(
+        None, 'options for the model\'s Hugging Face image processor, as JSON ({"size": {"shortest_edge": 336}}); '
+        "a request's own mm_processor_kwargs override them", parse=_json_object("mm_processor_kwargs"))
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -504,13 +527,16 @@ class EngineArgs:
             pooler=self._pooler_config(),
             structured_output=StructuredOutputConfig(self.max_structured_output_bytes,
                                                      self.structured_output_compile_timeout),
-            lora=self._lora_config(),
+            lora=self._lora_config(model_config),
         )
 
-    def _lora_config(self) -> LoRAConfig | None:
+    def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
         """enable_lora: the adapter slots; refused where the adapter mapping cannot follow the batch."""
         if not self.enable_lora:
             return None
+        if getattr(get_model_class(model_config.architecture), "is_multimodal", False):
+            raise ValueError(f"enable_lora=True is not supported for {model_config.architecture} (a vision-language "
+                             "model): adapters on its language model and tower are not wired yet")
         for name, value, why in (
                 ("pipeline_parallel_size", self.pipeline_parallel_size != 1, "the adapter mapping is set for "
                  "the whole batch, not per micro-batch"),
@@ -602,13 +628,14 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported: one of {LOAD_FORMATS} (pickled "
                              "'pt' checkpoints are never loaded)")
-        limit = getattr(hf, "max_position_embeddings", None) or 2048
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's decoder
+        limit = getattr(text, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len or limit
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if max_len > limit and not envs.PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
-        heads = hf.num_attention_heads
+        heads = text.num_attention_heads
         return ModelConfig(
             model=path,
             tokenizer=self._tokenizer_path(path),
@@ -616,12 +643,12 @@ class EngineArgs:
             architecture=arch,
             dtype=resolve_dtype(self.dtype, checkpoint_dtype(path), device),
             max_model_len=max_len,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             seed=self.seed,
             quantization=resolve_quantization(self.quantization, hf),
             tokenizer_mode=self.tokenizer_mode,
@@ -631,6 +658,11 @@ class EngineArgs:
             generation_defaults=generation_defaults(path, self.generation_config, self.override_generation_config),
             enable_sleep_mode=self.enable_sleep_mode,
             load_format=self.load_format,
+            limit_mm_per_prompt=check_limit_mm_per_prompt(_json_object_or_text(self.limit_mm_per_prompt,
+                                                                                "limit_mm_per_prompt")),
+            allowed_local_media_path=_media_path(self.allowed_local_media_path),
+            allowed_media_domains=tuple(self.allowed_media_domains or ()),
+            mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
         )
 
     def _tokenizer_path(self, model_path: str) -> str:

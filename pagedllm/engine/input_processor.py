@@ -24,12 +24,17 @@ from dataclasses import dataclass
 
 from pagedllm.config import StructuredOutputConfig
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalItem
+from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.grammar import spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+# vision-language models only; "add_special_tokens" (pagedllm's, with multi_modal_data): False for a chat
+# template's text, which the model's processor must not prefix with another BOS
+_MM_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "add_special_tokens"})
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class ProcessedRequest:
     cache_salt: str | None = None
     priority: int = 0
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
-    client: str | None = None  # who sent it (e.g. an API key's hash): grammar compiles are shared fairly by client
+    mm_items: tuple[MultiModalItem, ...] = ()  # its images' placeholder runs and processor tensors
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
@@ -58,8 +63,10 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  check_fits: Callable[[int, int, int], None], max_logprobs: int = 20,
                  eos_token_ids: frozenset[int] = frozenset(), scheduling_policy: str = "fcfs",
-                 structured_output: StructuredOutputConfig | None = None):
+                 structured_output: StructuredOutputConfig | None = None,
+                 multimodal: MultiModalProcessor | None = None):
         self.tokenizer = tokenizer
+        self.multimodal = multimodal  # a vision-language model's processor (None: text-only model)
         self.structured_output = structured_output or StructuredOutputConfig()
         self.scheduling_policy = scheduling_policy  # a priority other than 0 needs "priority"
         self.eos_token_ids = eos_token_ids  # banned with stop_token_ids until min_tokens
@@ -73,6 +80,8 @@ class InputProcessor:
         """A processor with its own tokenizer copy, for another thread."""
         other = copy.copy(self)
         other.tokenizer = copy.deepcopy(self.tokenizer)
+        if self.multimodal is not None:
+            other.multimodal = self.multimodal.clone()
         return other
 
     # ------------------------------------------------------------------ the whole request
@@ -91,7 +100,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.clone()  # max_tokens is filled in below; the caller's object stays as given
-        text, ids = self.tokenize(prompt)
+        text, ids, mm_items = self.tokenize_multimodal(prompt)
+        if mm_items and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be combined with multi_modal_data (it could cut an "
+                             "image's placeholder run); leave it unset")
         if params.truncate_prompt_tokens is not None:
             text, ids = self.truncate(text, ids, params.truncate_prompt_tokens)
         self.validate(ids, params)
@@ -103,7 +115,7 @@ class InputProcessor:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling,
-                                lora_request=lora_request)
+                                mm_items=mm_items, lora_request=lora_request)
 
     @staticmethod
     def _salt_of(prompt: PromptType, cache_salt: str | None) -> object:
@@ -128,6 +140,26 @@ class InputProcessor:
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine schedules "
                              f"{self.scheduling_policy!r}, where every request has priority 0)")
 
+    def tokenize_multimodal(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[MultiModalItem, ...]]:
+        """``tokenize``, and for a prompt dict with ``multi_modal_data`` the model's processor
+        (each image placeholder expanded) and the images' items."""
+        if not (isinstance(prompt, dict) and _MM_KEYS & set(prompt)):
+            return *self.tokenize(prompt), ()
+        self._check_prompt_keys(prompt)
+        if "multi_modal_data" not in prompt:
+            raise ValueError(f"prompt keys {sorted(_MM_KEYS & set(prompt))} need multi_modal_data in the same prompt")
+        if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data must give its text as 'prompt' (the model's processor "
+                             "expands its image placeholders); prompt_token_ids cannot carry images")
+        text = prompt["prompt"]
+        special = prompt.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise ValueError(f"add_special_tokens={special!r:.80} must be true or false")
+        self.encode(text)  # the text alone must fit (bounded work on a huge string)
+        ids, items = self.multimodal.process(text, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"),
+                                             special)
+        return text, ids, items
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids alone) and token ids."""
         if isinstance(prompt, str):
@@ -143,14 +175,14 @@ class InputProcessor:
         raise ValueError(f"prompt={prompt!r:.80} must be a string, a list of token ids or "
                          "a dict with 'prompt' or 'prompt_token_ids'")
 
-    @staticmethod
-    def _check_prompt_keys(prompt: dict) -> None:
+    def _check_prompt_keys(self, prompt: dict) -> None:
         """vLLM's TextPrompt / TokensPrompt keys that this engine reads; any other (multi_modal_data,
         a typo) is refused rather than ignored."""
-        unknown = sorted(set(prompt) - _PROMPT_KEYS, key=str)
+        keys = _PROMPT_KEYS | _MM_KEYS if self.multimodal is not None else _PROMPT_KEYS
+        unknown = sorted(set(prompt) - keys, key=str)
         if unknown:
-            raise ValueError(f"prompt has keys {unknown}: a prompt dict takes {sorted(_PROMPT_KEYS)} "
-                             "(text-only models)")
+            what = "" if self.multimodal is not None else " (this is a text-only model)"
+            raise ValueError(f"prompt has keys {unknown}: a prompt dict takes {sorted(keys)}{what}")
 
     def truncate(self, text: str | None, ids: list[int], keep: int) -> tuple[str | None, list[int]]:
         """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -23,7 +24,9 @@ from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes
+from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
+from pagedllm.models.loader import get_model_class
+from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor
 from pagedllm.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -79,6 +82,7 @@ class LLMEngine:
                                                          self.executor.tier_fingerprints),
                                    config.lora)
         self.lora_registry = LoRARegistry(config.lora, config.model.hf_config) if config.lora is not None else None
+        self.multimodal = _multimodal_processor(config)  # a vision-language model's processor, else None
         self._use_tokenizer(tokenizer)
         self._asleep: set[str] = set()  # the sleep_mode.TAGS still asleep
         self._profiling = False
@@ -101,7 +105,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, config.model.vocab_size, config.model.max_model_len,
                                               self.scheduler.check_fits, config.model.max_logprobs,
                                               self.eos_token_ids, config.scheduler.scheduling_policy,
-                                              config.structured_output)
+                                              config.structured_output, self.multimodal)
         self.beam_search = BeamSearchManager(self.scheduler, tokenizer, config.model.max_model_len)
 
     @classmethod
@@ -145,12 +149,12 @@ class LLMEngine:
         self.check_lora(processed.lora_request)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      pooling=processed.pooling, lora_request=processed.lora_request)
+                      pooling=processed.pooling, mm_items=processed.mm_items, lora_request=processed.lora_request)
         req.pools_every_position = processed.pooling is not None and (
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
             req.grammar = self.structured_output.grammar_for(processed.params.structured_outputs,
-                                                             owner=processed.client or processed.request_id)
+                                                             owner=processed.request_id)
         self.scheduler.add_request(req)
         self.output_processor.add_request(processed.request_id, processed.prompt, processed.prompt_token_ids,
                                           processed.params)
@@ -231,7 +235,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      lora_request=processed.lora_request)
+                      mm_items=processed.mm_items, lora_request=processed.lora_request)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 
@@ -543,9 +547,11 @@ class LLMEngine:
         if self.speculator is not None:
             metrics += self.speculator.metrics()
         metrics += self.structured_output.metrics()
+        if self.multimodal is not None:
+            metrics += self.scheduler.encoder.metrics()
         if self.scheduler.lora_slots is not None:
             metrics += self._lora_metrics()
-        return metrics + _offload_metrics(s.offload)
+        return metrics + offload_metrics(s.offload)
 
     def _lora_metrics(self) -> list[Metric]:
         """vLLM's ``lora_requests_info`` (a gauge of the time, its labels the adapters of running and
@@ -688,17 +694,6 @@ def _check_sleep_mode_fits(config: EngineConfig) -> None:
                          "weights and pool do not sleep")
 
 
-def _offload_metrics(offload: dict[str, dict[str, float]]) -> list[Metric]:
-    """The KV tiers' counters, labelled by tier (nothing without tiers)."""
-    out = []
-    for tier, t in offload.items():
-        out += [Metric("pagedllm:kv_offload_hits", t["hits"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_misses", t["misses"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_bytes", t["bytes_stored"], {"tier": tier, "direction": "store"}, "counter"),
-                Metric("pagedllm:kv_offload_bytes", t["bytes_loaded"], {"tier": tier, "direction": "load"}, "counter"),
-                Metric("pagedllm:kv_offload_loads", t["loads"], {"tier": tier}, "counter"),
-                Metric("pagedllm:kv_offload_load_seconds", t["load_seconds"], {"tier": tier}, "counter")]
-    return out
 
 
 def _load_tokenizer(model_config):
@@ -712,6 +707,28 @@ def _load_tokenizer(model_config):
         raise ValueError(f"tokenizer_mode='slow' but {model_config.tokenizer!r} has no slow (Python) tokenizer "
                          f"here (got {type(tokenizer).__name__}); use tokenizer_mode='auto'")
     return tokenizer
+
+
+def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
+    """A vision-language model's HF processor with the engine's limits (None for a text-only model)."""
+    mc = config.model
+    if not getattr(get_model_class(mc.architecture), "is_multimodal", False):
+        for name, value in (("limit_mm_per_prompt", mc.limit_mm_per_prompt),
+                            ("mm_processor_kwargs", mc.mm_processor_kwargs)):
+            if value:
+                raise ValueError(f"{name}={dict(value)!r} needs a vision-language model; {mc.architecture} is "
+                                 "text-only")
+        return None
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"{mc.architecture} is a vision-language model: pipeline_parallel_size > 1 is not "
+                         "supported for it (use tensor parallelism)")
+    hf = mc.hf_config
+    image_token_id = getattr(hf, "image_token_id", None)
+    image_token_id = image_token_id if image_token_id is not None else hf.image_token_index
+    limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens)
+    model_cls = get_model_class(mc.architecture)
+    return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
+                                               functools.partial(model_cls.image_rows, hf), mc.trust_remote_code)
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:

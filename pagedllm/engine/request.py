@@ -9,6 +9,7 @@ import time
 import torch
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ class Request:
                  eos_token_ids: frozenset[int], arrival_time: float | None = None,
                  parent_id: str | None = None, index: int = 0, cache_salt: str | None = None,
                  priority: int = 0, pooling: PoolingParams | None = None,
-                 lora_request: LoRARequest | None = None):
+                 mm_items: tuple[MultiModalItem, ...] = (), lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n sequences this is
@@ -87,6 +88,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         self.lora_slot = -1  # its adapter's device slot while it holds a reference (lora/slot_pool.py)
+        self.mm_items = mm_items  # its images' placeholder runs, in prompt order (multimodal/)
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
         self.pooling = pooling  # a pooling request: its one sampled token is dropped, this is its result
         self.embedding: list[float] | None = None  # set by the engine once its prompt is computed

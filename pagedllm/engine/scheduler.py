@@ -46,6 +46,7 @@ from pagedllm.kv_cache.offload.ops import LoadReport
 from pagedllm.layers.sampler import NO_TOKEN
 from pagedllm.lora.slot_pool import LoRASlotPool
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         # enable_lora: the adapters' device slots, admitted by like KV blocks (lora/slot_pool.py)
         self.lora_slots = LoRASlotPool(lora.max_loras) if lora is not None else None
+        # images' encoder outputs (multimodal/encoder_cache.py): one step encodes at most a step's token
+        # budget of image rows, and the cache holds as many (the input processor refuses a larger image)
+        self.encoder = EncoderCacheManager(config.max_num_batched_tokens, config.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, num_seqs: int) -> None:
@@ -132,6 +136,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.encoder.begin_step()
         if self.by_priority:  # stable: forks and equal keys keep their admission order
             self.running.sort(key=_priority_key)
         budget = self._schedule_running(out, budget)
@@ -144,13 +149,14 @@ class Scheduler:
         out.tier_ops = self.kv.take_tier_ops()
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
+        out.encoder_frees = self.encoder.take_frees()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit_encoder(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 i += 1
                 continue
@@ -183,7 +189,9 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit_encoder(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new <= 0:  # its next image does not fit this step's encoder budget
+                break
             # room for the blocks coming back, the new tokens' blocks and the watermark
             if not self.kv.can_swap_in(req, num_new, reserve=self.watermark_blocks):
                 break
@@ -235,7 +243,10 @@ class Scheduler:
                 self._take_lora_slot(req)
                 seats += 1 + req.num_forks_pending
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            num_new = self._fit_encoder(req, min(req.num_tokens - req.num_computed_tokens - num_hit, budget),
+                                        num_hit)
+            if num_new <= 0:  # its first image does not fit this step's encoder budget
+                break
             if not self.kv.allocate_slots(req, num_new, hits, reserve=self.watermark_blocks,
                                           reserve_tokens=self._preallocation(req)):
                 break
@@ -272,7 +283,7 @@ class Scheduler:
         not wait behind swapped requests that may need them)."""
         if report is None:
             return
-        self.kv.offload.add_load_seconds(report.seconds)
+        self.kv.offload.note_report(report)
         for rid, num_ok in report.num_ok.items():
             req = self.loading.pop(rid)
             req.num_computed_tokens = req.num_cached_tokens = self.kv.finish_load(req, num_ok)
@@ -308,9 +319,22 @@ class Scheduler:
             return req.num_prompt_tokens + req.params.max_tokens
         return 0
 
+    def _fit_encoder(self, req: Request, num_new: int, num_hit: int = 0) -> int:
+        """``num_new`` cut before the first image the chunk needs encoded that does not fit this
+        step's encoder budget (``num_hit``: prefix-cache hits not yet counted as computed)."""
+        if not req.mm_items:
+            return num_new
+        return self.encoder.fit(req.mm_items, req.num_computed_tokens + num_hit, num_new)
+
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
+        mm_spans = ()
+        if req.mm_items:
+            end = min(start + num_new, req.num_prompt_tokens)
+            out.encoder_inputs.extend(self.encoder.schedule(req.request_id, req.mm_items, start, end))
+            mm_spans = tuple((m.hash, m.offset, m.length) for m in req.mm_items if m.overlaps(start, end))
+            self.encoder.release_done(req.request_id, req.mm_items, req.num_computed_tokens)
         # speculative drafts run past the request's tokens (verified, then rolled back: end_verification)
         num_spec = max(0, req.num_computed_tokens - req.num_tokens)
         samples = 0
@@ -329,6 +353,7 @@ class Scheduler:
             num_samples=samples,
             num_prompt_logprob_rows=prompt_rows,
             num_spec_tokens=num_spec,
+            mm_spans=mm_spans,
             lora_slot=req.lora_slot,
         ))
 
@@ -346,6 +371,7 @@ class Scheduler:
         """Swap the victim's blocks out when asked and possible, else recompute it later."""
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self.encoder.release(req.request_id)  # its images are encoded again if evicted before it resumes
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             out.blocks_to_swap_out.extend(self.kv.swap_out(req))
             req.status = RequestStatus.SWAPPED
@@ -405,6 +431,7 @@ class Scheduler:
         """A running copy of ``parent`` (same tokens and progress) sharing all its blocks."""
         child = Request(child_id, parent.prompt_token_ids, parent.params, parent.eos_token_ids,
                         parent.arrival_time, parent.parent_id, index, parent.cache_salt, parent.priority,
+                        mm_items=parent.mm_items,  # its block hashes key on the same images
                         lora_request=parent.lora_request)
         if parent.lora_slot >= 0:
             child.lora_slot = self.lora_slots.retain(parent.lora_slot)
@@ -450,6 +477,7 @@ class Scheduler:
         self.loading.pop(request_id, None)
         self.kv.free(req)
         self._drop_lora_slot(req)
+        self.encoder.release(request_id)
         if req.grammar is not None:  # a compile no other request waits for is dropped if still queued
             req.grammar.release()
         self.finished_ids.append(request_id)

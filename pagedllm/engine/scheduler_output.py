@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.kv_cache.offload.ops import TierOps
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import EncoderInput
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class ScheduledChunk:
     # speculative decoding: the last k token_ids are drafts (num_samples is 0); logits come back
     # at the chunk's last k + 1 positions, after every sampling and prompt-logprob row
     num_spec_tokens: int = 0
+    # images whose placeholder runs the chunk covers, as (content hash, offset in the prompt, length):
+    # their rows of the worker's encoder cache replace the placeholders' token embeddings
+    mm_spans: tuple[tuple[bytes, int, int], ...] = ()
     lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
 
     @property
@@ -63,6 +67,10 @@ class SchedulerOutput:
     pool_rows: list[tuple[int, int]] = field(default_factory=list)
     # adapters to write into their device slots before forward (lora/slot_pool.py)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # multimodal: images to encode before this step's forward (their pixels travel once, here), and
+    # encoder-cache entries the worker drops first (multimodal/encoder_cache.py)
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)
+    encoder_frees: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -84,4 +92,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
         return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids
-                    or self.tier_ops or self.lora_loads)
+                    or self.tier_ops or self.encoder_frees or self.lora_loads)

@@ -14,6 +14,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.entrypoints import score_utils
+from pagedllm.entrypoints.openai.media import MediaPolicy, load_image
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import (
@@ -57,7 +58,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
         if chat_template is not None:
-            from pagedllm.entrypoints.openai.api_server import load_chat_template
+            from pagedllm.entrypoints.openai.chat_features import load_chat_template
             self.get_tokenizer().chat_template = load_chat_template(os.fspath(chat_template))
 
     def __enter__(self) -> LLM:
@@ -115,7 +116,7 @@ class LLM:
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              documents: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             mm_processor_kwargs: None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: applies the chat template (``chat_template``, else the tokenizer's)
         to each conversation, then generates.
 
@@ -124,8 +125,10 @@ class LLM:
         last (assistant) message open for the model to continue, and excludes
         ``add_generation_prompt``. ``chat_template_content_format``: "string" joins a message's
         text parts into one string (with newlines, as vLLM), "openai" passes the parts as they
-        are, "auto" = "string". ``lora_request`` as in ``generate``; multimodal inputs are refused."""
-        _refuse(mm_processor_kwargs, "mm_processor_kwargs", "multimodal inputs are not supported by LLM.chat")
+        are, "auto" = "string". A vision-language model also takes ``image_url`` parts (``{"url":
+        ...}``: data:, or file:// / http(s) where ``allowed_local_media_path`` / ``allowed_media_domains``
+        allow) and ``image_pil`` parts (a PIL image); under "string" each becomes the model's image
+        placeholder, and ``mm_processor_kwargs`` goes to its processor. ``lora_request`` as in ``generate``."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True and add_generation_prompt=True cannot be combined: the "
                              "first continues the last message, the second starts a new one; pass "
@@ -137,10 +140,26 @@ class LLM:
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools, documents=documents)
         extra = _template_kwargs(chat_template_kwargs, options)
-        prompts = [{"prompt_token_ids": _as_ids(tok.apply_chat_template(
-            _content_as(conv, chat_template_content_format), tokenize=True, **options, **extra))}
-            for conv in conversations]
+        prompts = [self._chat_prompt(tok, conv, chat_template_content_format, mm_processor_kwargs, {**options, **extra})
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, tok, conversation: list[dict], content_format: str, mm_processor_kwargs: dict | None,
+                     options: dict) -> dict:
+        """One conversation as a prompt: its token ids, or (with images) its text and images, which
+        the model's processor tokenizes together (each placeholder expanded)."""
+        multimodal = self.llm_engine.multimodal
+        images = chat_images(conversation, self.llm_engine.model_config) if multimodal is not None else []
+        if not images:
+            if mm_processor_kwargs is not None:
+                raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80} is not supported here: it needs "
+                                 "image parts in the messages, for a vision-language model")
+            messages = _content_as(conversation, content_format)
+            return {"prompt_token_ids": _as_ids(tok.apply_chat_template(messages, tokenize=True, **options))}
+        messages = _content_as(conversation, content_format, multimodal.placeholder)
+        prompt = {"prompt": tok.apply_chat_template(messages, tokenize=False, **options),
+                  "multi_modal_data": {"image": images}, "add_special_tokens": False}  # the template writes its own
+        return {**prompt, "mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs is not None else prompt
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses when given no sampling_params: the model's generation_config.json
@@ -348,24 +367,49 @@ def _refuse(value, name: str, why: str) -> None:
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-def _content_as(conversation: list[dict], content_format: str) -> list[dict]:
-    """The messages with list contents joined into one string ("string", "auto") or kept ("openai")."""
+def _content_as(conversation: list[dict], content_format: str, image_placeholder: str | None = None) -> list[dict]:
+    """The messages with list contents joined into one string ("string", "auto") or kept ("openai").
+    ``image_placeholder``: a vision-language model's image text, for its image parts."""
     if content_format not in _CONTENT_FORMATS:
         raise ValueError(f"chat_template_content_format={content_format!r} must be one of {_CONTENT_FORMATS}")
     if content_format == "openai":
         return conversation
-    return [{**m, "content": _joined_text(m["content"], i)} if isinstance(m.get("content"), list) else m
-            for i, m in enumerate(conversation)]
+    return [{**m, "content": _joined_text(m["content"], i, image_placeholder)} if isinstance(m.get("content"), list)
+            else m for i, m in enumerate(conversation)]
 
 
-def _joined_text(parts: list, i: int) -> str:
+def _joined_text(parts: list, i: int, image_placeholder: str | None = None) -> str:
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _IMAGE_PARTS and image_placeholder is not None:
+            texts.append(image_placeholder)
+            continue
         if kind != "text":
-            raise ValueError(f"messages[{i}].content has a {kind!r} part: only text parts are supported")
+            allowed = "text, image_url and image_pil parts" if image_placeholder else "only text parts (text-only)"
+            raise ValueError(f"messages[{i}].content has a {kind!r} part: {allowed} are supported")
         texts.append(part.get("text", ""))
     return "\n".join(texts)
+
+
+_IMAGE_PARTS = ("image_url", "image_pil")
+
+
+def chat_images(conversation: list[dict], model_config) -> list:
+    """The images of a conversation's ``image_url`` / ``image_pil`` parts, in order."""
+    images = []
+    for i, message in enumerate(conversation):
+        for part in message.get("content") if isinstance(message.get("content"), list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_pil":
+                images.append(part.get("image_pil"))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"messages[{i}]: an image_url part needs image_url={{'url': ...}}")
+                images.append(load_image(url, MediaPolicy.of(model_config)))
+    return images
 
 
 def _template_kwargs(given: dict | None, options: dict) -> dict:

@@ -32,6 +32,7 @@ from pagedllm.config import (
     resolve_kv_cache_dtype,
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
+from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.layers.quantization import LOAD_TIME_METHODS, grouped, keeps_cpu_panels, projection_layout, refuse_moe
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
@@ -98,6 +99,45 @@ class ModelShape:
     num_sliding_layers: int = 0
     max_position_embeddings: int | None = None
     config_dtype: str | None = None
+    mla: MLAShape | None = None  # multi-head latent attention (DeepSeek V2/V3): its projections and latent
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """What one token stores per layer: the engine's spec (kv_cache/spec.py), on one rank."""
+        if self.mla is not None:
+            return KVCacheSpec.mla(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+        return KVCacheSpec.full(self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek's attention: q (direct, or through a ``q_lora_rank`` bottleneck), the latent
+    ``kv_lora_rank + qk_rope_head_dim`` and its decompression to per-head K (nope part) and V."""
+
+    q_lora_rank: int  # 0: a direct q_proj (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> MLAShape | None:
+        if cfg.get("kv_lora_rank") is None:
+            return None
+        return cls(int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(_get(cfg, "qk_nope_head_dim")),
+                   int(_get(cfg, "qk_rope_head_dim")), int(_get(cfg, "v_head_dim")))
+
+    def attention_params(self, hidden: int, heads: int) -> int:
+        return sum(out * in_ for out, in_ in self.linear_shapes(hidden, heads))
+
+    def linear_shapes(self, hidden: int, heads: int) -> list[tuple[int, int]]:
+        """``(out, in)`` of the q, kv_a (latent + k_pe), kv_b (latent -> per-head K nope and V) and
+        o projections."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = [(self.q_lora_rank, hidden), (heads * qk, self.q_lora_rank)] if self.q_lora_rank else [(heads * qk, hidden)]
+        return q + [(self.kv_lora_rank + self.qk_rope_head_dim, hidden),
+                    (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                    (hidden, heads * self.v_head_dim)]
 
 
 def _get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
@@ -142,9 +182,11 @@ def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
 
 
 def _moe_layers(cfg: dict, num_layers: int) -> int:
-    """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step`` ones."""
+    """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step``
+    ones, and DeepSeek's ``first_k_dense_replace`` dense first layers."""
     step, dense = int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers")
-    return sum(is_sparse_layer(i, step, dense) for i in range(num_layers))
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return sum(is_sparse_layer(i, step, dense) for i in range(first_dense, num_layers))
 
 
 def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
@@ -165,8 +207,6 @@ def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
 def model_shape(config: dict) -> ModelShape:
     """Extract a :class:`ModelShape` from a parsed ``config.json`` (Llama/GPT-2/Falcon-style names)."""
     cfg = _text_config(config)
-    if cfg.get("kv_lora_rank") is not None:
-        raise ConfigError("multi-head latent attention (kv_lora_rank, DeepSeek-V2/V3) is not supported")
     model_type = str(cfg.get("model_type", "unknown"))
     hidden = int(_get(cfg, "hidden_size", "n_embd", "d_model", "dim"))
     heads = int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"))
@@ -197,6 +237,7 @@ def model_shape(config: dict) -> ModelShape:
         max_position_embeddings=_get(cfg, "max_position_embeddings", "n_positions", "max_sequence_length",
                                      "seq_length", "max_seq_len", default=None),
         config_dtype=_get(cfg, "torch_dtype", "dtype", default=None),
+        mla=MLAShape.from_config(cfg),
     )
 
 
@@ -205,6 +246,8 @@ def projection_params(shape: ModelShape, active: bool = False) -> int:
     ``active``: only those one token uses (its top-k experts), the FLOPs-relevant count."""
     h, d = shape.hidden_size, shape.head_dim
     attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o + k, v
+    if shape.mla is not None:
+        attention = shape.mla.attention_params(h, shape.num_heads)
     mlp_mats = 3 if shape.gated_mlp else 2
     if not shape.num_experts:
         return shape.num_layers * (attention + mlp_mats * h * shape.intermediate_size)
@@ -220,6 +263,8 @@ def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     fused, MoE routers and shared experts (the routed experts are FusedMoE tensors, not linears)."""
     h, d, n = shape.hidden_size, shape.head_dim, shape.num_layers
     attention = [((shape.num_heads + 2 * shape.num_kv_heads) * d, h, n), (h, shape.num_heads * d, n)]
+    if shape.mla is not None:
+        attention = [(out, in_, n) for out, in_ in shape.mla.linear_shapes(h, shape.num_heads)]
 
     def mlp(inter: int, count: int) -> list[tuple[int, int, int]]:
         if not inter or not count:
@@ -393,8 +438,8 @@ def plan_kv(
     usable = int(gpu_memory * gpu_memory_utilization)
     budget = usable - weights
 
-    per_token = kv_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
-    per_block = kv_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype, block_size)
+    per_token = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype)
+    per_block = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype, block_size)
     num_blocks = max(budget, 0) // per_block
     max_seqs = max(budget, 0) // (per_token * max_model_len)
     blocks_per_mean = mean_blocks_per_sequence(mean_len, block_size)
@@ -573,6 +618,7 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
         _row("dtype", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
                       + (f", projections {plan.quantization}" if plan.quantization else "")),
         _row("KV cache dtype", plan.kv_cache_dtype or plan.dtype),
+        _row("KV per token and layer", s.kv_spec.describe()),
         _row("parameters", f"{plan.num_params / 1e9:.2f} B"),
         *([_row("active parameters per token (MoE)", f"{plan.active_params / 1e9:.2f} B")]
           if plan.active_params != plan.num_params else []),

@@ -138,7 +138,9 @@ class KVCacheManager:
     def _request_hashes(self, req) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
         extra = req.hash_extra_keys()  # cache salt, adapter
-        extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
+        # image hashes key the blocks over their placeholders
+        spans = [(item.hash, item.offset, item.length) for item in getattr(req, "mm_items", ())]
+        extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra, spans)
         return hashes
 
     # ----------------------------------------------------------------- tier hits (kv_cache/offload)

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.utils import cdiv
 
 
-def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_tokens: int = 1) -> int:
-    """Bytes of K and V for ``num_tokens`` tokens across all layers (one block: ``num_tokens=block_size``).
+def kv_bytes(num_layers: int, spec: KVCacheSpec, dtype: torch.dtype, num_tokens: int = 1) -> int:
+    """Bytes of KV for ``num_tokens`` tokens across ``num_layers`` layers of ``spec`` (one block:
+    ``num_tokens=block_size``).
 
-    The cache is ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` (worker/cache_engine.py),
-    so one token costs ``2 * num_layers * num_kv_heads * head_dim`` elements.
+    The cache is ``spec.pool_shape(...)`` (worker/cache_engine.py): K and V per KV head
+    (``2 * num_kv_heads * head_dim`` elements a token and layer) or one MLA latent
+    (``kv_lora_rank + qk_rope_head_dim``).
     """
-    return 2 * num_layers * num_kv_heads * head_dim * num_tokens * dtype.itemsize
+    return spec.bytes(num_layers, dtype, num_tokens)
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:

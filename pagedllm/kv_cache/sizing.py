@@ -11,14 +11,20 @@ import torch
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.kv_cache.planning import blocks_per_sequence, kv_bytes
+from pagedllm.kv_cache.spec import KVCacheSpec, kv_spec_for
 from pagedllm.utils import human_bytes
+
+
+def model_kv_spec(model: ModelConfig, num_kv_heads: int) -> KVCacheSpec:
+    """What a token stores in each of ``model``'s layers on a rank holding ``num_kv_heads`` KV heads."""
+    return kv_spec_for(model.hf_config, num_kv_heads, model.head_dim)
 
 
 def block_bytes(model: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype,
                 num_layers: int | None = None) -> int:
     """One KV block on one rank (``num_kv_heads``: the heads it holds; ``num_layers``: the layers
-    its pipeline stage holds, default all), by planning's one formula."""
-    return kv_bytes(num_layers or model.num_layers, num_kv_heads, model.head_dim, dtype, block_size)
+    its pipeline stage holds, default all), by planning's one formula over the model's spec."""
+    return kv_bytes(num_layers or model.num_layers, model_kv_spec(model, num_kv_heads), dtype, block_size)
 
 
 def useful_blocks(sched: SchedulerConfig, block_size: int) -> int:

@@ -103,7 +103,11 @@ class FusedMoE(nn.Module):
         return "the MoE experts built with fused_ops='native' read their token counts on the host"
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)  # [tokens, k] each
+        return self.forward_routed(x, *route(router_logits, self.top_k, self.renormalize))
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts for a routing decided elsewhere (DeepSeek's grouped top-k, layers/moe_routing.py):
+        ``weights`` float32 and expert ``ids``, both ``[tokens, top_k]``."""
         if self.ops == "triton":
             from pagedllm.layers.triton_ops.fused_moe import fused_experts
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_and_mul))

@@ -1,8 +1,21 @@
-"""Prometheus glue: vLLM's metric set under the ``pagedllm:`` prefix, one registry per server.
+"""Prometheus glue: vLLM's metric set under the ``pagedllm:`` prefix and under vLLM's own
+``vllm:`` names, one registry per server.
 
 Gauges and counters are a snapshot of ``LLMEngine.get_metrics()`` taken (on the engine thread)
 just before each scrape and exposed through a custom collector, so the engine's own counters
 stay the single source of truth. Latency histograms are observed as outputs leave the engine.
+
+``--metrics-names`` (a server flag: it changes what ``/metrics`` shows, not what the engine does):
+
+* ``both`` (default): every ``pagedllm:*`` metric, and each one vLLM also defines again under
+  vLLM 0.32's name (``VLLM_METRICS``), type and buckets, with vLLM's labels (``model_name`` and
+  ``engine``, always ``"0"``: one engine per server). vLLM's Grafana dashboards and autoscaling
+  rules keyed on ``vllm:num_requests_waiting`` work with no flag, and so do ours; the cost is a
+  second copy of those series in each scrape.
+* ``vllm``: what vLLM exports under ``vllm:*`` only, plus our metrics vLLM has no name for (the
+  KV tiers', swapped requests, preemptions by mode) under ``pagedllm:*``: a ``vllm:`` name vLLM
+  does not define would mean nothing to its dashboards and could clash with a later vLLM metric.
+* ``pagedllm``: only ``pagedllm:*``.
 """
 from __future__ import annotations
 
@@ -11,12 +24,28 @@ from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric as PromMetric
 from prometheus_client.registry import Collector
 
 from pagedllm.metrics.stats import Metric
 from pagedllm.outputs import RequestMetrics, RequestOutput
 
-__all__ = ["PrometheusMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["PrometheusMetrics", "CONTENT_TYPE_LATEST", "METRICS_NAMES", "add_metrics_args"]
+
+METRICS_NAMES = ("both", "vllm", "pagedllm")  # --metrics-names
+# our metrics that vLLM 0.32 exports too (vllm/v1/metrics/loggers.py, spec_decode/metrics.py): the
+# same name after the prefix, type, labels (plus ``engine``) and buckets
+VLLM_METRICS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
+    "iteration_tokens_total", "cache_config_info", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
+})
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label: the data-parallel engine's index; a server here runs one
 
 # vLLM's buckets: latency in seconds from sub-millisecond decode steps to minute-long requests
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -55,12 +84,18 @@ _HELP = {
     "pagedllm:kv_offload_bytes": "KV bytes moved into (store) or out of (load) an offload tier.",
     "pagedllm:kv_offload_loads": "Requests that loaded KV blocks from an offload tier.",
     "pagedllm:kv_offload_load_seconds": "Seconds spent loading KV blocks from an offload tier.",
+    "pagedllm:kv_offload_errors": "Failed filesystem calls of an offload tier (each a miss), by tier and operation.",
+    "pagedllm:kv_offload_disabled": "1 once an offload tier was turned off for failing, by tier.",
     "pagedllm:spec_decode_num_drafts": "Speculative runs verified (one per request per step).",
     "pagedllm:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
     "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
     "pagedllm:spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the run.",
     "pagedllm:cache_config_info": "Information of the KV cache's configuration (the labels; value 1).",
     "pagedllm:iteration_tokens_total": "Tokens computed per engine step.",
+    "pagedllm:mm_images_encoded": "Images run through the vision tower (each once while cached).",
+    "pagedllm:mm_encoder_cache_hits": "Images a request needed that the encoder cache already held.",
+    "pagedllm:mm_encoder_cache_images": "Images whose embeddings the encoder cache holds.",
+    "pagedllm:mm_encoder_cache_usage_perc": "Encoder-cache usage: 1 means 100 percent of its embedding rows.",
 }
 
 
@@ -96,14 +131,55 @@ class _EngineSnapshotCollector(Collector):
         return family
 
 
-class PrometheusMetrics:
-    """The ``/metrics`` registry of one server; also an AsyncLLMEngine output observer."""
+class _NamedCollector(Collector):
+    """What ``source`` collects, under the names ``--metrics-names`` asks for (module docstring)."""
 
-    def __init__(self, model_name: str, max_model_len: int = 8192):
+    def __init__(self, source: CollectorRegistry, owner: PrometheusMetrics):
+        self.source, self.owner = source, owner
+
+    def collect(self):
+        names = self.owner.names
+        for family in self.source.collect():
+            suffix = family.name.removeprefix("pagedllm:")
+            in_vllm = suffix in VLLM_METRICS
+            if names == "pagedllm" or names == "both" or not in_vllm:
+                yield family
+            if names != "pagedllm" and in_vllm:
+                yield _as_vllm(family, suffix)
+
+
+def _as_vllm(family: PromMetric, suffix: str) -> PromMetric:
+    """``family`` under vLLM's name and labels: ``engine`` added; vLLM's cache_config_info carries
+    the cache configuration and ``engine`` only (no ``model_name``)."""
+    out = PromMetric(f"vllm:{suffix}", family.documentation, family.type, family.unit)
+    for s in family.samples:
+        labels = {**s.labels, "engine": ENGINE_INDEX}
+        if suffix == "cache_config_info":
+            labels.pop("model_name", None)
+        out.add_sample("vllm:" + s.name.removeprefix("pagedllm:"), labels, s.value, s.timestamp, s.exemplar)
+    return out
+
+
+def add_metrics_args(parser) -> None:
+    """The server's ``--metrics-names`` flag (see the module docstring)."""
+    parser.add_argument("--metrics-names", default="both", choices=METRICS_NAMES,
+                        help="names /metrics exports: pagedllm:* and vLLM's vllm:* (both), vLLM's where vLLM has "
+                             "one (vllm), or pagedllm:* only (pagedllm)")
+
+
+class PrometheusMetrics:
+    """The ``/metrics`` registry of one server; also an AsyncLLMEngine output observer.
+
+    ``names``: ``--metrics-names`` (``both``, ``vllm`` or ``pagedllm``); may be changed later."""
+
+    def __init__(self, model_name: str, max_model_len: int = 8192, names: str = "both"):
         self.model_name = model_name
-        self.registry = CollectorRegistry()
+        self.names = names
+        self._source = CollectorRegistry()  # every metric, as pagedllm:*
         self._engine = _EngineSnapshotCollector(model_name)
-        self.registry.register(self._engine)
+        self._source.register(self._engine)
+        self.registry = CollectorRegistry()  # what /metrics shows
+        self.registry.register(_NamedCollector(self._source, self))
         hist = self._histogram
         self.ttft = hist("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
@@ -127,8 +203,18 @@ class PrometheusMetrics:
         self.params_n = hist("request_params_n", "The n request parameter.", N_BUCKETS)
         self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens request parameter.", sizes)
 
+    @property
+    def names(self) -> str:
+        return self._names
+
+    @names.setter
+    def names(self, value: str) -> None:
+        if value not in METRICS_NAMES:
+            raise ValueError(f"metrics_names={value!r} is not one of {', '.join(METRICS_NAMES)}")
+        self._names = value
+
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
-        hist = Histogram(f"pagedllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+        hist = Histogram(f"pagedllm:{name}", doc, ["model_name"], buckets=buckets, registry=self._source)
         return hist.labels(model_name=self.model_name)
 
     def observe(self, out: RequestOutput) -> None:

@@ -59,8 +59,9 @@ class KVCacheStats:
     num_preemptions: int
     preemptions_by_mode: dict[str, int]
     # KV tiers (kv_cache/offload/): per tier ("cpu", "disk") hits, misses, stored_blocks,
-    # bytes_stored, bytes_loaded, loads, load_seconds (cumulative); empty without tiers
-    offload: dict[str, dict[str, float]] = field(default_factory=dict)
+    # bytes_stored, bytes_loaded, loads, load_seconds (cumulative), disabled (1 once turned off for
+    # failing) and errors ({op: failed filesystem calls}); empty without tiers
+    offload: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,20 @@ class StepTimes:
     def overhead_share(self) -> float:
         """Everything but model math, as a share of step time."""
         return 1.0 - self.forward / self.total if self.total else 0.0
+
+
+def offload_metrics(offload: dict[str, dict]) -> list[Metric]:
+    """The KV tiers' counters (``KVCacheStats.offload``), labelled by tier (nothing without tiers)."""
+    out = []
+    for tier, t in offload.items():
+        labels = {"tier": tier}
+        out += [Metric("pagedllm:kv_offload_hits", t["hits"], labels, "counter"),
+                Metric("pagedllm:kv_offload_misses", t["misses"], labels, "counter"),
+                Metric("pagedllm:kv_offload_bytes", t["bytes_stored"], {**labels, "direction": "store"}, "counter"),
+                Metric("pagedllm:kv_offload_bytes", t["bytes_loaded"], {**labels, "direction": "load"}, "counter"),
+                Metric("pagedllm:kv_offload_loads", t["loads"], labels, "counter"),
+                Metric("pagedllm:kv_offload_load_seconds", t["load_seconds"], labels, "counter"),
+                Metric("pagedllm:kv_offload_disabled", t.get("disabled", 0), labels)]
+        out += [Metric("pagedllm:kv_offload_errors", n, {**labels, "op": op}, "counter")
+                for op, n in sorted(t.get("errors", {}).items())]
+    return out

@@ -213,13 +213,16 @@ class DecoderModel(nn.Module):
         self.embed_scale = spec.embed_scale
         self.fused_decoder = None  # models/cpu_decode.py (Llama family), set by enable_fused_decode
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta, intermediate=None):
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta, intermediate=None, inputs_embeds=None):
         """Final-normed hidden ``[num_tokens, hidden]``; a stage before the last returns its
-        ``(hidden, residual)`` pair, and one past the first starts from ``intermediate``."""
+        ``(hidden, residual)`` pair, and one past the first starts from ``intermediate``.
+        ``inputs_embeds`` ``[num_tokens, hidden]`` replaces the token embedding (image rows scattered in)."""
         fused = self.fused_decoder
-        if fused is not None and fused.applies(input_ids.shape[0], kv_caches):
+        if inputs_embeds is None and fused is not None and fused.applies(input_ids.shape[0], kv_caches):
             return fused(input_ids, positions, meta)  # small CPU batch: the whole stack in one C call
-        if self.stage.is_first:
+        if inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.stage.is_first:
             hidden, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         else:
             hidden, residual = intermediate

@@ -1,10 +1,12 @@
 """Architecture name (config.json ``architectures``) -> model class."""
 from __future__ import annotations
 
+from pagedllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedllm.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -23,6 +25,10 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # vision-language (multimodal/)
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)
 }
 

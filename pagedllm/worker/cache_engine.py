@@ -3,21 +3,24 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import ModelConfig
+from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.platform import huge_page_empty, huge_pages_enabled
 
 
 class CacheEngine:
-    """KV cache storage ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``.
+    """KV cache storage ``spec.pool_shape``: ``[num_layers, num_tensors, num_blocks, num_kv_heads,
+    block_size, head_size]`` (kv_cache/spec.py).
 
-    Layer ``l``'s key cache is ``kv[l, 0]`` and value cache ``kv[l, 1]``; a block id indexes dim
-    2 of every layer at once, so copying or swapping a block moves it in all layers together.
+    With K/V per head, layer ``l``'s key cache is ``kv[l, 0]`` and value cache ``kv[l, 1]``; with
+    an MLA latent its one latent cache is ``kv[l, 0]``. ``layer_caches[l]`` is that tuple. A block
+    id indexes dim 2 of every layer at once, so copying or swapping a block moves it in all layers
+    together, whatever the spec.
     """
 
-    def __init__(self, model_config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0, num_layers: int | None = None):
-        """``num_layers``: the layers this rank's pipeline stage holds (default: all)."""
-        shape = (num_layers or model_config.num_layers, 2, num_blocks, num_kv_heads, block_size, model_config.head_dim)
+    def __init__(self, spec: KVCacheSpec, num_layers: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
+        """``num_layers``: the layers this rank's pipeline stage holds."""
+        shape = spec.pool_shape(num_layers, num_blocks, block_size)
         # on the CPU in 2 MiB pages, which attention streams 1.4-1.6x faster at batch 64
         # (platform.huge_page_empty), and written once here, as vLLM's torch.zeros does: left to
         # first touch, every run that reached never-written blocks faulted their pages in while
@@ -29,10 +32,10 @@ class CacheEngine:
             self.kv.zero_()
         else:
             self.kv = torch.empty(shape, dtype=dtype, device=device)
-        cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]
+        cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
         pin = device.type == "cuda"
         self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
-        self.layer_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape[0])]
+        self.layer_caches = [tuple(self.kv[i, j] for j in range(shape[1])) for i in range(shape[0])]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""

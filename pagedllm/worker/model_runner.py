@@ -22,6 +22,7 @@ from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
+from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.lora.model import LoRAModel
@@ -76,8 +77,9 @@ class ModelRunner:
         self.pipeline = StagePipeline(pp, mc.hidden_size, mc.vocab_size, mc.dtype, self.device) if pp else None
         model_cls = get_model_class(mc.architecture)
         soft_cap = model_cls.attention_soft_cap(mc.hf_config)  # Gemma 2: the C kernel cannot do it
+        kv_kind = kv_spec_for(mc.hf_config, mc.num_kv_heads, mc.head_dim).kind  # MLA: the latent backend
         self.backend = get_attention_backend(backend_for_soft_cap(config.attention_backend, self.device, soft_cap),
-                                             self.device)
+                                             self.device, kv_kind)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
         load_weights(self.model, mc.model, mc.load_format, mc.seed)
@@ -102,10 +104,15 @@ class ModelRunner:
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
+        self.kv_spec = sizing.model_kv_spec(mc, self.num_kv_heads)  # what a token stores per layer
+        self.kv_spec.check_cache(self.cache_dtype, config.cache.calculate_kv_scales)
         self.block_size = config.cache.block_size
         self.block_table = PersistentBlockTable(blocks_per_sequence(mc.max_model_len, self.block_size),
                                                 config.scheduler.max_num_seqs)
         self.cache: CacheEngine | None = None
+        # multimodal: image content hash -> its embeddings [placeholder tokens, hidden]
+        # (which entries live is decided by the engine: multimodal/encoder_cache.py)
+        self.encoder_cache: dict[bytes, torch.Tensor] = {}
         self._cache_blocks = (0, 0)  # (device, CPU swap) blocks of the pool, reallocated by wake_up
         self._graphs_wanted = False  # the pool has the decode graphs' padding block (init_cache)
         self.weights_asleep = False
@@ -147,12 +154,11 @@ class ModelRunner:
 
     def _allocate_cache(self) -> None:
         """The KV pool of ``_cache_blocks``, and the decode graphs over it once the weights are there."""
-        mc = self.config.model
         num_blocks, num_cpu_blocks = self._cache_blocks
         self._graphs_wanted = self._cuda_graphs_apply()
         # with CUDA graphs, one more block past the scheduler's: the padding rows' (cuda_graphs.py)
-        self.cache = CacheEngine(mc, self.num_kv_heads, num_blocks + int(self._graphs_wanted), self.block_size,
-                                 self.cache_dtype, self.device, num_cpu_blocks, num_layers=self.stage.num_layers)
+        self.cache = CacheEngine(self.kv_spec, self.stage.num_layers, num_blocks + int(self._graphs_wanted),
+                                 self.block_size, self.cache_dtype, self.device, num_cpu_blocks)
         if not self.weights_asleep:
             self._capture_graphs()
 
@@ -326,10 +332,14 @@ class ModelRunner:
             return ExecuteResult(torch.empty(0, self.model.config.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
             return ExecuteResult(*self.pipeline.run(self, out))
+        self._run_encoder(out)
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
         prepare_time = time.perf_counter() - t0
-        if self.decode_graphs is not None and self.decode_graphs.holds(meta):
+        embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
+        if embeds is not None:
+            hidden = self.model(input_ids, positions, self.cache.layer_caches, meta, inputs_embeds=embeds)
+        elif self.decode_graphs is not None and self.decode_graphs.holds(meta):
             hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
@@ -339,6 +349,43 @@ class ModelRunner:
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
                              spans, self._span_rows(hidden, out.pool_rows))
+
+    # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
+    def _run_encoder(self, out: SchedulerOutput) -> None:
+        """Drops the encoder-cache entries the scheduler freed, then encodes this step's new images
+        (the vision tower + projector run once per image; every chunk over its run reads the rows)."""
+        for image in out.encoder_frees:
+            self.encoder_cache.pop(image, None)
+        for item in out.encoder_inputs:
+            data = {key: value.to(self.device) for key, value in item.data.items()}
+            self.encoder_cache[item.hash] = self.model.encode_image(data)  # [placeholder tokens, hidden]
+
+    def _profile_encoder(self) -> None:
+        """A vision-language model's share of the peak: its largest image through the vision tower
+        while a full encoder cache (a step's budget of embedding rows) is held."""
+        dummy = getattr(self.model, "dummy_image", None)
+        if dummy is None:
+            return
+        mc = self.config.model
+        held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,
+                           device=self.device)  # [encoder cache rows, hidden]
+        self.model.encode_image({key: value.to(self.device) for key, value in dummy().items()})
+        del held
+
+    def _inputs_embeds(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's token embeddings with each covered image placeholder replaced by its row of the
+        image's embeddings (a chunk may start or end inside a run), or None when no chunk covers one."""
+        if not any(c.mm_spans for c in chunks):
+            return None
+        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
+        base = 0  # the chunk's first row in the flat batch
+        for chunk in chunks:
+            for image, offset, length in chunk.mm_spans:
+                lo, hi = max(offset, chunk.start), min(offset + length, chunk.seq_len)  # prompt positions covered
+                rows = self.encoder_cache[image][lo - offset:hi - offset]  # [hi - lo, hidden]
+                embeds[base + lo - chunk.start:base + hi - chunk.start] = rows.to(embeds.dtype)
+            base += chunk.num_new_tokens
+        return embeds
 
     def _span_rows(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """Per-token pooling: the spans' rows, as a classifier's head sees them (its logits) or
@@ -351,8 +398,9 @@ class ModelRunner:
         return rows.float()
 
     def _tier_report(self, out: SchedulerOutput) -> LoadReport | None:
-        """The step's tier loads, settled after its forward (the disk reads overlapped it)."""
-        return self.tiers.collect() if out.tier_ops and out.tier_ops.loads else None
+        """The step's tier loads, settled after its forward (the disk reads overlapped it), and the
+        tiers' failures since the last report (so any step with tier work reports)."""
+        return self.tiers.collect() if out.tier_ops else None
 
     def forward_stage(self, input_ids, positions, meta, intermediate=None):
         """This rank's stage of the model over one batch (pipeline parallelism: see pipeline_execute)."""
@@ -366,7 +414,9 @@ class ModelRunner:
         (gathered over the pipeline's world group; this rank alone without one)."""
         kv_layers = self.cache.kv.shape[0] if self.cache is not None else 0
         params = sum(p.numel() for p in self.model.parameters())
-        mine = torch.tensor([self.stage.start, self.stage.end, kv_layers, params], dtype=torch.int64)
+        # on this rank's device: NCCL refuses CPU tensors
+        mine = torch.tensor([self.stage.start, self.stage.end, kv_layers, params], dtype=torch.int64,
+                            device=self.device)
         rows = self.pipeline.pp.all_gather(mine) if self.pipeline is not None else mine[None]
         keys = ("first_layer", "end_layer", "kv_layers", "num_params")
         return [dict(zip(keys, row)) for row in rows.tolist()]
@@ -423,6 +473,7 @@ class ModelRunner:
                   for i in range(num_seqs)]
         with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
             self.execute(SchedulerOutput(chunks=chunks))
+        self._profile_encoder()
         if self.decode_graphs is not None:  # captured over the throwaway cache: measured, then dropped
             self.cuda_graph_bytes, self.decode_graphs = self.decode_graphs.memory_bytes, None
             torch.cuda.empty_cache()

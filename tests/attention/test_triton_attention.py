@@ -142,6 +142,46 @@ def test_float32_model_over_half_cache(cache_dtype):
     assert out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("cache_dtype, num_splits", [(torch.float8_e4m3fn, 1), (torch.float8_e5m2, 2)])
+def test_float16_model_over_fp8_cache(cache_dtype, num_splits):
+    """The tensor-core path of an fp8 cache: q stays float16 and K/V are widened to float16 in
+    registers (exact for e4m3 and e5m2), P goes through float16 for P @ V as with a float16
+    cache; equals the torch reference (which widens to float32) within float16's rounding, and
+    the pool holds the same fp8 bytes. (bfloat16 models take the same code path; the
+    interpreter's bfloat16 arithmetic is wrong, triton#11584, so they are checked on a GPU.)"""
+    batch = make_paged_batch([(0, 1), (37, 1), (5, 20), (20, 0)], num_heads=4, num_kv_heads=2, head_dim=64,
+                             block_size=8, cache_dtype=cache_dtype)  # fmt: skip
+    batch = replace(batch, query=batch.query.half(), key=batch.key.half(), value=batch.value.half())
+    out, kc, vc = run(TritonAttentionBackend(num_kv_splits=num_splits), batch)
+    ref, kc_ref, vc_ref = run(TorchReferenceBackend(), batch)
+    assert out.dtype == torch.float16 and kc.dtype == cache_dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
+
+
+def test_launch_plans_are_built_once_per_call_signature(monkeypatch):
+    """The validation and the launch arguments are worked out on a signature's first call; later
+    calls of the same shapes only bind their tensors (and compute the same), other shapes get a
+    plan of their own, and a cached plan lets no invalid option through."""
+    validated = []
+    real = triton_backend.check_call
+    monkeypatch.setattr(triton_backend, "check_call", lambda *args: validated.append(1) or real(*args))
+    backend = TritonAttentionBackend(num_kv_splits=1)
+    batch = make_paged_batch([(5, 1), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    first, second = run(backend, batch)[0], run(backend, batch)[0]
+    assert len(validated) == 1 and torch.equal(first, second)
+    torch.testing.assert_close(first, run(TorchReferenceBackend(), batch)[0], atol=ATOL, rtol=RTOL)
+    (plan,) = backend._plans.values()
+    templates = [plan.write, plan.attention[1][0]]
+    assert not any(isinstance(v, torch.Tensor) for t in templates for v in t.args.values())  # keeps nothing alive
+    run(backend, make_paged_batch([(5, 3), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8))
+    assert len(validated) == 2 and len(backend._plans) == 2
+    run(backend, batch, sliding_window=5)
+    with pytest.raises(ValueError, match="sliding_window=5.0"):
+        run(backend, batch, sliding_window=5.0)
+
+
 def test_bfloat16_write_is_exact():
     batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
                              cache_dtype=torch.bfloat16)  # fmt: skip
@@ -283,6 +323,26 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert len(e4m3) == 13 and {line.split()[0] for line in e4m3} == {"sm_90"}
     e5m2_archs = {line.split()[0] for line in lines if "key_cache=fp8e5" in line}
     assert e5m2_archs == ({"sm_90"} if e5m2_sm90_only else {"sm_80", "sm_90"})
+    check_fp8_dots_match_the_same_dtype_cache(lines)
+
+
+def check_fp8_dots_match_the_same_dtype_cache(lines: list[str]) -> None:
+    """An fp8 cache under a half-precision model runs the tensor-core instructions a cache of the
+    model's own dtype runs (K/V widened in registers), and a float32 model full-precision FMA."""
+    import re
+    dots = {}  # (arch, query, cache, constexprs and options) -> the attention kernel's dot= field
+    for line in lines:
+        m = re.match(r"(sm_\d+) shared=\d+ paged_attention_kernel out=\w+ acc=\w+ query=(\w+) key_cache=(\w+) "
+                     r"(.*) dot=(\S+)$", line)
+        if m:
+            arch, query, cache, rest, dot = m.groups()
+            dots[arch, query, cache, rest] = dot
+    fp8 = [(key, dot) for key, dot in dots.items() if key[2].startswith("fp8") and key[1] != "fp32"]
+    assert len(fp8) >= 16  # fp16 and bf16 models x 2 fp8 formats x 4 launches, on sm_90 at least
+    for (arch, query, _cache, rest), dot in fp8:
+        ptx_type = {"fp16": ".f16.", "bf16": ".bf16."}[query]  # the PTX name of the operands' type
+        assert dot == dots[arch, query, query, rest] and dot.startswith("mma.sync.aligned.") and ptx_type in dot
+    assert {dot for (_, query, _, _), dot in dots.items() if query == "fp32"} == {"fma"}
 
 
 @pytest.mark.parametrize("cache_dtype, capability, triton_version, lacks", [
@@ -311,6 +371,24 @@ def test_gpu_half_precision_math(dtype, num_splits, head_dim):
     out, _, _ = run(TritonAttentionBackend(num_kv_splits=num_splits), batch, sliding_window=200, logits_soft_cap=30.0)
     ref = dense_attention_f64(replace(batch, query=batch.query.float()), 200, 30.0)
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_half_precision_model_over_fp8_cache(dtype, cache_dtype, num_splits):
+    """The tensor-core fp8 path on the device (K/V widened to the model's dtype in registers)
+    against float64 attention over the fp8-rounded context."""
+    reqs = [(0, 1), (300, 1), (5, 70), (1000, 1), (130, 3)]
+    batch = make_paged_batch(reqs, num_heads=16, num_kv_heads=2, head_dim=128, block_size=16,
+                             cache_dtype=cache_dtype)  # fmt: skip
+    batch = replace(batch, query=batch.query.to(dtype), key=batch.key.to(dtype), value=batch.value.to(dtype))
+    out, _, _ = run(TritonAttentionBackend(num_kv_splits=num_splits), batch)
+    ref = dense_attention_f64(replace(batch, query=batch.query.float()))
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3  # as test_gpu_half_precision_math: fp8 values are exact there
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 

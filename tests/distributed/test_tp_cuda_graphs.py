@@ -64,7 +64,7 @@ def _steps(prompts, tokens: list[list[int]], step: int) -> SchedulerOutput:
 
 def test_tp2_padded_decode_steps_equal_the_unpadded_ones(llama_dir, hf_models, monkeypatch):
     monkeypatch.setattr("pagedllm.worker.model_runner.get_attention_backend",
-                        lambda name, device: GraphSafeDecodeBackend())
+                        lambda name, device, *kind: GraphSafeDecodeBackend())
     monkeypatch.setattr("pagedllm.worker.model_runner.DecodeGraphs", EagerStandIn)
     prompts = random_prompts(3, seed=31, lo=3, hi=20)  # 3 sequences: a graph of 4, one padding row
 
@@ -98,7 +98,7 @@ def test_tp_graphs_are_opt_in_and_enforce_eager_still_wins(llama_dir, monkeypatc
     assert envs.PAGEDLLM_TP_CUDA_GRAPHS is False
     # the runner's own decision, on a stand-in with the fields it reads: no backend blocker, so only
     # the TP opt-in stands between the TP=2 CUDA config and a capture
-    runner = SimpleNamespace(config=cuda, cache_dtype=torch.float32, block_size=16,
+    runner = SimpleNamespace(config=cuda, cache_dtype=torch.float32, block_size=16, model=torch.nn.Linear(1, 1),
                              backend=SimpleNamespace(cuda_graph_blocker=lambda *args: None))
     assert ModelRunner._cuda_graphs_apply(runner) is False
     monkeypatch.setenv("PAGEDLLM_TP_CUDA_GRAPHS", "1")

@@ -102,7 +102,7 @@ def test_hung_worker_times_out_the_collective(llama_dir, prompts):
     result = scenario("hang_worker", llama_dir, prompts, PAGEDLLM_TP_TIMEOUT="2")
     assert result["error"] is not None and "dead" in result["error"]
     assert "Timed out" in result["error"] or "timeout" in result["error"].lower()
-    assert result["seconds"] < 2 + 10
+    assert result["seconds"] < 2 + 15  # measured 5.2 s quiet and with a CPU hog per core: >= 3x headroom
     assert result["left"] == [] and result["children"] == []
 
 

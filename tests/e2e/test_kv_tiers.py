@@ -24,12 +24,13 @@ def _block_bytes(block_size: int) -> int:
     return 2 * 2 * 2 * 16 * block_size * 4  # layers x K/V x kv heads x head_dim x tokens x float32
 
 
-def _llm(model_dir: str, block_size: int, cpu_blocks: float = 0, disk: Path | None = None, **kw) -> LLM:
+def _llm(model_dir: str, block_size: int, cpu_blocks: float = 0, disk: Path | None = None, disk_gb: float = 1e-3,
+         **kw) -> LLM:
     tiers = {}
     if cpu_blocks:
         tiers["kv_offload_cpu_gb"] = (cpu_blocks + 0.5) * _block_bytes(block_size) / 2**30
     if disk is not None:
-        tiers.update(kv_offload_dir=str(disk), kv_offload_disk_gb=1e-3)
+        tiers.update(kv_offload_dir=str(disk), kv_offload_disk_gb=disk_gb)
     return LLM(model_dir, block_size=block_size, max_model_len=MAX_LEN,
                num_gpu_blocks_override=MAX_LEN // block_size + 2, **tiers, **kw)
 
@@ -203,7 +204,7 @@ def test_two_engines_sharing_a_directory_concurrently(llama_dir, tmp_path):
     import threading
 
     from pagedllm.kv_cache.offload.disk_tier import DiskTier
-    from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
+    from pagedllm.kv_cache.offload.fingerprint import DIGEST_CACHE, kv_fingerprint
     docs = random_prompts(2, seed=43, lo=64, hi=65)
     engines = [_llm(llama_dir, 8, cpu_blocks=1, disk=tmp_path) for _ in range(2)]
 
@@ -221,7 +222,8 @@ def test_two_engines_sharing_a_directory_concurrently(llama_dir, tmp_path):
     config = engines[0].llm_engine.config
     tier = DiskTier(tmp_path, kv_fingerprint(config, 0), 1 << 30)
     files = list(tmp_path.rglob("*"))
-    assert all(f.suffix == ".kv" or f.is_dir() or f.name == ".lock" for f in files)  # no temporary files
+    # no temporary files: blocks, directories, the lock and the weights' digest cache only
+    assert all(f.suffix == ".kv" or f.is_dir() or f.name in (".lock", DIGEST_CACHE) for f in files)
     shape = (2, 2, 2, 8, 16)  # [layers, K/V, kv heads, block_size, head_dim]
     assert all(tier.read(bytes.fromhex(f.stem), shape, torch.float32) is not None for f in files if f.suffix == ".kv")
     third = _llm(llama_dir, 8, disk=tmp_path)
@@ -241,3 +243,28 @@ def test_tier_metrics_on_the_prometheus_endpoint(llama_dir):
     assert hits > 0
     assert f'pagedllm:kv_offload_hits_total{{model_name="m",tier="cpu"}} {float(hits)}' in text
     assert 'pagedllm:kv_offload_bytes_total{direction="load",model_name="m",tier="cpu"}' in text
+
+
+def test_weights_rewritten_in_place_never_hit_the_old_entries(tmp_path):
+    """A fine-tune overwritten in place by its next epoch: same size, modification time put back,
+    same first and last MiB. The old K/V on disk must not be served: no hit, and the outputs are
+    those of the new weights computed from scratch."""
+    import shutil
+
+    from weights_rewrite import rewrite_in_place_keeping_size_mtime_and_ends
+    model = make_model_dir(tmp_path / "model", intermediate_size=1536)  # weights past 2 MiB
+    donor = make_model_dir(tmp_path / "donor", seed=1, intermediate_size=1536)
+    llm = _llm(model, 8, disk=tmp_path / "tier")
+    _run(llm, 0)
+    _evict(llm)
+    llm.llm_engine.shutdown()
+    assert any((tmp_path / "tier").rglob("*.kv"))
+    rewrite_in_place_keeping_size_mtime_and_ends(Path(model) / "model.safetensors",
+                                                 Path(donor) / "model.safetensors")
+    shutil.rmtree(Path(donor))
+    reference = _llm(model, 8, enable_prefix_caching=False)
+    expected = [_run(reference, i) for i in (1, 2)]
+    restarted = _llm(model, 8, disk=tmp_path / "tier")
+    assert [_run(restarted, i) for i in (1, 2)] == expected
+    assert _tier(restarted, "disk")["hits"] == 0
+    _assert_all_blocks_free(restarted)

@@ -182,9 +182,8 @@ def test_grammars_are_cached_by_key(llm):
     assert manager.stats.num_compiled == compiled
 
 
-def test_a_compiling_grammar_does_not_stall_other_requests(llama_dir, monkeypatch):
-    """The constrained request waits in the scheduler while its grammar compiles; a free request
-    queued after it runs meanwhile."""
+def hold_compiles(monkeypatch):
+    """Makes every grammar compile wait for the returned event (set it to let them finish)."""
     import threading
 
     from pagedllm.structured_output.manager import StructuredOutputManager
@@ -196,6 +195,13 @@ def test_a_compiling_grammar_does_not_stall_other_requests(llama_dir, monkeypatc
         return compile_grammar(self, params)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    return release
+
+
+def test_a_compiling_grammar_does_not_stall_other_requests(llama_dir, monkeypatch):
+    """The constrained request waits in the scheduler while its grammar compiles; a free request
+    queued after it runs meanwhile."""
+    release = hold_compiles(monkeypatch)
     engine = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128).llm_engine
     engine.add_request("constrained", PROMPTS[0], constrained(0, regex=REGEX))
     engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -269,17 +275,7 @@ def test_a_spec_over_the_size_limit_is_refused_naming_the_limit(llama_dir):
 
 
 def test_a_request_whose_grammar_is_not_ready_in_time_fails_and_others_run(llama_dir, monkeypatch):
-    import threading
-
-    from pagedllm.structured_output.manager import StructuredOutputManager
-    release = threading.Event()
-    compile_grammar = StructuredOutputManager._compile
-
-    def slow_compile(self, params):
-        release.wait(30)
-        return compile_grammar(self, params)
-
-    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    release = hold_compiles(monkeypatch)
     llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128,
               structured_output_compile_timeout=0.3)
     try:

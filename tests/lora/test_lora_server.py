@@ -99,7 +99,25 @@ def test_lora_modules_are_checked_at_start(server_model_dir, tmp_path):
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.lora_serving import LoRAModulePath
     modules = [LoRAModulePath("a", str(tmp_path))]
-    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+    with pytest.raises(ValueError, match="--lora-modules a=.* needs --enable-lora"):
         build_app(EngineArgs(model=server_model_dir), lora_modules=modules)
     with pytest.raises(ValueError, match=f"lora_path='{tmp_path}' is not a PEFT adapter"):
         build_app(EngineArgs(model=server_model_dir, enable_lora=True), lora_modules=modules)
+
+
+def test_lora_modules_without_enable_lora_is_refused_before_loading(capsys):
+    from pagedllm.entrypoints.cli import main
+    assert main(["serve", "m", "--lora-modules", "sql=/adapters/sql"]) == 2  # no model named "m" is loaded
+    assert "--lora-modules sql=/adapters/sql needs --enable-lora" in capsys.readouterr().err
+
+
+def test_runtime_routes_answer_404_when_off(server_model_dir):
+    from fastapi.testclient import TestClient
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.api_server import build_app
+    app = build_app(EngineArgs(model=server_model_dir, enable_lora=True, num_gpu_blocks_override=64,
+                               max_model_len=64))
+    with TestClient(app) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert r.status_code == 404 and "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING" in r.json()["error"]["message"]

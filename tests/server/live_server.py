@@ -99,22 +99,25 @@ def free_port() -> int:
 
 
 def start_server(model_dir: str, api_key: str | None = None, chat_template: str | None = None,
-                 limits=None, chat_options=None, response_options=None, lora_modules=None,
+                 limits=None, chat_options=None, response_options=None, http_options=None, lora_modules=None,
                  **engine_kwargs) -> LiveServer:
     """``limits``: the app's ServerLimits (default: the server's defaults); ``chat_options``: its
-    ChatOptions (tool-call and reasoning parsers); ``response_options``: its ResponseOptions."""
+    ChatOptions (tool-call and reasoning parsers); ``response_options``: its ResponseOptions;
+    ``http_options``: its HttpOptions (with TLS the URL is https)."""
     import uvicorn
 
     from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.http_common import HttpOptions, uvicorn_kwargs
     from pagedllm.entrypoints.openai.api_server import build_app
     kwargs = dict(block_size=8, num_gpu_blocks_override=256, max_model_len=128, max_num_seqs=128)
     kwargs.update(engine_kwargs)
+    http_options = http_options or HttpOptions(uvicorn_log_level="warning")
     app = build_app(EngineArgs(model=model_dir, **kwargs), served_model_name="tiny", api_key=api_key,
                     chat_template=chat_template, limits=limits, chat_options=chat_options,
-                    response_options=response_options, lora_modules=lora_modules)
+                    response_options=response_options, http_options=http_options, lora_modules=lora_modules)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, timeout_graceful_shutdown=2,
+                                           **uvicorn_kwargs(http_options)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -122,7 +125,8 @@ def start_server(model_dir: str, api_key: str | None = None, chat_template: str 
         if time.time() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+    scheme = "https" if http_options.tls else "http"
+    return LiveServer(f"{scheme}://127.0.0.1:{port}", app, server, thread)
 
 
 @pytest.fixture(scope="session")

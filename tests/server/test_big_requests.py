@@ -12,7 +12,10 @@ from conftest import make_model_dir
 from live_server import start_server
 
 NUM_PROMPTS = 30_000  # before the fix /health stalled ~5 s here (~0.17 ms of event loop per prompt)
-HEALTH_DEADLINE = 1.5  # seconds
+# The longest /health wait as a share of the whole request: a ratio, so that a loaded machine (which
+# slows both alike) does not fail it. Measured 0.09 quiet and 0.09-0.10 with a CPU hog on each of 2
+# cores (1.5 s and 5.1 s absolute); before the fix 0.45 (the loop held for 38 s of an 84 s request).
+MAX_HEALTH_SHARE = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +42,19 @@ def test_health_answers_while_a_request_of_many_prompts_runs(big_server):
     latencies, done = [], threading.Event()
     prober = threading.Thread(target=_probe, args=(big_server.url, done, latencies))
     prober.start()
+    t0 = time.perf_counter()
     try:
         r = httpx.post(big_server.url + "/v1/completions", timeout=300, json={
             "model": "tiny", "prompt": [[5, 6]] * NUM_PROMPTS, "max_tokens": 1, "temperature": 0})
     finally:
+        request_s = time.perf_counter() - t0
         done.set()
         prober.join()
     assert r.status_code == 200, r.text[:300]
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == list(range(NUM_PROMPTS))
     assert len({c["text"] for c in choices}) == 1  # one prompt, greedy: one answer
-    assert len(latencies) >= 5 and max(latencies) < HEALTH_DEADLINE, sorted(latencies)[-5:]
+    assert len(latencies) >= 5 and max(latencies) < MAX_HEALTH_SHARE * request_s, (request_s, sorted(latencies)[-5:])
     assert big_server.wait_idle().num_used_blocks == 0
 
 

@@ -60,7 +60,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ctx(model_dir):
-    srv = start_server(model_dir, chat_options=ChatOptions(True, "hermes", "qwen3"), max_model_len=256)
+    srv = start_server(model_dir, chat_options=ChatOptions(True, "hermes", "qwen3", trust_request_chat_template=True),
+                       max_model_len=256)
     llm = LLM(model_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=256)
     yield Ctx(srv, llm)
     srv.stop()

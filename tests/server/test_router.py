@@ -3,10 +3,14 @@ router) against a round-robin router over the same replicas, driven by the real 
 
 One module-scoped launch (the parent process and its two replicas); the test that kills a replica
 runs last. Replicas run with ``--max-num-seqs 2`` so a burst queues (requests stay pending).
+Routers started in this process over the same replicas check abuse (huge and stalled bodies) and
+the router's API key.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
 import os
 import random
 import signal
@@ -21,10 +25,11 @@ import httpx
 import openai
 import psutil
 import pytest
-from live_server import free_port, server_model_dir
+from live_server import free_port, raw_http, server_model_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.entrypoints.cli import main as cli_main
+from pagedllm.entrypoints.http_guards import ServerLimits
 from pagedllm.entrypoints.router.app import build_router_app
 from pagedllm.entrypoints.router.config import RouterConfig
 from pagedllm.entrypoints.router.prompt_hasher import PromptHasher
@@ -87,20 +92,29 @@ def dp_server(server_model_dir, tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def round_robin_url(dp_server):
-    """A round-robin router (in this process) over the same two replicas: the baseline."""
+@contextlib.contextmanager
+def _router_in_thread(backends: list[str], **options):
+    """A round-robin router in this process over ``backends``; yields its URL."""
     import uvicorn
-    config = RouterConfig(tuple(dp_server.backends), policy="round_robin", health_check_interval=0.5)
+    config = RouterConfig(tuple(backends), policy="round_robin", health_check_interval=0.5, **options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_router_app(config), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    _wait_for(lambda: server.started, 30, "the round-robin router")
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        _wait_for(lambda: server.started, 30, "the in-process router")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def round_robin_url(dp_server):
+    """A round-robin router (in this process) over the same two replicas: the baseline."""
+    with _router_in_thread(dp_server.backends) as url:
+        yield url
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -201,6 +215,128 @@ def test_every_block_is_free_on_each_replica(dp_server):
         assert _replica_total([url], "pagedllm:kv_cache_usage_perc") == 0
 
 
+# ---------------------------------------------------------------------- abuse: bodies and keys
+def _head(path: str, framing: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n" + framing
+            + b"\r\n" + extra + b"\r\n")
+
+
+def _chunked(piece: bytes, count: int):
+    """``count`` chunks of ``piece``, made as they are sent (the test holds one piece, not the body)."""
+    for _ in range(count):
+        yield b"%x\r\n%s\r\n" % (len(piece), piece)
+    yield b"0\r\n\r\n"
+
+
+def _all_healthy(url: str, **headers) -> bool:
+    """Every backend in rotation, and none ever taken out by this router."""
+    taken_out = sum(v for (name, _), v in _metrics(url).items() if name == "pagedllm:router_backend_taken_out_total")
+    backends = httpx.get(f"{url}/router/backends", headers=headers).json()["backends"]
+    return taken_out == 0 and all(b["healthy"] for b in backends)
+
+
+def _small_completions(url: str, count: int, **headers) -> list[int]:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    return [httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).status_code
+            for _ in range(count)]
+
+
+def test_router_refuses_huge_bodies_itself_without_growing(dp_server):
+    """A 20 MB body is refused from its Content-Length, a 200 MB chunked one once 4 MiB (the default
+    --max-request-body-bytes, as the replicas') are read: it used to be read whole and tokenized
+    (+129 MB of router memory), then sent on to the replicas. Measured: +5 MiB."""
+    router = psutil.Process(dp_server.proc.pid)
+    rss_before = router.memory_info().rss
+    piece = b"x" * 2**20
+    sized = raw_http(dp_server.url, _head("/v1/completions", b"Content-Length: %d" % (20 * 2**20)), [piece] * 20)
+    chunked = raw_http(dp_server.url, _head("/v1/completions", b"Transfer-Encoding: chunked"), _chunked(piece, 200))
+    for big in (sized, chunked):
+        status, reply = big.finish(60)
+        assert status == 413, big.response[:300]
+        assert "limit is 4194304 bytes (--max-request-body-bytes)" in json.loads(reply)["error"]["message"]
+    assert chunked.sent < 20 * 2**20  # the router stopped reading: the client could not send it all
+    grown = router.memory_info().rss - rss_before
+    assert grown < 24 * 2**20, f"the router grew by {grown / 2**20:.0f} MiB"
+    assert _all_healthy(dp_server.url)
+
+
+@pytest.fixture(scope="module")
+def lenient_router(dp_server):
+    """A router that lets bodies up to 64 MiB through (the replicas allow 4 MiB) and gives each piece
+    of a body 1 s."""
+    with _router_in_thread(dp_server.backends, limits=ServerLimits(max_request_body_bytes=64 * 2**20,
+                                                                   request_body_timeout=1.0)) as url:
+        yield url
+
+
+def test_a_body_a_replica_refuses_is_413_and_leaves_both_replicas_in(dp_server, lenient_router):
+    """The replicas refuse a 20 MB body (413, then they close the connection, which loses that
+    answer): it is the client's error, not the replicas'. It used to take both replicas out and
+    answer 503 to everyone until the next health check."""
+    body = json.dumps({"model": "tiny", "prompt": "hello " * (20 * 2**20 // 6), "max_tokens": 2}).encode()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        normal = [pool.submit(_small_completions, lenient_router, 4) for _ in range(3)]
+        bigs = [httpx.post(f"{lenient_router}/v1/completions", content=body, timeout=60) for _ in range(3)]
+        statuses = [code for f in normal for code in f.result(timeout=300)]
+    assert statuses == [200] * 12
+    for big in bigs:
+        assert big.status_code == 413, big.text[:300]
+        assert "--max-request-body-bytes" in big.json()["error"]["message"]
+    assert _all_healthy(lenient_router)
+
+
+def test_a_stalled_body_gets_408_within_the_timeout(lenient_router):
+    """Content-Length 30, 10 bytes sent, then nothing: the connection used to stay open > 70 s."""
+    start = time.time()
+    status, reply = raw_http(lenient_router, _head("/v1/completions", b"Content-Length: 30"), [b'{"prompt":']).finish()
+    assert status == 408 and time.time() - start < 6  # request_body_timeout=1.0
+    assert "--request-body-timeout" in json.loads(reply)["error"]["message"]
+    assert _all_healthy(lenient_router)
+
+
+def test_a_client_leaving_mid_upload_is_no_error(lenient_router, caplog):
+    """The client's own broken upload reaches no backend and logs nothing (it used to be a traceback)."""
+    import logging
+    import socket
+    caplog.set_level(logging.WARNING)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root logger
+    uvicorn_log.addHandler(caplog.handler)
+    host, port = lenient_router.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(_head("/v1/completions", b"Content-Length: 1000") + b'{"prompt": "hel')
+        time.sleep(0.3)
+    time.sleep(0.5)  # the router notices the disconnect
+    uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert _all_healthy(lenient_router)
+
+
+def test_a_replicas_client_error_is_relayed_unchanged(dp_server, lenient_router):
+    bad = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": -1}
+    direct = httpx.post(f"{dp_server.backends[0]}/v1/completions", json=bad)
+    routed = httpx.post(f"{lenient_router}/v1/completions", json=bad)
+    assert direct.status_code == routed.status_code == 400
+    assert routed.json() == direct.json() and routed.json()["error"]["param"] == "temperature"
+    assert _all_healthy(lenient_router)
+
+
+@pytest.mark.parametrize("metrics_public", [False, True])
+def test_router_api_key(dp_server, metrics_public):
+    """Every route but /health needs the key; the status routes too, unless --metrics-public."""
+    key = {"Authorization": "Bearer router-key"}
+    with _router_in_thread(dp_server.backends, api_key="router-key", metrics_public=metrics_public) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert _small_completions(url, 1, **key) == [200]
+        assert _client(url).with_options(api_key="router-key").models.list().data[0].id == "tiny"
+        for path in ("/metrics", "/router/backends"):
+            assert httpx.get(f"{url}{path}").status_code == (200 if metrics_public else 401)
+            assert httpx.get(f"{url}{path}", headers=key).status_code == 200
+
+
 # ---------------------------------------------------------------------- bad input
 def test_unreachable_backend_is_a_clear_error(capsys):
     url = f"http://127.0.0.1:{free_port()}"
@@ -213,6 +349,15 @@ def test_unreachable_backend_is_a_clear_error(capsys):
 def test_bad_backend_url_is_a_clear_error(capsys):
     assert cli_main(["router", "--backend", "127.0.0.1:8000", "--routing-policy", "round_robin"]) == 2
     assert "backend='127.0.0.1:8000' is invalid" in capsys.readouterr().err
+
+
+def test_metrics_public_without_a_key_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli_main(["router", "--backend", url, "--routing-policy", "round_robin", "--metrics-public"]) == 2
+    assert "metrics_public=True applies only with an api_key" in capsys.readouterr().err
+    assert cli_main(["router", "--backend", url, "--routing-policy", "round_robin", "--request-body-timeout", "0"]) == 2
+    assert "request_body_timeout=0.0 is invalid" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- failover (last: kills a replica)
@@ -273,6 +418,7 @@ def test_killed_backend_pending_requests_complete_on_the_other(dp_server):
     assert delta("pagedllm:router_requests_total") >= 2, (routed, results)
     assert delta("pagedllm:router_failovers_total") == delta("pagedllm:router_requests_total") - len(broken)
     assert after[("pagedllm:router_backend_healthy", (("backend", holder),))] == 0
+    assert delta("pagedllm:router_backend_taken_out_total") == 1
     assert httpx.get(f"{dp_server.url}/health").status_code == 200
     survivor = next(url for url in dp_server.backends if url != holder)
     _wait_for(lambda: _replica_total([survivor], "pagedllm:num_requests_running") == 0, 10, "the survivor to idle")

@@ -184,6 +184,30 @@ def test_top_p_boundary_token_stays(device):
     assert (~torch.isinf(logits)).tolist() == [[True, True, False, False, False]]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_filter_passes_over_the_vocabulary(device, monkeypatch):
+    """The thresholds come from the row's largest logits (here 64 of 300, so that small rows
+    exercise what 1024 of a 128K vocabulary does): rows they settle make one pass over the
+    vocabulary (the write), two for top-p without top-k (its total mass); a top-k past the
+    candidates (the 64th ties the last candidate's key: who knows what follows) or a nucleus wider
+    than them bisects (33 passes) on that row alone. Every row
+    equals the sorting reference."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 64)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 300, generator=g) * 3
+    logits[5] = torch.randn(300, generator=g) * 0.05  # flat: a nucleus of ~270 tokens
+    top_k = torch.tensor([0, 5, 63, 0, 40, 0, 64], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.8, 0.9, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    ref = sampling.top_k_top_p_min_p_ref(logits, top_k, top_p, min_p)
+    logits, top_k, top_p, min_p = (t.to(device) for t in (logits, top_k, top_p, min_p))
+    passes = torch.zeros(7, dtype=torch.int32, device=device)
+    sampling.top_k_top_p_min_p_(logits, top_k, top_p, min_p, passes)
+    torch.testing.assert_close(logits.cpu(), ref, atol=0, rtol=0)
+    assert passes.tolist() == [1, 1, 1, 2, 1, 2 + sampling._KEY_STEPS, 1 + sampling._KEY_STEPS]
+    assert (~torch.isinf(ref[5])).sum() > 64 and (~torch.isinf(ref[6])).sum() == 64
+
+
 def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(tmp_path):
     """Real compiles (ptxas to cubin) without a GPU, in a process without the interpreter."""
     import os

@@ -100,7 +100,7 @@ def test_no_graphs_on_cpu_or_with_enforce_eager(llama_dir):
 
 def test_runner_serves_padded_decode_steps_from_the_graph_buffers(llama_dir, hf_models, monkeypatch):
     monkeypatch.setattr("pagedllm.worker.model_runner.get_attention_backend",
-                        lambda name, device: GraphSafeDecodeBackend())
+                        lambda name, device, *kind: GraphSafeDecodeBackend())
     monkeypatch.setattr("pagedllm.worker.model_runner.DecodeGraphs", EagerStandIn)
     monkeypatch.setattr(ModelRunner, "_cuda_graphs_apply", lambda self: True)
     llm = LLM(llama_dir, block_size=8, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=12)

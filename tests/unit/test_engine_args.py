@@ -54,8 +54,9 @@ NON_DEFAULT = {
     "max_structured_output_bytes": 1000, "structured_output_compile_timeout": 5.0,
     "kv_cache_memory_bytes": 1 << 30, "convert": "embed", "load_format": "dummy",
     "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
-    "hf_config_path": "org/config", "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6,
-    "lora_dtype": "float16",
+    "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
+    "allowed_local_media_path": "/tmp", "allowed_media_domains": ["example.com"],
+    "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and

@@ -151,3 +151,45 @@ def test_function_level_and_type_checking_imports_do_not_count(tmp_path):
     assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": set()}
     assert find_cycle(graph) is None
     assert find_cycle(import_graph(pkg, "pkg", function_level=True)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+ROUTER = "pagedllm.entrypoints.router"
+# the server proper: its app and its request handlers (serving.py, or the per-endpoint modules it
+# splits into, named serving*); protocol models and the shared openai_common/http_guards are fine
+SERVER = ("pagedllm.entrypoints.openai.api_server", "pagedllm.entrypoints.openai.serving")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """``{module: the module that first imported it}`` for everything ``start`` imports, directly or not."""
+    seen, todo = {start: start}, [start]
+    while todo:
+        module = todo.pop()
+        for target in sorted(graph.get(module, ())):
+            if target not in seen:
+                seen[target] = module
+                todo.append(target)
+    return seen
+
+
+def test_the_router_never_imports_the_server():
+    """The router forwards to servers; it shares ``openai_common``/``http_guards`` with the server and
+    never imports it, not even inside a function (``serve --data-parallel-size`` hands the server's
+    entry point to the router's launcher instead)."""
+    graph = import_graph(PACKAGE_DIR, "pagedllm", function_level=True)
+    for module in sorted(m for m in graph if m == ROUTER or m.startswith(ROUTER + ".")):
+        found = reachable(graph, module)
+        bad = sorted(m for m in found if m.startswith(SERVER))
+        chain = [bad[0]] if bad else []
+        while chain and chain[-1] != module:
+            chain.append(found[chain[-1]])
+        assert not bad, f"{module} imports the server: {' <- '.join(chain)}"
+
+
+def test_entrypoints_have_no_cycle_even_through_function_level_imports():
+    """The server and the router used to import each other (api_server -> router.data_parallel ->
+    api_server.run_server inside a function)."""
+    graph = import_graph(PACKAGE_DIR, "pagedllm", function_level=True)
+    area = {m: {t for t in targets if t.startswith("pagedllm.entrypoints")} for m, targets in graph.items()
+            if m.startswith("pagedllm.entrypoints")}
+    cycle = find_cycle(area)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weights_rewrite import rewrite_in_place_keeping_size_mtime_and_ends
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
@@ -197,7 +198,7 @@ def test_an_engine_reads_the_weights_for_its_fingerprints_once(llama_dir, tmp_pa
     from pagedllm import LLM
     from pagedllm.kv_cache.offload import fingerprint
     reads, real = [], fingerprint.weights_identity
-    monkeypatch.setattr(fingerprint, "weights_identity", lambda d: reads.append(d) or real(d))
+    monkeypatch.setattr(fingerprint, "weights_identity", lambda d, cache: reads.append(d) or real(d, cache))
     llm = LLM(llama_dir, block_size=8, max_model_len=64, num_gpu_blocks_override=16, kv_offload_dir=str(tmp_path))
     assert reads == [llm.llm_engine.config.model.model]
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [fingerprint.kv_fingerprint(llm.llm_engine.config, 0)]
@@ -258,3 +259,43 @@ def test_consecutive_runs():
     from pagedllm.kv_cache.offload.worker_store import consecutive_runs
     assert consecutive_runs([3, 4, 5, 0, 1, 7]) == [(0, 3, 3), (3, 0, 2), (5, 7, 1)]
     assert consecutive_runs([]) == []
+
+
+@pytest.fixture(scope="module")
+def big_llama_dirs(tmp_path_factory):
+    """Two tiny Llamas with the same layout and weights files past 2 MiB (seeds 0 and 1)."""
+    from conftest import make_model_dir
+    return [make_model_dir(tmp_path_factory.mktemp(f"big{seed}"), seed=seed, intermediate_size=1536)
+            for seed in (0, 1)]
+
+
+def test_weights_identity_sees_an_in_place_rewrite_and_hashes_once_per_file_identity(big_llama_dirs, tmp_path,
+                                                                                      monkeypatch):
+    import shutil
+
+    from pagedllm.kv_cache.offload import fingerprint
+    model = Path(shutil.copytree(big_llama_dirs[0], tmp_path / "model"))
+    weights = model / "model.safetensors"
+    hashed = []
+    real = fingerprint.content_digest
+    monkeypatch.setattr(fingerprint, "content_digest", lambda p: hashed.append(p) or real(p))
+    cache_dir = tmp_path / "tier"
+    before = fingerprint.weights_identity(model, cache_dir)
+    assert hashed == [weights] and (cache_dir / fingerprint.DIGEST_CACHE).exists()
+    assert fingerprint.weights_identity(model, cache_dir) == before and len(hashed) == 1  # cached
+    head, tail = weights.read_bytes()[:1 << 20], weights.read_bytes()[-(1 << 20):]
+    rewrite_in_place_keeping_size_mtime_and_ends(weights, Path(big_llama_dirs[1]) / "model.safetensors")
+    assert (weights.read_bytes()[:1 << 20], weights.read_bytes()[-(1 << 20):]) == (head, tail)
+    after = fingerprint.weights_identity(model, cache_dir)
+    assert after != before and len(hashed) == 2  # the ctime moved: the cached digest was not used
+    assert fingerprint.weights_identity(model, None) == after  # the cache only saves work
+
+
+def test_digest_cache_that_cannot_be_read_or_written_only_costs_a_rehash(big_llama_dirs, tmp_path):
+    from pagedllm.kv_cache.offload import fingerprint
+    expected = fingerprint.weights_identity(big_llama_dirs[0], None)
+    (tmp_path / fingerprint.DIGEST_CACHE).write_text("{not json")
+    assert fingerprint.weights_identity(big_llama_dirs[0], tmp_path) == expected
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert fingerprint.weights_identity(big_llama_dirs[0], blocked / "sub") == expected  # ENOTDIR on save

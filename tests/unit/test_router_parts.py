@@ -145,7 +145,10 @@ def test_queue_depth_reads_any_servers_names():
             '# TYPE pagedllm:num_requests_waiting gauge\npagedllm:num_requests_waiting{model_name="m"} 3.0\n'
             '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
             '# TYPE pagedllm:kv_cache_usage_perc gauge\npagedllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
-    assert queue_depth(text) == 6
+    assert queue_depth(text) == 5  # one server under two prefixes: its requests count once
+    assert queue_depth(text.replace("pagedllm:", "sglang:")) == 5
+    ours, theirs = text.split("# TYPE vllm")
+    assert queue_depth(ours) == 5 and queue_depth("# TYPE vllm" + theirs) == 1
     assert queue_depth("") == 0
 
 
@@ -250,3 +253,161 @@ def test_prompt_hasher_keys_salted_prompts_as_the_replica_does():
     salted = hasher.block_hashes("/v1/completions", {"prompt": prompt, "cache_salt": "tenant-a"})
     assert len(plain) == len(salted) == 5 and not set(plain) & set(salted)
     assert hasher.block_hashes("/v1/embeddings", {"input": [prompt, "x"]}) == plain  # keyed on its first input
+
+
+# ---------------------------------------------------------------------- what takes a backend out
+def _mock_router(handler, **options):
+    """A round-robin router over A and B whose HTTP client (forwarding and health probes) is ``handler``.
+
+    Unlike httpx.MockTransport, which reads every request body first, the handler reads a body only
+    if it wants to, as a server refusing a body does not."""
+    import httpx
+
+    from pagedllm.entrypoints.router.proxy import Router
+
+    class Transport(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            return await handler(request)
+    router = Router(RouterConfig((A, B), policy="round_robin", **options))
+    router.client = router.pool.client = httpx.AsyncClient(transport=Transport())
+    return router
+
+
+def _forward(router, body: bytes = b'{"prompt": "hi"}', headers: dict | None = None):
+    """(status, JSON body, {url: healthy}) of one POST /v1/completions through ``router``."""
+    import asyncio
+    import json
+
+    async def run():
+        try:
+            return await router.forward("POST", "/v1/completions", headers or {}, body)
+        finally:
+            await router.close()
+    response = asyncio.run(run())
+    return response.status_code, json.loads(response.body), {b.url: b.healthy for b in router.pool.backends.values()}
+
+
+async def _answer_b(request):
+    import httpx
+    await request.aread()
+    return httpx.Response(200, json={"from": "B"})
+
+
+def _backends_that(healthy: set[str], answer, answer_b=_answer_b):
+    """A mock handler: ``GET /health`` is 200 for the URLs in ``healthy`` and refused for the others;
+    requests to ``/v1/...`` on A go to ``answer(request)``, on B to ``answer_b`` (200 ``{"from": "B"}``)."""
+    import httpx
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == "/health":
+            if url not in healthy:
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(200)
+        return await (answer if url == A else answer_b)(request)
+    return handler
+
+
+async def _drop_after_reading(request):
+    import httpx
+    await request.aread()
+    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+
+async def _drop_without_reading(request):
+    import httpx
+    raise httpx.ReadError("[Errno 104] Connection reset by peer")
+
+
+def test_a_dropped_connection_takes_a_backend_out_only_if_its_health_check_fails():
+    router = _mock_router(_backends_that({B}, _drop_after_reading))
+    status, body, healthy = _forward(router)
+    assert (status, body, healthy) == (200, {"from": "B"}, {A: False, B: True})  # A died: out, B answered
+    assert router.metrics.taken_out.labels(backend=A)._value.get() == 1
+    router = _mock_router(_backends_that({A, B}, _drop_after_reading))
+    status, body, healthy = _forward(router)
+    assert (status, body, healthy) == (200, {"from": "B"}, {A: True, B: True})  # A lives: skipped, not out
+    assert router.metrics.taken_out.labels(backend=A)._value.get() == 0
+    assert router.metrics.failovers.labels(backend=A)._value.get() == 1
+
+
+def test_a_healthy_backend_that_stops_reading_the_body_refused_it():
+    """A server refusing a body over its limit answers 413 and closes; the reset loses the answer.
+    The client gets 413, the request is not sent to another backend, and no backend goes out."""
+    router = _mock_router(_backends_that({A, B}, _drop_without_reading))
+    status, body, healthy = _forward(router, b'{"prompt": "' + b"x" * 5000 + b'"}')
+    assert status == 413 and "stopped reading the 5014-byte request body" in body["error"]["message"]
+    assert healthy == {A: True, B: True}
+    assert router.metrics.requests.labels(backend=B)._value.get() == 0
+
+
+def test_every_healthy_backend_dropping_a_request_is_502_and_none_goes_out():
+    status, body, healthy = _forward(_mock_router(_backends_that({A, B}, _drop_after_reading, _drop_after_reading)))
+    assert status == 502 and "closed the connection without answering" in body["error"]["message"]
+    assert healthy == {A: True, B: True}
+
+
+@pytest.mark.parametrize("a_healthy", [True, False])
+def test_a_500_is_relayed_unless_the_backends_health_check_fails(a_healthy):
+    import httpx
+
+    async def error_500(request):
+        await request.aread()
+        return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+    status, body, healthy = _forward(_mock_router(_backends_that({A, B} if a_healthy else {B}, error_500)))
+    if a_healthy:  # a request-specific failure: relayed as it came, A stays in
+        assert (status, body, healthy) == (500, {"error": {"message": "boom", "code": 500}}, {A: True, B: True})
+    else:  # A's engine died: out, and the request moves to B
+        assert (status, body, healthy) == (200, {"from": "B"}, {A: False, B: True})
+
+
+@pytest.mark.parametrize("status_code", [400, 404, 413, 422, 429])
+def test_a_client_error_is_relayed_unchanged_and_the_backend_stays(status_code):
+    import httpx
+
+    async def refuse(request):
+        await request.aread()
+        return httpx.Response(status_code, json={"error": {"message": f"no ({status_code})"}})
+    status, body, healthy = _forward(_mock_router(_backends_that({A, B}, refuse)))
+    assert (status, body, healthy) == (status_code, {"error": {"message": f"no ({status_code})"}}, {A: True, B: True})
+
+
+@pytest.mark.parametrize("backend_api_key, sent", [(None, "Bearer client"), ("replicas", "Bearer replicas")])
+def test_backend_api_key_replaces_the_clients_authorization(backend_api_key, sent):
+    import httpx
+    seen = []
+
+    async def record(request):
+        seen.append(request.headers.get("authorization"))
+        await request.aread()
+        return httpx.Response(200, json={})
+    router = _mock_router(_backends_that({A, B}, record), backend_api_key=backend_api_key)
+    assert _forward(router, headers={"Authorization": "Bearer client"})[0] == 200
+    assert seen == [sent]
+
+
+def test_data_parallel_router_takes_the_servers_key_limits_and_flags(monkeypatch):
+    from pagedllm.entrypoints.router.data_parallel import ReplicaPlan, router_config_of
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    args = _serve_args(data_parallel_size=2, api_key="k", metrics_public=True, max_request_body_bytes=1000,
+                       request_body_timeout=2.5, routing_policy="round_robin")
+    plans = [ReplicaPlan(i, 9000 + i, 1, "cpu", 0.4) for i in range(2)]
+    config = router_config_of(args, argparse.Namespace(model=argparse.Namespace(tokenizer="t")), plans)
+    assert (config.api_key, config.backend_api_key, config.metrics_public) == ("k", "k", True)
+    assert (config.limits.max_request_body_bytes, config.limits.request_body_timeout) == (1000, 2.5)
+    assert config.backends == ("http://127.0.0.1:9000", "http://127.0.0.1:9001")
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")  # as the replicas read it
+    config = router_config_of(_serve_args(data_parallel_size=2, routing_policy="round_robin"),
+                              argparse.Namespace(model=argparse.Namespace(tokenizer="t")), plans)
+    assert (config.api_key, config.backend_api_key, config.metrics_public) == ("from-env", "from-env", False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(metrics_public=True), "metrics_public=True applies only with an api_key"),
+    (dict(api_key=""), "api_key is invalid"),
+    (dict(backend_api_key="a\nb"), "backend_api_key is invalid"),
+    (dict(limits=4096), "limits=4096 is invalid"),
+])
+def test_bad_router_keys_and_limits_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RouterConfig((A,), policy="round_robin", **kwargs)

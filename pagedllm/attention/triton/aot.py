@@ -12,6 +12,7 @@ Needs the compiled kernels: run it without ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator
 
@@ -136,6 +137,13 @@ def describe(launch: Launch) -> str:
     return f"{launch.kernel} {dtypes} {specialized_constants(launch.args) | launch.constexprs} {launch.options}"
 
 
+def dot_instructions(kernel) -> str:
+    """The tensor-core instructions in a compiled kernel's PTX (``mma.sync`` / ``wgmma`` with their
+    shapes and operand types), comma-separated; ``fma`` where there is none (float32 dots)."""
+    found = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\.aligned\.[\w.]+", kernel.asm["ptx"]))
+    return ",".join(sorted(found)) or "fma"
+
+
 def _needs_newer_arch(launch: Launch, arch: int) -> bool:
     """An e4m3 cache kernel on a pre-sm_89 target (the backend refuses that cache there)."""
     capability = divmod(arch, 10)
@@ -144,8 +152,8 @@ def _needs_newer_arch(launch: Launch, arch: int) -> bool:
 
 def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:
     """Compiles every shipped launch for every arch (e4m3-cache kernels from sm_89 on); returns
-    one line per kernel and raises on a failure or a kernel needing more shared memory than the
-    target has."""
+    one line per kernel (ending in ``dot=``, its ``dot_instructions``) and raises on a failure or
+    a kernel needing more shared memory than the target has."""
     lines = []
     for launch in shipped_launches():
         for arch in [a for a in archs if not _needs_newer_arch(launch, a)]:
@@ -153,7 +161,7 @@ def compile_all(archs: tuple[int, ...] = ARCHS) -> list[str]:
             shared = kernel.metadata.shared
             if shared > MAX_SHARED_MEMORY[arch]:
                 raise RuntimeError(f"sm_{arch} {describe(launch)}: {shared} bytes of shared memory")
-            lines.append(f"sm_{arch} shared={shared} {describe(launch)}")
+            lines.append(f"sm_{arch} shared={shared} {describe(launch)} dot={dot_instructions(kernel)}")
     return lines
 
 

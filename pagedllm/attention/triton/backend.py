@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +14,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton import import_error, interpreting, load_kernels
 from pagedllm.attention.triton.launch import (
     AttentionCall,
+    Launch,
     SplitBuffers,
     attention_launch,
     reduce_launch,
@@ -32,6 +35,20 @@ from pagedllm.attention.triton.plan import (
 )
 
 logger = logging.getLogger(__name__)
+MAX_PLANS = 256  # launch plans kept per backend (least recently used dropped): eager prefill shapes vary
+
+
+@dataclass
+class LaunchPlan:
+    """What ``forward`` derives from a call's shapes, strides, dtypes, devices and options alone,
+    computed once per such signature (``plan_key``): the validation's verdict, the tile shapes
+    and the launches as templates (``Launch.template``: no tensors), each call binding its own."""
+
+    fallback_reason: str | None  # the kernels do not cover this configuration
+    num_programs: int = 0  # the unsplit grid, for the split heuristic
+    write: Launch | None = None  # the K/V write, from the first call with new tokens
+    # per split count (the one call-dependent choice: it follows max_seq_len), filled as met
+    attention: dict[int, tuple[Launch, Launch | None]] = field(default_factory=dict)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -48,6 +65,11 @@ class TritonAttentionBackend(AttentionBackend):
     ``unsupported_reason``) raises ValueError, unless a ``fallback`` backend is given (what
     ``attention_backend="auto"`` does on CUDA): then a warning names the reason, once, and the
     fallback runs those calls.
+
+    Host work per call: the validation, the tile shapes and the launches' arguments but the
+    tensors are computed once per call signature (``plan_key``: shapes, strides, dtypes,
+    devices, options) and kept in a ``LaunchPlan`` (the last MAX_PLANS), so a decode step of a
+    known batch size only binds its tensors, whether eager or being captured.
     """
 
     name = "triton"
@@ -66,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
         self.fallback = fallback
         self._warned: set[str] = set()
+        self._plans: OrderedDict[tuple, LaunchPlan] = OrderedDict()  # plan_key -> plan
 
     @staticmethod
     def check_device(device: torch.device) -> None:
@@ -88,24 +111,46 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        reason = unsupported_reason(query, key_cache)
-        if reason is not None:
-            return self._fallback_for(reason).forward(query, key, value, key_cache, value_cache, meta, scale,
-                                                      sliding_window, logits_soft_cap)
-        check_call(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
-        self.check_device(query.device)
+        plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+        if plan.fallback_reason is not None:
+            return self._fallback_for(plan.fallback_reason).forward(query, key, value, key_cache, value_cache, meta,
+                                                                    scale, sliding_window, logits_soft_cap)
         kernels = load_kernels()
         query, key, value = (_unit_stride(t) for t in (query, key, value))
         if is_fp8(key_cache.dtype):  # rounded here (saturating, to nearest even); the kernel copies bytes
             key, value = to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, key_cache.dtype)
         if key.shape[0]:
-            write_kv_launch(key, value, key_cache, value_cache, meta.slot_mapping).run(kernels)
+            if plan.write is None:  # this call's launch, as the template for the next ones
+                plan.write = write_kv_launch(key, value, key_cache, value_cache, meta.slot_mapping).template()
+            plan.write.bind(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+                            slot_mapping_ptr=meta.slot_mapping).run(kernels)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         if query.shape[0] == 0:
             return out
         call = AttentionCall(query, key_cache, value_cache, meta, scale, sliding_window or 0, logits_soft_cap or 0.0)
-        self._attend(kernels, call, out)
+        self._attend(kernels, plan, call, out)
         return out
+
+    def _plan(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+              logits_soft_cap) -> LaunchPlan:
+        """The call's plan: cached, or validated (``check_call`` raises for a bad call) and built."""
+        cache_key = plan_key(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+        plan = self._plans.get(cache_key)
+        if plan is not None:
+            self._plans.move_to_end(cache_key)
+            return plan
+        reason = unsupported_reason(query, key_cache)
+        if reason is None:
+            check_call(query, key, value, key_cache, value_cache, meta, sliding_window, logits_soft_cap)
+            self.check_device(query.device)
+            call = AttentionCall(query, key_cache, value_cache, meta, scale, 0, 0.0)
+            plan = LaunchPlan(None, _num_programs(call, attention_tiles(query.shape[2], call.group)))
+        else:
+            plan = LaunchPlan(reason)
+        self._plans[cache_key] = plan
+        if len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+        return plan
 
     def _fallback_for(self, reason: str) -> AttentionBackend:
         if self.fallback is None:
@@ -115,15 +160,33 @@ class TritonAttentionBackend(AttentionBackend):
             logger.warning("%s: using the %s attention backend instead", reason, self.fallback.name)
         return self.fallback
 
-    def _attend(self, kernels, call: AttentionCall, out: torch.Tensor) -> None:
+    def _attend(self, kernels, plan: LaunchPlan, call: AttentionCall, out: torch.Tensor) -> None:
         meta = call.meta
-        tiles = attention_tiles(call.query.shape[2], call.group)
         num_splits = self.num_kv_splits or choose_num_kv_splits(
-            _num_programs(call, tiles), meta.max_query_len, meta.max_seq_len, _num_sms(call.query.device))
+            plan.num_programs, meta.max_query_len, meta.max_seq_len, _num_sms(call.query.device))
         splits = SplitBuffers.empty(num_splits, call.query)
-        attention_launch(call, tiles, out, splits).run(kernels)
-        if num_splits > 1:
-            reduce_launch(out, splits).run(kernels)
+        if num_splits not in plan.attention:  # this call's launches, as templates for the next ones
+            tiles = attention_tiles(call.query.shape[2], call.group)
+            reduce = reduce_launch(out, splits).template() if num_splits > 1 else None
+            plan.attention[num_splits] = (attention_launch(call, tiles, out, splits).template(), reduce)
+        attention, reduce = plan.attention[num_splits]
+        attention.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum,
+                       query_ptr=call.query, key_cache_ptr=call.key_cache, value_cache_ptr=call.value_cache,
+                       block_tables_ptr=meta.block_tables, query_start_loc_ptr=meta.query_start_loc,
+                       seq_lens_ptr=meta.seq_lens).run(kernels)
+        if reduce is not None:
+            reduce.bind(out_ptr=out, acc_ptr=splits.acc, m_ptr=splits.m, row_sum_ptr=splits.row_sum).run(kernels)
+
+
+def plan_key(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window,
+             logits_soft_cap) -> tuple:
+    """What a call's validation and launch arguments depend on: every tensor's shape, strides,
+    dtype and device, the block size and the options (with their types, so that a cached plan
+    never lets through an argument the validation refuses, e.g. a float window)."""
+    tensors = (query, key, value, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+               meta.slot_mapping)
+    return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), meta.block_size, scale, type(scale),
+            sliding_window, type(sliding_window), logits_soft_cap, type(logits_soft_cap))
 
 
 def _num_programs(call: AttentionCall, tiles: AttentionTiles) -> int:

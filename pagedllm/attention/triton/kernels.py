@@ -20,6 +20,14 @@ Query tiles are numbered across the batch so that request r owns the tiles
 ``qsl[r] // block_q + r .. qsl[r + 1] // block_q + r`` (at least one, possibly an empty one);
 a program finds its request by binary search over ``query_start_loc`` (no per-step host table).
 
+Mixed dtypes: the query keeps its dtype and K/V tiles are widened to it in registers after the
+load, so the dots run at the precision of a same-dtype cache: an fp8 cache (e4m3 / e5m2 convert
+exactly to float16 and bfloat16) under a half-precision model uses the tensor cores as a float16 /
+bfloat16 cache does, reading half the bytes; a float32 model computes in float32 (full-precision
+FMA, ``_dot``) over any cache. The fp8 scales never reach the kernel: the model folds them into
+the query (``q * k_scale``, so the scores come out scaled) and the output (``* v_scale``), see
+``attention/kv_quant.py``.
+
 Whether these run compiled or in Triton's interpreter is decided when this module is imported
 (``triton.jit`` reads ``TRITON_INTERPRET`` then, and triton's own library functions were decorated
 the same way when triton was imported), so one process runs in one mode.
@@ -114,9 +122,9 @@ def _attend_keys(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(key_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D]
         v = tl.load(value_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if k.dtype != q.dtype:  # e.g. float32 model, float16 cache: compute in float32
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        if k.dtype != q.dtype:  # widened in registers to q's dtype (module doc: mixed dtypes)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = _dot(q, tl.trans(k)) * scale  # [BLOCK_M, TILE_N]
         if soft_cap > 0:
             s = _tanh(s / soft_cap) * soft_cap
@@ -195,8 +203,6 @@ def paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     mask = row_ok[:, None] & (d < head_dim)[None, :]
     q = tl.load(query_ptr + (token * q_stride_t + head * q_stride_h)[:, None] + d[None, :], mask=mask, other=0.0)
-    if q.dtype != key_cache_ptr.dtype.element_ty:  # mixed dtypes (e.g. float16 cache): float32 math
-        q = q.to(tl.float32)
     k_lo, k_end = _key_range(seq_len, q_len, q_first, block_q, window)
     k_begin = k_lo // TILE_N * TILE_N  # the key tiles are aligned; k_lo masks the first one
     # split s takes its share of the key tiles (none, if there are fewer tiles than splits); the

@@ -25,6 +25,21 @@ class Launch:
     def run(self, kernels: ModuleType) -> None:
         getattr(kernels, self.kernel)[self.grid](**self.args, **self.constexprs, **self.options)
 
+    def template(self) -> Launch:
+        """This launch without its tensors (None in their place): what a call of the same shapes,
+        strides, dtypes and options reuses, binding its own tensors (``bind``). Holds no tensor,
+        so a cached template keeps no activation alive."""
+        args = {k: None if isinstance(v, torch.Tensor) else v for k, v in self.args.items()}
+        return Launch(self.kernel, self.grid, args, self.constexprs, self.options)
+
+    def bind(self, **tensors: torch.Tensor) -> Launch:
+        """The template with this call's tensors; every tensor argument must be given."""
+        args = {**self.args, **tensors}
+        missing = [k for k, v in args.items() if v is None]
+        if missing or len(args) != len(self.args):
+            raise ValueError(f"{self.kernel}: bind needs exactly the tensor arguments, missing {missing}")
+        return Launch(self.kernel, self.grid, args, self.constexprs, self.options)
+
 
 def write_kv_launch(key, value, key_cache, value_cache, slot_mapping) -> Launch:
     """Scatter ``key``/``value`` ([num_tokens, num_kv_heads, head_dim], unit stride in head_dim)."""

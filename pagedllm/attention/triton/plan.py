@@ -11,7 +11,7 @@ import torch
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)  # the engine's block sizes; the kernel reads any
 # (query dtype, KV cache dtype): the model's dtype throughout, a float32 model over a half cache,
-# or any model over an fp8 cache (widened to float32 on read; scales folded in by the model,
+# or any model over an fp8 cache (widened to the query dtype on read; scales folded in by the model,
 # attention/kv_quant.py)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E4M3_MIN_CAPABILITY = (8, 9)  # Triton has no float8_e4m3fn (fp8e4nv) before sm_89

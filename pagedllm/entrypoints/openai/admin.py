@@ -3,16 +3,15 @@
 
 Sleep mode needs ``--enable-sleep-mode`` (else ``/sleep`` and ``/wake_up`` answer 400 saying so);
 while asleep, every generation request gets a 503 (``EngineSleepingError``) and the server
-serves again after ``/wake_up``. The routes that change or reveal the engine's state take the
-server's API key when it has one (vLLM serves them only in its dev mode); ``/version``,
-``/ping`` and ``/is_sleeping`` are open, as ``/health``.
+serves again after ``/wake_up``. The server's API key middleware (http_common) guards them all
+but ``/version``, ``/ping`` and ``/is_sleeping``, which stay open as ``/health`` (vLLM serves the state-changing
+ones only in its dev mode).
 """
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
@@ -24,21 +23,11 @@ public = APIRouter()
 control = APIRouter()
 
 
-def include_admin_routes(app: FastAPI, api_key: str | None = None) -> None:
-    """Adds the routes (the state-changing ones behind ``api_key`` when given) and the 503 for
-    requests that reach a sleeping engine."""
+def include_admin_routes(app: FastAPI) -> None:
+    """Adds the routes and the 503 for requests that reach a sleeping engine."""
     app.include_router(public)
-    app.include_router(control, dependencies=[Depends(_key_check(api_key))] if api_key else [])
+    app.include_router(control)
     app.add_exception_handler(EngineSleepingError, _asleep)
-
-
-def _key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    def check(raw: Request) -> None:
-        if not hmac.compare_digest(raw.headers.get("authorization", "").encode(), expected):
-            raise HTTPException(401, "invalid or missing API key")
-    return check
 
 
 def _asleep(_: Request, exc: EngineSleepingError) -> JSONResponse:
@@ -96,18 +85,19 @@ async def reset_prefix_cache(raw: Request, reset_disk: bool = False) -> Response
 @control.post("/start_profile")
 async def start_profile(raw: Request) -> Response:
     """Starts the torch profiler on every rank (needs PAGEDLLM_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR)."""
-    try:
-        await _engine(raw).start_profile()
-    except RuntimeError as exc:
-        return _error(exc)
-    return Response(status_code=200)
+    return await _profiler(raw, start=True)
 
 
 @control.post("/stop_profile")
 async def stop_profile(raw: Request) -> Response:
     """Stops the profiler; each rank writes its trace into the profiler directory."""
+    return await _profiler(raw, start=False)
+
+
+async def _profiler(raw: Request, start: bool) -> Response:
+    engine = _engine(raw)
     try:
-        await _engine(raw).stop_profile()
+        await (engine.start_profile() if start else engine.stop_profile())
     except RuntimeError as exc:
         return _error(exc)
     return Response(status_code=200)

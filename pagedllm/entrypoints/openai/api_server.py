@@ -11,129 +11,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
+import dataclasses
+import gc
+import json
 import logging
-import math
-import os
 import sys
-import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
-from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics
-from pagedllm.utils import check_int
-
-from .admin import include_admin_routes
-from .chat_features import ChatOptions
-from .lora_serving import LoRAModels, LoRAModulePath, add_lora_args, lora_router
-from .pooling_serving import router as pooling_router
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    ErrorResponse,
-    GenerateRequest,
-    TokenizeRequest,
+from pagedllm.entrypoints.http_common import (
+    HttpOptions,
+    add_http_args,
+    fastapi_kwargs,
+    http_options_from_cli,
+    install_middlewares,
+    uvicorn_kwargs,
 )
+from pagedllm.entrypoints.http_guards import (
+    RequestBodyMiddleware,
+    ServerLimits,
+    add_limit_args,
+    http_error,
+    limits_from_cli,
+)
+from pagedllm.entrypoints.router.data_parallel import add_data_parallel_args, run_data_parallel, wants_data_parallel
+from pagedllm.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusMetrics, add_metrics_args
+
+from . import chat, completions, embeddings, tokenization
+from .admin import include_admin_routes
+from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
+from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
+from .lora_serving import LoRAModels, LoRAModulePath, add_lora_args, check_lora_modules
+from .lora_serving import router as lora_router
+from .pooling_serving import router as pooling_router
 from .reasoning_parsers import REASONING_PARSERS
 from .responses import DEFAULT_STORE_SIZE, add_responses_api, add_responses_args
 from .serving import OpenAIServing, ResponseOptions, ServingError, error_body
+from .serving_base import ShutdownGate
 from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-# routes that run the model or the tokenizer need the key; /health and /metrics stay open for probes
-_PROTECTED_PREFIXES = ("/v1", "/generate", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank",
-                       "/v2")
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
-
-router = APIRouter()
-
-
-# ---------------------------------------------------------------------- cancellation
-async def with_cancellation(raw: Request, handler: Awaitable):
-    """Runs a handler, cancelling it if the client disconnects first (its requests are aborted).
-
-    Starlette cancels a streaming body on disconnect by itself, but a plain handler keeps
-    running; this races it against the ``http.disconnect`` message.
-    """
-    task = asyncio.ensure_future(handler)
-    watcher = asyncio.ensure_future(_disconnected(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)  # nobody is listening any more
-    return task.result()
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _serving(raw: Request) -> OpenAIServing:
-    return raw.app.state.serving
-
-
-# ---------------------------------------------------------------------- routes
-@router.post("/v1/completions", responses=_ERRORS)
-async def create_completion(request: CompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_completion(request, time.time()))
-
-
-@router.post("/v1/embeddings", responses=_ERRORS)
-async def create_embedding(request: EmbeddingRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_embedding(request, time.time()))
-
-
-@router.post("/v1/chat/completions", responses=_ERRORS)
-async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
-    return await with_cancellation(raw, _serving(raw).create_chat_completion(request, time.time()))
-
-
-_GENERATE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": GenerateRequest.model_json_schema()}}}}
-
-
-@router.post("/generate", responses=_ERRORS, openapi_extra=_GENERATE_BODY)
-async def generate(raw: Request):
-    """vLLM's legacy endpoint; like vLLM it reads JSON whatever the content type (``curl -d``)."""
-    try:
-        request = GenerateRequest.model_validate_json(await raw.body())
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
-    return await with_cancellation(raw, _serving(raw).generate(request, time.time()))
-
-
-@router.get("/v1/models")
-async def show_models(raw: Request):
-    return _serving(raw).models()
-
-
-@router.post("/tokenize", responses=_ERRORS)
-async def tokenize(request: TokenizeRequest, raw: Request):
-    return await _serving(raw).tokenize(request)
-
-
-@router.post("/detokenize", responses=_ERRORS)
-async def detokenize(request: DetokenizeRequest, raw: Request):
-    return await _serving(raw).detokenize(request)
+router = APIRouter()  # the server's own probes: /health and /metrics
 
 
 @router.get("/health")
@@ -172,11 +99,6 @@ def _describe(err: dict) -> str:
     return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
 
 
-def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
-                        headers=exc.headers)
-
-
 def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
     return JSONResponse(error_body(str(exc), 500), status_code=500)
 
@@ -189,163 +111,67 @@ def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServingError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
     app.add_exception_handler(Exception, _internal_error)
 
 
-class ApiKeyMiddleware:
-    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._ok(scope):
-            body = error_body("invalid or missing API key", 401, code="invalid_api_key")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)
-
-
 # ---------------------------------------------------------------------- request bodies and shutdown
-@dataclass(frozen=True)
-class ServerLimits:
-    """Bounds on what one client can make the server do (the flags of the same names).
-
-    ``max_request_body_bytes``: a larger body is refused with 413 before it is read whole, from its
-    Content-Length up front or, for a chunked body, as soon as the bytes read pass the limit, so one
-    huge prompt can neither fill memory nor hold the tokenizer. The default, 4 MiB (TGI's is 2 MB,
-    nginx's 1 MiB), fits a 128k-token prompt several times over, as text or as token ids.
-    ``request_body_timeout``: seconds to wait for the next piece of a body (nginx's
-    client_body_timeout) before answering 408. ``shutdown_timeout``: seconds SIGINT/SIGTERM lets
-    in-flight requests finish before the rest are aborted; 20 keeps the exit inside Kubernetes'
-    default 30 s grace period.
-    """
-
-    max_request_body_bytes: int = 4 * 2**20
-    request_body_timeout: float = 30.0
-    shutdown_timeout: float = 20.0
-
-    def __post_init__(self):
-        check_int("max_request_body_bytes", self.max_request_body_bytes, 1)
-        for name in ("request_body_timeout", "shutdown_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} is invalid: must be a finite number of seconds")
-        if self.request_body_timeout <= 0:
-            raise ValueError(f"request_body_timeout={self.request_body_timeout!r} is invalid: must be > 0")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} is invalid: must be >= 0")
-
-
-class RequestBodyMiddleware:
-    """Pure ASGI: refuses a body over the size limit (413) or one that stops arriving (408)."""
-
-    def __init__(self, app, limits: ServerLimits):
-        self.app, self.limits = app, limits
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.limits.max_request_body_bytes:
-            exc = _too_large(declared, self.limits)  # refused before a byte of the body is read
-            await _http_error(None, exc)(scope, receive, send)
-            return
-        await self.app(scope, _BodyReader(receive, self.limits), send)
-
-
-class _BodyReader:
-    """Wraps ASGI ``receive``: counts body bytes and bounds the wait for each piece of the body.
-
-    Raises HTTPException (413 or 408) from inside the route's body read, so the app's error
-    handler answers it; the connection is closed since the rest of the body is never read.
-    """
-
-    def __init__(self, receive, limits: ServerLimits):
-        self._receive, self.limits = receive, limits
-        self.received, self.complete = 0, False
-
-    async def __call__(self) -> dict:
-        if self.complete:  # later receives wait for a disconnect, as long as the response takes
-            return await self._receive()
-        try:
-            message = await asyncio.wait_for(self._receive(), self.limits.request_body_timeout)
-        except asyncio.TimeoutError:
-            raise _body_timeout(self.limits) from None
-        if message["type"] == "http.request":
-            self.received += len(message.get("body", b""))
-            self.complete = not message.get("more_body", False)
-            if self.received > self.limits.max_request_body_bytes:
-                raise _too_large(self.received, self.limits, read_so_far=True)
-        return message
-
-
-def _content_length(scope) -> int | None:
-    value = dict(scope["headers"]).get(b"content-length")
-    return int(value) if value is not None and value.isdigit() else None
-
-
-def _too_large(size: int, limits: ServerLimits, read_so_far: bool = False) -> StarletteHTTPException:
-    what = f"more than {limits.max_request_body_bytes}" if read_so_far else str(size)
-    return StarletteHTTPException(413, f"request body is {what} bytes: the limit is {limits.max_request_body_bytes} "
-                                       "bytes (--max-request-body-bytes)", headers={"Connection": "close"})
-
-
-def _body_timeout(limits: ServerLimits) -> StarletteHTTPException:
-    return StarletteHTTPException(408, f"request body incomplete: no data for {limits.request_body_timeout:g} s "
-                                       "(--request-body-timeout)", headers={"Connection": "close"})
-
-
 # ---------------------------------------------------------------------- the app
+# every endpoint family's routes; a new family adds its APIRouter here
+ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, tokenization.router, pooling_router,
+                            lora_router, router]
+
+
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None,
+              chat_template: str | None = None, api_key: str | list[str] | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
-              response_options: ResponseOptions | None = None,
+              response_options: ResponseOptions | None = None, http_options: HttpOptions | None = None,
               responses_store_size: int = DEFAULT_STORE_SIZE,
               lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
-    ``chat_options``: tool calling and reasoning (``--enable-auto-tool-choice``, ``--tool-call-parser``,
-    ``--reasoning-parser``); ``response_options``: ``--enable-prompt-tokens-details``,
-    ``--return-tokens-as-token-ids``; ``lora_modules``: the adapters served by name (``--lora-modules``,
-    with ``--enable-lora``)."""
+    ``chat_options``: tool calling, reasoning and template options (``--enable-auto-tool-choice``,
+    ``--tool-call-parser``, ``--reasoning-parser``...); ``response_options``: ``--enable-prompt-tokens-details``,
+    ``--return-tokens-as-token-ids``; ``http_options``: the deployment (TLS is uvicorn's: see
+    ``uvicorn_kwargs``), ``api_key`` adds keys to its ``api_keys``; ``lora_modules``: the adapters served by
+    name (``--lora-modules``, with ``--enable-lora``)."""
     limits = limits or ServerLimits()
+    http_options = _with_api_keys(http_options or HttpOptions(), api_key)
     async_engine = _as_async_engine(engine)
     names = _served_names(engine, served_model_name)
     prometheus = PrometheusMetrics(names[0], async_engine.model_config.max_model_len)
     async_engine.observers.append(prometheus)
-    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine))
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=_lifespan(async_engine),
+                  **fastapi_kwargs(http_options))
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
     _add_lora(app, async_engine, names, lora_modules)
-    app.include_router(router)
+    for routes in ROUTERS:
+        app.include_router(routes)
     add_responses_api(app, responses_store_size)
-    app.include_router(pooling_router)
-    include_admin_routes(app, api_key)
+    include_admin_routes(app)
     _add_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, limits=limits)
-    if api_key:  # added last, so outermost: a request without the key is refused before its body is read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # outside the body limits: a request without the key is refused before its body is read
+    install_middlewares(app, http_options)
     return app
 
 
+def _with_api_keys(options: HttpOptions, api_key: str | list[str] | None) -> HttpOptions:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    return dataclasses.replace(options, api_keys=(*options.api_keys, *keys)) if keys else options
+
+
 def _add_lora(app: FastAPI, engine: AsyncLLMEngine, names: list[str], modules: list[LoRAModulePath] | None) -> None:
-    """With --enable-lora: the adapters served by name, and the runtime (un)load routes when allowed."""
+    """With --enable-lora: the adapters served by name; the runtime (un)load routes (lora_serving.router)
+    answer only when PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING was set at start-up."""
+    check_lora_modules(modules, engine.engine.lora_registry is not None)
     if engine.engine.lora_registry is None:
-        if modules:
-            raise ValueError("--lora-modules needs --enable-lora")
         return
-    models = app.state.serving.lora_models = LoRAModels(engine, names)
+    models = LoRAModels(engine, names, runtime_updates=envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING)
     models.add_static(modules or [])
-    if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
-        app.include_router(lora_router)
+    app.state.serving.lora_models = models
 
 
 def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
@@ -368,18 +194,6 @@ def _served_names(engine, served_model_name: str | list[str] | None) -> list[str
     return list(engine.model_config.served_model_names) or [engine.model_config.model]
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """A path to a template file, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if value.endswith((".jinja", ".jinja2", ".j2")):
-        raise ValueError(f"chat_template={value!r}: file not found")
-    return value
-
-
 def _lifespan(engine: AsyncLLMEngine):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -398,18 +212,18 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
     g.add_argument("--chat-template", default=None, help="chat template file or string (default: the tokenizer's)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1, /generate, /tokenize, /detokenize "
-                        "(or set $PAGEDLLM_API_KEY)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--config", action=ConfigFileAction, default=None, metavar="YAML",
+                   help="read flags from a YAML file (vLLM's format: max-model-len: 4096); the command line wins")
     g.add_argument("--headless", action="store_true",
                    help="no engine and no API: host this node's ranks of a multi-node launch (--nnodes, --node-rank)")
-    _add_limit_args(parser)
+    add_metrics_args(g)
+    add_http_args(parser)
+    add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
     add_lora_args(parser)
     add_responses_args(parser)
+    add_refused_args(parser)
     add_engine_args(parser)
     add_data_parallel_args(parser)
     return parser
@@ -429,6 +243,16 @@ def _add_chat_args(parser: argparse.ArgumentParser) -> None:
                    help="put a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3 (<think>), "
                         "mistral ([THINK]), granite, openai_gptoss / gpt_oss (harmony analysis channel), "
                         "deepseek_v3 (thinking when chat_template_kwargs has thinking: true)")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="message content in the chat template: a string, OpenAI's list of parts (openai), or "
+                        "the one the template loops over (auto, vLLM's detection)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help="leave the tools out of the chat template when a request says tool_choice 'none'")
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                   help="let requests bring their own chat_template (refused otherwise: a template is code)")
+    g.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
+                   help='template variables for every chat request, as JSON, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's chat_template_kwargs override them)")
 
 
 def _add_response_args(parser: argparse.ArgumentParser) -> None:
@@ -438,58 +262,105 @@ def _add_response_args(parser: argparse.ArgumentParser) -> None:
                    help="add usage.prompt_tokens_details.cached_tokens: prompt tokens served by the prefix cache")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="show logprobs tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="end every stream with the usage chunk (as stream_options.include_usage)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat reply after the generation prompt")
+    g.add_argument("--sse-keep-alive-interval", type=int, default=0,
+                   help="send an SSE keep-alive comment on a completion or chat stream silent this many seconds "
+                        "(for proxies with read timeouts); 0: never")
 
 
 def _response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
     return ResponseOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                           enable_force_include_usage=args.enable_force_include_usage,
+                           response_role=args.response_role,
+                           sse_keep_alive_interval=args.sse_keep_alive_interval)
 
 
 def _chat_options_from_cli(args: argparse.Namespace) -> ChatOptions:
     return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
-
-
-def _add_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The ServerLimits flags (request bodies, shutdown); defaults come from the dataclass."""
-    d = ServerLimits()
-    g = parser.add_argument_group("server limits")
-    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
-                   help="refuse a request body larger than this with HTTP 413, before reading it")
-    g.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
-                   help="seconds to wait for the next part of a request body before answering HTTP 408")
-    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; the rest are then aborted")
-
-
-def _limits_from_cli(args: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
-                        request_body_timeout=args.request_body_timeout, shutdown_timeout=args.shutdown_timeout)
+                       reasoning_parser=args.reasoning_parser,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                       chat_template_content_format=args.chat_template_content_format)
 
 
 def run_server(args: argparse.Namespace) -> int:
     """Loads the model, then serves until interrupted (SIGINT/SIGTERM: drains for --shutdown-timeout)."""
-    import uvicorn
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
-    limits = _limits_from_cli(args)
+    limits = limits_from_cli(args)
     chat_options = _chat_options_from_cli(args)  # checked before the model loads
+    check_refused_args(args)
+    check_lora_modules(args.lora_modules, args.enable_lora)
+    env_keys = (envs.PAGEDLLM_API_KEY,) if envs.PAGEDLLM_API_KEY else ()
+    http_options = http_options_from_cli(args, env_keys)
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
-        return run_data_parallel(args)
+        _check_data_parallel_http(http_options)
+        return run_data_parallel(args, serve=run_server)
     engine_args = engine_args_from_cli(args)
     config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
     from pagedllm.entrypoints.headless import is_headless, run_headless
     if is_headless(config, args.headless):
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
-                    chat_template=args.chat_template, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                    limits=limits, chat_options=chat_options, response_options=_response_options_from_cli(args),
+                    chat_template=args.chat_template, limits=limits, chat_options=chat_options,
+                    response_options=_response_options_from_cli(args), http_options=http_options,
                     responses_store_size=args.responses_store_size, lora_modules=args.lora_modules)
-    # after the timeout uvicorn cancels the remaining request tasks (which aborts their requests)
-    # and runs the lifespan's shutdown, which stops the engine
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=limits.shutdown_timeout)
+    app.state.metrics.names = args.metrics_names
+    # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the
+    # collector need not walk them again: no GC pauses over them while serving, and an exit seconds
+    # shorter (the final collection over torch's and transformers' objects took 2-4 s)
+    gc.collect()
+    gc.freeze()
+    serve_app(app, args.host, args.port, http_options, limits.shutdown_timeout)
     return 0
+
+
+def serve_app(app: FastAPI, host: str, port: int, http_options: HttpOptions, shutdown_timeout: float) -> None:
+    """Runs the app under uvicorn until SIGINT/SIGTERM, then drains: requests get ``shutdown_timeout``
+    seconds to finish; those still running are ended with a ``server_shutdown`` error (``ShutdownGate``)
+    and the lifespan's shutdown stops the engine."""
+    # uvicorn's own deadline a little later than the gate's, so the ended requests' last bytes go out
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + _FLUSH_SECONDS,
+                            **uvicorn_kwargs(http_options))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained for (as uvicorn.run)
+        DrainingServer(config, app.state.serving.shutdown_gate, shutdown_timeout).run()
+
+
+_FLUSH_SECONDS = 0.5  # after the shutdown deadline: time for the error events and 503s to reach the clients
+
+
+def _check_data_parallel_http(options: HttpOptions) -> None:
+    """The data-parallel router serves plain HTTP on --host/--port (API keys are checked by the replicas)."""
+    plain = dataclasses.replace(HttpOptions(), api_keys=options.api_keys, uvicorn_log_level=options.uvicorn_log_level)
+    changed = [f.name for f in dataclasses.fields(HttpOptions) if getattr(options, f.name) != getattr(plain, f.name)]
+    if changed:
+        raise ValueError(f"{changed} with --data-parallel-size > 1 is not supported: start `pagedllm router` with "
+                         "these flags in front of `pagedllm serve` replicas")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGINT/SIGTERM also arms the ShutdownGate's deadline."""
+
+    def __init__(self, config: uvicorn.Config, gate: ShutdownGate, timeout: float):
+        super().__init__(config)
+        self.gate, self.timeout = gate, timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.armed = False
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None and not self.armed:  # in a signal handler: only hand the loop a callback
+            self.armed = True
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.timeout, self.gate.expire)
 
 
 def register(subparsers) -> None:

@@ -4,7 +4,9 @@ template, and the per-choice parser that turns generated text into ``reasoning_c
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,16 +15,34 @@ from .request_fields import RequestFieldError
 from .tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, get_tool_parser, tool_schemas
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
+# apply_chat_template's own arguments: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """The server's chat flags: ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser``."""
+    """The server's chat flags (vLLM's names): ``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--reasoning-parser``; ``--trust-request-chat-template`` (else a request's own ``chat_template`` is
+    refused: a template is code the server runs); ``--default-chat-template-kwargs`` (template variables a
+    request's ``chat_template_kwargs`` override); ``--exclude-tools-when-tool-choice-none``;
+    ``--chat-template-content-format`` (message content as a string or a list of parts; "auto": the
+    one the template reads)."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self):
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={self.chat_template_content_format!r} is invalid: "
+                             f"must be one of {list(CONTENT_FORMATS)}")
         if self.tool_call_parser is not None:
             TOOL_PARSERS.check(self.tool_call_parser)
             if self.reasoning_parser is None:  # a format that comes with its reasoning (gpt-oss's harmony)
@@ -31,6 +51,13 @@ class ChatOptions:
             REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (--tool-call-parser NAME)")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs={self.default_chat_template_kwargs!r} is invalid: "
+                             "must be a JSON object of template variables")
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & self.default_chat_template_kwargs.keys())
+        if clash:
+            raise ValueError(f"default_chat_template_kwargs may not set {clash}: they are request fields or "
+                             "apply_chat_template's own arguments")
 
 
 # ---------------------------------------------------------------------- tools and tool_choice
@@ -224,3 +251,68 @@ class ChoiceParser:
         return {"content": None if calls and not content.strip() else content,
                 "reasoning_content": (reasoning or None) if self.include_reasoning else None,
                 "tool_calls": calls or None}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A path to a template file, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if value.endswith((".jinja", ".jinja2", ".j2")):
+        raise ValueError(f"chat_template={value!r}: file not found")
+    return value
+
+
+# ---------------------------------------------------------------------- message content format
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def content_for_template(text: str, content_format: str) -> str | list[dict]:
+    """A message's text as the template reads it: a string, or OpenAI's list of parts ("openai")."""
+    return [{"type": "text", "text": text}] if content_format == "openai" else text
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """vLLM's ``--chat-template-content-format auto``: "openai" when the template loops over a
+    message's ``content`` (a list of parts), else "string". The rule of vLLM's renderers/hf.py,
+    following variables assigned from ``messages`` and the loops over them; its tracing of content
+    passed through macro parameters is left out (such a template reads as "string")."""
+    import jinja2
+    from jinja2 import nodes
+    try:
+        root = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    messages = {"messages"}
+    changed = True
+    while changed:  # {% set loop_messages = messages[1:] %} and the like
+        changed = False
+        for assign in root.find_all(nodes.Assign):
+            if (isinstance(assign.target, nodes.Name) and assign.target.name not in messages
+                    and any(_reads(assign.node, name) for name in messages)):
+                messages.add(assign.target.name)
+                changed = True
+    items = {loop.target.name for loop in root.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name) for name in messages)}
+    for loop in root.find_all(nodes.For):
+        if any(_reads(loop.iter, item, "content") for item in items) or (
+                isinstance(loop.iter, nodes.Name) and loop.iter.name == "content"):
+            return "openai"
+    return "string"
+
+
+def _reads(node, varname: str, key: str | None = None) -> bool:
+    """Whether ``node`` is ``varname`` (or its ``key`` item/attribute), through filters, tests and slices."""
+    from jinja2 import nodes
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, varname, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, varname, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == varname
+    if isinstance(node, nodes.Getitem):
+        return _reads(node.node, varname) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    return isinstance(node, nodes.Getattr) and _reads(node.node, varname) and node.attr == key

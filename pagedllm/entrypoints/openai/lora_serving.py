@@ -1,7 +1,8 @@
 """LoRA adapters on the server (vLLM's): ``--lora-modules name=path`` (or the JSON form with
 ``base_model_name``), each served as a model of its own (``model=name`` picks it, ``/v1/models``
 lists it with its ``parent``); ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
-when ``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` (or vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is set.
+(this module's ``router``, in the app's ROUTERS) answer when ``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING``
+(or vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) was set at start-up, and are a 404 saying so otherwise.
 
 Every adapter gets a fresh ``lora_int_id``: one reloaded under the same name is another adapter
 to the engine, so its slots and prefix-cache blocks never mix with the old weights.
@@ -17,9 +18,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.protocol import ModelCard
-from pagedllm.entrypoints.openai.serving import ServingError
 from pagedllm.lora.request import LoRARequest
+
+from .protocol import ModelCard
+from .serving_base import ERROR_RESPONSES, ServingError, serving_of
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,18 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
                         '"base_model_name": ...}; requests pick one with model=name')
 
 
+def check_lora_modules(modules: list[LoRAModulePath] | None, enable_lora: bool) -> None:
+    """Adapters to serve need an engine with LoRA slots (checked before the model loads)."""
+    if modules and not enable_lora:
+        raise ValueError(f"--lora-modules {' '.join(f'{m.name}={m.path}' for m in modules)} needs --enable-lora")
+
+
 class LoRAModels:
     """The adapters this server serves, by name (a name is not also a base model name)."""
 
-    def __init__(self, engine: AsyncLLMEngine, base_names: list[str]):
+    def __init__(self, engine: AsyncLLMEngine, base_names: list[str], runtime_updates: bool = False):
         self.engine, self.base_names = engine, base_names
+        self.runtime_updates = runtime_updates  # the (un)load routes answer
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
@@ -115,20 +124,26 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-lora_router = APIRouter()
+router = APIRouter()
 
 
 def _models(raw: Request) -> LoRAModels:
-    return raw.app.state.serving.lora_models
+    """The server's adapters, when runtime loading is on (else a 404 that says how to turn it on)."""
+    models = serving_of(raw).lora_models
+    if models is None or not models.runtime_updates:
+        raise ServingError("loading LoRA adapters at run time is off: start the server with --enable-lora and "
+                           "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)", 404,
+                           code="NotFoundError")
+    return models
 
 
-@lora_router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw: Request):
     await _models(raw).load(request.lora_name, request.lora_path)
     return f"Success: LoRA adapter '{request.lora_name}' added successfully."
 
 
-@lora_router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw: Request):
     _models(raw).unload(request.lora_name)
     return f"Success: LoRA adapter '{request.lora_name}' removed successfully."

@@ -136,9 +136,15 @@ class CompletionRequest(SamplingFields):
         return value
 
 
+class ImageURL(StrictModel):
+    url: str  # data: (base64), file:// or http(s):// (entrypoints/openai/media.py says which are allowed)
+    detail: Literal["auto"] | None = None  # OpenAI's resize hint: the model's own processor sizes images here
+
+
 class ContentPart(StrictModel):
-    type: str
+    type: str  # "text" or "image_url"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(StrictModel):

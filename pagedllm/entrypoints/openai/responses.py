@@ -31,6 +31,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 
+from pagedllm.entrypoints.http_common import with_cancellation
 from pagedllm.outputs import RequestOutput
 from pagedllm.utils import check_int
 
@@ -556,7 +557,6 @@ def _responses(raw: Request) -> ResponsesServing:
 
 
 async def _cancellable(raw: Request, handler):
-    from .api_server import with_cancellation  # the server's; imported here, the server imports this module
     return await with_cancellation(raw, handler)
 
 

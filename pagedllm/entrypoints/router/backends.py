@@ -33,12 +33,15 @@ class Backend:
 
 
 def queue_depth(metrics_text: str) -> int:
-    """Running + waiting requests in a Prometheus text exposition (0 when it has neither)."""
-    total = 0.0
+    """Running + waiting requests in a Prometheus text exposition (0 when it has neither), under
+    any server's prefix; a server exporting the same requests under two (pagedllm's default
+    ``--metrics-names both``: ``pagedllm:`` and ``vllm:``) counts once, by its largest."""
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         if family.name.endswith(_QUEUE_SUFFIXES):
-            total += sum(sample.value for sample in family.samples)
-    return int(total)
+            prefix = family.name.split(":", 1)[0]
+            totals[prefix] = totals.get(prefix, 0.0) + sum(sample.value for sample in family.samples)
+    return int(max(totals.values(), default=0.0))
 
 
 class BackendPool:
@@ -71,14 +74,15 @@ class BackendPool:
 
     async def check(self, url: str) -> None:
         """``GET /health`` (200 = up), then ``GET /metrics`` for its queue depth."""
-        reason = await self._health_error(url)
+        reason = await self.health_error(url)
         if reason is not None:
             self.mark_down(url, reason)
             return
         self.mark_up(url)
         self.backends[url].queued = await self._scraped_queue(url)
 
-    async def _health_error(self, url: str) -> str | None:
+    async def health_error(self, url: str) -> str | None:
+        """Why ``GET /health`` on the backend fails now, or None when it answers 200."""
         try:
             response = await self.client.get(f"{url}/health", timeout=PROBE_TIMEOUT)
         except httpx.HTTPError as exc:

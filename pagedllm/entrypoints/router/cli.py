@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from dataclasses import fields
 
 import httpx
+
+from pagedllm import envs
+from pagedllm.entrypoints.http_common import HttpOptions, add_http_args, http_options_from_cli, uvicorn_kwargs
+from pagedllm.entrypoints.http_guards import add_limit_args, limits_from_cli
+from pagedllm.entrypoints.openai.chat_features import load_chat_template
 
 from .backends import BackendPool
 from .config import ROUTING_POLICIES, RouterConfig
@@ -14,7 +20,8 @@ _DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
 # the routing flags' defaults (shared by both commands)
 ROUTING_DEFAULTS = {"routing_policy": _DEFAULTS["policy"], "prefix_table_size": _DEFAULTS["prefix_table_size"],
                     "balance_threshold": _DEFAULTS["balance_threshold"],
-                    "health_check_interval": _DEFAULTS["health_check_interval"]}
+                    "health_check_interval": _DEFAULTS["health_check_interval"],
+                    "metrics_public": _DEFAULTS["metrics_public"]}
 
 
 def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") -> None:
@@ -30,6 +37,9 @@ def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") ->
                    help="requests in flight the prefix holder may have beyond the least loaded backend")
     g.add_argument("--health-check-interval", type=float, default=d["health_check_interval"],
                    help="seconds between GET /health and /metrics probes of each backend")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key: leave the router's /metrics and /router/backends open (they list the "
+                        "backends' URLs and load); /health is always open")
 
 
 EXAMPLES = """examples:
@@ -60,27 +70,40 @@ def register(subparsers) -> None:
                    help="seconds each backend gets to pass GET /health before the router refuses to start")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS["request_timeout"],
                    help="seconds a backend may go silent during a request before the client gets 504")
-    p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set $PAGEDLLM_API_KEY)")
+    p.add_argument("--backend-api-key", default=None,
+                   help="the key to send the backends (Authorization: Bearer KEY) in place of the client's; "
+                        "by default the client's Authorization header is passed on as it came")
     add_routing_args(p)
+    add_limit_args(p)
+    add_http_args(p, api_key=False, uvicorn_log_level="warning")
     p.set_defaults(func=run_router)
 
 
 def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed) -> RouterConfig:
-    """The RouterConfig of the routing flags; ``fixed`` supplies the rest (tokenizer, block size...)."""
+    """The RouterConfig of the routing, limit and API key flags (both commands have them); ``fixed``
+    supplies the rest (tokenizer, block size...)."""
     return RouterConfig(backends=backends, policy=args.routing_policy, prefix_table_size=args.prefix_table_size,
                         balance_threshold=args.balance_threshold, health_check_interval=args.health_check_interval,
-                        **fixed)
+                        api_key=api_key_from_cli(args), metrics_public=args.metrics_public,
+                        limits=limits_from_cli(args), **fixed)
+
+
+def api_key_from_cli(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else $PAGEDLLM_API_KEY (as the server reads it), else None."""
+    return args.api_key or envs.PAGEDLLM_API_KEY or None
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import load_chat_template
     resolved = _resolved_tokenizer(args.tokenizer or args.model)
     config = config_from_cli(args, tuple(args.backend), tokenizer=resolved, trust_remote_code=args.trust_remote_code,
                              chat_template=load_chat_template(args.chat_template), block_size=args.block_size,
-                             startup_timeout=args.startup_timeout, request_timeout=args.request_timeout)
+                             startup_timeout=args.startup_timeout, request_timeout=args.request_timeout,
+                             backend_api_key=args.backend_api_key)
+    http_options = http_options_from_cli(args)
     asyncio.run(check_reachable(config))
-    serve_router(config, args.host, args.port, args.uvicorn_log_level)
+    serve_router(config, args.host, args.port, args.uvicorn_log_level, http_options)
     return 0
 
 
@@ -97,10 +120,16 @@ async def check_reachable(config: RouterConfig) -> None:
         await BackendPool(config.backends, client).wait_reachable(config.startup_timeout)
 
 
-def serve_router(config: RouterConfig, host: str, port: int, log_level: str) -> None:
-    """Runs the router app until interrupted."""
+def serve_router(config: RouterConfig, host: str, port: int, log_level: str,
+                 http_options: HttpOptions | None = None) -> None:
+    """Runs the router app until interrupted (then lets relayed requests finish for the limits'
+    ``shutdown_timeout`` seconds; closing the rest makes their backends abort them);
+    ``http_options``: the deployment flags (TLS, CORS, root path, request ids and logging,
+    middleware), ``log_level`` overriding theirs."""
     import uvicorn
 
     from .app import build_router_app, load_hasher
-    app = build_router_app(config, load_hasher(config))
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    http_options = dataclasses.replace(http_options or HttpOptions(), uvicorn_log_level=log_level)
+    app = build_router_app(config, load_hasher(config), http_options)
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=config.limits.shutdown_timeout,
+                **uvicorn_kwargs(http_options))

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pagedllm.config import check_block_size
+from pagedllm.entrypoints.http_guards import ServerLimits
 from pagedllm.utils import check_int, check_seconds
 
 # prefix: longest cached prefix, balanced against load; least_loaded: fewest requests in flight;
@@ -23,6 +24,12 @@ class RouterConfig:
     ``prefix_table_size`` bounds the remembered block hashes (LRU, all backends together).
     ``balance_threshold``: when the backend holding the longest prefix has more than this many
     requests in flight beyond the least loaded one, the least loaded one gets the request.
+
+    ``api_key``: clients must send ``Authorization: Bearer <api_key>`` on every route but
+    ``/health`` (``/metrics`` and ``/router/backends`` too, unless ``metrics_public``).
+    ``backend_api_key``: the key the router sends the backends in place of the client's
+    ``Authorization`` (None: the client's header is passed on as it came). ``limits``: the request
+    body size and read timeout (413/408, as the replicas) and the graceful shutdown timeout.
     """
 
     backends: tuple[str, ...]
@@ -36,6 +43,10 @@ class RouterConfig:
     health_check_interval: float = 2.0
     startup_timeout: float = 10.0
     request_timeout: float = 600.0
+    api_key: str | None = None
+    backend_api_key: str | None = None
+    metrics_public: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self):
         if not self.backends:
@@ -55,7 +66,19 @@ class RouterConfig:
         self._check_prefix_only_options()
         for name in ("health_check_interval", "startup_timeout", "request_timeout"):
             check_seconds(name, getattr(self, name))
+        self._check_keys()
 
+    def _check_keys(self) -> None:
+        for name in ("api_key", "backend_api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
+                raise ValueError(f"{name} is invalid: must be a non-empty printable string (or unset)")
+        if not isinstance(self.metrics_public, bool):
+            raise ValueError(f"metrics_public={self.metrics_public!r} is invalid: must be true or false")
+        if self.metrics_public and self.api_key is None:
+            raise ValueError("metrics_public=True applies only with an api_key (without one every route is public)")
+        if not isinstance(self.limits, ServerLimits):
+            raise ValueError(f"limits={self.limits!r} is invalid: must be a ServerLimits")
 
     def _check_prefix_only_options(self) -> None:
         """The prefix table and its load balance exist only under the prefix policy: set with

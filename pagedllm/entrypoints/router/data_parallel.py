@@ -3,7 +3,10 @@
 Each replica is an ordinary ``serve`` process (its own engine, scheduler and KV pool) on an
 internal 127.0.0.1 port, started with ``multiprocessing`` (spawn) from the parent's parsed flags;
 the parent runs the router on ``--host``/``--port``. This reuses the whole server unchanged, and a
-replica that crashes takes only its own requests with it (the router fails over). The replicas
+replica that crashes takes only its own requests with it (the router fails over). The server hands
+in its own entry point (``serve``), so this module never imports the server that imports it.
+The router takes the server's ``--api-key`` (and sends it to the replicas, which check it too) and
+its request body limits. The replicas
 split the machine: on CPU each gets ``cores // (N x TP)`` torch threads (unless ``--num-threads``
 says otherwise) and ``1/N`` of ``--gpu-memory-utilization``; on CUDA replica i gets device i.
 """
@@ -18,16 +21,19 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
+from pagedllm.entrypoints.openai.chat_features import load_chat_template
 from pagedllm.utils import check_int
 
-from .cli import ROUTING_DEFAULTS, add_routing_args, config_from_cli, serve_router
+from .cli import ROUTING_DEFAULTS, add_routing_args, api_key_from_cli, config_from_cli, serve_router
 
 logger = logging.getLogger(__name__)
-
+# ``pagedllm serve``'s entry point (api_server.run_server): parsed flags in, exit status out
+ServeFn = Callable[[argparse.Namespace], int]
 
 
 @dataclass(frozen=True)
@@ -119,13 +125,12 @@ def replica_args(args: argparse.Namespace, plan: ReplicaPlan) -> argparse.Namesp
     return argparse.Namespace(**(values | ROUTING_DEFAULTS))
 
 
-def _replica_main(args: argparse.Namespace, parent_pid: int, index: int) -> None:
+def _replica_main(serve: ServeFn, args: argparse.Namespace, parent_pid: int, index: int) -> None:
     """A replica process: the ordinary server, which stops when the parent goes away."""
-    from pagedllm.entrypoints.openai.api_server import run_server
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s dp{index} %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        sys.exit(run_server(args))
+        sys.exit(serve(args))
     except (ValueError, TypeError) as exc:
         print(f"pagedllm serve (data-parallel replica {index}): error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -138,12 +143,13 @@ def _exit_with_parent(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def start_replicas(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list:
+def start_replicas(serve: ServeFn, args: argparse.Namespace, plans: list[ReplicaPlan]) -> list:
+    """One spawned process per plan, running ``serve`` (a module-level function: spawn pickles it by name)."""
     ctx = multiprocessing.get_context("spawn")
     processes = []
     for plan in plans:
         p = ctx.Process(target=_replica_main, name=f"pagedllm-dp{plan.index}",
-                        args=(replica_args(args, plan), os.getpid(), plan.index))
+                        args=(serve, replica_args(args, plan), os.getpid(), plan.index))
         p.start()
         processes.append(p)
     return processes
@@ -188,16 +194,13 @@ def stop_replicas(processes: list, grace: float) -> None:
             p.join(5)
 
 
-def run_data_parallel(args: argparse.Namespace) -> int:
-    """Starts the replicas, serves the router until interrupted, then stops the replicas."""
+def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
+    """Starts the replicas (each runs ``serve``), serves the router until interrupted, then stops the replicas."""
     from pagedllm.engine.arg_utils import engine_args_from_cli
-    from pagedllm.entrypoints.openai.api_server import load_chat_template
     config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, before N processes start
     plans = plan_replicas(args, config)
-    router_config = config_from_cli(args, tuple(p.url for p in plans), tokenizer=config.model.tokenizer,
-                                    trust_remote_code=args.trust_remote_code, block_size=args.block_size,
-                                    chat_template=load_chat_template(args.chat_template))
-    processes = start_replicas(args, plans)
+    router_config = router_config_of(args, config, plans)
+    processes = start_replicas(serve, args, plans)
     try:
         wait_healthy(plans, processes, args.data_parallel_startup_timeout)
         logger.warning("data parallel: %d replicas at %s", len(plans), ", ".join(p.url for p in plans))
@@ -208,3 +211,12 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     finally:
         stop_replicas(processes, args.shutdown_timeout)
     return 0
+
+
+def router_config_of(args: argparse.Namespace, config, plans: list[ReplicaPlan]):
+    """The parent's RouterConfig: the routing, limit and key flags of ``serve``; the replicas (same
+    flags, same key) are sent that key, so the client's own header never has to match theirs."""
+    return config_from_cli(args, tuple(p.url for p in plans), tokenizer=config.model.tokenizer,
+                           trust_remote_code=args.trust_remote_code, block_size=args.block_size,
+                           chat_template=load_chat_template(args.chat_template),
+                           backend_api_key=api_key_from_cli(args))

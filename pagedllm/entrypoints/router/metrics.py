@@ -32,7 +32,7 @@ class _BackendStateCollector(Collector):
 
 
 class RouterMetrics:
-    """Counters by backend: requests sent, prefix-affinity hits, failovers, broken streams."""
+    """Counters by backend: requests sent, prefix-affinity hits, failovers, times taken out, broken streams."""
 
     def __init__(self, pool: BackendPool):
         self.registry = CollectorRegistry()
@@ -42,12 +42,15 @@ class RouterMetrics:
                                            "Requests sent to a backend because it held a prefix of the prompt.")
         self.matched_tokens = self._counter("prefix_matched_tokens",
                                             "Prompt tokens the chosen backend held by the router's table.")
-        self.failovers = self._counter("failovers", "Requests moved away from a failed backend before output.")
+        self.failovers = self._counter("failovers", "Requests moved away from a backend before output (it failed, "
+                                       "or it dropped this request's connection while healthy).")
+        self.taken_out = self._counter("backend_taken_out", "Times the backend was taken out of rotation (its own "
+                                       "failure: a failed health check, or a failed request confirmed by one).")
         self.stream_errors = self._counter("stream_errors",
                                            "Streams that broke after output began (ended with an error event).")
         for url in pool.backends:  # every series exists from the start, at 0
             for counter in (self.requests, self.affinity_hits, self.matched_tokens, self.failovers,
-                            self.stream_errors):
+                            self.taken_out, self.stream_errors):
                 counter.labels(backend=url)
 
     def _counter(self, name: str, doc: str) -> Counter:

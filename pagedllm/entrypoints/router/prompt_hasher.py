@@ -1,7 +1,7 @@
 """A request's prompt blocks, hashed as the replica's engine will hash them.
 
 The router tokenizes with the replicas' tokenizer and renders chat messages with the server's own
-function (``serving.render_chat``, the same template choice: the request's, else the one the
+function (``openai_common.render_chat``, the same template choice: the request's, else the one the
 replicas were started with, else the tokenizer's), then chains ``prefix_hash.extend_block_hashes``
 over the token ids with the replicas' block size. For a pagedllm replica these are the very hashes
 its prefix cache looks up; for another server they are a consistent key for the same prefix.
@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from pagedllm.entrypoints.openai.serving import OpenAIServing, render_chat
+from pagedllm.entrypoints.openai_common import render_chat, template_options
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class PromptHasher:
         if path == "/v1/chat/completions":
             req = ChatCompletionRequest.model_validate(data)
             text = render_chat(self.tokenizer, self.chat_template, req.messages, req.add_generation_prompt,
-                               **OpenAIServing.template_options(req))
+                               **template_options(req))
             return self._encode(text, req.add_special_tokens)
         req = (EmbeddingRequest if path == "/v1/embeddings" else CompletionRequest).model_validate(data)
         prompt = req.input if path == "/v1/embeddings" else req.prompt

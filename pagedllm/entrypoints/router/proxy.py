@@ -2,11 +2,19 @@
 
 A request is *pending* until its first byte reaches the client: for a stream, until the backend
 sends its first event (a pagedllm server sends none before the first generated token); for a
-plain response, until the backend's whole answer arrived. A backend that fails (cannot be reached,
-drops the connection, or answers 502/503/504) while a request is pending is taken out and the
-request goes to the next backend: generation has no side effects, so this is a safe retry. Once a
-stream began it cannot be replayed transparently (the client already holds part of one answer):
-the router then ends it with an OpenAI-style ``{"error": ...}`` event and ``[DONE]``.
+plain response, until the backend's whole answer arrived. A backend that fails while a request is
+pending is taken out and the request goes to the next backend: generation has no side effects, so
+this is a safe retry. Once a stream began it cannot be replayed transparently (the client already
+holds part of one answer): the router then ends it with an OpenAI-style ``{"error": ...}`` event
+and ``[DONE]``.
+
+Only the backend's own failure takes it out, never what one client sent: a backend that cannot be
+reached or answers 502/503/504 is out; one that drops a connection or answers 500 is out only if
+its ``GET /health`` fails right after. A 4xx (and a 500 from a healthy backend) is the backend's
+answer to this request and is relayed unchanged. A healthy backend that stops reading a request
+body and drops the connection refused the body (a server answers 413 and closes; the reset loses
+that answer): the client gets 413 and nothing is retried. A healthy backend that drops a
+connection after taking the whole body is skipped for this request only.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.serving import error_body, sse
+from pagedllm.entrypoints.http_common import error_body, sse
 
 from .backends import Backend, BackendPool
 from .config import RouterConfig
@@ -43,7 +51,29 @@ _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 
 class BackendFailed(Exception):
-    """The backend failed while the request was pending: take it out, try the next one."""
+    """The request failed on a backend while pending: try the next one; ``down``: the backend itself
+    failed (take it out), else only this request's connection did."""
+
+    def __init__(self, reason: str, down: bool = True):
+        super().__init__(reason)
+        self.down = down
+
+
+class ConnectionLost(Exception):
+    """A connection to the backend failed after it was made: whether the backend failed is judged
+    by its health check (``Router._judge``)."""
+
+
+class Upload:
+    """A request body handed to httpx as a stream, so the router knows whether the backend took it
+    all: ``complete`` stays False when the backend stopped reading and dropped the connection."""
+
+    def __init__(self, body: bytes):
+        self.body, self.complete = body, not body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.body
+        self.complete = True  # resumed only after the transport wrote the body
 
 
 class Router:
@@ -58,10 +88,15 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=CONNECT_TIMEOUT),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.table = PrefixTable(config.prefix_table_size)
-        self.pool = BackendPool(config.backends, self.client, on_down=self.table.forget)
+        self.pool = BackendPool(config.backends, self.client, on_down=self._taken_out)
         self.picker = Picker(config.policy, config.balance_threshold)
         self.metrics = RouterMetrics(self.pool)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
+
+    def _taken_out(self, url: str) -> None:
+        """A backend left rotation: its cache is assumed lost."""
+        self.table.forget(url)
+        self.metrics.taken_out.labels(backend=url).inc()
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -94,10 +129,12 @@ class Router:
     async def forward(self, method: str, path_qs: str, headers: dict[str, str], body: bytes) -> Response:
         """Sends the request to backends in turn until one answers; 503 when none can."""
         path = path_qs.split("?", 1)[0]
+        headers = backend_headers(headers, self.config.backend_api_key)
         data = parse_body(body)  # once: the hasher and the stream check both read it
         hashes = await self.prompt_hashes(path, data)
         stream = wants_stream(data)
         tried: set[str] = set()
+        skipped: list[str] = []  # healthy backends that dropped this request's connection
         while (choice := self.choose(hashes, tried)) is not None:
             backend = choice.backend
             tried.add(backend.url)
@@ -107,8 +144,19 @@ class Router:
                 message = f"backend {backend.url} did not answer within {self.config.request_timeout:g} s"
                 return JSONResponse(error_body(message, 504), status_code=504)
             except BackendFailed as exc:
-                self.pool.mark_down(backend.url, str(exc))
+                if exc.down:
+                    self.pool.mark_down(backend.url, str(exc))
+                else:
+                    skipped.append(f"{backend.url}: {exc}")
                 self.metrics.failovers.labels(backend=backend.url).inc()
+        return self._unanswered(tried, skipped)
+
+    def _unanswered(self, tried: set[str], skipped: list[str]) -> JSONResponse:
+        """502 when healthy backends dropped this request's connection (the request, not the backends,
+        is the likely cause); 503 when no backend was healthy."""
+        if skipped:
+            message = f"every backend tried closed the connection without answering: {'; '.join(skipped)}"
+            return JSONResponse(error_body(message, 502), status_code=502)
         message = f"no healthy backend could take the request (tried {sorted(tried)})" if tried else \
             "no healthy backend: every backend failed its health check"
         return JSONResponse(error_body(message, 503), status_code=503)
@@ -116,29 +164,52 @@ class Router:
     async def _attempt(self, backend: Backend, method: str, path_qs: str, headers: dict[str, str], body: bytes,
                        stream: bool) -> Response:
         """One try on ``backend``; releases its in-flight slot unless a relayed stream now owns it."""
-        owned_by_stream = False
+        owned_by_stream, upload = False, Upload(body)
         try:
-            upstream = await self._send(backend, method, path_qs, headers, body)
+            upstream = await self._send(backend, method, path_qs, headers, upload)
             if not stream or upstream.status_code != 200:
                 return await self._whole(backend, upstream)
             response = await self._stream(backend, upstream)
             owned_by_stream = True
             return response
+        except ConnectionLost as exc:
+            return await self._judge(backend, exc, upload)
         finally:
             if not owned_by_stream:
                 backend.in_flight -= 1
 
     async def _send(self, backend: Backend, method: str, path_qs: str, headers: dict[str, str],
-                    body: bytes) -> httpx.Response:
-        request = self.client.build_request(method, backend.url + path_qs, headers=headers, content=body)
+                    upload: Upload) -> httpx.Response:
+        if upload.body:  # streamed with its length (not chunked), to learn whether the backend read it all
+            headers = headers | {"content-length": str(len(upload.body))}
+        request = self.client.build_request(method, backend.url + path_qs, headers=headers,
+                                            content=upload if upload.body else b"")
         try:
             upstream = await self.client.send(request, stream=True)
         except httpx.TransportError as exc:
-            raise_failure(exc, "unreachable")
+            raise_failure(exc, "connection lost before the response")
         if upstream.status_code in _BACKEND_DOWN_STATUSES:
             await upstream.aclose()
             raise BackendFailed(f"answered {upstream.status_code} {method} {path_qs}")
+        if upstream.status_code == 500 and (reason := await self.pool.health_error(backend.url)) is not None:
+            await upstream.aclose()  # a 500 from a backend whose health check fails: its engine died
+            raise BackendFailed(f"answered 500 {method} {path_qs}, then GET /health: {reason}")
         return upstream
+
+    async def _judge(self, backend: Backend, lost: ConnectionLost, upload: Upload) -> Response:
+        """A dropped connection: the backend is taken out (BackendFailed) only if its health check
+        fails now too. A healthy one that stopped reading the body refused it (413, not retried: the
+        next backend has the same limit); one that took the body is skipped for this request."""
+        reason = await self.pool.health_error(backend.url)
+        if reason is not None:
+            raise BackendFailed(f"{lost}, then GET /health: {reason}")
+        if not upload.complete:
+            allowed = self.config.limits.max_request_body_bytes
+            message = (f"backend {backend.url} stopped reading the {len(upload.body)}-byte request body and closed "
+                       "the connection: the body is over its size limit (a pagedllm server's "
+                       f"--max-request-body-bytes; this router allows {allowed} bytes)")
+            return JSONResponse(error_body(message, 413), status_code=413)
+        raise BackendFailed(str(lost), down=False)
 
     async def _whole(self, backend: Backend, upstream: httpx.Response) -> Response:
         """The backend's whole answer, relayed once it has arrived (retried elsewhere if it breaks)."""
@@ -171,16 +242,18 @@ class Router:
             async for event in events:
                 yield event
         except httpx.TransportError as exc:
-            yield self._broken_stream(backend, exc)
+            yield await self._broken_stream(backend, exc)
         finally:  # also when the client leaves: closing the upstream makes the backend abort the request
             backend.in_flight -= 1
             await close_quietly(upstream)
 
-    def _broken_stream(self, backend: Backend, exc: Exception) -> bytes:
-        """The error event that ends a stream whose backend failed after output began."""
+    async def _broken_stream(self, backend: Backend, exc: Exception) -> bytes:
+        """The error event that ends a stream whose backend failed after output began (the backend is
+        taken out if its health check fails too)."""
         self.metrics.stream_errors.labels(backend=backend.url).inc()
-        if not isinstance(exc, httpx.TimeoutException):
-            self.pool.mark_down(backend.url, f"stream broke ({type(exc).__name__}: {exc})")
+        reason = None if isinstance(exc, httpx.TimeoutException) else await self.pool.health_error(backend.url)
+        if reason is not None:
+            self.pool.mark_down(backend.url, f"stream broke ({type(exc).__name__}: {exc}), then GET /health: {reason}")
         message = (f"backend {backend.url} failed after the stream began ({type(exc).__name__}); a started stream "
                    "cannot be replayed on another backend: send the request again")
         return (sse(error_body(message, 502)) + sse("[DONE]")).encode()
@@ -193,11 +266,14 @@ class Router:
 
 
 def raise_failure(exc: httpx.TransportError, when: str) -> NoReturn:
-    """Raises what a transport error means: BackendFailed (take the backend out, retry elsewhere),
+    """Raises what a transport error means: BackendFailed for a backend that cannot be reached (take
+    it out, retry elsewhere), ConnectionLost for a connection dropped once made (see ``_judge``),
     or, for a read that outlived ``request_timeout``, the timeout itself (the client gets 504)."""
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        raise BackendFailed(f"unreachable ({type(exc).__name__}: {exc})") from exc
+    if isinstance(exc, httpx.TimeoutException):
         raise exc
-    raise BackendFailed(f"{when} ({type(exc).__name__}: {exc})") from exc
+    raise ConnectionLost(f"{when} ({type(exc).__name__}: {exc})") from exc
 
 
 async def close_quietly(upstream: httpx.Response) -> None:
@@ -237,6 +313,14 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 def request_headers(headers) -> dict[str, str]:
     """The client's headers worth passing on (Authorization included: the backends check keys)."""
     return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_REQUEST_HEADERS}
+
+
+def backend_headers(headers: dict[str, str], backend_api_key: str | None) -> dict[str, str]:
+    """The headers sent on: the client's, with ``Authorization`` replaced by the backends' key if set."""
+    if backend_api_key is None:
+        return headers
+    kept = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    return kept | {"authorization": f"Bearer {backend_api_key}"}
 
 
 def response_headers(headers) -> dict[str, str]:

@@ -11,25 +11,31 @@ bytes (no pickle)::
 The CRC covers the header (up to the CRC) and the payload. A file is written to a temporary
 name in its directory and renamed over the final one, so a reader sees a whole file or none; a
 file that is torn, corrupt, or carries another fingerprint / hash / shape is a miss: logged
-once, deleted, never loaded. The byte budget covers every file under ``root`` (all
-fingerprints, all processes): writers take an exclusive ``flock`` on ``<root>/.lock`` and evict
-the least recently used files (by modification time; a read touches its file) before writing.
+once, deleted (or, where it cannot be, remembered and skipped), never loaded. The byte budget
+covers every file under ``root`` (all fingerprints, all processes): writers take an exclusive
+``flock`` on ``<root>/.lock`` and evict the least recently used files (by modification time;
+a read touches its file) before writing.
+
+Every filesystem call goes through ``self.fs`` (:class:`~.tier_fs.TierFS`) and none raises: a
+failed call is a miss (or a write that did not land), counted in ``self.health``, which disables
+the tier when one operation keeps failing (``tier_fs.py``).
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from pagedllm.kv_cache.offload import tier_fs
 from pagedllm.kv_cache.offload.fingerprint import dtype_name
+from pagedllm.kv_cache.offload.tier_fs import TierFS, TierHealth
 
 logger = logging.getLogger(__name__)
 
@@ -38,55 +44,94 @@ VERSION = 1
 SUFFIX = ".kv"
 _TMP_MARK = ".tmp."
 _STALE_TMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
+_FAILED = object()  # what DiskTier._call returns for a call that raised
 
 
 class DiskTier:
-    """Block files for one fingerprint under ``root``, within ``budget_bytes`` for all of ``root``."""
+    """Block files for one fingerprint under ``root``, within ``budget_bytes`` for all of ``root``.
 
-    def __init__(self, root: str | os.PathLike, fingerprint_hex: str, budget_bytes: int):
+    No method raises ``OSError``: a failed filesystem call is a miss, counted in ``health``
+    (``fs``: the calls, replaceable in tests; default ``tier_fs.LOCAL_FS``)."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint_hex: str, budget_bytes: int, fs: TierFS | None = None):
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be > 0")
         self.root = Path(root)
         self.fingerprint = bytes.fromhex(fingerprint_hex)
         self.dir = self.root / fingerprint_hex
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.budget = budget_bytes
+        self.fs = fs if fs is not None else tier_fs.LOCAL_FS
+        self.health = TierHealth("disk", str(self.dir))
         self._lock_path = self.root / ".lock"
         self._reported: set[str] = set()  # bad files already logged
+        self._bad: set[str] = set()  # bad or unreadable files that could not be deleted: skipped
+        self._call("mkdir", self.dir, self.fs.mkdir, self.dir)  # retried before each write
+
+    @property
+    def disabled(self) -> bool:
+        return self.health.disabled
+
+    def _call(self, op: str, path: Path, fn: Callable[..., Any], *args) -> Any:
+        """``fn(*args)``, or ``_FAILED`` (counted as an ``op`` error) if it raised ``OSError`` or the
+        tier is disabled."""
+        if self.health.disabled:
+            return _FAILED
+        try:
+            out = fn(*args)
+        except OSError as exc:
+            self.health.error(op, exc, path)
+            return _FAILED
+        self.health.ok(op)
+        return out
 
     # ------------------------------------------------------------------ lookup
     def path(self, block_hash: bytes) -> Path:
         return self.dir / (block_hash.hex() + SUFFIX)
 
     def contains(self, block_hash: bytes) -> bool:
-        return self.path(block_hash).exists()
+        path = self.path(block_hash)
+        return path.name not in self._bad and self._call("stat", path, self.fs.exists, path) is True
 
     # ------------------------------------------------------------------ write
     def write_many(self, items: list[tuple[bytes, torch.Tensor]]) -> int:
         """Writes each ``(block hash, K/V tensor)`` not already stored; returns the bytes written.
 
         One lock and one directory scan for the whole batch; a block that cannot fit the budget
-        even in an empty directory is skipped."""
-        if not items:
+        even in an empty directory is skipped, and so is one whose write fails."""
+        if not items or self.disabled:
             return 0
-        written = 0
-        with self._locked():
-            usage = _scan(self.root)
-            for block_hash, tensor in items:
-                written += self._write_one(usage, block_hash, tensor)
-        return written
+        try:
+            with self.fs.locked(self._lock_path):
+                self.health.ok("lock")
+                return self._write_locked(items)  # never raises OSError: only the lock can
+        except OSError as exc:
+            self.health.error("lock", exc, self._lock_path)
+            return 0
+
+    def _write_locked(self, items: list[tuple[bytes, torch.Tensor]]) -> int:
+        if self._call("mkdir", self.dir, self.fs.mkdir, self.dir) is _FAILED:  # removed since?
+            return 0
+        usage = self._scan()
+        if usage is None:
+            return 0
+        return sum(self._write_one(usage, block_hash, tensor) for block_hash, tensor in items)
 
     def _write_one(self, usage: list[tuple[float, int, Path]], block_hash: bytes, tensor: torch.Tensor) -> int:
         path = self.path(block_hash)
-        if path.exists():
-            _touch(path)
+        present = self._call("stat", path, self.fs.exists, path)
+        if present is not False:  # stored already (then it is used again: touched) or unknown
+            if present is True:
+                self._call("touch", path, self.fs.touch, path)
             return 0
         blob = self.encode(block_hash, tensor)
-        if not _make_room(usage, len(blob), self.budget):
+        if not self._make_room(usage, len(blob)):
             return 0
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old name absent or the whole file
+        if (self._call("write", tmp, self.fs.write_bytes, tmp, blob) is _FAILED
+                or self._call("rename", path, self.fs.replace, tmp, path) is _FAILED):
+            # atomic on POSIX when it works: readers see the old name absent or the whole file
+            self._call("unlink", tmp, self.fs.unlink, tmp)  # a partial temporary (ENOSPC) goes
+            return 0
         usage.append((time.time(), len(blob), path))
         return len(blob)
 
@@ -99,20 +144,25 @@ class DiskTier:
 
     # ------------------------------------------------------------------ read
     def read(self, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """The block's K/V, or None on a miss (absent, or a bad file, which is then deleted)."""
+        """The block's K/V, or None on a miss (absent; a bad file, which is then deleted; a failed read)."""
         path = self.path(block_hash)
+        if self.disabled or path.name in self._bad:
+            return None
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            data = self.fs.read_bytes(path)
+        except FileNotFoundError:  # a plain miss: evicted, or never there
+            self.health.ok("read")
             return None
         except OSError as exc:  # an unreadable disk costs the hit, never the engine
-            self._discard(path, f"unreadable: {exc}")
+            self.health.error("read", exc, path)
+            self._bad.add(path.name)
             return None
+        self.health.ok("read")
         reason = self._check(data, block_hash, shape, dtype)
         if reason is not None:
             self._discard(path, reason)
             return None
-        _touch(path)
+        self._call("touch", path, self.fs.touch, path)
         payload = bytearray(data[len(data) - _payload_size(shape, dtype):])
         return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # [*shape]
 
@@ -138,24 +188,56 @@ class DiskTier:
         if path.name not in self._reported:
             self._reported.add(path.name)
             logger.warning("KV disk tier: %s: %s; treated as a miss and deleted", path, reason)
-        path.unlink(missing_ok=True)
+        if self._call("unlink", path, self.fs.unlink, path) is _FAILED:
+            self._bad.add(path.name)  # (a read-only or immutable directory) never read again
 
     # ------------------------------------------------------------------ maintenance
     def clear(self) -> None:
         """Deletes every entry of this fingerprint (other fingerprints' files stay)."""
-        with self._locked():
-            for path in self.dir.iterdir():
-                path.unlink(missing_ok=True)
+        if self.disabled:
+            return
+        try:
+            with self.fs.locked(self._lock_path):
+                paths = self._call("scan", self.dir, self.fs.list_dir, self.dir)
+                for path in paths if paths is not _FAILED else ():
+                    self._call("unlink", path, self.fs.unlink, path)
+        except OSError as exc:
+            self.health.error("lock", exc, self._lock_path)
 
     def usage_bytes(self) -> int:
-        """Bytes of every block file and temporary file under ``root``."""
-        return sum(size for _, size, _ in _scan(self.root))
+        """Bytes of every block file and temporary file under ``root`` (0 if it cannot be scanned)."""
+        return sum(size for _, size, _ in self._scan() or ())
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self._lock_path, "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-            yield
+    def _scan(self) -> list[tuple[float, int, Path]] | None:
+        """``(mtime, size, path)`` of every entry under ``root``, oldest first, stale temporary
+        files removed; None if the scan failed."""
+        found = self._call("scan", self.root, self.fs.scan, self.root)
+        if found is _FAILED:
+            return None
+        out, now = [], time.time()
+        for path, mtime, size in found:
+            if _TMP_MARK in path.name and now - mtime > _STALE_TMP_SECONDS:
+                self._call("unlink", path, self.fs.unlink, path)
+                continue
+            out.append((mtime, size, path))
+        out.sort(key=lambda e: e[0])
+        return out
+
+    def _make_room(self, usage: list[tuple[float, int, Path]], nbytes: int) -> bool:
+        """Deletes the oldest block files until ``nbytes`` more fit the budget; False if they never
+        can (or a file that had to go could not be deleted)."""
+        if nbytes > self.budget:
+            return False
+        total = sum(size for _, size, _ in usage)
+        while total + nbytes > self.budget:
+            victim = next((i for i, e in enumerate(usage) if _TMP_MARK not in e[2].name), None)
+            if victim is None:
+                return False  # only other writers' temporary files left
+            _, size, path = usage.pop(victim)
+            if self._call("unlink", path, self.fs.unlink, path) is _FAILED:
+                return False
+            total -= size
+        return True
 
 
 def _payload_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -163,44 +245,3 @@ def _payload_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except FileNotFoundError:  # evicted by another process in between
-        pass
-
-
-def _scan(root: Path) -> list[tuple[float, int, Path]]:
-    """``(mtime, size, path)`` of every entry under ``root``, oldest first; stale temp files removed."""
-    out, now = [], time.time()
-    for sub in root.iterdir():
-        if not sub.is_dir():
-            continue
-        for entry in os.scandir(sub):
-            try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue
-            if _TMP_MARK in entry.name and now - st.st_mtime > _STALE_TMP_SECONDS:
-                Path(entry.path).unlink(missing_ok=True)
-                continue
-            out.append((st.st_mtime, st.st_size, Path(entry.path)))
-    out.sort(key=lambda e: e[0])
-    return out
-
-
-def _make_room(usage: list[tuple[float, int, Path]], nbytes: int, budget: int) -> bool:
-    """Deletes the oldest block files until ``nbytes`` more fit ``budget``; False if they never can."""
-    if nbytes > budget:
-        return False
-    total = sum(size for _, size, _ in usage)
-    while total + nbytes > budget:
-        victim = next((i for i, e in enumerate(usage) if _TMP_MARK not in e[2].name), None)
-        if victim is None:
-            return False  # only other writers' temporary files left
-        _, size, path = usage.pop(victim)
-        path.unlink(missing_ok=True)
-        total -= size
-    return True

@@ -11,10 +11,16 @@ it goes to disk only if its write did not land (e.g. the budget was full then); 
 The KV manager calls :meth:`lookup` block by block past the device pool's hits and
 :meth:`add_load` for a request's hits; :meth:`take_ops` hands the step's moves and loads to the
 scheduler output, and :meth:`finish_load` settles a load with what the ranks reported.
+
+A disk tier whose filesystem calls keep failing (here: its presence checks; on the ranks: reads
+and writes, reported through :meth:`note_report`) is turned off: no more disk moves, loads or
+checks, and the engine goes on with the device pool and the CPU tier. Failed calls are counted
+per operation in the tier's ``errors`` (``pagedllm:kv_offload_errors_total{tier,op}``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
@@ -25,8 +31,10 @@ from pagedllm.kv_cache.offload.ops import (
     TIER_CPU,
     TIER_DISK,
     LoadJob,
+    LoadReport,
     TierOps,
 )
+from pagedllm.kv_cache.offload.tier_fs import OPS
 
 
 @dataclass
@@ -40,9 +48,11 @@ class TierStats:
     bytes_loaded: int = 0
     loads: int = 0  # requests that loaded blocks from this tier
     load_seconds: float = 0.0
+    errors: Counter[str] = field(default_factory=Counter)  # op -> failed filesystem calls the ranks reported
+    disabled: int = 0  # 1 once the tier was turned off for failing
 
     def as_dict(self) -> dict[str, float]:
-        return dict(vars(self))
+        return {k: v for k, v in vars(self).items() if k != "errors"}
 
 
 class OffloadManager:
@@ -67,10 +77,27 @@ class OffloadManager:
         # hashes with a disk write in the ops not yet taken: a block written through and evicted
         # from the CPU tier in the same run of evictions needs no second (CPU -> disk) write
         self._disk_queued: set[bytes] = set()
+        self.disk_disabled_reason: str | None = None
 
     @property
     def has_disk(self) -> bool:
-        return bool(self.disk_tiers)
+        """A disk tier is configured and still on (see :meth:`disable_disk`)."""
+        if not self.disk_tiers or self.disk_disabled_reason is not None:
+            return False
+        failed = next((t for t in self.disk_tiers if t.disabled), None)
+        if failed is not None:  # this side's presence checks kept failing
+            self.disable_disk(failed.health.disabled_reason)
+            return False
+        return True
+
+    def disable_disk(self, reason: str) -> None:
+        """Turns the disk tier off for this engine: lookups miss it and no block goes there any more
+        (loads already asked for fail on the ranks and count as misses)."""
+        if self.disk_disabled_reason is None and self.disk_tiers:
+            self.disk_disabled_reason = reason
+            self.stats[TIER_DISK].disabled = 1
+            self._disk_known.clear()
+            self._disk_queued.clear()
 
     # ------------------------------------------------------------------ eviction
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
@@ -111,6 +138,8 @@ class OffloadManager:
     # ------------------------------------------------------------------ lookup and loads
     def on_disk(self, block_hash: bytes) -> bool:
         """Queued for disk by this engine, or (checked once, then remembered) on every rank's disk."""
+        if not self.has_disk:
+            return False
         if block_hash in self._disk_known:
             return True
         if self._on_disk_now(block_hash):
@@ -119,8 +148,8 @@ class OffloadManager:
         return False
 
     def _on_disk_now(self, block_hash: bytes) -> bool:
-        """Every rank's file is there now (a filesystem check per rank)."""
-        return bool(self.disk_tiers) and all(t.contains(block_hash) for t in self.disk_tiers)
+        """Every rank's file is there now (a filesystem check per rank; a failed check is a miss)."""
+        return self.has_disk and all(t.contains(block_hash) for t in self.disk_tiers)
 
     def lookup(self, block_hash: bytes, misses: dict[str, int]) -> tuple[str, int] | None:
         """``(tier, CPU slot or -1)`` holding the block, or None; adds the tiers it missed in to
@@ -181,9 +210,15 @@ class OffloadManager:
                 self._disk_known.discard(failed.block_hash)  # deleted or damaged since
         return job
 
-    def add_load_seconds(self, seconds: dict[str, float]) -> None:
-        for tier, s in seconds.items():
+    def note_report(self, report: LoadReport) -> None:
+        """The ranks' load times, failed filesystem calls and disabled tiers of one step (the
+        loads themselves are settled by :meth:`finish_load`)."""
+        for tier, s in report.seconds.items():
             self.stats[tier].load_seconds += s
+        for tier, ops in report.errors.items():
+            self.stats[tier].errors.update(ops)
+        if TIER_DISK in report.disabled:
+            self.disable_disk(report.disabled[TIER_DISK])
 
     @property
     def num_loads_in_flight(self) -> int:
@@ -204,9 +239,17 @@ class OffloadManager:
         self.cpu.clear()
         self._disk_known.clear()  # the ranks may clear the disk tier; lookups re-seed it
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
+    def snapshot(self) -> dict[str, dict]:
+        """Per tier, its counters (:class:`TierStats`) and ``errors``, ``{op: failed calls}`` (the
+        ranks' and this side's)."""
         out = {tier: s.as_dict() for tier, s in self.stats.items()}
         out[TIER_CPU].update(num_blocks=self.cpu.num_slots, num_used_blocks=len(self.cpu))
+        disk_errors = Counter(dict.fromkeys(OPS, 0) if self.disk_tiers else {})  # every op's series from 0
+        disk_errors.update(self.stats[TIER_DISK].errors)
+        for t in self.disk_tiers:
+            disk_errors.update(t.health.errors)
+        out[TIER_CPU]["errors"] = dict(self.stats[TIER_CPU].errors)
+        out[TIER_DISK]["errors"] = dict(disk_errors)
         return out
 
     def check_integrity(self) -> None:

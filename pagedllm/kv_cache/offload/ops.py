@@ -46,8 +46,12 @@ class TierOps:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What the ranks' loads came to this step: per request, the leading items that arrived
-    intact (every rank agreeing); seconds spent loading per tier (rank 0's)."""
+    """What the ranks' tier work came to this step: per request, the leading items that arrived
+    intact (every rank agreeing); seconds spent loading per tier (rank 0's); the tiers' failed
+    filesystem calls since the last report, ``{tier: {op: count}}`` (rank 0's); and the tiers a
+    rank disabled, with why (every rank's when the step had loads, else rank 0's)."""
 
     num_ok: dict[str, int]
     seconds: dict[str, float]
+    errors: dict[str, dict[str, int]] = field(default_factory=dict)
+    disabled: dict[str, str] = field(default_factory=dict)

@@ -1,6 +1,9 @@
 """Sizing and construction of the KV tiers from ``CacheConfig`` (shared by the engine and the ranks)."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 from pagedllm.config import CacheConfig, EngineConfig
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.fingerprint import kv_fingerprints
@@ -20,6 +23,25 @@ def tier_fingerprints(config: EngineConfig) -> tuple[str, ...]:
     """Every tensor-parallel rank's disk-tier fingerprint (``kv_fingerprints``), or () without a
     disk tier; computed once, by the executor, and shared with the ranks and the scheduler."""
     return kv_fingerprints(config) if config.cache.kv_offload_dir is not None else ()
+
+
+def prefetch_tier_fingerprints(config: EngineConfig) -> Future:
+    """``tier_fingerprints(config)`` computed on a thread (it reads every weights file whole, the
+    first time on a machine): call it before loading the weights so the two overlap, and take
+    ``.result()`` when the KV pool is allocated."""
+    future: Future = Future()
+    if config.cache.kv_offload_dir is None:
+        future.set_result(())
+        return future
+
+    def run() -> None:
+        try:
+            future.set_result(tier_fingerprints(config))
+        except BaseException as exc:  # handed to whoever takes the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="kv-tier-fingerprint", daemon=True).start()
+    return future
 
 
 def build_offload_manager(config: EngineConfig, block_bytes: int,

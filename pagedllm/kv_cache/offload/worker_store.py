@@ -9,11 +9,12 @@ and reports, per request, how many leading blocks arrived (the minimum over the 
 Two I/O threads: one writes (evicted blocks, in order), one reads, so a request's load never
 waits behind the writes its own allocation queued. A read only looks for files the scheduler
 saw on disk; one deleted in between (the budget, another engine) is a miss. Neither thread
-touches the device pool; only the engine thread copies into it.
+touches the device pool; only the engine thread copies into it. A failed disk call is a miss too
+(``DiskTier`` never raises ``OSError``); ``collect()`` reports the failures and, once the disk tier
+has disabled itself, that it did, so the scheduler stops asking for it.
 """
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,22 +35,21 @@ from pagedllm.kv_cache.offload.ops import (
 )
 from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
 
-logger = logging.getLogger(__name__)
-
 
 class TierStore:
     """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA) and a disk tier.
 
-    ``kv`` is the device pool ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
-    a block is ``kv[:, :, b]``, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``. The CPU
-    tier is slot-major, ``[num_slots, num_layers, 2, num_kv_heads, block_size, head_dim]``, so a
+    ``kv`` is the device pool ``[num_layers, num_tensors, num_blocks, num_kv_heads, block_size, head_size]``
+    (kv_cache/spec.py; ``num_tensors`` is 2 for K/V per head, 1 for an MLA latent); a block is
+    ``kv[:, :, b]``, ``[num_layers, num_tensors, num_kv_heads, block_size, head_size]``. The CPU
+    tier is slot-major, ``[num_slots, num_layers, num_tensors, num_kv_heads, block_size, head_size]``, so a
     slot (and a run of consecutive slots) is one contiguous range: a device -> host copy lands
     in it directly, with no host temporary (a copy into a strided host view goes through one).
     """
 
     def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup):
         self.kv = kv
-        self.block_shape = (kv.shape[0], 2) + tuple(kv.shape[3:])
+        self.block_shape = tuple(kv.shape[:2]) + tuple(kv.shape[3:])
         pin = kv.device.type == "cuda"
         self.cpu = torch.empty((num_slots, *self.block_shape), dtype=kv.dtype, pin_memory=pin) if num_slots else None
         self.disk = disk
@@ -111,7 +111,7 @@ class TierStore:
             blocks = self.kv[:, :, index].to("cpu")
             for k, (i, _) in enumerate(from_device):
                 writes[i][1] = blocks[:, :, k]
-        if writes:
+        if writes and not self.disk.disabled:
             self._writer.submit(self._write, [(h, b) for h, b in writes])
 
     def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
@@ -140,10 +140,7 @@ class TierStore:
         self.kv[:, :, dst] = blocks.movedim(0, 2)  # [num_layers, 2, n, heads, block_size, head_dim]
 
     def _write(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
-        try:
-            self.disk.write_many(items)
-        except OSError as exc:  # a full or vanished disk costs future hits, never the engine
-            logger.warning("KV disk tier: writing %d blocks failed: %s", len(items), exc)
+        self.disk.write_many(items)  # a full or vanished disk costs future hits (counted), never the engine
 
     def _start_load(self, job: LoadJob) -> None:
         t0 = time.perf_counter()
@@ -161,13 +158,19 @@ class TierStore:
 
     # ------------------------------------------------------------------ after the forward
     def collect(self) -> LoadReport:
-        """Waits for this step's disk reads, fills the device blocks, reports per request."""
+        """Waits for this step's disk reads, fills the device blocks, reports per request (and the
+        disk tier's failed calls since the last report)."""
         counts = [self._finish(job, future) for job, future in self._pending]
         jobs = [job for job, _ in self._pending]
         self._pending = []
-        counts = self._agree(counts)
+        disabled = {TIER_DISK: self.disk.health.disabled_reason} if self.disk and self.disk.disabled else {}
+        counts, any_disabled = self._agree(counts, bool(disabled))
+        if any_disabled and not disabled:
+            disabled = {TIER_DISK: "disabled on another tensor-parallel rank"}
+        errors = self.disk.health.take_errors() if self.disk is not None else {}
         seconds, self._seconds = self._seconds, {TIER_CPU: 0.0, TIER_DISK: 0.0}
-        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds)
+        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds,
+                          {TIER_DISK: errors} if errors else {}, disabled)
 
     def _finish(self, job: LoadJob, future: Future | None) -> int:
         """Leading items of ``job`` that are now in their device blocks."""
@@ -184,15 +187,16 @@ class TierStore:
                 self.kv[:, :, item.device_block] = block.to(self.kv.device)
         return len(job.items)
 
-    def _agree(self, counts: list[int]) -> list[int]:
-        """Every rank uses the smallest count any rank reached (a file may be bad on one rank only)."""
+    def _agree(self, counts: list[int], disabled: bool) -> tuple[list[int], bool]:
+        """Every rank uses the smallest count any rank reached (a file may be bad on one rank only),
+        and learns whether any rank's disk tier is disabled (with loads only: no extra collective)."""
         if self.tp.size == 1 or not counts:
-            return counts
-        # the group only sums: rank r fills row r, the sum holds every rank's counts
-        rows = torch.zeros(self.tp.size, len(counts), dtype=torch.int64, device=self.kv.device)  # [ranks, jobs]
-        rows[self.tp.rank] = torch.tensor(counts, dtype=torch.int64)
+            return counts, disabled
+        # the group only sums: rank r fills row r, the sum holds every rank's counts (and flag, last)
+        rows = torch.zeros(self.tp.size, len(counts) + 1, dtype=torch.int64, device=self.kv.device)  # [ranks, jobs+1]
+        rows[self.tp.rank] = torch.tensor([*counts, int(disabled)], dtype=torch.int64)
         self.tp.all_reduce(rows)
-        return rows.min(dim=0).values.tolist()
+        return rows[:, :-1].min(dim=0).values.tolist(), bool(rows[:, -1].any())
 
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:

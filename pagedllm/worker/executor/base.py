@@ -16,7 +16,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache import sizing
-from pagedllm.kv_cache.offload.setup import tier_fingerprints
+from pagedllm.kv_cache.offload.setup import prefetch_tier_fingerprints
 from pagedllm.platform import available_ram, peak_rss, physical_cores
 from pagedllm.spec_decode.memory import draft_memory
 from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
@@ -85,12 +85,13 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
         self._closed_reason: str | None = None
+        # hashes every weights file once (beside the weight loading) for each rank and the scheduler
+        fingerprints = prefetch_tier_fingerprints(config)
         self.runner = self._start()
         try:
             size = self._size_cache()
             self.num_blocks, self.num_cpu_blocks = size.num_blocks, size.num_cpu_blocks
-            # read once here (it samples every weights file) and handed to each rank and the scheduler
-            self.tier_fingerprints = tier_fingerprints(config)
+            self.tier_fingerprints = fingerprints.result()
             self.run_on_all_ranks(RankCall(ModelRunner.init_cache, (self.num_blocks, self.num_cpu_blocks, True,
                                                                     self.tier_fingerprints)))
         except BaseException:

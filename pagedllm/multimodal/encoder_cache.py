@@ -1,0 +1,131 @@
+"""The engine's view of the worker's encoder cache: which images' embeddings it holds, which
+running requests still need them, and how much encoder work one step may do.
+
+The worker runs the vision tower + projector once per image (``EncoderInput``) and keeps the
+embeddings under the image's content hash; every chunk of a prompt that covers part of an image's
+placeholder run reads its rows from there, so a chunk boundary may fall inside the run. A
+request holds a reference on an image from the step that first needs it until its computed
+tokens pass the run's end (or it is preempted or finished); unreferenced entries stay, as a
+cache for the next prompt with the same image, until their room is needed (least recently used
+first) and the scheduler tells the worker to drop them (``SchedulerOutput.encoder_frees``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedllm.metrics.stats import Metric
+from pagedllm.multimodal.inputs import EncoderInput, MultiModalItem
+
+
+@dataclass
+class EncoderCacheStats:
+    images_encoded: int = 0  # vision tower runs
+    cache_hits: int = 0  # images a chunk needed that were already encoded (another request, or its own earlier chunk)
+
+
+class EncoderCacheManager:
+    """Bookkeeping for the worker's encoder cache (sizes in embedding rows, i.e. placeholder tokens).
+
+    ``capacity``: rows the cache may hold; ``budget``: rows of images the vision tower may encode
+    in one step (vLLM's ``encoder_compute_budget``), so a request with many images cannot starve
+    the decodes that share its steps.
+    """
+
+    def __init__(self, capacity: int, budget: int):
+        self.capacity = capacity
+        self.budget = budget
+        self.entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> rows, least recently used first
+        self.refs: dict[bytes, set[str]] = {}  # hash -> requests that still need it
+        self.held: dict[str, set[bytes]] = {}  # request id -> hashes it references
+        self.step_left = budget
+        self.frees: list[bytes] = []
+        self.stats = EncoderCacheStats()
+
+    def begin_step(self) -> None:
+        self.step_left = self.budget
+
+    def fit(self, items: Sequence[MultiModalItem], start: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens from ``start`` can run this step: the chunk stops before
+        the first image it needs that is not encoded and does not fit this step's encoder budget
+        or the cache's room (0: nothing this step)."""
+        left, room = self.step_left, self._room()
+        for item in items:
+            if not item.overlaps(start, start + num_new) or item.hash in self.entries:
+                continue
+            if item.length > left or item.length > room:
+                return max(0, item.offset - start)
+            left -= item.length
+            room -= item.length
+        return num_new
+
+    def schedule(self, request_id: str, items: Sequence[MultiModalItem], start: int, end: int) -> list[EncoderInput]:
+        """Takes references for the images a chunk ``[start, end)`` covers (``fit`` said they fit)
+        and returns those the worker must encode this step."""
+        to_encode = []
+        for item in items:
+            if not item.overlaps(start, end):
+                continue
+            if item.hash in self.entries:
+                self.entries.move_to_end(item.hash)
+                self.stats.cache_hits += item.hash not in self.held.get(request_id, ())
+            else:
+                self._evict(item.length)
+                self.entries[item.hash] = item.length
+                self.step_left -= item.length
+                self.stats.images_encoded += 1
+                to_encode.append(EncoderInput(item.hash, item.data))
+            self.refs.setdefault(item.hash, set()).add(request_id)
+            self.held.setdefault(request_id, set()).add(item.hash)
+        return to_encode
+
+    def release_done(self, request_id: str, items: Sequence[MultiModalItem], num_computed: int) -> None:
+        """Drops the request's references on images whose placeholder runs are all computed."""
+        for item in items:
+            if item.end <= num_computed and item.hash in self.held.get(request_id, ()):
+                self._unref(request_id, item.hash)
+
+    def release(self, request_id: str) -> None:
+        """Drops every reference of a preempted, swapped-out or finished request."""
+        for image in list(self.held.get(request_id, ())):
+            self._unref(request_id, image)
+        self.held.pop(request_id, None)
+
+    def metrics(self) -> list[Metric]:
+        """Images encoded, encoder-cache hits, and what the cache holds (images, embedding rows)."""
+        return [Metric("pagedllm:mm_images_encoded", self.stats.images_encoded, kind="counter"),
+                Metric("pagedllm:mm_encoder_cache_hits", self.stats.cache_hits, kind="counter"),
+                Metric("pagedllm:mm_encoder_cache_images", len(self.entries)),
+                Metric("pagedllm:mm_encoder_cache_usage_perc", sum(self.entries.values()) / self.capacity)]
+
+    def take_frees(self) -> list[bytes]:
+        frees, self.frees = self.frees, []
+        return frees
+
+    def reset(self) -> None:
+        """Forgets every unreferenced entry (the worker is told to drop them)."""
+        for image in [h for h in self.entries if not self.refs.get(h)]:
+            del self.entries[image]
+            self.frees.append(image)
+
+    def _unref(self, request_id: str, image: bytes) -> None:
+        self.held[request_id].discard(image)
+        users = self.refs.get(image)
+        if users is not None:
+            users.discard(request_id)
+            if not users:
+                del self.refs[image]
+
+    def _room(self) -> int:
+        """Rows free now or held by unreferenced entries (evictable)."""
+        referenced = sum(rows for image, rows in self.entries.items() if self.refs.get(image))
+        return self.capacity - referenced
+
+    def _evict(self, rows: int) -> None:
+        used = sum(self.entries.values())
+        for image in [h for h in self.entries if not self.refs.get(h)]:
+            if used + rows <= self.capacity:
+                break
+            used -= self.entries.pop(image)
+            self.frees.append(image)
