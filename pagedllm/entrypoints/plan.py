@@ -25,6 +25,8 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
+    LoRAConfig,
     check_block_size,
     check_memory_utilization,
     dtype_name,
@@ -277,6 +279,29 @@ def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     return attention + mlp(shape.dense_intermediate_size, n - moe) + routers + mlp(shared, moe)
 
 
+def lora_slot_shapes(shape: ModelShape) -> list[tuple[int, int, int, int]]:
+    """``(out, in, sub-projections, count)`` of the linear layers that take LoRA slots (lora/model.py):
+    each decoder layer's fused qkv and o_proj, and the gated MLP's gate_up and down where the layer
+    is dense (MoE experts take no adapters)."""
+    if shape.mla is not None:
+        raise ValueError("enable_lora with an MLA model (its latent attention projections) is not planned: "
+                         "the adapter slots' memory is not counted here")
+    h, d, n = shape.hidden_size, shape.head_dim, shape.num_layers
+    slots = [((shape.num_heads + 2 * shape.num_kv_heads) * d, h, 3, n), (h, shape.num_heads * d, 1, n)]
+    dense = n - shape.num_moe_layers if shape.num_experts else n
+    inter = shape.dense_intermediate_size if shape.num_experts else shape.intermediate_size
+    if shape.gated_mlp and inter and dense:
+        slots += [(2 * inter, h, 2, dense), (h, inter, 1, dense)]
+    return slots
+
+
+def lora_adapter_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int) -> int:
+    """Bytes of one adapter laid out for the slots: ``A [subs * rank, in]`` and ``B [out, subs * rank]``
+    per layer (layers/lora.py's LoRASlots), so ``max_loras`` of it on the device."""
+    return sum(count * subs * max_lora_rank * (in_ + out) * itemsize
+               for out, in_, subs, count in lora_slot_shapes(shape))
+
+
 def _panel_bytes(shape: ModelShape, layout: tuple[int, int, int]) -> int:
     """The CPU's panel copy of every group-wise 4/8-bit linear (``grouped.panel_copy_bytes``)."""
     bits, group, _ = layout
@@ -332,6 +357,9 @@ class KVPlan:
     device: str = "cuda"  # the device planned for (PLAN_DEVICES)
     active_params: int = 0  # per token (MoE: top-k experts), what FLOPs scale with; = num_params if dense
     panel_bytes: int = 0  # of weights_bytes: the CPU's panel copy of 4/8-bit group-wise codes (grouped.py)
+    lora: LoRAConfig | None = None  # enable_lora: the adapter slots planned for
+    lora_bytes: int = 0  # the max_loras device slots, taken from the KV budget
+    lora_host_bytes: int = 0  # the max_cpu_loras laid-out adapters kept in host memory (at most)
 
     @property
     def paging_gain(self) -> float:
@@ -408,6 +436,7 @@ def plan_kv(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
     device: str = "cuda",
+    lora: LoRAConfig | None = None,
 ) -> KVPlan:
     """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
 
@@ -417,6 +446,8 @@ def plan_kv(
     ``dtype`` and ``kv_cache_dtype`` mean what they mean to the engine running on ``device``
     ("auto" on "cuda": the checkpoint's half type; on "cpu": float32). The per-token and
     per-block bytes come from ``kv_cache.planning``, the functions the engine sizes its pool with.
+    ``lora`` (enable_lora): its ``max_loras`` adapter slots come out of the KV budget, as the
+    engine allocates them before it sizes the pool; ``max_cpu_loras`` laid-out adapters are host memory.
     Activations and runtime overhead are not modelled. Raises ``ValueError`` (``ConfigError``
     for config problems) on bad input.
     """
@@ -436,7 +467,8 @@ def plan_kv(
     panels = _panel_bytes(shape, layout) if with_panels else 0
     weights = _weights_bytes(shape, num_params, weights_dtype, layout) + panels if estimated else int(weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
-    budget = usable - weights
+    adapter = lora_adapter_bytes(shape, lora.max_lora_rank, lora.slot_dtype(weights_dtype).itemsize) if lora else 0
+    budget = usable - weights - (lora.max_loras * adapter if lora else 0)
 
     per_token = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype)
     per_block = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype, block_size)
@@ -454,7 +486,8 @@ def plan_kv(
         mean_seqs_paged=int(num_blocks // blocks_per_mean),
         notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
-        active_params=count_params(shape, active=True), panel_bytes=panels,
+        active_params=count_params(shape, active=True), panel_bytes=panels, lora=lora,
+        lora_bytes=lora.max_loras * adapter if lora else 0, lora_host_bytes=lora.num_cpu_loras * adapter if lora else 0,
     )
 
 
@@ -589,6 +622,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: half of --max-model-len)")
     parser.add_argument("--weights-memory", type=_size_arg, default=None, metavar="SIZE",
                         help="use this weights size instead of the estimate from the config")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="count LoRA adapter slots (their device memory comes out of the KV budget)")
+    parser.add_argument("--max-loras", type=_positive_int, default=1, metavar="N",
+                        help="with --enable-lora: adapters resident on the device at once (default: 1)")
+    parser.add_argument("--max-lora-rank", type=_positive_int, default=16, metavar="R",
+                        help="with --enable-lora: the slots' rank (default: 16)")
+    parser.add_argument("--max-cpu-loras", type=_positive_int, default=None, metavar="N",
+                        help="with --enable-lora: laid-out adapters kept in host memory (default: --max-loras)")
+    parser.add_argument("--lora-dtype", choices=LORA_DTYPES, default="auto",
+                        help="with --enable-lora: the slots' dtype; auto = the weights' (default: auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -626,6 +669,9 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
              + (f", {format_size(plan.panel_bytes)} of it the CPU GEMM's panel copy" if plan.panel_bytes else "")),
         _row("GPU memory x utilization", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g}"
                                          f" = {format_size(plan.usable_memory)}"),
+        *([_row(f"LoRA slots ({plan.lora.max_loras} x rank {plan.lora.max_lora_rank})",
+                format_size(plan.lora_bytes) + f", and up to {format_size(plan.lora_host_bytes)} of host memory "
+                f"for {plan.lora.num_cpu_loras} adapters")] if plan.lora else []),
         _row("memory for KV cache", format_size(plan.kv_budget)),
         "",
         _row("KV per token", f"{format_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} B)"),
@@ -651,6 +697,18 @@ def _with_flag_names(message: str) -> str:
     return message
 
 
+def _lora_from_cli(args: argparse.Namespace) -> LoRAConfig | None:
+    """--enable-lora's slots; a --max-lora* / --lora-dtype flag without it would be ignored, so it is refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LoRAConfig)}
+    given = {name: getattr(args, name, default) for name, default in defaults.items()}
+    if getattr(args, "enable_lora", False):
+        return LoRAConfig(**given)
+    changed = [name for name in defaults if given[name] != defaults[name]]
+    if changed:
+        raise ValueError(f"--{changed[0].replace('_', '-')}={given[changed[0]]} applies only with --enable-lora")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute ``pagedllm plan`` for parsed ``args``; returns the process exit code."""
     try:
@@ -660,6 +718,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, dtype=args.dtype, mean_len=args.mean_len,
             weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device,
+            lora=_lora_from_cli(args),
         )
     except ValueError as e:  # includes ConfigError
         print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)
