@@ -20,31 +20,37 @@ from pagedllm.native import bindings
 
 class LoRABatch:
     """The step's tokens grouped by adapter slot: ``perm`` (the LoRA tokens' rows, ordered by slot)
-    and ``segments`` (slot, start, end) into it. Base-model tokens are in no segment, so they pay
+    and ``segments`` (slot, start, end) into it, also as device tensors for the kernels
+    (``seg_slot [G]``, ``seg_start [G + 1]``). Base-model tokens are in no segment, so they pay
     nothing; a batch without LoRA tokens skips the op altogether."""
 
     def __init__(self):
-        self.perm: torch.Tensor | None = None  # [num_lora_tokens] int64, on the device
-        self.segments: list[tuple[int, int, int]] = []
-        self.whole: bool = False  # one slot covers every token, in order: no gather / scatter
+        self.clear()
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots``: one slot per token of the step's flat batch (-1: base)."""
         rows = np.flatnonzero(token_slots >= 0)
         if rows.size == 0:
-            self.perm, self.segments, self.whole = None, [], False
+            self.clear()
             return
         order = rows[np.argsort(token_slots[rows], kind="stable")]
         slots = token_slots[order]
         bounds = np.flatnonzero(np.diff(slots)) + 1
-        starts = np.concatenate([[0], bounds])
-        ends = np.concatenate([bounds, [order.size]])
-        self.segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+        starts = np.concatenate([[0], bounds, [order.size]]).astype(np.int64)
+        self.segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts[:-1], starts[1:])]
         self.whole = len(self.segments) == 1 and order.size == token_slots.size
-        self.perm = None if self.whole else torch.from_numpy(order).to(device, non_blocking=True)
+        self.max_segment = int(np.diff(starts).max())
+        self.perm = torch.from_numpy(order.astype(np.int64)).to(device, non_blocking=True)
+        self.seg_slot = torch.from_numpy(slots[starts[:-1]].astype(np.int64)).to(device, non_blocking=True)
+        self.seg_start = torch.from_numpy(starts).to(device, non_blocking=True)
 
     def clear(self) -> None:
-        self.perm, self.segments, self.whole = None, [], False
+        self.perm: torch.Tensor | None = None  # [num_lora_tokens] int64, on the device
+        self.seg_slot: torch.Tensor | None = None  # [segments] int64
+        self.seg_start: torch.Tensor | None = None  # [segments + 1] int64: token offsets into perm
+        self.segments: list[tuple[int, int, int]] = []
+        self.whole = False  # one slot covers every token, in order: token i is row i
+        self.max_segment = 0
 
     @property
     def active(self) -> bool:
@@ -54,50 +60,33 @@ class LoRABatch:
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        batch: LoRABatch) -> torch.Tensor:
     """``y[rows of slot s] += (x[rows] @ a[s].T) @ b[s].T`` in place (``y`` is the base layer's fresh
-    output), one shrink and one expand per adapter present in the batch (grouped by slot), in
-    ``a``'s dtype; torch ops (the C library's GEMM for float32 on the CPU).
+    output), one call per projection for every adapter in the batch: the C kernel
+    (``native/csrc/lora_sgmv.c``) for float32 on the CPU, the Triton kernels
+    (``triton_ops/lora.py``) on CUDA, else the torch reference.
 
     ``x [tokens, in]``, ``y [tokens, out]``, ``a [slots, R, in]``, ``b [slots, out, R]``."""
     if not batch.active:
         return y
-    xs = x if batch.whole else x.index_select(0, batch.perm)  # [lora tokens, in]
-    xs = xs.to(a.dtype)
-    delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)  # [lora tokens, out]
+    if x.device.type == "cpu" and x.dtype == y.dtype == a.dtype == b.dtype == torch.float32 \
+            and y.is_contiguous() and bindings.is_available():
+        bindings.library().lora_sgmv(x.contiguous(), y, a, b, None if batch.whole else batch.perm, batch.seg_slot,
+                                     batch.seg_start, torch.get_num_threads())
+        return y
+    if x.is_cuda and x.stride(1) == 1 and y.stride(1) == 1:
+        from pagedllm.layers.triton_ops.lora import lora_sgmv
+        return lora_sgmv(x, y, a, b, batch.perm, batch.seg_slot, batch.seg_start, batch.max_segment)
+    return lora_shrink_expand_ref(x, y, a, b, batch)
+
+
+def lora_shrink_expand_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           batch: LoRABatch) -> torch.Tensor:
+    """The reference the kernels are tested against: per segment, the shrink ``t = x[rows] @ a[s].T``
+    and the expand ``y[rows] += t @ b[s].T``, in ``a``'s dtype."""
     for slot, start, end in batch.segments:
-        _matmul_t(_matmul_t(xs[start:end], a[slot]), b[slot], delta[start:end])  # [n, R], then [n, out]
-    delta = delta.to(y.dtype)
-    if batch.whole:
-        _serial(lambda s: y[s].add_(delta[s]), y)
-    else:
-        _serial(lambda s: y.index_add_(0, batch.perm[s], delta[s]), delta)
-    return y  # the base layer's fresh output, added to in place
-
-
-# torch runs an elementwise op on fewer elements than this in the calling thread (at::internal::GRAIN_SIZE)
-_SERIAL_ELEMENTS = 32768
-
-
-def _serial(op, rows: torch.Tensor) -> None:
-    """Applies ``op`` to slices of rows small enough that torch runs each in this thread: on the
-    CPU a parallel torch op between the C kernels wakes torch's OpenMP team (see ``_matmul_t``)."""
-    step = rows.shape[0] if rows.device.type != "cpu" else max(1, _SERIAL_ELEMENTS // max(1, rows.shape[1]))
-    for i in range(0, rows.shape[0], step):
-        op(slice(i, i + step))
-
-
-def _matmul_t(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T``. float32 on the CPU through the C library's small-batch GEMM, a slice of rows
-    at a time: its threads are those of the layers' other C kernels, while a torch GEMM between them
-    wakes a second OpenMP team (torch bundles its own libgomp) that spins against the first."""
-    if out is None:
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not bindings.is_available():
-        return torch.matmul(x, w.T, out=out)
-    lib, x = bindings.library(), x.contiguous()
-    step, threads = lib.max_decode_tokens, torch.get_num_threads()
-    for i in range(0, x.shape[0], step):
-        lib.linear(x[i:i + step], w, None, None, out[i:i + step], threads)
-    return out
+        rows = batch.perm[start:end]
+        t = x.index_select(0, rows).to(a.dtype) @ a[slot].T  # [n, R]
+        y.index_add_(0, rows, (t @ b[slot].T).to(y.dtype))  # [n, out]
+    return y
 
 
 class LoRASlots:
