@@ -213,6 +213,39 @@ class StructuredOutputConfig:
                              "(0: no limit)")
 
 
+LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """``enable_lora``: adapter weights live in ``max_loras`` device slots of rank up to
+    ``max_lora_rank`` (lora/), with up to ``max_cpu_loras`` adapters kept in host memory;
+    ``lora_dtype`` is the slots' dtype ("auto": the model's)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras={cpu!r} must be an integer >= max_loras={self.max_loras}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype={self.lora_dtype!r} must be one of {LORA_DTYPES}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def slot_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.lora_dtype == "auto" else _DTYPES[self.lora_dtype]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -229,6 +262,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/), off when None
     pooler: PoolerConfig | None = None  # runner="pooling" (embeddings); None: the generate runner
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig | None = None  # enable_lora: multi-LoRA serving (lora/); None: off
 
 
 def check_offload(cache: CacheConfig) -> None:

@@ -45,6 +45,12 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return _parsed(name, default, int, "an integer")
 
 
+def _flag_or_vllm(name: str, vllm_name: str, default: bool) -> Callable[[], bool]:
+    """Our switch when set, else vLLM's spelling of it (so a vLLM deployment's environment works)."""
+    ours, theirs = _flag(name, default), _flag(vllm_name, default)
+    return lambda: ours() if os.environ.get(name) else theirs()
+
+
 def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or default
 
@@ -86,6 +92,10 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_MAX_COMPLETION_PROMPTS": EnvVar(
         _int("PAGEDLLM_MAX_COMPLETION_PROMPTS", 1024),
         "most prompts one /v1/completions request may list (vLLM's VLLM_MAX_COMPLETION_PROMPTS); more is a 400"),
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
+        _flag_or_vllm("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
+        "1 turns on the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else a 404; vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING is read when this is unset)"),
     "PAGEDLLM_MEDIA_FETCH_TIMEOUT": EnvVar(
         _float("PAGEDLLM_MEDIA_FETCH_TIMEOUT", 5.0),
         "seconds an --allowed-media-domains image URL may take to download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)"),

@@ -32,6 +32,7 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
     RUNNERS,
@@ -39,6 +40,7 @@ from pagedllm.config import (
     TOKENIZER_MODES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -63,6 +65,7 @@ from pagedllm.models.loader import (
     HubOptions,
     apply_hf_overrides,
     checkpoint_dtype,
+    get_model_class,
     resolve_model_path,
 )
 from pagedllm.models.registry import resolve_architecture
@@ -356,6 +359,14 @@ class EngineArgs:
     enable_sleep_mode: bool = option(False, "allow LLM.sleep()/wake_up() and the server's /sleep, /wake_up and "
                                      "/is_sleeping: free the KV pool and offload or drop the weights between "
                                      "uses (RL loops)")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT checkpoints) over the base model: requests name "
+                               "one with lora_request= (offline) or model= (server)")
+    max_loras: int = option(1, "adapters resident on the device at once (one slot each); a request whose adapter "
+                            "finds no free slot waits", parse=int)
+    max_lora_rank: int = option(16, "largest adapter rank r the slots hold", parse=int)
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory, laid out for the slots (default: "
+                                       "--max-loras)", parse=int)
+    lora_dtype: str = option("auto", "the adapter slots' dtype; auto = the model's", choices=LORA_DTYPES)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -519,7 +530,25 @@ class EngineArgs:
             pooler=self._pooler_config(),
             structured_output=StructuredOutputConfig(self.max_structured_output_bytes,
                                                      self.structured_output_compile_timeout),
+            lora=self._lora_config(model_config),
         )
+
+    def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        """enable_lora: the adapter slots; refused where the adapter mapping cannot follow the batch."""
+        if not self.enable_lora:
+            return None
+        if getattr(get_model_class(model_config.architecture), "is_multimodal", False):
+            raise ValueError(f"enable_lora=True is not supported for {model_config.architecture} (a vision-language "
+                             "model): adapters on its language model and tower are not wired yet")
+        for name, value, why in (
+                ("pipeline_parallel_size", self.pipeline_parallel_size != 1, "the adapter mapping is set for "
+                 "the whole batch, not per micro-batch"),
+                ("compile_model", self.compile_model and not self.enforce_eager, "the adapters' per-step mapping "
+                 "would recompile the layers")):
+            if value:
+                raise ValueError(f"enable_lora=True cannot be combined with {name}={getattr(self, name)!r} ({why})")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+                          "auto" if self.lora_dtype in (None, "auto") else str(self.lora_dtype).removeprefix("torch."))
 
     def _pooler_config(self) -> PoolerConfig | None:
         """runner="pooling": its pooler (vLLM's pooler_config names); refused where it cannot run."""

@@ -29,6 +29,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, with_client
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.kv_cache.events import Subscription
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -131,24 +132,29 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, *, cache_salt: str | None = None,
-                          priority: int = 0, client_id: str | None = None) -> RequestStream:
+                          priority: int = 0, client_id: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Tokenizes and validates the request on a tokenizer thread (raises ValueError on bad
         input), then queues it on the engine thread; returns its stream. ``client_id``: as
         ``LLMEngine.add_request``'s (the server passes the HTTP client's)."""
         return (await self.add_requests([(request_id, prompt)], params, arrival_time,
-                                        cache_salt=cache_salt, priority=priority, client_id=client_id))[0]
+                                        cache_salt=cache_salt, priority=priority, client_id=client_id,
+                                        lora_request=lora_request))[0]
 
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams,
                            arrival_time: float | None = None,
                            queue: asyncio.Queue | None = None, *, cache_salt: str | None = None,
-                           priority: int = 0, client_id: str | None = None) -> list[RequestStream]:
+                           priority: int = 0, client_id: str | None = None,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """``add_request`` for a batch of ``(request_id, prompt)`` with one tokenizer-thread job and
         one engine-thread op for all of them: each hop costs the event loop tens of microseconds,
         which, per prompt, held it (and ``/health``) for seconds on a request of 100k prompts.
         Raises the first invalid prompt's error (in order); none of the batch stays queued then.
-        ``queue``: one queue shared by the batch's streams (see ``RequestStream``)."""
+        ``queue``: one queue shared by the batch's streams (see ``RequestStream``); ``lora_request``:
+        the adapter all of them run with (an engine with ``enable_lora``)."""
         return await self._add_streams(requests, queue, lambda proc: [
-            with_client(proc.process(rid, prompt, params, arrival_time, cache_salt, priority), client_id)
+            with_client(proc.process(rid, prompt, params, arrival_time, cache_salt, priority,
+                                     lora_request=lora_request), client_id)
             for rid, prompt in requests], self._add_processed)
 
     async def _add_streams(self, requests: list[tuple[str, PromptType]], queue: asyncio.Queue | None,
@@ -178,20 +184,23 @@ class AsyncLLMEngine:
 
     async def add_pooling_requests(self, requests: list[tuple[str, PromptType]], params: PoolingParams,
                                    arrival_time: float | None = None, queue: asyncio.Queue | None = None, *,
-                                   cache_salt: str | None = None, priority: int = 0) -> list[RequestStream]:
+                                   cache_salt: str | None = None, priority: int = 0,
+                                   lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """``add_requests`` for embeddings (``runner="pooling"``): each stream gets one
         EmbeddingRequestOutput."""
         return await self._add_streams(requests, queue, lambda proc: [
-            self.engine.process_pooling(proc, rid, prompt, params, arrival_time, cache_salt, priority)
+            self.engine.process_pooling(proc, rid, prompt, params, arrival_time, cache_salt, priority, lora_request)
             for rid, prompt in requests], self._add_processed)
 
     async def add_beam_searches(self, requests: list[tuple[str, PromptType]], params: BeamSearchParams,
                                 arrival_time: float | None = None, queue: asyncio.Queue | None = None, *,
-                                cache_salt: str | None = None, priority: int = 0) -> list[RequestStream]:
+                                cache_salt: str | None = None, priority: int = 0,
+                                lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """``add_requests`` for beam searches: each stream gets one finished RequestOutput, its
         beams best first (``BeamSearchOutput.as_request_output``), when the search ends."""
         return await self._add_streams(requests, queue, lambda proc: [
-            self.engine.process_beam_search(proc, rid, prompt, params, arrival_time, cache_salt, priority)
+            self.engine.process_beam_search(proc, rid, prompt, params, arrival_time, cache_salt, priority,
+                                            lora_request)
             for rid, prompt in requests], lambda processed: self._add_beams(processed, params))
 
     def _add_beams(self, processed: list[ProcessedRequest], params: BeamSearchParams) -> None:
@@ -310,6 +319,10 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ reads
     async def get_kv_cache_stats(self) -> KVCacheStats:
         return await self._read(self.engine.get_kv_cache_stats)
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """``LLMEngine.check_lora`` on the engine thread (ValueError naming what is wrong)."""
+        await self._read(lambda: self.engine.check_lora(lora_request))
 
     async def get_metrics(self) -> list[Metric]:
         return await self._read(self.engine.get_metrics)

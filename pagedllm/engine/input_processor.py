@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.config import StructuredOutputConfig
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
@@ -51,6 +52,7 @@ class ProcessedRequest:
     pooling: PoolingParams | None = None  # a pooling (embedding) request: params is its one-token run
     mm_items: tuple[MultiModalItem, ...] = ()  # its images' placeholder runs and processor tensors
     client_id: str | None = None  # who sent it, for per-client fairness (None: the request is its own client)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 def with_client(processed: ProcessedRequest, client_id: str | None) -> ProcessedRequest:
@@ -96,7 +98,8 @@ class InputProcessor:
     # ------------------------------------------------------------------ the whole request
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None,
-                priority: int = 0, pooling: PoolingParams | None = None) -> ProcessedRequest:
+                priority: int = 0, pooling: PoolingParams | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Raises ValueError/TypeError naming the field for anything the engine cannot run.
 
         ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
@@ -120,8 +123,10 @@ class InputProcessor:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_allowed_reachable(params)
         self.check_structured_output_size(params)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         return ProcessedRequest(request_id, text, ids, params, arrival_time, cache_salt, priority, pooling,
-                                mm_items=mm_items)
+                                mm_items=mm_items, lora_request=lora_request)
 
     @staticmethod
     def _salt_of(prompt: PromptType, cache_salt: str | None) -> object:

@@ -24,6 +24,8 @@ from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.offload.setup import build_offload_manager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
 from pagedllm.models.loader import get_model_class
 from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor, image_layout
@@ -82,7 +84,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    self.executor.num_cpu_blocks,
                                    build_offload_manager(config, self.executor.block_bytes(),
-                                                         self.executor.tier_fingerprints))
+                                                         self.executor.tier_fingerprints),
+                                   config.lora)
+        self.lora_registry = LoRARegistry(config.lora, config.model.hf_config) if config.lora is not None else None
         self.kv_events = KVEventFeed(self.scheduler)  # the dashboard's feed: idle until a viewer subscribes
         self.multimodal = _multimodal_processor(config)  # a vision-language model's processor, else None
         self._use_tokenizer(tokenizer)
@@ -134,14 +138,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0, *,
-                    client_id: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None, *, client_id: str | None = None) -> None:
         """Tokenizes, validates and queues a request (ValueError/TypeError before anything is queued).
-        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first.
+        ``priority`` (scheduling_policy="priority" only): lower values are scheduled first;
+        ``lora_request``: the adapter it runs with (an engine with ``enable_lora``).
         ``client_id``: who sent it; its grammar compile queues as that client's (one client's many
         compiles take turns with other clients' as one), default: the request is its own client."""
         self._check_new_id(request_id)
-        processed = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority)
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority,
+                                                 lora_request=lora_request)
         self.add_processed_request(with_client(processed, client_id))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
@@ -149,9 +155,10 @@ class LLMEngine:
         another thread: nothing here tokenizes, so the engine thread never waits on a prompt)."""
         self._check_new_id(processed.request_id)
         self._check_runner(processed.pooling is not None)
+        self.check_lora(processed.lora_request)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      pooling=processed.pooling, mm_items=processed.mm_items)
+                      pooling=processed.pooling, mm_items=processed.mm_items, lora_request=processed.lora_request)
         req.pools_every_position = processed.pooling is not None and (
             self.config.pooler.pooling_type != "LAST" or pooling.per_token(processed.pooling))
         if processed.params.structured_outputs is not None:  # compiles on the pool; the request waits
@@ -163,17 +170,18 @@ class LLMEngine:
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
                             arrival_time: float | None = None, cache_salt: str | None = None,
-                            priority: int = 0) -> None:
+                            priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queues a pooling request (``runner="pooling"``): ``step()`` returns an
         EmbeddingRequestOutput for it once its prompt is computed (task "embed"), a
         PoolingRequestOutput for the other tasks (``params.task``, engine/pooling.py)."""
         self._check_new_id(request_id)
         self.add_processed_request(self.process_pooling(self.input_processor, request_id, prompt, params,
-                                                        arrival_time, cache_salt, priority))
+                                                        arrival_time, cache_salt, priority, lora_request))
 
     def process_pooling(self, processor: InputProcessor, request_id: str, prompt: PromptType,
                         params: PoolingParams | None = None, arrival_time: float | None = None,
-                        cache_salt: str | None = None, priority: int = 0) -> ProcessedRequest:
+                        cache_salt: str | None = None, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """A pooling request's prompt, tokenized and checked by ``processor`` (any thread's copy).
 
         Why a one-token generation: the scheduler, chunked prefill, preemption and tensor
@@ -185,7 +193,8 @@ class LLMEngine:
         params = pooling.resolve_task(params, self.model_config)
         run = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, output_kind="final_only",
                              truncate_prompt_tokens=params.truncate_prompt_tokens)
-        return processor.process(request_id, prompt, run, arrival_time, cache_salt, priority, pooling=params)
+        return processor.process(request_id, prompt, run, arrival_time, cache_salt, priority, pooling=params,
+                                 lora_request=lora_request)
 
     def _check_runner(self, pooling: bool) -> None:
         runner = "generate" if self.config.pooler is None else "pooling"
@@ -195,7 +204,8 @@ class LLMEngine:
             raise ValueError(f"this engine runs runner={runner!r}: {what} request needs an engine built with {use}")
 
     def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-                        arrival_time: float | None = None, priority: int = 0) -> None:
+                        arrival_time: float | None = None, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> None:
         """Queues a beam search; its beams run in ordinary steps beside every other request.
 
         ``step()`` returns no RequestOutput for it; ``take_beam_search_output`` returns its
@@ -203,12 +213,13 @@ class LLMEngine:
         """
         self._check_new_id(request_id)
         processed = self.process_beam_search(self.input_processor, request_id, prompt, params, arrival_time,
-                                             priority=priority)
+                                             priority=priority, lora_request=lora_request)
         self.add_processed_beam_search(processed, params)
 
     def process_beam_search(self, processor: InputProcessor, request_id: str, prompt: PromptType,
                             params: BeamSearchParams, arrival_time: float | None = None,
-                            cache_salt: str | None = None, priority: int = 0) -> ProcessedRequest:
+                            cache_salt: str | None = None, priority: int = 0,
+                            lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """A beam search's prompt, tokenized and checked by ``processor`` (any thread's copy:
         nothing here touches engine state), with the beams' own sampling params."""
         if self.speculator is not None:
@@ -219,7 +230,8 @@ class LLMEngine:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={max_seqs}")
         sp = BeamSearchManager.sampling_params(params, self.model_config.vocab_size)
         candidates, sp.logprobs = sp.logprobs, None  # internal rows: not bounded by max_logprobs
-        processed = processor.process(request_id, prompt, sp, arrival_time, cache_salt, priority)
+        processed = processor.process(request_id, prompt, sp, arrival_time, cache_salt, priority,
+                                      lora_request=lora_request)
         processed.params.logprobs = candidates
         return processed
 
@@ -227,17 +239,27 @@ class LLMEngine:
         """Queues a beam search ``process_beam_search`` prepared (on the engine's thread)."""
         self._check_new_id(processed.request_id)
         self._check_runner(False)
+        self.check_lora(processed.lora_request)
         if params.max_tokens is None:  # the input processor filled in what max_model_len leaves
             params = dataclasses.replace(params, max_tokens=processed.params.max_tokens)
         req = Request(processed.request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                       processed.arrival_time, cache_salt=processed.cache_salt, priority=processed.priority,
-                      mm_items=processed.mm_items)
+                      mm_items=processed.mm_items, lora_request=processed.lora_request)
         self.scheduler.add_request(req)
         self.beam_search.add(req, params, self.eos_token_ids)
 
     def take_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         """A finished beam search's beams, best first (handed out once); None while it runs."""
         return self.beam_search.take_output(request_id)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter can run here: LoRA is enabled and the adapter fits the base model
+        (checked once per adapter id, ValueError naming what is wrong)."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine started with enable_lora=True")
+        self.lora_registry.check(lora_request)
 
     def _check_new_id(self, request_id: str) -> None:
         """Every way in checks here: a sleeping engine takes nothing, and ids are unique."""
@@ -548,7 +570,23 @@ class LLMEngine:
         metrics += self.structured_output.metrics()
         if self.multimodal is not None:
             metrics += self.scheduler.encoder.metrics()
+        if self.scheduler.lora_slots is not None:
+            metrics += self._lora_metrics()
         return metrics + offload_metrics(s.offload)
+
+    def _lora_metrics(self) -> list[Metric]:
+        """vLLM's ``lora_requests_info`` (a gauge of the time, its labels the adapters of running and
+        waiting requests), and the slot pool's loads, hits and evictions."""
+        sched, stats = self.scheduler, self.scheduler.lora_slots.stats
+
+        def names(queue) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in queue if r.lora_request is not None}))
+        labels = {"running_lora_adapters": names(sched.running), "waiting_lora_adapters": names(sched.waiting),
+                  "max_lora": str(self.config.lora.max_loras)}
+        return [Metric("pagedllm:lora_requests_info", time.time(), labels),
+                Metric("pagedllm:lora_loads", stats.loads, kind="counter"),
+                Metric("pagedllm:lora_hits", stats.hits, kind="counter"),
+                Metric("pagedllm:lora_evictions", stats.evictions, kind="counter")]
 
     def _cache_config_labels(self) -> dict[str, str]:
         cache = self.config.cache

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.multimodal.mrope import MRopePositions
 from pagedllm.outputs import Logprob
@@ -76,7 +77,7 @@ class Request:
                  eos_token_ids: frozenset[int], arrival_time: float | None = None,
                  parent_id: str | None = None, index: int = 0, cache_salt: str | None = None,
                  priority: int = 0, pooling: PoolingParams | None = None,
-                 mm_items: tuple[MultiModalItem, ...] = ()):
+                 mm_items: tuple[MultiModalItem, ...] = (), lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n sequences this is
@@ -86,6 +87,8 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # its adapter's device slot while it holds a reference (lora/slot_pool.py)
         self.mm_items = mm_items  # its images' placeholder runs, in prompt order (multimodal/)
         self.mrope = MRopePositions.of(len(prompt_token_ids), mm_items)  # M-RoPE positions (None: plain)
         self.priority = priority  # scheduling_policy="priority": lower values are scheduled first
@@ -115,6 +118,15 @@ class Request:
         self.grammar: GrammarState | None = None  # structured_outputs: this sequence's matcher
         self.spec_token_ids: list[int] = []  # speculative drafts to verify in the next step
         self.long_rope = False  # LongRoPE: its K/V is computed with the long factors (engine/scheduler.py)
+
+    def hash_extra_keys(self) -> tuple:
+        """What its prefix-cache block hashes mix in besides the tokens: its cache salt, its adapter
+        (two adapters, like two salts, never share K/V) and LongRoPE's long factors (long-factor K/V
+        is another block's content)."""
+        extra = (self.cache_salt,) if self.cache_salt else ()
+        if self.lora_request is not None:
+            extra += self.lora_request.cache_key()
+        return extra + ("long_rope",) if self.long_rope else extra
 
     @property
     def num_tokens(self) -> int:

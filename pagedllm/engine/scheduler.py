@@ -22,6 +22,12 @@ request goes back to its place in it, not to the front), and the running request
 it before each step, so they get the token budget in that order and the one preempted when
 blocks run out is the last: the lowest priority, latest arrival (vLLM's victim). Running
 requests are never preempted to admit a waiting one, whatever its priority (as in vLLM).
+
+With ``enable_lora`` the adapters' device slots are admitted by like blocks (lora/slot_pool.py):
+a waiting request takes a reference on its adapter's slot when admitted (its adapter is loaded
+into a free or least recently used unreferenced slot if not resident: ``out.lora_loads``); one
+whose adapter can get no slot keeps its place while the requests behind it go ahead. Running and
+swapped requests hold their reference; finishing or preemption by recompute drops it.
 """
 from __future__ import annotations
 
@@ -31,13 +37,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, LoRAConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus, make_generator
 from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.kv_cache.offload.manager import OffloadManager
 from pagedllm.kv_cache.offload.ops import LoadReport
 from pagedllm.layers.sampler import NO_TOKEN
+from pagedllm.lora.slot_pool import LoRASlotPool
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 
@@ -66,7 +73,7 @@ class Scheduler:
     """Decides, each step, which requests run and with how many tokens; applies the results."""
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 num_cpu_blocks: int = 0, offload: OffloadManager | None = None):
+                 num_cpu_blocks: int = 0, offload: OffloadManager | None = None, lora: LoRAConfig | None = None):
         self.config = config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
@@ -82,6 +89,8 @@ class Scheduler:
         self.finished_ids: list[str] = []  # sequences finished since the last step (for the runner)
         self.failed: list[Request] = []  # ended because their grammar failed to compile (take_failed)
         self.by_priority = config.scheduling_policy == "priority"
+        # enable_lora: the adapters' device slots, admitted by like KV blocks (lora/slot_pool.py)
+        self.lora_slots = LoRASlotPool(lora.max_loras) if lora is not None else None
         # images' encoder outputs (multimodal/encoder_cache.py): one step encodes at most a step's token
         # budget of image rows, and the cache holds as many (the input processor refuses a larger image)
         self.encoder = EncoderCacheManager(config.max_num_batched_tokens, config.max_num_batched_tokens)
@@ -139,6 +148,8 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_copies()
         out.released_ids = self.kv.take_released()
         out.tier_ops = self.kv.take_tier_ops()
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         out.encoder_frees = self.encoder.take_frees()
         return out
 
@@ -213,6 +224,9 @@ class Scheduler:
                 if not req.is_finished:
                     skipped.append(self.waiting.popleft())
                 continue
+            if not self._lora_slot_available(req):  # it waits for a slot; others may run meanwhile
+                skipped.append(self.waiting.popleft())
+                continue
             if seats + 1 + req.num_forks_pending > self.config.max_num_seqs:
                 break
             req.long_rope = self._needs_long_rope(req)  # (before its block hashes: they key on it)
@@ -228,6 +242,7 @@ class Scheduler:
                     break
                 self.kv.count_tier_misses(misses)
                 self.loading[req.request_id] = self.waiting.popleft()
+                self._take_lora_slot(req)
                 seats += 1 + req.num_forks_pending
                 continue
             num_new = self._fit_encoder(req, min(req.num_tokens - req.num_computed_tokens - num_hit, budget),
@@ -239,6 +254,7 @@ class Scheduler:
                 break
             self.kv.count_tier_misses(misses)
             self.waiting.popleft()
+            self._take_lora_slot(req)
             req.num_computed_tokens += num_hit
             req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -248,6 +264,20 @@ class Scheduler:
             self._add_chunk(out, req, num_new)
             budget -= num_new
             seats += 1 + req.num_forks_pending
+
+    def _lora_slot_available(self, req: Request) -> bool:
+        return req.lora_request is None or self.lora_slots.can_acquire(req.lora_request)
+
+    def _take_lora_slot(self, req: Request) -> None:
+        """On admission: a reference on its adapter's slot (loaded into one if not resident)."""
+        if req.lora_request is not None:
+            req.lora_slot = self.lora_slots.acquire(req.lora_request)
+
+    def _drop_lora_slot(self, req: Request) -> None:
+        """It no longer runs (finished, or preempted by recompute): its adapter may be evicted."""
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
 
     def finish_loads(self, report: LoadReport | None) -> None:
         """The ranks' loads of this step arrived (``report``): each loading request, with its
@@ -330,6 +360,7 @@ class Scheduler:
             mm_spans=mm_spans,
             long_rope=req.long_rope,
             mrope_positions=req.mrope.rows(start, start + num_new) if req.mrope is not None else None,
+            lora_slot=req.lora_slot,
         ))
 
     def end_verification(self, request_id: str) -> None:
@@ -379,6 +410,7 @@ class Scheduler:
             self.stats.preemptions_by_mode["swap"] += 1
             return
         self.kv.free(req)  # recompute: drop the K/V, keep the tokens, requeue at the front
+        self._drop_lora_slot(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self._enqueue(self.waiting, req, front=True)
@@ -430,7 +462,10 @@ class Scheduler:
         """A running copy of ``parent`` (same tokens and progress) sharing all its blocks."""
         child = Request(child_id, parent.prompt_token_ids, parent.params, parent.eos_token_ids,
                         parent.arrival_time, parent.parent_id, index, parent.cache_salt, parent.priority,
-                        mm_items=parent.mm_items)  # its block hashes key on the same images
+                        mm_items=parent.mm_items,  # its block hashes key on the same images
+                        lora_request=parent.lora_request)
+        if parent.lora_slot >= 0:
+            child.lora_slot = self.lora_slots.retain(parent.lora_slot)
         child.all_token_ids = list(parent.all_token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         child.cumulative_logprob = parent.cumulative_logprob
@@ -473,6 +508,7 @@ class Scheduler:
                 break
         self.loading.pop(request_id, None)
         self.kv.free(req)
+        self._drop_lora_slot(req)
         self.encoder.release(request_id)
         if req.grammar is not None:  # a compile no other request waits for is dropped if still queued
             req.grammar.release()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.kv_cache.offload.ops import TierOps
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import EncoderInput
 
 
@@ -36,6 +37,7 @@ class ScheduledChunk:
     long_rope: bool = False
     # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
     mrope_positions: np.ndarray | None = field(default=None, compare=False)
+    lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
 
     @property
     def num_verify_rows(self) -> int:
@@ -70,6 +72,8 @@ class SchedulerOutput:
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     # per-token pooling tasks: (first token row, rows) per span handed back row by row (ExecuteResult.span_rows)
     pool_rows: list[tuple[int, int]] = field(default_factory=list)
+    # adapters to write into their device slots before forward (lora/slot_pool.py)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
     # multimodal: images to encode before this step's forward (their pixels travel once, here), and
     # encoder-cache entries the worker drops first (multimodal/encoder_cache.py)
     encoder_inputs: list[EncoderInput] = field(default_factory=list)
@@ -95,4 +99,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the executor: no tokens, no cache plans, no persistent rows to forget."""
         return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_copy or self.released_ids
-                    or self.tier_ops or self.encoder_frees)
+                    or self.tier_ops or self.encoder_frees or self.lora_loads)

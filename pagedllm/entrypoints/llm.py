@@ -15,6 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.entrypoints import score_utils
 from pagedllm.entrypoints.openai.media import MediaPolicy, load_image
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.multimodal.embeds import chat_embeds
 from pagedllm.outputs import (
@@ -81,32 +82,38 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt; returns RequestOutputs in input order.
 
         ``priority``: one per prompt, for an engine built with ``scheduling_policy="priority"``
-        (lower values are scheduled first); a prompt dict may carry vLLM's ``"cache_salt"``."""
+        (lower values are scheduled first); a prompt dict may carry vLLM's ``"cache_salt"``.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base
+        model), for an engine built with ``enable_lora=True``."""
         prompts = _as_list(prompts)
         default = self.get_default_sampling_params() if sampling_params is None else None
         params = [_final_only(p) for p in _per_prompt(sampling_params, SamplingParams, default, len(prompts),
                                                             "sampling_params")]
-        ids = self._add_all(prompts, params, priorities=priority)
+        ids = self._add_all(prompts, params, priorities=priority, loras=lora_request)
         return self._run(ids, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, priority: Sequence[int] | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """One vector per prompt (``out.outputs.embedding``), in input order; needs an engine
         built with ``runner="pooling"`` (``pooler_config`` sets the pooling and normalization)."""
         prompts = _as_list(prompts)
         params = [_pooling_for(p, "embed", None)
                   for p in _per_prompt(pooling_params, PoolingParams, PoolingParams(), len(prompts), "pooling_params")]
-        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
+        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority,
+                            loras=lora_request)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             lora_request: None = None, chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              documents: list[dict] | None = None, chat_template_kwargs: dict | None = None,
@@ -122,8 +129,7 @@ class LLM:
         are, "auto" = "string". A vision-language model also takes ``image_url`` parts (``{"url":
         ...}``: data:, or file:// / http(s) where ``allowed_local_media_path`` / ``allowed_media_domains``
         allow) and ``image_pil`` parts (a PIL image); under "string" each becomes the model's image
-        placeholder, and ``mm_processor_kwargs`` goes to its processor. LoRA adapters are refused."""
-        _refuse(lora_request, "lora_request", "LoRA adapters are not supported by LLM.chat")
+        placeholder, and ``mm_processor_kwargs`` goes to its processor. ``lora_request`` as in ``generate``."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True and add_generation_prompt=True cannot be combined: the "
                              "first continues the last message, the second starts a new one; pass "
@@ -137,7 +143,7 @@ class LLM:
         extra = _template_kwargs(chat_template_kwargs, options)
         prompts = [self._chat_prompt(tok, conv, chat_template_content_format, mm_processor_kwargs, {**options, **extra})
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _chat_prompt(self, tok, conversation: list[dict], content_format: str, mm_processor_kwargs: dict | None,
                      options: dict) -> dict:
@@ -167,18 +173,19 @@ class LLM:
         return self.llm_engine.get_default_sampling_params()
 
     def _add_all(self, prompts, params, add: Callable | None = None,
-                 priorities: Sequence[int] | None = None) -> list[str]:
+                 priorities: Sequence[int] | None = None, loras=None) -> list[str]:
         """Queues every prompt with ``add`` (default ``add_request``); if one is refused, the
         ones already queued are aborted, so a bad prompt leaves nothing behind."""
         if priorities is not None and len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts; give one per prompt")
         engine = self.llm_engine
         add = add or engine.add_request
+        loras = _per_prompt(_check_loras(loras), LoRARequest, None, len(prompts), "lora_request")
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
-            for rid, prompt, p, priority in zip(ids, prompts, params, priorities or itertools.repeat(0)):
-                add(rid, prompt, p, priority=priority)
+            for rid, prompt, p, priority, lora in zip(ids, prompts, params, priorities or itertools.repeat(0), loras):
+                add(rid, prompt, p, priority=priority, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)
@@ -215,7 +222,8 @@ class LLM:
         return [results[i] for i in ids]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """Beam search as vLLM's ``LLM.beam_search``; beams share blocks via fork and copy-on-write.
 
         The searches run in the engine's ordinary steps, so requests already in flight keep
@@ -223,7 +231,7 @@ class LLM:
         """
         engine = self.llm_engine
         prompts = _as_list(prompts)
-        ids = self._add_all(prompts, [params] * len(prompts), engine.add_beam_search)
+        ids = self._add_all(prompts, [params] * len(prompts), engine.add_beam_search, loras=lora_request)
 
         def finished(_outputs, pending: set[str]):  # beam results come from the engine, not the step's outputs
             return [(rid, out) for rid in pending if (out := engine.take_beam_search_output(rid)) is not None]
@@ -243,7 +251,8 @@ class LLM:
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-               priority: Sequence[int] | None = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+               priority: Sequence[int] | None = None, pooling_task: str | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         """Each prompt's pooled result as a tensor (``out.outputs.data``), in input order:
         ``pooling_task`` "embed" (an embedding model's vector), "classify" (a classifier's class
         probabilities), "score" (a cross-encoder's relevance of a prompt already holding the
@@ -254,7 +263,8 @@ class LLM:
         prompts = _as_list(prompts)
         params = [_pooling_for(p, pooling_task, truncate_prompt_tokens)
                   for p in _per_prompt(pooling_params, PoolingParams, PoolingParams(), len(prompts), "pooling_params")]
-        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority)
+        ids = self._add_all(prompts, params, self.llm_engine.add_pooling_request, priorities=priority,
+                            loras=lora_request)
         return [_as_pooling_output(out) for out in self._run(ids, use_tqdm)]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], *,
@@ -426,6 +436,16 @@ def _template_kwargs(given: dict | None, options: dict) -> dict:
     clash = sorted(set(given) & (set(options) | {"conversation", "tokenize"}))
     if clash:
         raise ValueError(f"chat_template_kwargs repeats {clash}: pass them as chat()'s own arguments")
+    return given
+
+
+def _check_loras(given):
+    """``lora_request``: None, one LoRARequest, or a list of them (None for the base model) per prompt."""
+    ok = given is None or isinstance(given, LoRARequest) or (
+        isinstance(given, (list, tuple)) and all(x is None or isinstance(x, LoRARequest) for x in given))
+    if not ok:
+        raise ValueError(f"lora_request={given!r:.80} is not supported: give a LoRARequest, or a list of one "
+                         "(or None for the base model) per prompt")
     return given
 
 

@@ -25,6 +25,8 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
+    LoRAConfig,
     check_block_size,
     check_memory_utilization,
     default_max_num_batched_tokens,
@@ -286,6 +288,29 @@ def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     return attention + mlp(shape.dense_intermediate_size, n - moe) + routers + mlp(shared, moe)
 
 
+def lora_slot_shapes(shape: ModelShape) -> list[tuple[int, int, int, int]]:
+    """``(out, in, sub-projections, count)`` of the linear layers that take LoRA slots (lora/model.py):
+    each decoder layer's fused qkv and o_proj, and the gated MLP's gate_up and down where the layer
+    is dense (MoE experts take no adapters)."""
+    if shape.mla is not None:
+        raise ValueError("enable_lora with an MLA model (its latent attention projections) is not planned: "
+                         "the adapter slots' memory is not counted here")
+    h, d, n = shape.hidden_size, shape.head_dim, shape.num_layers
+    slots = [((shape.num_heads + 2 * shape.num_kv_heads) * d, h, 3, n), (h, shape.num_heads * d, 1, n)]
+    dense = n - shape.num_moe_layers if shape.num_experts else n
+    inter = shape.dense_intermediate_size if shape.num_experts else shape.intermediate_size
+    if shape.gated_mlp and inter and dense:
+        slots += [(2 * inter, h, 2, dense), (h, inter, 1, dense)]
+    return slots
+
+
+def lora_adapter_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int) -> int:
+    """Bytes of one adapter laid out for the slots: ``A [subs * rank, in]`` and ``B [out, subs * rank]``
+    per layer (layers/lora.py's LoRASlots), so ``max_loras`` of it on the device."""
+    return sum(count * subs * max_lora_rank * (in_ + out) * itemsize
+               for out, in_, subs, count in lora_slot_shapes(shape))
+
+
 def _panel_bytes(shape: ModelShape, layout: tuple[int, int, int]) -> int:
     """The CPU's panel copy of every group-wise 4/8-bit linear (``grouped.panel_copy_bytes``)."""
     bits, group, _ = layout
@@ -344,6 +369,9 @@ class KVPlan:
     # a vision-language model's encoder cache (image embeddings), held outside the KV budget
     encoder_cache_bytes: int = 0
     max_num_batched_tokens: int = 0
+    lora: LoRAConfig | None = None  # enable_lora: the adapter slots planned for
+    lora_bytes: int = 0  # the max_loras device slots, taken from the KV budget
+    lora_host_bytes: int = 0  # the max_cpu_loras laid-out adapters kept in host memory (at most)
 
     @property
     def paging_gain(self) -> float:
@@ -426,6 +454,7 @@ def plan_kv(
     quantization: str | None = None,
     device: str = "cuda",
     max_num_batched_tokens: int | None = None,
+    lora: LoRAConfig | None = None,
 ) -> KVPlan:
     """Plan KV-cache capacity for ``config`` (a parsed config.json) on a GPU of ``gpu_memory`` bytes.
 
@@ -437,8 +466,10 @@ def plan_kv(
     per-block bytes come from ``kv_cache.planning``, the functions the engine sizes its pool with.
     A vision-language config (one with ``vision_config``) also holds an encoder cache of
     ``max_num_batched_tokens`` (default: the engine's on ``device``) embedding rows, taken from the
-    KV budget as the engine's memory profile does. Activations and runtime overhead are not
-    modelled. Raises ``ValueError`` (``ConfigError``
+    KV budget as the engine's memory profile does. ``lora`` (enable_lora): its ``max_loras`` adapter
+    slots come out of the KV budget, as the engine allocates them before it sizes the pool;
+    ``max_cpu_loras`` laid-out adapters are host memory.
+    Activations and runtime overhead are not modelled. Raises ``ValueError`` (``ConfigError``
     for config problems) on bad input.
     """
     check_block_size(block_size)
@@ -462,7 +493,8 @@ def plan_kv(
     _check_positive("max_num_batched_tokens", max_batched)
     encoder = encoder_cache_bytes(max_batched, shape.hidden_size, weights_dtype.itemsize) if "vision_config" in config \
         else 0
-    budget = usable - weights - encoder
+    adapter = lora_adapter_bytes(shape, lora.max_lora_rank, lora.slot_dtype(weights_dtype).itemsize) if lora else 0
+    budget = usable - weights - encoder - (lora.max_loras * adapter if lora else 0)
 
     per_token = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype)
     per_block = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype, block_size)
@@ -481,7 +513,8 @@ def plan_kv(
         notes=_notes(shape, max_model_len, budget, max_seqs),
         kv_cache_dtype=dtype_name(kv_dtype), quantization=quantization, device=device,
         active_params=count_params(shape, active=True), panel_bytes=panels, encoder_cache_bytes=encoder,
-        max_num_batched_tokens=max_batched,
+        max_num_batched_tokens=max_batched, lora=lora,
+        lora_bytes=lora.max_loras * adapter if lora else 0, lora_host_bytes=lora.num_cpu_loras * adapter if lora else 0,
     )
 
 
@@ -619,6 +652,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the engine's, 2048 on cpu, 8192 on cuda)")
     parser.add_argument("--weights-memory", type=_size_arg, default=None, metavar="SIZE",
                         help="use this weights size instead of the estimate from the config")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="count LoRA adapter slots (their device memory comes out of the KV budget)")
+    parser.add_argument("--max-loras", type=_positive_int, default=1, metavar="N",
+                        help="with --enable-lora: adapters resident on the device at once (default: 1)")
+    parser.add_argument("--max-lora-rank", type=_positive_int, default=16, metavar="R",
+                        help="with --enable-lora: the slots' rank (default: 16)")
+    parser.add_argument("--max-cpu-loras", type=_positive_int, default=None, metavar="N",
+                        help="with --enable-lora: laid-out adapters kept in host memory (default: --max-loras)")
+    parser.add_argument("--lora-dtype", choices=LORA_DTYPES, default="auto",
+                        help="with --enable-lora: the slots' dtype; auto = the weights' (default: auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -658,6 +701,9 @@ def format_plan(plan: KVPlan, model: str = "") -> str:
                                          f" = {format_size(plan.usable_memory)}"),
         *([_row(f"encoder cache ({plan.max_num_batched_tokens} image rows)", format_size(plan.encoder_cache_bytes))]
           if plan.encoder_cache_bytes else []),
+        *([_row(f"LoRA slots ({plan.lora.max_loras} x rank {plan.lora.max_lora_rank})",
+                format_size(plan.lora_bytes) + f", and up to {format_size(plan.lora_host_bytes)} of host memory "
+                f"for {plan.lora.num_cpu_loras} adapters")] if plan.lora else []),
         _row("memory for KV cache", format_size(plan.kv_budget)),
         "",
         _row("KV per token", f"{format_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} B)"),
@@ -684,6 +730,18 @@ def _with_flag_names(message: str) -> str:
     return message
 
 
+def _lora_from_cli(args: argparse.Namespace) -> LoRAConfig | None:
+    """--enable-lora's slots; a --max-lora* / --lora-dtype flag without it would be ignored, so it is refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LoRAConfig)}
+    given = {name: getattr(args, name, default) for name, default in defaults.items()}
+    if getattr(args, "enable_lora", False):
+        return LoRAConfig(**given)
+    changed = [name for name in defaults if given[name] != defaults[name]]
+    if changed:
+        raise ValueError(f"--{changed[0].replace('_', '-')}={given[changed[0]]} applies only with --enable-lora")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute ``pagedllm plan`` for parsed ``args``; returns the process exit code."""
     try:
@@ -694,6 +752,7 @@ def run(args: argparse.Namespace) -> int:
             weights_bytes=args.weights_memory, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device,
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+            lora=_lora_from_cli(args),
         )
     except ValueError as e:  # includes ConfigError
         print(f"pagedllm plan: error: {_with_flag_names(str(e))}", file=sys.stderr)

@@ -34,7 +34,8 @@ class KVCacheManager:
     """Owns request -> block lists over one :class:`BlockPool`.
 
     The request objects passed in need ``request_id``, ``all_token_ids``, ``num_tokens``,
-    ``num_computed_tokens`` and ``cache_salt`` (None or a string mixed into the block hashes).
+    ``num_computed_tokens`` and ``hash_extra_keys()`` (what the block hashes mix in besides the
+    tokens: the cache salt, the LoRA adapter).
 
     With ``offload`` (KV tiers, ``kv_cache/offload/``), evicted prefix blocks go to the CPU and
     disk tiers, and a fresh request's hits there are loaded back (``start_load`` /
@@ -158,9 +159,7 @@ class KVCacheManager:
 
     def _request_hashes(self, req) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
-        extra = (req.cache_salt,) if req.cache_salt else ()
-        if getattr(req, "long_rope", False):  # LongRoPE: long-factor K/V is another block's content
-            extra += ("long_rope",)
+        extra = req.hash_extra_keys()  # cache salt, adapter, LongRoPE factors
         # image hashes key the blocks over their placeholders
         spans = [(item.hash, item.offset, item.length) for item in getattr(req, "mm_items", ())]
         extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra, spans)

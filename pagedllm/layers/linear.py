@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers import cpu_ops, quantization
+from pagedllm.layers.lora import LoRASlots
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -23,6 +24,7 @@ def _divide(n: int, d: int, what: str) -> int:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's shard
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -31,8 +33,14 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight = None  # set by cpu_ops.pack_model once the weights are loaded
+        self.lora: LoRASlots | None = None  # adapter slots (layers/lora.py), set by lora/model.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_forward(x)
+        # row-parallel: before the all-reduce, which then sums the rank's shards of x @ A.T
+        return y if self.lora is None else self.lora.apply(x, y)
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.int8:  # weight-only quantized (layers/quantization/int8.py)
             return quantization.int8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.weight.dtype == torch.uint8:  # group-wise 4/8-bit codes (layers/quantization/grouped.py)

@@ -121,6 +121,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dg_gemm": (_I32, [_VP, _I64, _VP, _VP, _I64, _I64, _VP, _I32]),  # x, T, panels, bias, in, out, y, threads
     # x, T, blocks, scales, bias, in, out, y, threads
     "mx_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
+    "lora_sgmv": (_I32, [
+        _VP, _I64, _I64, _VP, _VP, _VP, _I32,  # x, T, in, rows (or NULL), segments' slots and starts, segments
+        _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # a, b, slots, R, out, y, threads
+    ]),
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -310,6 +314,17 @@ class NativeLibrary:
                                  weight.shape[0], _ptr(out), num_threads)
         if rc != 0:
             self._raise(rc, "ld_linear", f": x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+
+    def lora_sgmv(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  rows: torch.Tensor | None, seg_slot: torch.Tensor, seg_start: torch.Tensor, num_threads: int) -> None:
+        """``y[rows[i]] += (x[rows[i]] . a[s]^T) . b[s]^T`` for the tokens of each segment (``csrc/lora_sgmv.c``):
+        ``x [T, in]``, ``y [T, out]``, ``a [slots, R, in]``, ``b [slots, out, R]`` contiguous float32;
+        ``rows`` (None: token i is row i), ``seg_slot [G]`` and ``seg_start [G + 1]`` int64."""
+        rc = self._lib.lora_sgmv(_ptr(x), x.shape[0], x.shape[1], _ptr(rows), _ptr(seg_slot), _ptr(seg_start),
+                                 seg_slot.shape[0], _ptr(a), _ptr(b), a.shape[0], a.shape[1], b.shape[1], _ptr(y),
+                                 num_threads)
+        if rc != 0:
+            self._raise(rc, "lora_sgmv", f": x {tuple(x.shape)}, a {tuple(a.shape)}, {seg_slot.shape[0]} segments")
 
     def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
         """``out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]``, both contiguous float32."""

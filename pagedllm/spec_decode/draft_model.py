@@ -53,11 +53,13 @@ class Proposal:
 
 
 def draft_engine_config(target: EngineConfig) -> EngineConfig:
-    """The target's engine config with the draft's model: one rank, no prefix caching, eager."""
+    """The target's engine config with the draft's model: one rank, no prefix caching, eager, no
+    adapters (drafts come from the base draft model; the target verifies them with its adapter)."""
     spec = target.speculative
     cache = dataclasses.replace(target.cache, enable_prefix_caching=False)
     return dataclasses.replace(target, model=spec.draft, cache=cache, parallel=ParallelConfig(1),
-                               cuda_graphs=False, compile_model=False, speculative=None)
+                               cuda_graphs=False, compile_model=False, speculative=None,
+                               lora=None)
 
 
 class DraftModelProposer:

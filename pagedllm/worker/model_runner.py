@@ -25,6 +25,7 @@ from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.kv_cache.spec import kv_spec_for
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quantization import quantize_model
+from pagedllm.lora.model import LoRAModel
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
 from pagedllm.multimodal.mrope import batch_positions
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
@@ -66,6 +67,7 @@ class ModelRunner:
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
     tiers: TierStore | None = None  # this rank's KV tiers (CPU, disk), set by init_cache
+    _fused_decoder = None  # the one-call C decoder once enabled (CPU, Llama family)
 
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup, pp: PipelineGroup | None = None):
         self.config = config
@@ -98,6 +100,9 @@ class ModelRunner:
             reason = self._prepare_cpu_kernels()
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
+        # enable_lora: adapter slots on the decoder layers' projections (lora/model.py)
+        self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
+                               self.device) if config.lora is not None else None)
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
@@ -126,7 +131,10 @@ class ModelRunner:
     def _enable_fused_decode(self) -> str | None:
         if self.pipeline is not None:
             return "pipeline parallelism: the C decoder runs the whole layer stack in one call"
-        return self.model.enable_fused_decode(self.backend)
+        reason = self.model.enable_fused_decode(self.backend)
+        # the one-call C decoder computes the base model only: with LoRA it runs the steps without adapter tokens
+        self._fused_decoder = self.model.model.fused_decoder if reason is None else None
+        return reason
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -320,6 +328,8 @@ class ModelRunner:
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
+        for slot, lora_request in out.lora_loads:  # adapters admitted this step, before they run
+            self.lora.load(slot, lora_request)
         if not out.chunks:
             return ExecuteResult(torch.empty(0, self.config.model.vocab_size), 0.0, self._tier_report(out))
         if self.pipeline is not None:  # KV tiers are refused under pipeline parallelism (arg_utils)
@@ -439,6 +449,11 @@ class ModelRunner:
             starts = np.repeat(last + 1 - verify_rows, verify_rows)
             offsets = np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows)
             sample_idx = np.concatenate([sample_idx, starts + offsets])
+        if self.lora is not None:  # each token runs with its chunk's adapter slot
+            slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=len(chunks))
+            self.lora.set_batch(np.repeat(slots, query_lens))
+            if self._fused_decoder is not None:
+                self.model.model.fused_decoder = None if self.lora.batch.active else self._fused_decoder
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         self._offset_long_rope(chunks, query_lens, host)
@@ -472,7 +487,8 @@ class ModelRunner:
         saved = self.cache
         self.init_cache(num_seqs * blocks_per_seq, with_tiers=False)
         chunks = [ScheduledChunk(f"profile-{i}", [0] * min(seq, num_tokens - i * seq), 0, 0,
-                                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
+                                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1,
+                                 lora_slot=0 if self.lora is not None else -1)  # every token through LoRA
                   for i in range(num_seqs)]
         with kv_quant.calibration_paused(self.model):  # dummy tokens: no fp8 KV scales from them
             self.execute(SchedulerOutput(chunks=chunks))
@@ -501,6 +517,8 @@ class ModelRunner:
                                         if hasattr(m, "cuda_graph_blocker"))), None)
         if reason is None and (c.parallel.pipeline_parallel_size > 1 or c.compile_model):
             reason = "pipeline parallelism and compile_model run eagerly"
+        if reason is None and c.lora is not None:
+            reason = "enable_lora: the step's adapter mapping is not captured"
         if reason is None and c.parallel.tensor_parallel_size > 1 and not envs.PAGEDLLM_TP_CUDA_GRAPHS:
             reason = "tensor parallelism captures only with PAGEDLLM_TP_CUDA_GRAPHS=1 (not yet run on GPUs)"
         if reason:

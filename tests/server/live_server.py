@@ -99,7 +99,7 @@ def free_port() -> int:
 
 
 def start_server(model_dir: str, api_key: str | None = None, chat_template: str | None = None,
-                 limits=None, chat_options=None, response_options=None, http_options=None,
+                 limits=None, chat_options=None, response_options=None, http_options=None, lora_modules=None,
                  **engine_kwargs) -> LiveServer:
     """``limits``: the app's ServerLimits (default: the server's defaults); ``chat_options``: its
     ChatOptions (tool-call and reasoning parsers); ``response_options``: its ResponseOptions;
@@ -114,7 +114,7 @@ def start_server(model_dir: str, api_key: str | None = None, chat_template: str 
     http_options = http_options or HttpOptions(uvicorn_log_level="warning")
     app = build_app(EngineArgs(model=model_dir, **kwargs), served_model_name="tiny", api_key=api_key,
                     chat_template=chat_template, limits=limits, chat_options=chat_options,
-                    response_options=response_options, http_options=http_options)
+                    response_options=response_options, http_options=http_options, lora_modules=lora_modules)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, timeout_graceful_shutdown=2,
                                            **uvicorn_kwargs(http_options)))

@@ -188,7 +188,6 @@ def test_every_vllm_frontend_flag_has_a_rule_and_parses():
 
 @pytest.mark.parametrize("argv, flag", [
     (["--tool-server", "demo"], "--tool-server"),
-    (["--lora-modules", "sql=/adapters/sql"], "--lora-modules"),
     (["--api-server-count", "4"], "--api-server-count"),
     (["--tool-parser-plugin", "my_parsers.py"], "--tool-parser-plugin"),
     (["--log-error-stack"], "--log-error-stack"),

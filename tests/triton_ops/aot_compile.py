@@ -12,7 +12,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from pagedllm.attention.triton.aot import MAX_SHARED_MEMORY
-from pagedllm.layers.triton_ops import activation, fused_moe, grouped_gemm, int8_gemm, mxfp4, norm, rotary, sampling
+from pagedllm.layers.triton_ops import (
+    activation,
+    fused_moe,
+    grouped_gemm,
+    int8_gemm,
+    lora,
+    mxfp4,
+    norm,
+    rotary,
+    sampling,
+)
 
 
 def _specs(dt: str):
@@ -48,7 +58,20 @@ def _specs(dt: str):
            dict(HAS_BIAS=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_K=bk), 4)
           for bm, bn, bk in (mxfp4.tiles(1), mxfp4.tiles(4096))],  # MXFP4 (gpt-oss experts): decode and prefill tiles
+        *_lora_specs(dt),
     ]
+
+
+def _lora_specs(dt: str):
+    """The batched LoRA shrink and expand as lora_sgmv launches them (rank 16: BLOCK_R 16)."""
+    meta = dict(perm_ptr="*i64", seg_slot_ptr="*i64", seg_start_ptr="*i64")
+    precision = "ieee" if dt == "fp32" else "tf32"
+    return [(lora._lora_shrink_kernel, dict(x_ptr=f"*{dt}", a_ptr=f"*{dt}", t_ptr="*fp32", **meta, K="i32", R="i32",
+                                            x_stride="i32"),
+             dict(DOT_PRECISION=precision, BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_K=64), 4),
+            (lora._lora_expand_kernel, dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta, N="i32", R="i32",
+                                            y_stride="i32"),
+             dict(DOT_PRECISION=precision, BLOCK_M=lora.BLOCK_M, BLOCK_N=64, BLOCK_R=16), 4)]
 
 
 def _fused_moe_specs(dt: str):

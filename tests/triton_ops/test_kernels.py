@@ -222,6 +222,6 @@ def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(tmp_path):
     compiled = done.stdout.split("\n")
     for kernel in ("_add_rms_norm_kernel", "_rotary_neox_kernel", "_silu_and_mul_kernel",
                    "_top_k_top_p_min_p_kernel", "_int8_gemm_kernel", "_grouped_gemm_kernel", "_moe_gemm_kernel",
-                   "_mxfp4_gemm_kernel"):
+                   "_mxfp4_gemm_kernel", "_lora_shrink_kernel", "_lora_expand_kernel"):
         for arch in ("sm_80", "sm_90"):
             assert any(line.startswith(arch) and line.endswith(kernel) for line in compiled), (arch, kernel)

@@ -14,6 +14,7 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
     RUNNERS,
@@ -32,7 +33,7 @@ CHOICES = {
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
     "runner": ("auto", *RUNNERS), "convert": CONVERTS, "load_format": LOAD_FORMATS,
-    "kv_offloading_backend": ("native",),
+    "kv_offloading_backend": ("native",), "lora_dtype": LORA_DTYPES,
 }
 CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
 # a value other than the default for every declared field (a new field must be added here, or to
@@ -55,6 +56,7 @@ NON_DEFAULT = {
     "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
     "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
     "allowed_local_media_path": "/tmp", "allowed_media_domains": ["example.com"],
+    "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
@@ -69,7 +71,8 @@ NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disab
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
          "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
-         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"}}
+         "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"},
+         **{name: {"enable_lora": True} for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")}}
 
 
 def _engine_parser() -> argparse.ArgumentParser:

@@ -117,7 +117,8 @@ def test_no_candidate_means_no_choice():
     (dict(backends=(A,), policy="round_robin", balance_threshold=-1), "balance_threshold=-1"),
     (dict(backends=(A,), policy="round_robin", health_check_interval=0), "health_check_interval=0"),
     (dict(backends=(A,), policy="round_robin", prefix_table_size=10), "applies only to routing_policy='prefix'"),
-    (dict(backends=(A,), policy="least_loaded", balance_threshold=2), "applies only to routing_policy='prefix'"),
+    (dict(backends=(A,), policy="least_loaded", prefix_table_size=10), "applies only to routing_policy='prefix'"),
+    (dict(backends=(A,), policy="round_robin", balance_threshold=2), "'prefix' and 'least_loaded'"),
 ])
 def test_bad_router_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

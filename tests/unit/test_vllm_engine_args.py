@@ -89,7 +89,7 @@ def test_a_value_for_a_missing_feature_is_refused_naming_it(llama_dir, name):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"enable_lora": True}, "enable_lora=True is not supported: LoRA adapters are not supported yet"),
+    ({"fully_sharded_loras": True}, "fully_sharded_loras=True is not supported: the shrink is not sharded"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False"),
     ({"load_format": "pt"}, "load_format='pt'"),
     ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
@@ -237,7 +237,7 @@ def test_help_lists_the_vllm_compatibility_flags(capsys):
         build_parser().parse_args(["generate", "--help"])
     text = capsys.readouterr().out
     assert "vLLM compatibility" in text and "--enable-lora, --no-enable-lora" in text
-    assert "LoRA adapters are not supported yet" in text and "--hf-overrides" in text
+    assert "--enable-moe-shared-loras" in text and "--hf-overrides" in text
 
 
 def test_table_regenerates_from_the_wheel_sources(tmp_path):

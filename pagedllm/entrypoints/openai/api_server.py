@@ -50,6 +50,8 @@ from .admin import include_admin_routes
 from .chat_features import CONTENT_FORMATS, ChatOptions, load_chat_template
 from .cli_args import ConfigFileAction, add_refused_args, check_refused_args
 from .client_identity import ClientIdentityMiddleware
+from .lora_serving import LoRAModels, LoRAModulePath, add_lora_args, check_lora_modules
+from .lora_serving import router as lora_router
 from .pooling_serving import router as pooling_router
 from .reasoning_parsers import REASONING_PARSERS
 from .responses import DEFAULT_STORE_SIZE, add_responses_api, add_responses_args
@@ -119,19 +121,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 # ---------------------------------------------------------------------- the app
 # every endpoint family's routes; a new family adds its APIRouter here
 ROUTERS: list[APIRouter] = [completions.router, chat.router, embeddings.router, tokenization.router, pooling_router,
-                            dashboard.router, router]
+                            dashboard.router, lora_router, router]
 
 
 def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
               chat_template: str | None = None, api_key: str | list[str] | None = None,
               limits: ServerLimits | None = None, chat_options: ChatOptions | None = None,
               response_options: ResponseOptions | None = None, http_options: HttpOptions | None = None,
-              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
+              responses_store_size: int = DEFAULT_STORE_SIZE,
+              lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """The ASGI app; ``chat_template`` is a template string or a path to a template file;
     ``chat_options``: tool calling, reasoning and template options (``--enable-auto-tool-choice``,
     ``--tool-call-parser``, ``--reasoning-parser``...); ``response_options``: ``--enable-prompt-tokens-details``,
     ``--return-tokens-as-token-ids``; ``http_options``: the deployment (TLS is uvicorn's: see
-    ``uvicorn_kwargs``), ``api_key`` adds keys to its ``api_keys``."""
+    ``uvicorn_kwargs``), ``api_key`` adds keys to its ``api_keys``; ``lora_modules``: the adapters served by
+    name (``--lora-modules``, with ``--enable-lora``)."""
     limits = limits or ServerLimits()
     http_options = _with_api_keys(http_options or HttpOptions(), api_key)
     async_engine = _as_async_engine(engine)
@@ -143,6 +147,7 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
     app.state.engine, app.state.metrics = async_engine, prometheus
     app.state.serving = OpenAIServing(async_engine, names, load_chat_template(chat_template), chat_options,
                                       response_options)
+    _add_lora(app, async_engine, names, lora_modules)
     for routes in ROUTERS:
         app.include_router(routes)
     add_responses_api(app, responses_store_size)
@@ -158,6 +163,17 @@ def build_app(engine: EngineArgs | LLMEngine | AsyncLLMEngine, *, served_model_n
 def _with_api_keys(options: HttpOptions, api_key: str | list[str] | None) -> HttpOptions:
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     return dataclasses.replace(options, api_keys=(*options.api_keys, *keys)) if keys else options
+
+
+def _add_lora(app: FastAPI, engine: AsyncLLMEngine, names: list[str], modules: list[LoRAModulePath] | None) -> None:
+    """With --enable-lora: the adapters served by name; the runtime (un)load routes (lora_serving.router)
+    answer only when PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING was set at start-up."""
+    check_lora_modules(modules, engine.engine.lora_registry is not None)
+    if engine.engine.lora_registry is None:
+        return
+    models = LoRAModels(engine, names, runtime_updates=envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    models.add_static(modules or [])
+    app.state.serving.lora_models = models
 
 
 def _as_async_engine(engine: EngineArgs | LLMEngine | AsyncLLMEngine) -> AsyncLLMEngine:
@@ -208,6 +224,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_limit_args(parser)
     _add_chat_args(parser)
     _add_response_args(parser)
+    add_lora_args(parser)
     add_responses_args(parser)
     add_refused_args(parser)
     add_engine_args(parser)
@@ -281,6 +298,7 @@ def run_server(args: argparse.Namespace) -> int:
     limits = limits_from_cli(args)
     chat_options = _chat_options_from_cli(args)  # checked before the model loads
     check_refused_args(args)
+    check_lora_modules(args.lora_modules, args.enable_lora)
     env_keys = (envs.PAGEDLLM_API_KEY,) if envs.PAGEDLLM_API_KEY else ()
     http_options = http_options_from_cli(args, env_keys)
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
@@ -294,7 +312,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),
                     chat_template=args.chat_template, limits=limits, chat_options=chat_options,
                     response_options=_response_options_from_cli(args), http_options=http_options,
-                    responses_store_size=args.responses_store_size)
+                    responses_store_size=args.responses_store_size, lora_modules=args.lora_modules)
     app.state.metrics.names = args.metrics_names
     app.state.dashboard = not args.disable_dashboard
     # as vLLM: the start-up objects (model, tokenizer, modules) live as long as the process, so the

@@ -31,7 +31,8 @@ HONOURED = frozenset({
     "disable_access_log_for_endpoints", "disable_fastapi_docs", "disable_uvicorn_access_log",
     "enable_auto_tool_choice", "enable_force_include_usage", "enable_log_requests",
     "enable_prompt_tokens_details", "enable_request_id_headers", "exclude_tools_when_tool_choice_none",
-    "h11_max_incomplete_event_size", "headless", "host", "max_log_len", "middleware", "port", "response_role",
+    "h11_max_incomplete_event_size", "headless", "host", "lora_modules", "max_log_len", "middleware", "port",
+    "response_role",
     "return_tokens_as_token_ids", "root_path", "sse_keep_alive_interval", "ssl_ca_certs", "ssl_cert_reqs",
     "ssl_certfile", "ssl_ciphers", "ssl_keyfile", "tool_call_parser", "trust_request_chat_template", "uds",
     "uvicorn_log_level"})
@@ -49,10 +50,8 @@ def _at_default(reason: str, *also: Any) -> Refused:
     return Refused(("default", *also), reason)
 
 
-_NO_LORA = "LoRA adapters are not served yet"
 _NO_MULTI_PORT = "there is no multi-port external load-balancing mode (--data-parallel-multi-port-external-lb)"
 REFUSED: dict[str, Refused] = {
-    "lora_modules": Refused(("default", []), _NO_LORA),
     "trust_request_mm_kwargs": _at_default("this server takes no multimodal requests"),
     "tool_parser_plugin": _at_default("tool parsers are built in: pick one with --tool-call-parser"),
     "tool_strict_level": _at_default("structural-tag tool calling is not available; tool_choice 'required' or a "

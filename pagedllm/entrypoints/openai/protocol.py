@@ -401,6 +401,7 @@ class ModelCard(ApiObject):
     object: Literal["model"] = "model"
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

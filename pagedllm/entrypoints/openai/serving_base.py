@@ -366,15 +366,20 @@ class ServingBase:
         self.response_options = response_options or ResponseOptions()
         self.shutdown_gate = ShutdownGate()
         self.max_spec_bytes = engine.engine.config.structured_output.max_spec_bytes  # checked before parsing
+        self.lora_models = None  # LoRAModels (lora_serving.py), set by build_app with --enable-lora
 
     # ------------------------------------------------------------------ shared checks
     def check_model(self, name: str | None) -> str:
         if name is None:
             return self.served_model_names[0]
-        if name not in self.served_model_names:
+        if name not in self.served_model_names and self.lora_for(name) is None:
             raise ServingError(f"The model `{name}` does not exist; this server serves "
                                f"{self.served_model_names}", 400, "model", "model_not_found")
         return name
+
+    def lora_for(self, name: str | None):
+        """The LoRARequest of an adapter served under ``name`` (None: a base model name, or no LoRA)."""
+        return self.lora_models.get(name) if self.lora_models is not None else None
 
     def check_token_ids(self, ids: list[int] | None, param: str) -> None:
         vocab = self.model_config.vocab_size
@@ -443,6 +448,9 @@ class ServingBase:
         options = {} if req is None else {"cache_salt": req.cache_salt, "priority": req.priority}
         if isinstance(params, SamplingParams):
             options["client_id"] = client_id(getattr(req, "user", None))
+        lora = self.lora_for(getattr(req, "model", None))
+        if lora is not None:  # model= named an adapter
+            options["lora_request"] = lora
         try:
             await group.add_all(list(zip(ids, prompts)), params, arrival, **options)
         except BaseException:

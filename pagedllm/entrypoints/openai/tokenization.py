@@ -48,9 +48,12 @@ class TokenizationServing(ServingBase):
         return DetokenizeResponse(prompt=text)
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.model_config.model,
-                                         max_model_len=self.model_config.max_model_len)
-                               for name in self.served_model_names])
+        """The served names, then the LoRA adapters (with their ``parent``)."""
+        cards = [ModelCard(id=name, root=self.model_config.model, max_model_len=self.model_config.max_model_len)
+                 for name in self.served_model_names]
+        if self.lora_models is not None:
+            cards += self.lora_models.cards(self.model_config.max_model_len)
+        return ModelList(data=cards)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from .adapters import lora_state, served_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -18,13 +21,18 @@ PROBE_TIMEOUT = 5.0  # seconds a /health or /metrics probe may take
 @dataclass
 class Backend:
     """One OpenAI-compatible server. ``in_flight``: this router's requests on it now; ``queued``:
-    running + waiting requests its last ``/metrics`` reported (any client's), 0 if it exports none."""
+    running + waiting requests its last ``/metrics`` reported (any client's), 0 if it exports none;
+    ``adapters``: the LoRA adapters its ``/v1/models`` lists; ``active_adapters``: those of its running
+    and waiting requests and ``lora_slots`` its adapter slots, by its last ``/metrics``."""
 
     url: str
     healthy: bool = True
     in_flight: int = 0
     queued: int = 0
     error: str | None = None
+    adapters: frozenset[str] = frozenset()
+    active_adapters: frozenset[str] = frozenset()
+    lora_slots: int = 1
 
     @property
     def load(self) -> int:
@@ -45,11 +53,12 @@ def queue_depth(metrics_text: str) -> int:
 
 
 class BackendPool:
-    """The backends, in the order given; ``on_down`` is called with a URL when one fails."""
+    """The backends, in the order given; ``on_down`` is called with a URL when one fails, ``on_scrape``
+    with a Backend after each probe of a healthy one."""
 
-    def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, on_down=None):
+    def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, on_down=None, on_scrape=None):
         self.backends = {url: Backend(url) for url in urls}
-        self.client, self.on_down = client, on_down
+        self.client, self.on_down, self.on_scrape = client, on_down, on_scrape
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy]
@@ -73,13 +82,28 @@ class BackendPool:
         await asyncio.gather(*(self.check(url) for url in self.backends))
 
     async def check(self, url: str) -> None:
-        """``GET /health`` (200 = up), then ``GET /metrics`` for its queue depth."""
+        """``GET /health`` (200 = up), then ``GET /metrics`` for its queue depth and adapters, and
+        ``GET /v1/models`` for the adapters it serves."""
         reason = await self.health_error(url)
         if reason is not None:
             self.mark_down(url, reason)
             return
         self.mark_up(url)
-        self.backends[url].queued = await self._scraped_queue(url)
+        backend = self.backends[url]
+        metrics_text = await self._scraped_text(url, "/metrics")
+        try:
+            backend.queued = queue_depth(metrics_text)
+            backend.active_adapters, slots = lora_state(metrics_text)
+        except ValueError:  # unparsable metrics: our own in-flight count stands
+            backend.queued, backend.active_adapters, slots = 0, frozenset(), None
+        backend.lora_slots = slots or backend.lora_slots
+        backend.adapters = served_adapters(await self._scraped_json(url, "/v1/models"))
+        if self.on_scrape is not None:
+            self.on_scrape(backend)
+
+    def all_adapters(self) -> set[str]:
+        """Every LoRA adapter name some backend serves."""
+        return {name for b in self.backends.values() for name in b.adapters}
 
     async def health_error(self, url: str) -> str | None:
         """Why ``GET /health`` on the backend fails now, or None when it answers 200."""
@@ -91,12 +115,20 @@ class BackendPool:
             return f"GET /health answered {response.status_code}: {response.text[:200]}"
         return None
 
-    async def _scraped_queue(self, url: str) -> int:
+    async def _scraped_text(self, url: str, path: str) -> str:
+        """The body of ``GET path`` ("" when it fails: the probe's other findings stand)."""
         try:
-            response = await self.client.get(f"{url}/metrics", timeout=PROBE_TIMEOUT)
-            return queue_depth(response.text) if response.status_code == 200 else 0
-        except (httpx.HTTPError, ValueError):  # no (parsable) metrics: our own in-flight count stands
-            return 0
+            response = await self.client.get(f"{url}{path}", timeout=PROBE_TIMEOUT)
+        except httpx.HTTPError:
+            return ""
+        return response.text if response.status_code == 200 else ""
+
+    async def _scraped_json(self, url: str, path: str):
+        text = await self._scraped_text(url, path)
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
 
     async def watch(self, interval: float) -> None:
         """Probes every backend every ``interval`` seconds, until cancelled."""

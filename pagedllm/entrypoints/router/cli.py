@@ -30,11 +30,13 @@ def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") ->
     d = ROUTING_DEFAULTS
     g.add_argument("--routing-policy", default=d["routing_policy"], choices=ROUTING_POLICIES,
                    help="prefix: the backend holding the longest cached prefix of the prompt, unless it is "
-                        "--balance-threshold requests busier than the least loaded; least_loaded; round_robin")
+                        "--balance-threshold requests busier than the least loaded; least_loaded; round_robin "
+                        "(prefix and least_loaded send a LoRA adapter's requests to a backend holding it)")
     g.add_argument("--prefix-table-size", type=int, default=d["prefix_table_size"],
                    help="prompt block hashes the router remembers (LRU, all backends together)")
     g.add_argument("--balance-threshold", type=int, default=d["balance_threshold"],
-                   help="requests in flight the prefix holder may have beyond the least loaded backend")
+                   help="requests in flight the prefix holder (or a holder of the request's LoRA adapter; prefix "
+                        "and least_loaded policies) may have beyond the least loaded backend")
     g.add_argument("--health-check-interval", type=float, default=d["health_check_interval"],
                    help="seconds between GET /health and /metrics probes of each backend")
     g.add_argument("--metrics-public", action="store_true",

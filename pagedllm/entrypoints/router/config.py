@@ -22,8 +22,9 @@ class RouterConfig:
     was given, or None for the tokenizer's own) and ``block_size`` (the replicas' ``--block-size``)
     let the prefix policy compute the same chained block hashes as the replicas' engines.
     ``prefix_table_size`` bounds the remembered block hashes (LRU, all backends together).
-    ``balance_threshold``: when the backend holding the longest prefix has more than this many
-    requests in flight beyond the least loaded one, the least loaded one gets the request.
+    ``balance_threshold``: when the backend holding the longest prefix (or the request's LoRA
+    adapter) has more than this many requests in flight beyond the least loaded one, the least
+    loaded one gets the request.
 
     ``api_key``: clients must send ``Authorization: Bearer <api_key>`` on every route but
     ``/health`` (``/metrics`` and ``/router/backends`` too, unless ``metrics_public``).
@@ -83,14 +84,16 @@ class RouterConfig:
             raise ValueError(f"limits={self.limits!r} is invalid: must be a ServerLimits")
 
     def _check_prefix_only_options(self) -> None:
-        """The prefix table and its load balance exist only under the prefix policy: set with
-        another policy they would be accepted and ignored."""
-        if self.policy == "prefix":
-            return
+        """The prefix table exists only under the prefix policy, the load balance against affinity
+        (prefix, LoRA adapter) under prefix and least_loaded: set with another policy they would be
+        accepted and ignored."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in ("prefix_table_size", "balance_threshold"):
+        names = {"prefix": (), "least_loaded": ("prefix_table_size",)}.get(self.policy,
+                                                                          ("prefix_table_size", "balance_threshold"))
+        for name in names:
             if getattr(self, name) != defaults[name]:
-                raise ValueError(f"{name}={getattr(self, name)!r} applies only to routing_policy='prefix', not "
+                where = "'prefix'" if name == "prefix_table_size" else "'prefix' and 'least_loaded'"
+                raise ValueError(f"{name}={getattr(self, name)!r} applies only to routing_policy={where}, not "
                                  f"{self.policy!r}; leave it unset")
 
 

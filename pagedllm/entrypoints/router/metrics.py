@@ -32,7 +32,8 @@ class _BackendStateCollector(Collector):
 
 
 class RouterMetrics:
-    """Counters by backend: requests sent, prefix-affinity hits, failovers, times taken out, broken streams."""
+    """Counters by backend: requests sent, prefix- and adapter-affinity hits, failovers, times taken out,
+    broken streams."""
 
     def __init__(self, pool: BackendPool):
         self.registry = CollectorRegistry()
@@ -40,6 +41,8 @@ class RouterMetrics:
         self.requests = self._counter("requests", "Requests sent to each backend (retries included).")
         self.affinity_hits = self._counter("prefix_affinity_hits",
                                            "Requests sent to a backend because it held a prefix of the prompt.")
+        self.adapter_hits = self._counter("lora_affinity_hits",
+                                          "Requests sent to a backend because it held their LoRA adapter.")
         self.matched_tokens = self._counter("prefix_matched_tokens",
                                             "Prompt tokens the chosen backend held by the router's table.")
         self.failovers = self._counter("failovers", "Requests moved away from a backend before output (it failed, "
@@ -49,7 +52,7 @@ class RouterMetrics:
         self.stream_errors = self._counter("stream_errors",
                                            "Streams that broke after output began (ended with an error event).")
         for url in pool.backends:  # every series exists from the start, at 0
-            for counter in (self.requests, self.affinity_hits, self.matched_tokens, self.failovers,
+            for counter in (self.requests, self.affinity_hits, self.adapter_hits, self.matched_tokens, self.failovers,
                             self.taken_out, self.stream_errors):
                 counter.labels(backend=url)
 

@@ -37,9 +37,11 @@ class PromptHasher:
         return cls(AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code), block_size,
                    chat_template)
 
-    def block_hashes(self, path: str, data: Any) -> list[bytes]:
+    def block_hashes(self, path: str, data: Any, adapter: str | None = None) -> list[bytes]:
         """The chained hashes of the prompt's full blocks, from the request's parsed JSON body
-        ``data`` (None when it did not parse); [] for a body the router cannot key on.
+        ``data`` (None when it did not parse); [] for a body the router cannot key on. ``adapter``:
+        the LoRA adapter it runs with, mixed in (the replica keys its blocks by the adapter too, by
+        an id the router does not know: the name is the router's consistent stand-in).
 
         Routing is advice: a body that does not parse or render is routed by load, and the replica
         answers it (with the proper 400) as it would without a router."""
@@ -52,8 +54,9 @@ class PromptHasher:
             return []
         hashes: list[bytes] = []
         salt = data.get("cache_salt") if isinstance(data, dict) else None
-        # the replica mixes a request's cache_salt into every block hash (kv_cache_manager)
-        extend_block_hashes(hashes, ids, self.block_size, (salt,) if isinstance(salt, str) and salt else ())
+        # the replica mixes a request's cache_salt and adapter into every block hash (kv_cache_manager)
+        extra = ((salt,) if isinstance(salt, str) and salt else ()) + ((("lora", adapter),) if adapter else ())
+        extend_block_hashes(hashes, ids, self.block_size, extra)
         return hashes
 
     def prompt_ids(self, path: str, data: Any) -> list[int]:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.http_common import error_body, sse
 
+from .adapters import ADMIN_PATHS, AdapterTable, adapter_of
 from .backends import Backend, BackendPool
 from .config import RouterConfig
 from .metrics import RouterMetrics
@@ -88,7 +89,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=CONNECT_TIMEOUT),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.table = PrefixTable(config.prefix_table_size)
-        self.pool = BackendPool(config.backends, self.client, on_down=self._taken_out)
+        self.adapters = AdapterTable()  # which backends hold which LoRA adapters (adapters.py)
+        self.pool = BackendPool(config.backends, self.client, on_down=self._taken_out, on_scrape=self._scraped)
         self.picker = Picker(config.policy, config.balance_threshold)
         self.metrics = RouterMetrics(self.pool)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
@@ -96,28 +98,41 @@ class Router:
     def _taken_out(self, url: str) -> None:
         """A backend left rotation: its cache is assumed lost."""
         self.table.forget(url)
+        self.adapters.forget(url)
         self.metrics.taken_out.labels(backend=url).inc()
+
+    def _scraped(self, backend: Backend) -> None:
+        self.adapters.observe(backend.url, backend.active_adapters, backend.lora_slots)
 
     async def close(self) -> None:
         await self.client.aclose()
         self._tokenizer_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ choosing
-    async def prompt_hashes(self, path: str, data: Any) -> list[bytes]:
+    async def prompt_hashes(self, path: str, data: Any, adapter: str | None = None) -> list[bytes]:
         """The prompt's block hashes from the already parsed body ``data`` (see ``parse_body``)."""
         if self.hasher is None:
             return []
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, data)
+        return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, data, adapter)
 
-    def choose(self, hashes: list[bytes], tried: set[str]) -> Choice | None:
-        """The next backend for a request (None when every healthy one was tried); counts it as in flight."""
+    def choose(self, hashes: list[bytes], tried: set[str], adapter: str | None = None) -> Choice | None:
+        """The next backend for a request (None when every healthy one was tried); counts it as in flight.
+        ``adapter``: the LoRA adapter it names: only backends serving it are candidates (any backend if
+        none does: its answer names the unknown model), those holding it preferred."""
         candidates = [b for b in self.pool.healthy() if b.url not in tried]
-        choice = self.picker.pick(candidates, self.table.match(hashes))
+        if adapter is not None:
+            candidates = [b for b in candidates if adapter in b.adapters] or candidates
+        holders = self.adapters.holders(adapter) if adapter is not None else set()
+        choice = self.picker.pick(candidates, self.table.match(hashes), holders)
         if choice is None:
             return None
         url = choice.backend.url
         self.table.record(hashes, url)
+        if adapter is not None:
+            self.adapters.record(adapter, url, choice.backend.lora_slots)
+        if choice.adapter_affinity:
+            self.metrics.adapter_hits.labels(backend=url).inc()
         choice.backend.in_flight += 1
         self.metrics.requests.labels(backend=url).inc()
         self.metrics.matched_tokens.labels(backend=url).inc(choice.matched_blocks * self.config.block_size)
@@ -131,11 +146,14 @@ class Router:
         path = path_qs.split("?", 1)[0]
         headers = backend_headers(headers, self.config.backend_api_key)
         data = parse_body(body)  # once: the hasher and the stream check both read it
-        hashes = await self.prompt_hashes(path, data)
+        if path in ADMIN_PATHS and method == "POST":
+            return await self.broadcast(path_qs, headers, body, data)
+        adapter = adapter_of(data, self.pool.all_adapters())
+        hashes = await self.prompt_hashes(path, data, adapter)
         stream = wants_stream(data)
         tried: set[str] = set()
         skipped: list[str] = []  # healthy backends that dropped this request's connection
-        while (choice := self.choose(hashes, tried)) is not None:
+        while (choice := self.choose(hashes, tried, adapter)) is not None:
             backend = choice.backend
             tried.add(backend.url)
             try:
@@ -150,6 +168,33 @@ class Router:
                     skipped.append(f"{backend.url}: {exc}")
                 self.metrics.failovers.labels(backend=backend.url).inc()
         return self._unanswered(tried, skipped)
+
+    async def broadcast(self, path_qs: str, headers: dict[str, str], body: bytes, data: Any) -> Response:
+        """A LoRA load/unload, sent to every healthy backend so that all serve the same adapters: the
+        first answer that is not 200 is relayed (with the backend named), else the first answer."""
+        backends = self.pool.healthy()
+        if not backends:
+            return self._unanswered(set(), [])
+        answers = await asyncio.gather(*(self._admin_call(b, path_qs, headers, body) for b in backends))
+        for backend, (status, content, upstream_headers) in zip(backends, answers):
+            if status != 200:
+                logger.warning("%s on %s answered %d: %s", path_qs, backend.url, status, content[:200])
+                return Response(content, status_code=status, headers=upstream_headers)
+        name = data.get("lora_name") if isinstance(data, dict) else None
+        for backend in backends:  # routing follows at once, before the next /v1/models probe
+            backend.adapters = (backend.adapters | {name} if path_qs.startswith(ADMIN_PATHS[0])
+                                else backend.adapters - {name})
+        status, content, upstream_headers = answers[0]
+        return Response(content, status_code=status, headers=upstream_headers)
+
+    async def _admin_call(self, backend: Backend, path_qs: str, headers: dict[str, str],
+                          body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        try:
+            upstream = await self.client.post(backend.url + path_qs, headers=headers, content=body)
+        except httpx.HTTPError as exc:
+            message = f"backend {backend.url} did not answer {path_qs} ({type(exc).__name__}: {exc})"
+            return 502, json.dumps(error_body(message, 502)).encode(), {"content-type": "application/json"}
+        return upstream.status_code, upstream.content, response_headers(upstream.headers)
 
     def _unanswered(self, tried: set[str], skipped: list[str]) -> JSONResponse:
         """502 when healthy backends dropped this request's connection (the request, not the backends,
@@ -262,6 +307,9 @@ class Router:
     def describe(self) -> dict:
         backends = [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "queue_depth": b.queued,
                      "error": b.error} for b in self.pool.backends.values()]
+        for entry, b in zip(backends, self.pool.backends.values()):
+            entry["lora_adapters"] = sorted(b.adapters)
+            entry["lora_adapters_held"] = sorted(a for a in b.adapters if b.url in self.adapters.holders(a))
         return {"policy": self.config.policy, "prefix_table_entries": len(self.table), "backends": backends}
 
 

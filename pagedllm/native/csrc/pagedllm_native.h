@@ -19,7 +19,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 11
+#define PN_ABI_VERSION 12
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -237,6 +237,18 @@ PN_EXPORT int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cach
 /* y [T, out] = x [T, in] . W^T (+ bias [out] unless NULL), W packed as above; out % DG_PANEL == 0. */
 PN_EXPORT int dg_gemm(const float *x, int64_t T, const float *wp, const float *bias, int64_t in, int64_t out,
                       float *y, int threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* batched LoRA over a mixed batch (lora_sgmv.c)                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+/* y[rows[i]] += (x[rows[i]] . a[s]^T) . b[s]^T for the tokens i of each segment g (tokens
+ * seg_start[g] .. seg_start[g + 1] - 1, slot s = seg_slot[g]); rows NULL: token i is row i and the
+ * segments cover all T rows. x [T, in], y [T, out], a [num_slots, R, in], b [num_slots, out, R],
+ * all float32 and contiguous; PN_ERR_META for a segment, slot or row out of range. */
+PN_EXPORT int lora_sgmv(const float *x, int64_t T, int64_t in, const int64_t *rows, const int64_t *seg_slot,
+                        const int64_t *seg_start, int num_segs, const float *a, const float *b, int64_t num_slots,
+                        int64_t R, int64_t out, float *y, int threads);
 
 /* ------------------------------------------------------------------------------------------ */
 /* small-batch decoder and matmuls (llama_decode.c)                                           */

@@ -1,0 +1,91 @@
+"""Batched LoRA over a mixed batch (Punica's SGMV), the GPU path of ``layers/lora.py``:
+``y[rows] += (x[rows] @ a[s].T) @ b[s].T`` for the tokens of each adapter slot ``s``.
+
+The tokens arrive grouped by slot (``LoRABatch``: ``perm`` the rows, segment ``g`` the tokens
+``seg_start[g] .. seg_start[g + 1] - 1`` of slot ``seg_slot[g]``); base-model tokens are in no
+segment. Two kernels, named as in the torch reference ``lora_shrink_expand_ref``:
+
+- shrink: program (segment, block of its tokens, block of ranks) writes ``t = x[rows] @ a[s].T``
+  (float32, ``[lora tokens, R]``);
+- expand: program (segment, block of its tokens, block of output columns) adds ``t @ b[s].T`` to
+  those rows of ``y`` (a row is in one segment: no atomics).
+
+Both grids are sized by the longest segment (known on the host); programs past a shorter
+segment's end are masked whole.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, K, R, x_stride,
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    g = tl.program_id(0)
+    start, end = tl.load(seg_start_ptr + g), tl.load(seg_start_ptr + g + 1)
+    tokens = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # past a short segment's end: all masked
+    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
+    rows = tl.load(perm_ptr + tokens, mask=tokens < end, other=0).to(tl.int64)
+    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + rk)[None, :],
+                    mask=(tokens[:, None] < end) & (k0 + rk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+        a = tl.load(a_ptr + slot * R * K + rr[None, :].to(tl.int64) * K + (k0 + rk)[:, None],
+                    mask=(rr[None, :] < R) & (k0 + rk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_R]: a[s].T
+        acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
+    tl.store(t_ptr + tokens[:, None].to(tl.int64) * R + rr[None, :], acc,
+             mask=(tokens[:, None] < end) & (rr[None, :] < R))
+
+
+@triton.jit
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, N, R, y_stride,
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    g = tl.program_id(0)
+    start, end = tl.load(seg_start_ptr + g), tl.load(seg_start_ptr + g + 1)
+    tokens = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # past a short segment's end: all masked
+    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
+    rows = tl.load(perm_ptr + tokens, mask=tokens < end, other=0).to(tl.int64)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        t = tl.load(t_ptr + tokens[:, None].to(tl.int64) * R + (r0 + rr)[None, :],
+                    mask=(tokens[:, None] < end) & (r0 + rr[None, :] < R), other=0.0)  # [BLOCK_M, BLOCK_R]
+        b = tl.load(b_ptr + slot * N * R + rn[None, :].to(tl.int64) * R + (r0 + rr)[:, None],
+                    mask=(rn[None, :] < N) & (r0 + rr[:, None] < R), other=0.0)  # [BLOCK_R, BLOCK_N]: b[s].T
+        acc = tl.dot(t.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    mask = (tokens[:, None] < end) & (rn[None, :] < N)
+    y_ptrs = y_ptr + rows[:, None] * y_stride + rn[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor,
+              seg_slot: torch.Tensor, seg_start: torch.Tensor, max_segment: int) -> torch.Tensor:
+    """``y[perm[i]] += (x[perm[i]] @ a[s].T) @ b[s].T`` per segment, in place; ``x [T, in]`` and
+    ``y [T, out]`` with unit inner stride, ``a [slots, R, in]`` and ``b [slots, out, R]`` contiguous,
+    ``perm``, ``seg_slot [G]``, ``seg_start [G + 1]`` int64 on the device; ``max_segment``: the most
+    tokens of one segment (the grids' token axis)."""
+    (num_segs,), (_, r, k), n = seg_slot.shape, a.shape, b.shape[1]
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    if num_segs == 0 or max_segment == 0:
+        return y
+    t = torch.empty(perm.shape[0], r, dtype=torch.float32, device=x.device)  # [lora tokens, R]
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    token_blocks = triton.cdiv(max_segment, BLOCK_M)
+    block_r = max(16, min(64, triton.next_power_of_2(r)))
+    _lora_shrink_kernel[(num_segs, token_blocks, triton.cdiv(r, block_r))](
+        x, a, t, perm, seg_slot, seg_start, k, r, x.stride(0), DOT_PRECISION=precision, BLOCK_M=BLOCK_M,
+        BLOCK_R=block_r, BLOCK_K=64, num_warps=4)
+    _lora_expand_kernel[(num_segs, token_blocks, triton.cdiv(n, 64))](
+        t, b, y, perm, seg_slot, seg_start, n, r, y.stride(0), DOT_PRECISION=precision, BLOCK_M=BLOCK_M,
+        BLOCK_N=64, BLOCK_R=block_r, num_warps=4)
+    return y

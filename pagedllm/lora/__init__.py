@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: adapter requests, PEFT checkpoints, device slots paged like KV blocks."""

@@ -1,0 +1,39 @@
+"""The batched LoRA Triton kernels (layers/triton_ops/lora.py) against the torch reference
+(layers/lora.py), on a mixed batch with base-model tokens, segments longer than one token block,
+and a rank that is not a power of two."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton_devices import DEVICES
+
+from pagedllm.layers.lora import LoRABatch, lora_shrink_expand_ref
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_sgmv_equals_the_reference(device, dtype):
+    from pagedllm.layers.triton_ops.lora import lora_sgmv
+    token_slots = np.array([2, -1, 0] + [1] * 19 + [-1, 2, 0], dtype=np.int64)  # slot 1: 19 tokens, 2 blocks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(token_slots), 40, generator=g).to(dtype)
+    y = torch.randn(len(token_slots), 72, generator=g).to(dtype)
+    a = (torch.randn(3, 24, 40, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(3, 72, 24, generator=g) * 0.1).to(dtype)
+    batch = LoRABatch()
+    batch.set(token_slots, torch.device(device))
+    expected = lora_shrink_expand_ref(*(t.float() for t in (x, y.clone(), a, b)), _on(batch, "cpu"))
+    got = lora_sgmv(x.to(device), y.clone().to(device), a.to(device), b.to(device), batch.perm, batch.seg_slot,
+                    batch.seg_start, batch.max_segment)
+    torch.testing.assert_close(got.cpu().float(), expected, **TOL[dtype])
+    base = torch.from_numpy(token_slots < 0)
+    assert torch.equal(got.cpu()[base], y[base])  # base-model rows are never written
+
+
+def _on(batch: LoRABatch, device: str) -> LoRABatch:
+    moved = LoRABatch()
+    moved.segments, moved.perm = batch.segments, batch.perm.to(device)
+    return moved
