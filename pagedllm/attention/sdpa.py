@@ -28,7 +28,10 @@ class SdpaBackend(AttentionBackend):
             k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
-            mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
+            if meta.attend_ends is None:
+                mask = _causal_mask(end - start, seq_len, q.device, sliding_window)
+            else:  # bidirectional image spans (metadata.py)
+                mask = meta.visible(start, end, seq_len, sliding_window).to(q.device)
             if logits_soft_cap:
                 o = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
             else:

@@ -33,6 +33,8 @@ class ScheduledChunk:
     mm_spans: tuple[tuple[bytes, int, int], ...] = ()
     # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
     mrope_positions: np.ndarray | None = field(default=None, compare=False)
+    # bidirectional image runs (Gemma 3): each token's visible end [num_new_tokens], attention/metadata.py
+    attend_ends: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_verify_rows(self) -> int:

@@ -111,6 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        if meta.attend_ends is not None:  # bidirectional image spans (metadata.py): the kernels are causal only
+            return self._fallback_for("bidirectional image attention (Gemma 3) is not in the Triton kernels").forward(
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
         plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
         if plan.fallback_reason is not None:
             return self._fallback_for(plan.fallback_reason).forward(query, key, value, key_cache, value_cache, meta,
