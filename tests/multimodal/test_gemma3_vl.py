@@ -115,3 +115,37 @@ def test_prefix_hit_same_image_miss_other_image(llm, gemma3_vl_hf):
 def test_pan_and_scan_is_refused(llm):
     with pytest.raises(ValueError, match="do_pan_and_scan"):
         _generate(llm, f"the {IMG} fox", [make_image(1)], mm_processor_kwargs={"do_pan_and_scan": True})
+
+
+def test_prefix_hit_ending_inside_an_image_run(llm, gemma3_vl_hf, monkeypatch):
+    """A prefix hit may end inside a run (its cached head's K/V were computed with the whole run
+    visible): the next chunk starts there and takes the rest of the run whole, and the output is
+    still transformers'."""
+    image = make_image(40)
+    first, second = f"the lazy dog {IMG} paged attention keeps", f"the lazy dog {IMG} hello world"
+    processor = gemma3_vl_hf[1]
+    offset = processor(text=second, images=[image])["input_ids"][0].index(processor.tokenizer.image_token_id)
+    assert offset < 8 < offset + IMAGE_TOKENS  # block_size 8: the shared full block ends inside the run
+    _generate(llm, first, [image])
+    seen = chunks_seen(llm, monkeypatch)
+    out = llm.generate([{"prompt": second, "multi_modal_data": {"image": [image]}}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 8
+    assert seen[0].start == 8 and seen[0].seq_len >= offset + IMAGE_TOKENS
+    end = offset + IMAGE_TOKENS
+    assert seen[0].attend_ends[:end - 8].tolist() == [end] * (end - 8)  # the run's tail sees its whole run
+    assert list(out.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, second, [image])
+
+
+def test_cut_before_split_runs():
+    """A chunk stops before a bidirectional run it would end inside, waits (0) when it starts
+    inside one it cannot finish, and passes runs that are not bidirectional (LLaVA's)."""
+    from pagedllm.multimodal.inputs import MultiModalItem, attend_ends, cut_before_split_runs
+    both_ways = MultiModalItem(b"a", 10, 6, {}, bidirectional=True)
+    causal = MultiModalItem(b"b", 30, 6, {})
+    assert cut_before_split_runs([both_ways], 0, 12) == 10
+    assert cut_before_split_runs([both_ways], 0, 16) == 16
+    assert cut_before_split_runs([both_ways], 12, 2) == 0
+    assert cut_before_split_runs([both_ways], 12, 4) == 4
+    assert cut_before_split_runs([causal], 28, 4) == 4
+    assert attend_ends([both_ways, causal], 8, 9).tolist() == [9, 10, 16, 16, 16, 16, 16, 16, 17]
+    assert attend_ends([causal], 28, 4) is None
