@@ -149,3 +149,24 @@ def test_cut_before_split_runs():
     assert cut_before_split_runs([causal], 28, 4) == 4
     assert attend_ends([both_ways, causal], 8, 9).tolist() == [9, 10, 16, 16, 16, 16, 16, 16, 17]
     assert attend_ends([causal], 28, 4) is None
+
+
+def test_preemption_keeps_outputs_exact(gemma3_vl_dir, gemma3_vl_hf):
+    """A KV cache too small for every image prompt at once: requests are preempted (recompute),
+    their runs prefilled whole again; outputs stay exact."""
+    engine = LLM(model=gemma3_vl_dir, max_model_len=64, num_gpu_blocks_override=10, block_size=8,
+                 max_num_batched_tokens=BUDGET)
+    try:
+        cases = [(f"the quick brown fox {IMG} jumps", [make_image(80 + i)]) for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = engine.generate([{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases], params,
+                               use_tqdm=False)
+        assert engine.llm_engine.scheduler.stats.num_preemptions > 0
+        model, processor = gemma3_vl_hf
+        for (text, images), out in zip(cases, outs):
+            inputs = processor(text=text, images=images, return_tensors="pt")
+            with torch.no_grad():
+                ref = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+            assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    finally:
+        engine.llm_engine.shutdown()
