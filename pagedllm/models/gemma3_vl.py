@@ -94,10 +94,9 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return self.multi_modal_projector(hidden)[0]  # [mm_tokens_per_image, hidden]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Released checkpoints put the image token past the text vocabulary: its rows are replaced
-        by image embeddings anyway, so it is looked up as token 0 (as transformers does)."""
-        vocab = self.language_model.model.embed_tokens.weight.shape[0] * self.tp.size
-        if self.config.image_token_id >= vocab:
+        """An image token id past the text vocabulary (transformers allows one) is looked up as
+        token 0, as transformers does: its rows are replaced by image embeddings anyway."""
+        if self.config.image_token_id >= self.language_model.model.embed_tokens.vocab_size:
             input_ids = input_ids.masked_fill(input_ids == self.config.image_token_id, 0)
         return super().embed_input_ids(input_ids)
 

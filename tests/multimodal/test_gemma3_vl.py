@@ -170,3 +170,19 @@ def test_preemption_keeps_outputs_exact(gemma3_vl_dir, gemma3_vl_hf):
             assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_image_token_past_the_vocabulary_embeds(gemma3_vl_dir):
+    """An image token id past the text vocabulary (which transformers allows) is looked up as
+    token 0, as transformers does; its row is replaced by the image's anyway."""
+    import transformers as tf
+
+    from pagedllm.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
+    from pagedllm.models.gemma3_vl import Gemma3ForConditionalGeneration
+    cfg = tf.AutoConfig.from_pretrained(gemma3_vl_dir)
+    cfg.image_token_id = cfg.text_config.vocab_size + 7
+    model = Gemma3ForConditionalGeneration(cfg, TorchReferenceBackend(), 64, TensorParallelGroup())
+    torch.nn.init.normal_(model.language_model.model.embed_tokens.weight)
+    rows = model.embed_input_ids(torch.tensor([cfg.image_token_id, 0, 5]))
+    assert torch.equal(rows[0], rows[1]) and not torch.equal(rows[1], rows[2])
