@@ -48,3 +48,17 @@ def test_spans_match_the_dense_oracle(backend, window):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     # the spans change what a run's tokens see (so the comparison above can fail)
     assert not torch.allclose(want, dense_attention_f64(causal, window), atol=1e-3)
+
+
+def test_triton_hands_spans_to_its_fallback_or_refuses():
+    """The Triton kernels are causal only: a step with spans runs on the fallback (SDPA under
+    ``auto``), and with none (``attention_backend='triton'``) it is refused, never masked wrong."""
+    backend_mod = pytest.importorskip("pagedllm.attention.triton.backend")
+    batch = _with_spans(make_paged_batch(REQS, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=4))
+    kc, vc = batch.fresh_caches()
+    backend = backend_mod.TritonAttentionBackend(fallback=SdpaBackend())
+    out = backend.forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale, 3)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch, 3), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="bidirectional image attention"):
+        backend_mod.TritonAttentionBackend(fallback=None).forward(batch.query, batch.key, batch.value, kc, vc,
+                                                                  batch.meta, batch.scale)
