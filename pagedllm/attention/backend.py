@@ -72,10 +72,12 @@ def check_chunk_size(attention_chunk_size) -> None:
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
-                 chunk: int | None = None) -> torch.Tensor:
-    """``[q_len, n]`` True where the query at ``q_pos[i]`` sees the key at ``k_pos[j]``: causal,
-    within the sliding ``window`` and within the query's attention ``chunk`` where given."""
-    visible = k_pos[None, :] <= q_pos[:, None]
+                 chunk: int | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+    """``[q_len, n]`` True where the query at ``q_pos[i]`` sees the key at ``k_pos[j]``: causal (up to
+    ``ends[i]``, exclusive, where given: bidirectional image spans, metadata.py), within the sliding
+    ``window`` and within the query's attention ``chunk`` where given."""
+    hi = q_pos + 1 if ends is None else ends
+    visible = k_pos[None, :] < hi[:, None]
     if window:
         visible &= k_pos[None, :] > q_pos[:, None] - window
     if chunk:

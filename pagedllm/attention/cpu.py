@@ -39,6 +39,7 @@ import torch
 from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks, check_soft_cap
 from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.sdpa import SdpaBackend
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.native import bindings
 
@@ -76,6 +77,8 @@ class CpuAttentionBackend(AttentionBackend):
         self._native = library or bindings.library()
         self.num_threads = num_threads
         self.parallel_work = parallel_work
+        # a step with bidirectional image spans (Gemma 3 prefill chunks over an image, metadata.py)
+        self._spans_backend = SdpaBackend()
 
     @staticmethod
     def is_available() -> bool:
@@ -91,6 +94,9 @@ class CpuAttentionBackend(AttentionBackend):
         check_soft_cap(logits_soft_cap, self.name)
         check_chunk_size(attention_chunk_size)
         sinks = check_sinks(sinks, query.shape[1])
+        if meta.attend_ends is not None:  # bidirectional image spans: the C kernel is causal only
+            return self._spans_backend.forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+                                               logits_soft_cap, attention_chunk_size, sinks)
         self._check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)

@@ -15,6 +15,16 @@ last ``q_r`` of them, so query token ``i`` of request ``r`` sits at position
 Context position ``p`` of request ``r`` lives in physical block ``block_tables[r, p // B]`` at
 offset ``p % B`` (``B`` = block size); a new token's K/V is written to
 ``slot_mapping[t] = block_id * B + offset``.
+
+Bidirectional image spans (Gemma 3): ``attend_ends[t]`` (None: plain causal) is the context
+position query token ``t`` sees up to, exclusive: ``position + 1`` for a causal token, the end of
+its image's placeholder run for an image token, which so attends to every token of its image in
+both directions (transformers' ``token_type_ids`` block mask, OR'ed with the causal one; a
+sliding window still bounds it from below). The scheduler never splits such a run across chunks,
+so the run's later tokens are always in the same step::
+
+    tokens      t  t  [i  i  i]  t        (i: one image's run, positions 2..4)
+    attend_ends 1  2   5  5  5   6
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    attend_ends: torch.Tensor | None = None  # [num_tokens] int32: bidirectional image spans, see above
 
     @property
     def num_reqs(self) -> int:
@@ -91,8 +102,23 @@ class AttentionMetadata:
             query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"], block_tables=t["block_tables"],
             slot_mapping=t["slot_mapping"], block_size=block_size,
             max_query_len=int(q_lens.max()) if len(q_lens) else 0,
-            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0, attend_ends=t.get("attend_ends"),
         )
+
+    def visible(self, start: int, end: int, seq_len: int, window: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+        """``[end - start, seq_len]`` bool: which context positions the request's query tokens
+        ``[start, end)`` (its last ``end - start`` positions) see, for the torch backends."""
+        q_len = end - start
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=self.slot_mapping.device)
+        k_pos = torch.arange(seq_len, device=q_pos.device)[None, :]
+        hi = q_pos + 1 if self.attend_ends is None else self.attend_ends[start:end].to(q_pos.device)
+        mask = k_pos < hi[:, None]  # [q_len, seq_len]
+        if window:
+            mask &= k_pos > q_pos[:, None] - window
+        if chunk:
+            mask &= k_pos >= (q_pos // chunk * chunk)[:, None]
+        return mask
 
 
 def positions_from_lens(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

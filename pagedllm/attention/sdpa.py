@@ -31,7 +31,10 @@ class SdpaBackend(AttentionBackend):
             k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len].to(query.dtype)
             q = query[start:end].transpose(0, 1)  # [heads, q_len, dim]
-            mask = _causal_mask(end - start, seq_len, q.device, sliding_window, attention_chunk_size)
+            if meta.attend_ends is None:
+                mask = _causal_mask(end - start, seq_len, q.device, sliding_window, attention_chunk_size)
+            else:  # bidirectional image spans (metadata.py)
+                mask = meta.visible(start, end, seq_len, sliding_window, attention_chunk_size).to(q.device)
             if logits_soft_cap or sinks is not None:
                 o = _explicit_attention(q, k, v, mask, scale, logits_soft_cap, sinks)
             else:

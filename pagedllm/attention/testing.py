@@ -37,7 +37,8 @@ class PagedBatch:
         context stays on the CPU)."""
         meta = self.meta
         meta_tensors = {f: getattr(meta, f).to(device)
-                        for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")}
+                        for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "attend_ends")
+                        if getattr(meta, f) is not None}
         moved = {f: getattr(self, f).to(device) for f in ("query", "key", "value", "key_cache", "value_cache")}
         return replace(self, meta=replace(meta, **meta_tensors), **moved)
 
@@ -99,10 +100,11 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
                         logits_soft_cap: float | None = None, attention_chunk_size: int | None = None,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: SDPA per request with a positional causal mask
-    (and, with ``sliding_window`` W, only the last W positions visible; with ``logits_soft_cap``
-    c, explicit softmax over ``tanh(s / c) * c``; with ``attention_chunk_size`` C, only the
-    positions of the query's own C-aligned chunk visible; with ``sinks`` [num_heads], one more
-    logit per head in the softmax, whose probability is dropped, as transformers' GPT-OSS does)."""
+    (extended to ``meta.attend_ends`` where set; with ``sliding_window`` W, only positions past
+    p - W visible; with ``logits_soft_cap`` c, explicit softmax over ``tanh(s / c) * c``; with
+    ``attention_chunk_size`` C, only the positions of the query's own C-aligned chunk visible; with
+    ``sinks`` [num_heads], one more logit per head in the softmax, whose probability is dropped, as
+    transformers' GPT-OSS does)."""
     qsl = batch.meta.query_start_loc.tolist()
     num_heads = batch.query.shape[1]
     outs = []
@@ -116,7 +118,9 @@ def dense_attention_f64(batch: PagedBatch, sliding_window: int | None = None,
         v = batch.ctx_v[r].double().repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - q_len, seq_len)
         k_pos = torch.arange(seq_len)[None, :]
-        mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+        ends = batch.meta.attend_ends  # bidirectional image spans (metadata.py); None: causal
+        hi = q_pos + 1 if ends is None else ends[qsl[r]:qsl[r + 1]].long().cpu()
+        mask = k_pos < hi[:, None]  # [q_len, seq_len]
         if sliding_window:
             mask &= k_pos > q_pos[:, None] - sliding_window
         if attention_chunk_size:

@@ -24,19 +24,23 @@ class TorchReferenceBackend(AttentionBackend):
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for r, start, end, seq_len in meta.request_spans():
+            ends = None if meta.attend_ends is None else meta.attend_ends[start:end]
             out[start:end] = _attend_one(query[start:end], key_cache, value_cache, meta.block_tables[r], seq_len,
-                                         scale, sliding_window, logits_soft_cap, attention_chunk_size, sinks)
+                                         scale, sliding_window, logits_soft_cap, attention_chunk_size, sinks, ends)
         return out
 
 
 def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: float, window: int | None = None,
-                soft_cap: float | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None):
-    """Online-softmax attention of one request's query chunk over its paged context."""
+                soft_cap: float | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+                attend_ends: torch.Tensor | None = None):
+    """Online-softmax attention of one request's query chunk over its paged context
+    (``attend_ends``: each query token's visible end, exclusive; default its position + 1)."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     qf = q.float() * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+    q_end = q_pos + 1 if attend_ends is None else attend_ends.to(q.device)  # [q_len]
     m = torch.full((q_len, num_heads), float("-inf"), device=q.device)
     row_sum = torch.zeros(q_len, num_heads, device=q.device)
     acc = torch.zeros(q_len, num_heads, head_dim, device=q.device)
@@ -50,7 +54,7 @@ def _attend_one(q, key_cache, value_cache, block_table, seq_len: int, scale: flo
         if soft_cap:
             s = torch.tanh(s / soft_cap) * soft_cap
         k_pos = torch.arange(b * block_size, b * block_size + n, device=q.device)
-        visible = visible_keys(q_pos, k_pos, window, chunk)  # [q_len, n]
+        visible = visible_keys(q_pos, k_pos, window, chunk, q_end)  # [q_len, n]
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))
         # rows with nothing visible yet keep m = -inf; use 0 there to avoid inf - inf

@@ -47,6 +47,7 @@ from pagedllm.layers.sampler import NO_TOKEN
 from pagedllm.lora.slot_pool import LoRASlotPool
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
+from pagedllm.multimodal.inputs import attend_ends, cut_before_split_runs
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +330,9 @@ class Scheduler:
         # images whose runs earlier steps computed (one this step finishes is read by this step's
         # forward: released next step, never evicted and freed under it by a later chunk)
         self.encoder.release_done(req.request_id, req.mm_items, req.num_computed_tokens)
-        return self.encoder.fit(req.mm_items, req.num_computed_tokens + num_hit, num_new)
+        start = req.num_computed_tokens + num_hit
+        num_new = self.encoder.fit(req.mm_items, start, num_new)
+        return cut_before_split_runs(req.mm_items, start, num_new)  # a bidirectional run is never split
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -361,6 +364,7 @@ class Scheduler:
             long_rope=req.long_rope,
             mrope_positions=req.mrope.rows(start, start + num_new) if req.mrope is not None else None,
             lora_slot=req.lora_slot,
+            attend_ends=attend_ends(req.mm_items, start, num_new) if req.mm_items else None,
         ))
 
     def end_verification(self, request_id: str) -> None:

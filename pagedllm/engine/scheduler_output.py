@@ -38,6 +38,8 @@ class ScheduledChunk:
     # M-RoPE requests (multimodal/mrope.py): the tokens' (t, h, w) positions [3, num_new_tokens]
     mrope_positions: np.ndarray | None = field(default=None, compare=False)
     lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
+    # bidirectional image runs (Gemma 3): each token's visible end [num_new_tokens], attention/metadata.py
+    attend_ends: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_verify_rows(self) -> int:

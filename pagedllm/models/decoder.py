@@ -226,7 +226,8 @@ class DecoderModel(nn.Module):
         ``(hidden, residual)`` pair, and one past the first starts from ``intermediate``.
         ``inputs_embeds`` ``[num_tokens, hidden]`` replaces the token embedding (image rows scattered in)."""
         fused = self.fused_decoder
-        if inputs_embeds is None and fused is not None and fused.applies(input_ids.shape[0], kv_caches):
+        if (inputs_embeds is None and fused is not None and getattr(meta, "attend_ends", None) is None
+                and fused.applies(input_ids.shape[0], kv_caches)):
             return fused(input_ids, positions, meta)  # small CPU batch: the whole stack in one C call
         if inputs_embeds is not None:
             hidden, residual = inputs_embeds, None

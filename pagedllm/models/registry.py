@@ -4,6 +4,7 @@ from __future__ import annotations
 from pagedllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma3_vl import Gemma3ForConditionalGeneration
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -37,6 +38,7 @@ MODEL_REGISTRY = {
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # M-RoPE (multimodal/mrope.py)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional image runs
     **SEQUENCE_CLASSIFIERS,  # runner="pooling" only (resolve_architecture)
 }
 

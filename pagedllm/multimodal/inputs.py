@@ -26,6 +26,9 @@ class MultiModalItem:
     # M-RoPE models: the run's (t, h, w) token grid (multimodal/mrope.py), and the temporal spacing
     grid: tuple[int, int, int] | None = None
     time_interval: float = 1.0
+    # Gemma 3: the run's tokens attend to each other in both directions (attention/metadata.py's
+    # attend_ends), so the scheduler never splits the run across chunks
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -33,6 +36,29 @@ class MultiModalItem:
 
     def overlaps(self, start: int, end: int) -> bool:
         return self.offset < end and start < self.end
+
+
+def cut_before_split_runs(items, start: int, num_new: int) -> int:
+    """``num_new`` cut so that the chunk ``[start, start + num_new)`` does not end inside a
+    bidirectional run: it stops before the run (0 when the chunk starts inside it and cannot
+    reach its end this step; the run fits a whole step's budget, max_item_tokens)."""
+    end = start + num_new
+    for item in items:
+        if item.bidirectional and item.offset < end < item.end:
+            return max(0, item.offset - start)
+    return num_new
+
+
+def attend_ends(items, start: int, num_new: int):
+    """The chunk's per-token visible ends (attention/metadata.py), or None without a
+    bidirectional run in it: ``position + 1``, an image token's run end."""
+    runs = [m for m in items if m.bidirectional and m.overlaps(start, start + num_new)]
+    if not runs:
+        return None
+    ends = np.arange(start + 1, start + num_new + 1, dtype=np.int32)
+    for m in runs:
+        ends[max(m.offset, start) - start:min(m.end, start + num_new) - start] = m.end
+    return ends
 
 
 @dataclass(frozen=True)

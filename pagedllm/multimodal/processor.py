@@ -35,6 +35,10 @@ class ImageLayout:
     grid: Callable[[dict[str, torch.Tensor]], tuple[int, int, int]] | None = None
     placeholder: str | None = None
     hidden_size: int | None = None  # the language model's (``image_embeds`` inputs must match it)
+    # Gemma 3: an image's tokens attend to each other both ways (MultiModalItem.bidirectional)
+    bidirectional: bool = False
+    # raises ValueError for processor options the model cannot honour (Gemma 3's do_pan_and_scan)
+    check_options: Callable[[dict], None] | None = None
 
 
 def image_layout(model_cls: type, hf_config) -> ImageLayout:
@@ -43,7 +47,9 @@ def image_layout(model_cls: type, hf_config) -> ImageLayout:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return ImageLayout(functools.partial(split, hf_config) if split else None,
                        functools.partial(grid, hf_config) if grid else None,
-                       getattr(model_cls, "image_placeholder", None), text.hidden_size)
+                       getattr(model_cls, "image_placeholder", None), text.hidden_size,
+                       bool(getattr(model_cls, "bidirectional_images", False)),
+                       getattr(model_cls, "check_processor_options", None))
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,8 @@ class MultiModalProcessor:
         data = split(out, len(images))
         runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data])
         grid = self.layout.grid or (lambda d: None)
-        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d, grid(d))
+        both_ways = self.layout.bidirectional
+        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d, grid(d), bidirectional=both_ways)
                       for img, (offset, length), d in zip(images, runs, data))
         return ids, items
 
@@ -156,7 +163,8 @@ class MultiModalProcessor:
         ids = expand_placeholders(ids, self.image_token_id, lengths)
         runs = self._placeholder_runs(ids, lengths)
         grid = self.layout.grid or (lambda d: None)
-        return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d))
+        return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d),
+                                         bidirectional=self.layout.bidirectional)
                           for (offset, length), d in zip(runs, data))
 
     def _images(self, mm_data: object) -> list:
@@ -191,6 +199,8 @@ class MultiModalProcessor:
         if unknown:
             raise ValueError(f"mm_processor_kwargs has {unknown}: this model's image processor takes "
                              f"{sorted(self.option_names)}")
+        if self.layout.check_options is not None:
+            self.layout.check_options(options)
         return options
 
     def _placeholder_runs(self, ids: list[int], lengths: list[int]) -> list[tuple[int, int]]:

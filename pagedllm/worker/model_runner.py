@@ -458,7 +458,12 @@ class ModelRunner:
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         self._offset_long_rope(chunks, query_lens, host)
         host["positions"] = batch_positions([c.mrope_positions for c in chunks], query_lens, host["positions"])
-        plain = host["positions"].ndim == 1  # [3, num_tokens]: M-RoPE image rows, never a graph replay
+        if any(c.attend_ends is not None for c in chunks):  # bidirectional image runs (attention/metadata.py)
+            host["attend_ends"] = np.concatenate([c.attend_ends if c.attend_ends is not None else
+                                                  np.arange(c.start + 1, c.seq_len + 1, dtype=np.int32)
+                                                  for c in chunks])
+        # [3, num_tokens]: M-RoPE image rows; attend_ends: image runs; never a graph replay
+        plain = host["positions"].ndim == 1 and "attend_ends" not in host
         size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None and plain else None
         if size is not None:  # a decode-only step: into the CUDA graphs' input buffers
             return self.decode_graphs.prepare(host, size)

@@ -115,6 +115,11 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 attention_chunk_size: int | None = None, sinks=None):
         sinks = check_sinks(sinks, query.shape[1])
+        if meta.attend_ends is not None:  # bidirectional image spans (metadata.py): the kernels are causal only
+            extra = {} if sinks is None else {"sinks": sinks}
+            return self._fallback_for("bidirectional image attention (Gemma 3) is not in the Triton kernels").forward(
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
+                attention_chunk_size, **extra)
         plan = self._plan(query, key, value, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
                           attention_chunk_size, sinks)
         if plan.fallback_reason is not None:
