@@ -96,6 +96,8 @@ from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
 from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
+from pagedllm import envs  # noqa: E402
+from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
 
@@ -896,6 +898,38 @@ def print_quantizations(results: dict, by_q: dict, read_gbs: float, gbs_4k: floa
     print(format_table(["", *by_q], quantization_rows(results, by_q)))
 
 
+# one oneDNN GEMM with its verbose log on: the log's "isa:" line names the ISA it dispatched to
+_ONEDNN_PROBE = ("import torch; w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64), 8); "
+                 "torch.ops.mkldnn._linear_pointwise(torch.ones(8, 64), w, None, 'none', [], '')")
+
+
+def onednn_isa() -> str | None:
+    """The ISA oneDNN dispatches to on this host (its ``ONEDNN_VERBOSE`` info line), or None."""
+    import subprocess
+    try:
+        out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if ",info,cpu,isa:" in line:
+            return line.split("isa:", 1)[1].strip()
+    return None
+
+
+def host_meta() -> dict:
+    """The host the numbers come from (RESULTS.md keeps one table per host kind): CPU model,
+    flags, cores, torch threads, ATen's CPU capability, oneDNN's ISA, torch version, and the
+    start-up kernel table in force (``PAGEDLLM_KERNEL_TUNING``)."""
+    table = cpu_ops.kernel_table()
+    return {**kernel_tuning.host_info(), "physical_cores": physical_cores(), "onednn_isa": onednn_isa(),
+            "kernel_tuning": envs.PAGEDLLM_KERNEL_TUNING,
+            "kernel_table": None if table is None else {
+                "decode_panel_min": table.decode_panel_min,
+                "choices": {f"{o}x{i}": dict(zip(map(str, kernel_tuning.ROW_BUCKETS), k))
+                            for (o, i), k in sorted(table.choices.items())}}}
+
+
 def run_meta(args, model_dir: Path, llm) -> dict:
     import transformers
     params = sum(p.numel() for p in llm.llm_engine.executor.runner.model.parameters())
@@ -906,7 +940,8 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
                 quantizations=args.quantization, dtypes=args.dtypes, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
-                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
+                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING")
+                     if k in os.environ}, host=host_meta())
 
 
 if __name__ == "__main__":

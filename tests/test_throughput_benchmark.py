@@ -45,6 +45,9 @@ def test_quick_run_end_to_end(llama_dir, tmp_path):
     mixed = data["results"]["mixed32"]
     assert mixed["transformers"]["bs4"]["padding_share"] > 0.4 and mixed["pagedllm"]["padding_share"] == 0
     assert set(data["results"]["batch64"]["transformers"]) == {"bs8", "bs2"}
+    host = data["meta"]["host"]  # the host recorded in every JSON (RESULTS.md: one table per host kind)
+    assert {"cpu_model", "cpu_flags", "cpu_count", "torch_threads", "onednn_isa", "torch", "kernel_tuning"} <= set(host)
+    assert host["torch_threads"] == 2 and host["cpu_count"] >= 1
     for r in data["results"].values():
         assert r["pagedllm"]["engine"]["prefix_hits"] == 0  # repeats never reuse an earlier run's KV
         for m in r["transformers"].values():
