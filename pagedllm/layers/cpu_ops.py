@@ -199,6 +199,16 @@ def run_gemm(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     raise ValueError(f"kernel {name!r} is not one of {', '.join(GEMM_KERNELS)}")
 
 
+def threshold_kernel(packed: PanelWeight | torch.Tensor, rows: int) -> str:
+    """The kernel of ``GEMM_KERNELS`` the fixed thresholds below give a packed float32 weight at
+    ``rows`` rows (``PAGEDLLM_KERNEL_TUNING=off``; "mm" also where they take oneDNN on the plain weight)."""
+    if isinstance(packed, PanelWeight):
+        if rows <= PANEL_MAX_ROWS:
+            return "panel"
+        packed = packed.onednn
+    return "onednn" if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS else "mm"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PanelWeight | torch.Tensor | None):
     """F.linear, through a packed copy when the row count is in the range where it wins; bf16

@@ -51,9 +51,11 @@ KERNELS = cpu_ops.GEMM_KERNELS
 # seconds of timed calls per candidate and mode (after one untimed warm-up call), and the buckets
 TIME_BUDGET_S = {"fast": 0.002, "full": 0.010}
 LONG_CALL = 20
+# a kernel replaces the fixed thresholds' choice only when it is this much faster
+MARGIN = 0.05
 # fast: up to 256 rows (more take 256's choice); the big buckets cost most of the time
 MODE_BUCKETS = {"fast": ROW_BUCKETS[:-2], "full": ROW_BUCKETS}
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 
 
 def tuning_mode() -> str:
@@ -153,7 +155,8 @@ Timer = Callable[[str, torch.Tensor, torch.Tensor, object, float], float]
 
 
 def measure(modules: list[torch.nn.Module], mode: str, timer: Timer = time_kernel) -> dict:
-    """``{"out x in": {rows: {kernel: seconds}}}`` for every distinct shape of ``modules``."""
+    """``{"out x in": {rows: {kernel: seconds, "threshold": the fixed thresholds' kernel}}}``
+    for every distinct shape of ``modules``."""
     by_shape = {tuple(m.weight.shape): m for m in modules}
     times: dict[str, dict[str, dict[str, float]]] = {}
     generator = torch.Generator().manual_seed(0)
@@ -164,6 +167,7 @@ def measure(modules: list[torch.nn.Module], mode: str, timer: Timer = time_kerne
             weight, packed = module.weight.detach(), module.packed_weight
             per_rows[str(rows)] = {k: timer(k, x, weight, packed, TIME_BUDGET_S[mode])
                                    for k in candidates(weight, packed, rows)}
+            per_rows[str(rows)]["threshold"] = cpu_ops.threshold_kernel(packed, rows)
     return times
 
 
@@ -197,12 +201,22 @@ def decode_panel_min(times: dict, shapes: list[tuple[int, int]]) -> int | None:
     return panel_min if panel_min is not None else bindings.library().max_decode_tokens + 1
 
 
+def pick(cell: dict) -> str:
+    """The fastest kernel of a measured cell; the fixed thresholds' one unless another beats it
+    by more than ``MARGIN`` (a closer race is the timing's noise, and would flip from one
+    start-up to the next)."""
+    kernels = {k: t for k, t in cell.items() if k in KERNELS}
+    best = min(kernels, key=kernels.get)
+    default = cell.get("threshold")
+    return default if default in kernels and kernels[default] <= kernels[best] * (1 + MARGIN) else best
+
+
 def build_table(times: dict, shapes: list[tuple[int, int]]) -> KernelTable:
     choices = {}
     for shape, per_rows in times.items():
         out_f, in_f = map(int, shape.split("x"))
         ordered = sorted(per_rows.items(), key=lambda kv: int(kv[0]))
-        choices[(out_f, in_f)] = tuple(min(cands, key=cands.get) for _, cands in ordered)
+        choices[(out_f, in_f)] = tuple(pick(cell) for _, cell in ordered)
     return KernelTable(choices, decode_panel_min(times, shapes))
 
 

@@ -148,3 +148,13 @@ def test_greedy_equals_transformers_whatever_the_table_chooses(tuning, monkeypat
     if not any(kernel in kernels for kernels in table.choices.values()):
         pytest.skip(f"no {kernel} kernel for this model's shapes in this build")
     check_greedy_against(llm, hf_models["llama"], random_prompts(4, seed=3), max_new=8, logprob_prompts=0)
+
+
+def test_the_thresholds_choice_stays_unless_another_wins_by_the_margin():
+    """A race within MARGIN keeps the fixed thresholds' kernel (timing noise would flip it from
+    one start-up to the next); a clear win replaces it."""
+    close = {"panel": 1.0, "onednn": 1.0 + kernel_tuning.MARGIN / 2, "threshold": "onednn"}
+    clear = {"panel": 1.0, "onednn": 1.0 + 2 * kernel_tuning.MARGIN, "threshold": "onednn"}
+    assert kernel_tuning.pick(close) == "onednn" and kernel_tuning.pick(clear) == "panel"
+    packed = cpu_ops.pack_weight(torch.randn(64, 32), panels=True)
+    assert cpu_ops.threshold_kernel(packed, 1) in cpu_ops.GEMM_KERNELS
