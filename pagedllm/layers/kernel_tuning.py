@@ -18,9 +18,10 @@ panel GEMM is faster summed over its projections. The table is cached as JSON un
 ``PAGEDLLM_CACHE_DIR/kernels/<key>.json``, the key hashing what the timings depend on (CPU model
 and flags, cores, torch threads, dtype, shapes, mode, torch and library build), so a restart on
 the same host and settings measures nothing. ``PAGEDLLM_KERNEL_TUNING``: ``off`` keeps the fixed
-thresholds, ``fast`` (default) times buckets up to 256 rows for ~2 ms per candidate, ``full``
-adds 512 and 2048 rows and ~10 ms per candidate. Every candidate computes the same product (float32,
-summed in a different order), so the choice changes speed, not results beyond rounding.
+thresholds, ``fast`` (default) times buckets up to 256 rows for ~2 ms per candidate (more rows keep the
+thresholds), ``full`` adds 512 and 2048 rows and ~10 ms per candidate. Every candidate computes
+the same product (float32, summed in a different order), so the choice changes speed, not
+results beyond rounding.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ TIME_BUDGET_S = {"fast": 0.002, "full": 0.010}
 LONG_CALL = 20
 # a kernel replaces the fixed thresholds' choice only when it is this much faster
 MARGIN = 0.05
-# fast: up to 256 rows (more take 256's choice); the big buckets cost most of the time
+# fast: up to 256 rows (more keep the fixed thresholds); the big buckets cost most of the time
 MODE_BUCKETS = {"fast": ROW_BUCKETS[:-2], "full": ROW_BUCKETS}
 TABLE_VERSION = 2
 
@@ -75,17 +76,17 @@ def bucket_index(rows: int) -> int:
 class KernelTable:
     """The measured kernel per weight shape and row bucket, and the decoder's tile/panel switch.
 
-    ``choices[(out, in)][i]``: the kernel for ``ROW_BUCKETS[i]`` tokens (buckets past the measured
-    ones take the last measured choice); ``decode_panel_min``: ``LdModel.panel_min``, or None to
+    ``choices[(out, in)][i]``: the kernel for ``ROW_BUCKETS[i]`` tokens (past the measured
+    buckets the fixed thresholds apply: a choice at 256 rows says little about 2048);
+    ``decode_panel_min``: ``LdModel.panel_min``, or None to
     keep ``cpu_ops.DECODE_PANEL_MIN_ROWS``."""
     choices: dict[tuple[int, int], tuple[str, ...]]
     decode_panel_min: int | None = None
 
     def choose(self, out_features: int, in_features: int, rows: int) -> str | None:
         per_bucket = self.choices.get((out_features, in_features))
-        if not per_bucket:
-            return None
-        return per_bucket[min(bucket_index(rows), len(per_bucket) - 1)]
+        index = bucket_index(rows)
+        return per_bucket[index] if per_bucket and index < len(per_bucket) else None
 
     def describe(self) -> str:
         """One line per shape, for the start-up log."""
