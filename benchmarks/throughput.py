@@ -96,6 +96,8 @@ from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
 from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
+from pagedllm import envs  # noqa: E402
+from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
 
@@ -676,6 +678,12 @@ def parse_args(argv=None):
     vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
     vl.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds for the whole vLLM side")
     add_engine_args(ap, exclude=("quantization",))
+    lc = ap.add_argument_group("llama.cpp column (benchmarks/llamacpp_runner.py), alternated with pagedllm run by run")
+    lc.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,
+                    help="Python of a venv with llama-cpp-python (e.g. /tmp/llamacpp/bin/python)")
+    lc.add_argument("--llamacpp-gguf", type=Path, default=None, help="F32 GGUF of the same checkpoint")
+    lc.add_argument("--llamacpp-converter", type=Path, default=None,
+                    help="convert_hf_to_gguf.py (the llama-cpp-python sdist's vendor/llama.cpp) to make the GGUF")
     ap.add_argument("-q", "--quantization", default="none",
                     help=f"one or a comma list of {', '.join(QUANT_CHOICES)}: all measured in this run (default none)")
     ap.add_argument("--dtypes", default=None,
@@ -753,12 +761,15 @@ def main(argv=None) -> dict:
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
                                                                  MODEL_CONFIGS[args.model_size])
     vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm and workloads else None  # before anything else
+    gguf = llamacpp_gguf(model_dir, args) if args.compare_llamacpp else None  # refused or converted up front
     llms = make_llms(model_dir, args)
     llm = next(iter(llms.values()))
     hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
     results = run_workloads(workloads, llms, hf, vocab, args, vllm)
     sweep_results = run_workloads(sweep, {args.quantization[0]: llm}, hf, vocab, args)
+    if gguf is not None:
+        llamacpp_side(workloads, results, gguf, llm, vocab, args)
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
     with args.timing.exclusive():
         probe = measure_bandwidth(512, 5)
@@ -783,6 +794,22 @@ def main(argv=None) -> dict:
     save_json(data, args.output)
     print(f"\nsaved {args.output}")
     return results
+
+
+def llamacpp_side(workloads: list[Workload], results: dict, gguf: Path, llm, vocab: int, args) -> None:
+    """Adds ``results[name]["llamacpp"]`` for every workload (llama.cpp kept loaded throughout)."""
+    n_ctx = max(p + o for wl in workloads for p, o in zip(wl.prompt_lens, wl.output_lens)) + 16
+    worker = LlamaCppWorker(args.compare_llamacpp, gguf, args.num_threads, n_ctx)
+    try:
+        for wl in workloads:
+            results[wl.name]["llamacpp"] = dict(llamacpp_compare(wl, llm, worker, vocab, args), gguf=str(gguf),
+                                                worker=worker.info)
+    finally:
+        worker.close()
+    for wl in workloads:
+        r = results[wl.name]["llamacpp"]
+        print(f"{wl.name}: pagedllm / llama.cpp pairs {' '.join(f'{x:.2f}' for x in r['pair_ratios'])}, "
+              f"median {r['median_ratio']:.2f}x; greedy agreement {r['greedy_agreement']:.0%}")
 
 
 def vllm_side(workloads: list[Workload], model_dir: Path, args) -> dict:
@@ -896,6 +923,108 @@ def print_quantizations(results: dict, by_q: dict, read_gbs: float, gbs_4k: floa
     print(format_table(["", *by_q], quantization_rows(results, by_q)))
 
 
+# one oneDNN GEMM with its verbose log on: the log's "isa:" line names the ISA it dispatched to
+_ONEDNN_PROBE = ("import torch; w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64), 8); "
+                 "torch.ops.mkldnn._linear_pointwise(torch.ones(8, 64), w, None, 'none', [], '')")
+
+
+def onednn_isa() -> str | None:
+    """The ISA oneDNN dispatches to on this host (its ``ONEDNN_VERBOSE`` info line), or None."""
+    import subprocess
+    try:
+        out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if ",info,cpu,isa:" in line:
+            return line.split("isa:", 1)[1].strip()
+    return None
+
+
+def host_meta() -> dict:
+    """The host the numbers come from (RESULTS.md keeps one table per host kind): CPU model,
+    flags, cores, torch threads, ATen's CPU capability, oneDNN's ISA, torch version, and the
+    start-up kernel table in force (``PAGEDLLM_KERNEL_TUNING``)."""
+    table = cpu_ops.kernel_table()
+    return {**kernel_tuning.host_info(), "physical_cores": physical_cores(), "onednn_isa": onednn_isa(),
+            "kernel_tuning": envs.PAGEDLLM_KERNEL_TUNING,
+            "kernel_table": None if table is None else {
+                "decode_panel_min": table.decode_panel_min,
+                "choices": {f"{o}x{i}": dict(zip(map(str, kernel_tuning.ROW_BUCKETS), k))
+                            for (o, i), k in sorted(table.choices.items())}}}
+
+
+class LlamaCppWorker:
+    """llama.cpp loaded in its own process (``llamacpp_runner.py`` under the llama-cpp-python
+    venv's Python), kept for the whole run so its runs alternate with pagedllm's."""
+
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int):
+        import subprocess
+        runner = Path(__file__).with_name("llamacpp_runner.py")
+        self.proc = subprocess.Popen([python, str(runner), str(gguf), str(threads), str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)
+
+    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
+        """One timed llama.cpp run: ``{"time_s", "outputs"}``."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": list(output_lens)}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def llamacpp_gguf(model_dir: Path, args) -> Path:
+    """The F32 GGUF llama.cpp runs: ``--llamacpp-gguf``, else converted once from ``model_dir``
+    with ``--llamacpp-converter`` into the model dir."""
+    from llamacpp_runner import convert
+    if args.llamacpp_gguf is not None:
+        return args.llamacpp_gguf
+    out = model_dir / "model-f32.gguf"
+    if not out.exists() and args.llamacpp_converter is None:
+        raise SystemExit("--compare-llamacpp needs --llamacpp-gguf FILE or --llamacpp-converter "
+                         "PATH (vendor/llama.cpp/convert_hf_to_gguf.py of the llama-cpp-python sdist)")
+    return convert(model_dir, args.llamacpp_converter, out)
+
+
+def pair_summary(ratios: list[float]) -> dict:
+    return dict(pair_ratios=ratios, median_ratio=float(np.median(ratios)))
+
+
+def llamacpp_compare(wl: Workload, llm, worker: LlamaCppWorker, vocab: int, args) -> dict:
+    """pagedllm and llama.cpp on ``wl``, alternated run by run (the order flips every pair): each
+    pair's ratio on the headline metric (pagedllm / llama.cpp), their median, llama.cpp's median
+    run and its greedy agreement with pagedllm."""
+    prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
+    small, warm_prompts = warm_workload(wl, vocab)
+    run_paged(llm, small, warm_prompts)
+    worker.run(warm_prompts, small.output_lens)
+    ratios, runs, paged_runs = [], [], []
+    for i in range(args.repeats):
+        with args.timing.exclusive():
+            if i % 2:
+                runs.append(worker.run(prompts, wl.output_lens))
+            paged_runs.append(run_paged(llm, wl, prompts))
+            if not i % 2:
+                runs.append(worker.run(prompts, wl.output_lens))
+        ratios.append(headline(wl, metrics(wl, paged_runs[-1]["time_s"], wl.output_tokens))
+                      / headline(wl, metrics(wl, runs[-1]["time_s"], wl.output_tokens)))
+        print(f"[llama.cpp] {wl.name} pair {i}: pagedllm / llama.cpp {ratios[-1]:.2f}x", flush=True)
+    best = median_run(runs)
+    return dict(**metrics(wl, best["time_s"], wl.output_tokens), times_s=best["times_s"],
+                pagedllm_times_s=[r["time_s"] for r in paged_runs], **pair_summary(ratios),
+                greedy_agreement=prefix_agreement(paged_runs[0]["outputs"], best["outputs"], wl.output_lens))
+
+
 def run_meta(args, model_dir: Path, llm) -> dict:
     import transformers
     params = sum(p.numel() for p in llm.llm_engine.executor.runner.model.parameters())
@@ -906,7 +1035,8 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
                 quantizations=args.quantization, dtypes=args.dtypes, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
-                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ})
+                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING")
+                     if k in os.environ}, host=host_meta())
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ if _XDIST_WORKERS > 1:
 import torch  # noqa: E402 - after OMP_WAIT_POLICY is set (see above)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# engines start with the fixed kernel thresholds (no timing per test); tests/unit/test_kernel_tuning.py turns it on
+os.environ.setdefault("PAGEDLLM_KERNEL_TUNING", "off")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels on CPU tensors need the interpreter, chosen when a kernel is decorated, i.e.
 # before pagedllm's kernel modules are first imported (only ever lazily, by tests/triton_ops or

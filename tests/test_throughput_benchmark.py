@@ -45,6 +45,9 @@ def test_quick_run_end_to_end(llama_dir, tmp_path):
     mixed = data["results"]["mixed32"]
     assert mixed["transformers"]["bs4"]["padding_share"] > 0.4 and mixed["pagedllm"]["padding_share"] == 0
     assert set(data["results"]["batch64"]["transformers"]) == {"bs8", "bs2"}
+    host = data["meta"]["host"]  # the host recorded in every JSON (RESULTS.md: one table per host kind)
+    assert {"cpu_model", "cpu_flags", "cpu_count", "torch_threads", "onednn_isa", "torch", "kernel_tuning"} <= set(host)
+    assert host["torch_threads"] == 2 and host["cpu_count"] >= 1
     for r in data["results"].values():
         assert r["pagedllm"]["engine"]["prefix_hits"] == 0  # repeats never reuse an earlier run's KV
         for m in r["transformers"].values():
@@ -262,3 +265,22 @@ def test_cpu_lock_is_shared_for_the_run_and_exclusive_while_timing(tmp_path):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with tp.CpuLock(None).exclusive():  # no file: no locking
         pass
+
+
+def test_compare_llamacpp_alternates_a_loaded_worker_and_reports_pair_ratios(llama_dir, tmp_path, monkeypatch):
+    """--compare-llamacpp with a stand-in llama_cpp (tests/fake_llamacpp): one worker process
+    kept loaded, one ratio per repeat, their median; a missing GGUF is refused by name."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "fake_llamacpp"))
+    import sys
+    argv = ["--model", llama_dir, "--quick", "--repeats", "3", "--workloads", "single", "--skip-hf",
+            "--kv-cache-memory", "64MiB", "--num-threads", "2", "--compare-llamacpp", sys.executable]
+    with pytest.raises(SystemExit, match="--llamacpp-gguf FILE or --llamacpp-converter"):
+        tp.main([*argv, "--output", str(tmp_path / "x.json")])
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "t.json"
+    tp.main([*argv, "--llamacpp-gguf", str(gguf), "--output", str(out)])
+    lc = json.loads(out.read_text())["results"]["single"]["llamacpp"]
+    assert len(lc["pair_ratios"]) == 3 and lc["median_ratio"] == float(np.median(lc["pair_ratios"]))
+    assert len(lc["times_s"]) == len(lc["pagedllm_times_s"]) == 3 and lc["output_tok_s"] > 0
+    assert lc["worker"]["llama_cpp"] == "fake" and 0 <= lc["greedy_agreement"] <= 1

@@ -156,6 +156,59 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype)
 
 
+# the kernels a float32 linear layer can run on (kernel_tuning.py times them per shape)
+GEMM_KERNELS = ("tile", "panel", "onednn", "mm")
+# kernel_tuning.KernelTable measured at start-up (PAGEDLLM_KERNEL_TUNING), or None: the thresholds above
+_kernel_table = None
+
+
+def set_kernel_table(table) -> None:
+    """Installs the measured dispatch table (``kernel_tuning.tune_model``); None restores the
+    fixed thresholds."""
+    global _kernel_table
+    _kernel_table = table
+
+
+def kernel_table():
+    return _kernel_table
+
+
+def decode_panel_min() -> int:
+    """The one-call decoder's float32 tile/panel switch: the measured one, else
+    ``DECODE_PANEL_MIN_ROWS``."""
+    measured = None if _kernel_table is None else _kernel_table.decode_panel_min
+    return DECODE_PANEL_MIN_ROWS if measured is None else measured
+
+
+def run_gemm(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             packed: PanelWeight | torch.Tensor) -> torch.Tensor:
+    """``x . weight^T + bias`` (float32, x [rows, in]) on kernel ``name`` of ``GEMM_KERNELS``:
+    the one-call decoder's register tile (``ld_linear``, up to ``max_decode_tokens`` rows), the
+    panel GEMM, oneDNN on the packed copy, or F.linear."""
+    if name == "panel":
+        return panel_linear(x, packed, bias)
+    if name == "onednn":
+        onednn = packed.onednn if isinstance(packed, PanelWeight) else packed
+        return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+    if name == "tile":
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        bindings.library().linear(x.contiguous(), weight, None, bias, out, torch.get_num_threads())
+        return out
+    if name == "mm":
+        return torch.nn.functional.linear(x, weight, bias)
+    raise ValueError(f"kernel {name!r} is not one of {', '.join(GEMM_KERNELS)}")
+
+
+def threshold_kernel(packed: PanelWeight | torch.Tensor, rows: int) -> str:
+    """The kernel of ``GEMM_KERNELS`` the fixed thresholds below give a packed float32 weight at
+    ``rows`` rows (``PAGEDLLM_KERNEL_TUNING=off``; "mm" also where they take oneDNN on the plain weight)."""
+    if isinstance(packed, PanelWeight):
+        if rows <= PANEL_MAX_ROWS:
+            return "panel"
+        packed = packed.onednn
+    return "onednn" if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS else "mm"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PanelWeight | torch.Tensor | None):
     """F.linear, through a packed copy when the row count is in the range where it wins; bf16
@@ -167,6 +220,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # under torch.compile inductor picks (and prepacks) the GEMM itself
     if packed is not None and x.dim() == 2 and not torch.compiler.is_compiling():
         rows = x.shape[0]
+        chosen = None if _kernel_table is None or x.dtype != torch.float32 or rows == 0 \
+            else _kernel_table.choose(weight.shape[0], weight.shape[1], rows)
+        if chosen is not None:
+            return run_gemm(chosen, x, weight, bias, packed)
         if isinstance(packed, PanelWeight):
             if rows <= PANEL_MAX_ROWS:
                 return panel_linear(x, packed, bias)

@@ -154,10 +154,10 @@ def _max_tokens(model, native) -> int:
 def _panel_min(model) -> int:
     """LdModel.panel_min: projections with a panel copy take its GEMM from this many tokens.
     Group-wise codes: quant_gemm.c's where the module path switches (grouped.SMALL_MAX_ROWS + 1);
-    float32: dense_gemm.c's from ``cpu_ops.DECODE_PANEL_MIN_ROWS`` (measured per host CPU)."""
+    float32: dense_gemm.c's from ``cpu_ops.decode_panel_min()`` (measured at start-up, kernel_tuning.py)."""
     from pagedllm.layers.quantization import grouped
     bits = getattr(_projections(model)[0], "quant_bits", None)
-    return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else cpu_ops.DECODE_PANEL_MIN_ROWS
+    return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else cpu_ops.decode_panel_min()
 
 
 def _group(linear) -> int:

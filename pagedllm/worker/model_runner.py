@@ -23,7 +23,7 @@ from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.kv_cache.spec import kv_spec_for
-from pagedllm.layers import cpu_ops
+from pagedllm.layers import cpu_ops, kernel_tuning
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.lora.model import LoRAModel
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
@@ -126,6 +126,7 @@ class ModelRunner:
         decoder's pointers into them: made at load and again whenever the weights change.
         Returns why the one-call decoder is off, or None."""
         cpu_ops.pack_model(self.model, available_ram())
+        kernel_tuning.tune_model(self.model)  # before the decoder: it reads the tile/panel switch
         return self._enable_fused_decode()
 
     def _enable_fused_decode(self) -> str | None:

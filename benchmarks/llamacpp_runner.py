@@ -1,0 +1,64 @@
+"""llama.cpp side of ``throughput.py --compare-llamacpp``: a worker kept loaded in its own process.
+
+Runs under the Python of a venv with llama-cpp-python (``python -m venv /tmp/llamacpp &&
+/tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36``), so neither system's libraries (two
+OpenMP runtimes, two BLAS builds) share a process. Started once with the GGUF; it prints one
+JSON line ``{"ready": ...}`` once the model is loaded, then answers each JSON line on stdin
+``{"prompts": [[ids]], "output_lens": [n]}`` with ``{"time_s": s, "outputs": [[ids]]}``: every
+prompt as a whole request (reset, prefill, greedy decode of exactly n tokens: no stop at EOS,
+as pagedllm's ``ignore_eos``), one after another (llama-cpp-python's ``Llama`` serves one
+sequence at a time). Between requests it blocks on stdin: it does not spin while pagedllm runs.
+
+``convert(model_dir, converter, out)``: the F32 GGUF of an HF checkpoint with the converter that
+llama-cpp-python's sdist ships (``vendor/llama.cpp/convert_hf_to_gguf.py``), run by this Python
+(it has torch, transformers and numpy) with the sdist's ``gguf-py`` on its path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def convert(model_dir: Path, converter: Path, out: Path) -> Path:
+    """``out`` (made once): the F32 GGUF of ``model_dir``."""
+    if out.exists():
+        return out
+    gguf_py = converter.parent / "gguf-py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")]))}
+    tmp = out.with_name(out.name + ".tmp")
+    subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", "f32", "--outfile", str(tmp)],
+                   check=True, env=env)
+    os.replace(tmp, out)
+    return out
+
+
+def generate(llm, prompt: list[int], n: int) -> list[int]:
+    """Greedy, exactly ``n`` tokens (no EOS stop), from an empty context."""
+    llm.reset()
+    out: list[int] = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out
+
+
+def serve(gguf: str, threads: int, n_ctx: int) -> None:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                verbose=False)
+    print(json.dumps({"ready": True, "llama_cpp": getattr(llama_cpp, "__version__", None),
+                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        t0 = time.perf_counter()
+        outputs = [generate(llm, p, n) for p, n in zip(job["prompts"], job["output_lens"])]
+        print(json.dumps({"time_s": time.perf_counter() - t0, "outputs": outputs}), flush=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
