@@ -238,6 +238,12 @@ class EngineArgs:
     kv_offload_disk_gb: float | None = option(None, "bytes (GiB) the disk tier may use in --kv-offload-dir, all "
                                               f"engines sharing it together (default {DEFAULT_DISK_GB:g})",
                                               parse=float)
+    kv_offload_remote: str | None = option(None, "Redis/Valkey URL of a remote tier below the CPU and disk tiers, "
+                                           "shared by replicas: redis://[user:password@]host:6379/0 (rediss:// for "
+                                           "TLS, valkey://); bounded by the server's maxmemory policy and "
+                                           "--kv-offload-remote-ttl")
+    kv_offload_remote_ttl: int | None = option(None, "seconds each block lives in --kv-offload-remote (default: "
+                                               "until the server evicts it)", parse=int)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int | None = option(256, "sequences per step (None: 256)", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU); a longer "
@@ -500,6 +506,8 @@ class EngineArgs:
                 kv_offload_cpu_bytes=parse_gib(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
                 kv_offload_dir=self.kv_offload_dir,
                 kv_offload_disk_bytes=self._disk_tier_bytes(),
+                kv_offload_remote=self.kv_offload_remote,
+                kv_offload_remote_ttl_s=self.kv_offload_remote_ttl,
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
@@ -559,8 +567,10 @@ class EngineArgs:
     def _check_offload_layout(self) -> None:
         # each pipeline stage would hold its own layers' share of a block, and the tiers agree on
         # a load's outcome only within a tensor-parallel group: not wired across stages yet
-        if self.pipeline_parallel_size > 1 and (self.kv_offload_cpu_gb or self.kv_offload_dir):
+        if self.pipeline_parallel_size > 1 and (self.kv_offload_cpu_gb or self.kv_offload_dir
+                                                or self.kv_offload_remote):
             raise ValueError(f"kv_offload_cpu_gb={self.kv_offload_cpu_gb!r} / kv_offload_dir={self.kv_offload_dir!r} "
+                             f"/ kv_offload_remote={self.kv_offload_remote!r} "
                              f"cannot be combined with pipeline_parallel_size={self.pipeline_parallel_size}: the KV "
                              "tiers work with pipeline_parallel_size=1 only")
 

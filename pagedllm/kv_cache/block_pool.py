@@ -74,10 +74,13 @@ class BlockPool:
 
     ``on_evict(block_id, block_hash)``, when set, is called as a cached block is handed out again
     (its hash forgotten), while its K/V are still intact: the KV tiers keep them from there.
+    ``on_release(block_id, block_hash)``, when set, is called as a cached block's last reference
+    goes (its K/V computed, the block still cached): the remote tier publishes it then.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 on_evict: Callable[[int, bytes], None] | None = None):
+                 on_evict: Callable[[int, bytes], None] | None = None,
+                 on_release: Callable[[int, bytes], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
@@ -86,6 +89,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding those tokens
         self.on_evict = on_evict
+        self.on_release = on_release
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +129,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.on_release is not None and block.block_hash is not None:
+                    self.on_release(block.block_id, block.block_hash)
 
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
