@@ -55,6 +55,7 @@ NON_DEFAULT = {
     "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
     "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
     "allowed_local_media_path": "/tmp", "allowed_media_domains": ["example.com"],
+    "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600,
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
@@ -69,6 +70,7 @@ NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disab
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
          "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
+         "kv_offload_remote_ttl": {"kv_offload_remote": "redis://127.0.0.1:6379/0"},
          "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"}}
 
 
@@ -168,6 +170,9 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
     ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
     ({"kv_offload_cpu_gb": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"kv_offload_remote": "redis://h:1/0", "pipeline_parallel_size": 2}, "kv_offload_remote='redis://h:1/0'"),
+    ({"kv_offload_remote": "memcached://h:1"}, "kv_offload_remote='memcached://h:1'"),
+    ({"kv_offload_remote_ttl": 60}, "kv_offload_remote_ttl_s=60"),
     ({"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "kv_offload_dir": "/tmp/x"}, "calculate_kv_scales"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):
