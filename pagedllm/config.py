@@ -154,6 +154,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    executor_backend: str = "mp"  # the other ranks: "mp" worker processes, "ray" Ray actors (executor/ray.py)
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -165,6 +166,11 @@ class ParallelConfig:
                              f"pipeline_parallel_size = {self.world_size} (every node hosts as many ranks)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank!r} must be in [0, nnodes={self.nnodes})")
+        if self.executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.executor_backend!r}: one of 'mp', 'ray'")
+        if self.executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError(f"distributed_executor_backend='ray' places every rank on the Ray cluster from one "
+                             f"launch: nnodes={self.nnodes} must be 1")
         if not 0 <= self.master_port < 65536 or (self.nnodes > 1 and self.master_port == 0):
             raise ValueError(f"master_port={self.master_port!r} must be in [1, 65535] (with nnodes > 1 every node "
                              "must be told the same port), or 0 on one node (any free port)")

@@ -68,6 +68,8 @@ from pagedllm.multimodal.processor import check_limit_mm_per_prompt
 from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")  # vLLM's distributed_executor_backend names pagedllm runs
+
 
 @dataclass(frozen=True)
 class CliOption:
@@ -345,6 +347,10 @@ class EngineArgs:
         parse=_json_object("override_generation_config"))
     kv_offloading_size: float | None = option(None, "vLLM's CPU KV offloading buffer in GiB, across all ranks "
                                               "(pagedllm's --kv-offload-cpu-gb is per rank)", parse=float)
+    distributed_executor_backend: str | None = option(
+        None, "how the ranks other than rank 0 run when tensor_parallel_size x pipeline_parallel_size > 1: mp "
+        "(default: worker processes), ray (Ray actors in a placement group, on the Ray cluster this process "
+        "reaches or a local one; pip install 'pagedllm[ray]'), uni (one rank only)", choices=EXECUTOR_BACKENDS)
     kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
                                         choices=("native",))
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
@@ -407,6 +413,9 @@ class EngineArgs:
                 warnings.warn(f"{arg.name}={value!r} is deprecated in vLLM: {arg.reason}", DeprecationWarning,
                               stacklevel=4)
         world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported: "
+                             f"one of {EXECUTOR_BACKENDS} (or None: 'mp' for more than one rank)")
         if self.distributed_executor_backend == "uni" and world > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in this process; "
                              f"tensor_parallel_size x pipeline_parallel_size = {world} needs 'mp' (or unset)")
@@ -561,8 +570,12 @@ class EngineArgs:
             nnodes, node_rank = world, envs.RANK or 0
         check_layers(model_config.num_layers, self.pipeline_parallel_size)
         port = self.master_port if self.master_port is not None else envs.MASTER_PORT
+        backend = "ray" if self.distributed_executor_backend == "ray" else "mp"
+        if backend == "ray":
+            from pagedllm.worker.executor.ray import import_ray  # Ray itself is an optional extra
+            import_ray()  # refused here, with the install hint, when Ray is missing
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, nnodes, node_rank,
-                              self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0)
+                              self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0, backend)
 
     def _check_offload_layout(self) -> None:
         # each pipeline stage would hold its own layers' share of a block, and the tiers agree on

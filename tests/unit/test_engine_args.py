@@ -20,7 +20,7 @@ from pagedllm.config import (
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
 )
-from pagedllm.engine.arg_utils import CONVERTS, EngineArgs, add_engine_args, cli_option
+from pagedllm.engine.arg_utils import CONVERTS, EXECUTOR_BACKENDS, EngineArgs, add_engine_args, cli_option
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.layers import quantization
 from pagedllm.layers.ops import FUSED_OPS
@@ -32,7 +32,7 @@ CHOICES = {
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
     "runner": ("auto", *RUNNERS), "convert": CONVERTS, "load_format": LOAD_FORMATS,
-    "kv_offloading_backend": ("native",),
+    "kv_offloading_backend": ("native",), "distributed_executor_backend": EXECUTOR_BACKENDS,
 }
 CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
 # a value other than the default for every declared field (a new field must be added here, or to
@@ -64,6 +64,7 @@ SEPARATELY_TESTED = {
     "revision": "main", "tokenizer_revision": "main", "download_dir": "/tmp/hf-downloads", "hf_token": "hf_x",
     "hf_overrides": {"rms_norm_eps": 1e-3}, "spec_method": "ngram", "spec_model": "org/draft", "spec_tokens": 3,
     "enable_chunked_prefill": True, "kv_offloading_backend": "native",
+    "distributed_executor_backend": "ray",  # needs Ray: tests/distributed/test_ray_executor.py
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
