@@ -103,9 +103,9 @@ class RayActors:
     """The actors of one engine, their placement group and the watchdog; no reference to the
     executor (its finalizer closes this). ``dead`` is set to why an actor is gone."""
 
-    def __init__(self, config: EngineConfig, host: str, port: int, timeouts: Timeouts):
+    def __init__(self, config: EngineConfig, host: str, port: int, timeouts: Timeouts, started_ray: bool):
         self.ray = import_ray()
-        self.started_ray = _connect(self.ray)
+        self.started_ray = started_ray  # this engine started the local Ray instance: stop it too
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -246,11 +246,16 @@ class RayExecutor(Executor):
             raise ValueError(f"nnodes={p.nnodes}: with distributed_executor_backend='ray' Ray places the ranks on "
                              "its cluster's nodes; launch one engine, without --nnodes")
         ray = import_ray()
-        _connect(ray)
+        started_ray = _connect(ray)
         host = ray.util.get_node_ip_address()  # the actors may be on other nodes: they dial this
         store = create_store(p.world_size, envs.PAGEDLLM_PORT, timeouts.startup, host)
         self._inflight: list = []
-        self._actors = RayActors(self.config, host, store.port, timeouts)
+        try:
+            self._actors = RayActors(self.config, host, store.port, timeouts, started_ray)
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
         self._finalizer = weakref.finalize(self, self._actors.close)
         try:
             config = rank_config(self.config, 0)
