@@ -8,6 +8,10 @@ so without them on disk a restart would lose every prefix whole. A CPU-tier entr
 it goes to disk only if its write did not land (e.g. the budget was full then); at shutdown,
 :meth:`persist_ops` writes what the device pool and the CPU tier still hold.
 
+With a remote tier (a Redis server shared by replicas), every evicted block is also written
+there, and so is every cached block whose last request lets it go (:meth:`on_release`): the
+other replicas find a prefix as soon as one replica has computed it.
+
 The KV manager calls :meth:`lookup` block by block past the device pool's hits and
 :meth:`add_load` for a request's hits; :meth:`take_ops` hands the step's moves and loads to the
 scheduler output, and :meth:`finish_load` settles a load with what the ranks reported.
