@@ -173,3 +173,17 @@ def test_bad_remote_url_is_refused(llama_dir):
         _remote(llama_dir, "http://x")
     with pytest.raises(ValueError, match="kv_offload_remote_ttl_s=0"):
         _remote(llama_dir, "redis://127.0.0.1:1/0", kv_offload_remote_ttl=0)
+
+
+def test_tensor_parallel_ranks_share_through_their_own_key_spaces(llama_dir, server, expected):
+    a = _remote(llama_dir, server.url, tensor_parallel_size=2, num_threads=1)
+    assert _greedy(a, 0) == expected[0]
+    a.llm_engine.flush_kv_tiers()
+    spaces = {key.split(b":")[2] for key in _keys(server)}
+    assert len(spaces) == 2  # one fingerprint per rank: each holds its own share of the KV heads
+    a.llm_engine.shutdown()
+    b = _remote(llama_dir, server.url, tensor_parallel_size=2, num_threads=1)
+    assert _greedy(b, 1) == expected[1]
+    assert _tier(b, "remote")["hits"] >= NUM_DOC_BLOCKS
+    _assert_all_blocks_free(b)
+    b.llm_engine.shutdown()
