@@ -211,7 +211,8 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
     started_ray = False
     if args.data_parallel_backend == "ray":
         from .ray_replicas import start_ray_replicas
-        processes, plans, started_ray = start_ray_replicas(serve, args, plans)
+        processes, plans, started_ray = start_ray_replicas(serve, plans, [replica_args(args, p) for p in plans],
+                                                           args.data_parallel_startup_timeout)
     else:
         processes = start_replicas(serve, args, plans)
     router_config = router_config_of(args, config, plans)

@@ -90,23 +90,25 @@ class RayReplica:
         pass  # ray.kill is final: nothing to wait for
 
 
-def start_ray_replicas(serve, args: argparse.Namespace, plans: list) -> tuple[list[RayReplica], list, bool]:
-    """One actor per plan on the reachable Ray cluster (or a local one: then the bool is True and
-    the caller shuts Ray down); the plans get the address each replica's node has."""
-    from pagedllm.entrypoints.router.data_parallel import replica_args
+def start_ray_replicas(serve, plans: list, replica_args: list[argparse.Namespace],
+                       timeout: float) -> tuple[list[RayReplica], list, bool]:
+    """One actor per plan (running ``serve`` with its ``replica_args``) on the reachable Ray cluster
+    (or a local one: then the bool is True and the caller shuts Ray down); the plans come back
+    with the address each replica's node has."""
     from pagedllm.worker.executor.ray import _connect, import_ray
 
     ray = import_ray()
     started = _connect(ray)
     replicas, placed = [], []
-    for plan in plans:
+    for plan, rargs in zip(plans, replica_args):
         gpu = plan.device.startswith("cuda")
-        local = replace(plan, device="cuda:0") if gpu else plan  # Ray shows the actor its own GPU as 0
-        rargs = replica_args(args, local)
+        rargs = argparse.Namespace(**vars(rargs))
         rargs.host = "0.0.0.0"  # the router may be on another node
+        if gpu:
+            rargs.device = "cuda:0"  # Ray shows the actor its own GPU only, as device 0
         replicas.append(RayReplica(ray, serve, rargs, plan.index, 1 if gpu else 0))
     for plan, replica in zip(plans, replicas):
-        host, pid = replica.address(timeout=args.data_parallel_startup_timeout)
+        host, pid = replica.address(timeout=timeout)
         logger.warning("data-parallel replica %d: Ray actor on %s (pid %d), port %d", plan.index, host, pid, plan.port)
         placed.append(replace(plan, host=host))
     return replicas, placed, started
