@@ -93,6 +93,9 @@ class CacheConfig:
     kv_offload_cpu_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
+    # a remote tier below those: a Redis/Valkey server shared by replicas (offload/remote_tier.py)
+    kv_offload_remote: str | None = None  # redis://[user:password@]host:port/db (rediss:// TLS, valkey://)
+    kv_offload_remote_ttl_s: int | None = None  # seconds each value lives; None: until Redis evicts it
     calculate_kv_scales: bool = False  # fp8 caches: K/V scales from the first batch (attention/kv_quant.py)
 
     def __post_init__(self):
@@ -101,11 +104,12 @@ class CacheConfig:
         if self.calculate_kv_scales and self.cache_dtype not in FP8_KV_CACHE_DTYPES.values():
             raise ValueError(f"calculate_kv_scales=True needs an fp8 kv_cache_dtype (one of "
                              f"{tuple(FP8_KV_CACHE_DTYPES)}); the cache dtype is {self.cache_dtype}")
-        if self.calculate_kv_scales and self.kv_offload_dir:
+        if self.calculate_kv_scales and (self.kv_offload_dir or self.kv_offload_remote):
             # the scales come from this run's first batch: blocks on disk from another run were
             # written with other scales, and the fingerprint cannot know them in advance
             raise ValueError(f"calculate_kv_scales=True cannot be combined with kv_offload_dir="
-                             f"{self.kv_offload_dir!r}; use the checkpoint's K/V scales with a disk tier")
+                             f"{self.kv_offload_dir!r} / kv_offload_remote={self.kv_offload_remote!r}; use the "
+                             "checkpoint's K/V scales with a disk or remote tier")
         check_memory_utilization(self.gpu_memory_utilization)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
@@ -153,6 +157,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    executor_backend: str = "mp"  # the other ranks: "mp" worker processes, "ray" Ray actors (executor/ray.py)
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -164,6 +169,11 @@ class ParallelConfig:
                              f"pipeline_parallel_size = {self.world_size} (every node hosts as many ranks)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank!r} must be in [0, nnodes={self.nnodes})")
+        if self.executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.executor_backend!r}: one of 'mp', 'ray'")
+        if self.executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError(f"distributed_executor_backend='ray' places every rank on the Ray cluster from one "
+                             f"launch: nnodes={self.nnodes} must be 1")
         if not 0 <= self.master_port < 65536 or (self.nnodes > 1 and self.master_port == 0):
             raise ValueError(f"master_port={self.master_port!r} must be in [1, 65535] (with nnodes > 1 every node "
                              "must be told the same port), or 0 on one node (any free port)")
@@ -274,9 +284,33 @@ def check_offload(cache: CacheConfig) -> None:
     if (cache.kv_offload_dir is None) != (cache.kv_offload_disk_bytes == 0):
         raise ValueError(f"kv_offload_dir={cache.kv_offload_dir!r} and kv_offload_disk_bytes="
                          f"{cache.kv_offload_disk_bytes!r}: a disk tier needs both a directory and a budget > 0")
-    if (cache.kv_offload_cpu_bytes or cache.kv_offload_dir) and not cache.enable_prefix_caching:
-        raise ValueError("the KV offload tiers (kv_offload_cpu_gb / kv_offload_dir) hold prefix-cache blocks: "
-                         "they need enable_prefix_caching=True")
+    if cache.kv_offload_remote is not None:
+        check_remote_url(cache.kv_offload_remote)
+    if cache.kv_offload_remote_ttl_s is not None and (cache.kv_offload_remote is None
+                                                      or cache.kv_offload_remote_ttl_s <= 0):
+        raise ValueError(f"kv_offload_remote_ttl_s={cache.kv_offload_remote_ttl_s!r} must be > 0 and needs "
+                         "kv_offload_remote")
+    if (cache.kv_offload_cpu_bytes or cache.kv_offload_dir or cache.kv_offload_remote) \
+            and not cache.enable_prefix_caching:
+        raise ValueError("the KV offload tiers (kv_offload_cpu_gb / kv_offload_dir / kv_offload_remote) hold "
+                         "prefix-cache blocks: they need enable_prefix_caching=True")
+
+
+REMOTE_TIER_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")  # rediss / valkeys: TLS
+REMOTE_TIER_INSTALL_HINT = "the remote KV tier needs the redis client: pip install 'pagedllm[redis]'"
+
+
+def check_remote_url(url: str) -> None:
+    """``ValueError`` naming ``kv_offload_remote`` unless ``url`` has a scheme the Redis client
+    speaks and the redis package is installed."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in REMOTE_TIER_SCHEMES:
+        raise ValueError(f"kv_offload_remote={url!r}: expected a URL like redis://host:6379/0 (schemes: "
+                         f"{', '.join(REMOTE_TIER_SCHEMES)}; rediss/valkeys for TLS, user:password@ for AUTH)")
+    try:
+        import redis  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"kv_offload_remote={url!r}: {REMOTE_TIER_INSTALL_HINT}") from exc
 
 
 def default_max_num_batched_tokens(device_type: str) -> int:

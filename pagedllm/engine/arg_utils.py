@@ -73,6 +73,8 @@ from pagedllm.multimodal.processor import check_limit_mm_per_prompt
 from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")  # vLLM's distributed_executor_backend names pagedllm runs
+
 
 @dataclass(frozen=True)
 class CliOption:
@@ -243,6 +245,12 @@ class EngineArgs:
     kv_offload_disk_gb: float | None = option(None, "bytes (GiB) the disk tier may use in --kv-offload-dir, all "
                                               f"engines sharing it together (default {DEFAULT_DISK_GB:g})",
                                               parse=float)
+    kv_offload_remote: str | None = option(None, "Redis/Valkey URL of a remote tier below the CPU and disk tiers, "
+                                           "shared by replicas: redis://[user:password@]host:6379/0 (rediss:// for "
+                                           "TLS, valkey://); bounded by the server's maxmemory policy and "
+                                           "--kv-offload-remote-ttl")
+    kv_offload_remote_ttl: int | None = option(None, "seconds each block lives in --kv-offload-remote (default: "
+                                               "until the server evicts it)", parse=int)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int | None = option(256, "sequences per step (None: 256)", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU); a longer "
@@ -344,6 +352,10 @@ class EngineArgs:
         parse=_json_object("override_generation_config"))
     kv_offloading_size: float | None = option(None, "vLLM's CPU KV offloading buffer in GiB, across all ranks "
                                               "(pagedllm's --kv-offload-cpu-gb is per rank)", parse=float)
+    distributed_executor_backend: str | None = option(
+        None, "how the ranks other than rank 0 run when tensor_parallel_size x pipeline_parallel_size > 1: mp "
+        "(default: worker processes), ray (Ray actors in a placement group, on the Ray cluster this process "
+        "reaches or a local one; pip install 'pagedllm[ray]'), uni (one rank only)", choices=EXECUTOR_BACKENDS)
     kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
                                         choices=("native",))
     # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
@@ -414,6 +426,9 @@ class EngineArgs:
                 warnings.warn(f"{arg.name}={value!r} is deprecated in vLLM: {arg.reason}", DeprecationWarning,
                               stacklevel=4)
         world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported: "
+                             f"one of {EXECUTOR_BACKENDS} (or None: 'mp' for more than one rank)")
         if self.distributed_executor_backend == "uni" and world > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in this process; "
                              f"tensor_parallel_size x pipeline_parallel_size = {world} needs 'mp' (or unset)")
@@ -513,6 +528,8 @@ class EngineArgs:
                 kv_offload_cpu_bytes=parse_gib(self.kv_offload_cpu_gb, "kv_offload_cpu_gb"),
                 kv_offload_dir=self.kv_offload_dir,
                 kv_offload_disk_bytes=self._disk_tier_bytes(),
+                kv_offload_remote=self.kv_offload_remote,
+                kv_offload_remote_ttl_s=self.kv_offload_remote_ttl,
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
@@ -585,14 +602,20 @@ class EngineArgs:
             nnodes, node_rank = world, envs.RANK or 0
         check_layers(model_config.num_layers, self.pipeline_parallel_size)
         port = self.master_port if self.master_port is not None else envs.MASTER_PORT
+        backend = "ray" if self.distributed_executor_backend == "ray" else "mp"
+        if backend == "ray":
+            from pagedllm.worker.executor.ray import import_ray  # Ray itself is an optional extra
+            import_ray()  # refused here, with the install hint, when Ray is missing
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, nnodes, node_rank,
-                              self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0)
+                              self.master_addr or envs.MASTER_ADDR or "127.0.0.1", port or 0, backend)
 
     def _check_offload_layout(self) -> None:
         # each pipeline stage would hold its own layers' share of a block, and the tiers agree on
         # a load's outcome only within a tensor-parallel group: not wired across stages yet
-        if self.pipeline_parallel_size > 1 and (self.kv_offload_cpu_gb or self.kv_offload_dir):
+        if self.pipeline_parallel_size > 1 and (self.kv_offload_cpu_gb or self.kv_offload_dir
+                                                or self.kv_offload_remote):
             raise ValueError(f"kv_offload_cpu_gb={self.kv_offload_cpu_gb!r} / kv_offload_dir={self.kv_offload_dir!r} "
+                             f"/ kv_offload_remote={self.kv_offload_remote!r} "
                              f"cannot be combined with pipeline_parallel_size={self.pipeline_parallel_size}: the KV "
                              "tiers work with pipeline_parallel_size=1 only")
 

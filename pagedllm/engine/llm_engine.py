@@ -22,7 +22,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import SampledTokens, Scheduler
 from pagedllm.engine.scheduler_output import SchedulerOutput
-from pagedllm.kv_cache.offload.setup import build_offload_manager
+from pagedllm.kv_cache.offload.setup import build_offload_manager, tiers_enabled
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
@@ -604,8 +604,13 @@ class LLMEngine:
         return True
 
     def flush_kv_tiers(self) -> None:
-        """Returns once every KV block queued for the disk tier is on disk, on every rank (evicted
-        blocks are written in the background; until then a lookup misses them)."""
+        """Returns once every KV block queued for the disk or remote tier is there, on every rank (evicted
+        blocks are written in the background; until then a lookup misses them). Moves the scheduler
+        queued since the last step (e.g. finished requests' blocks bound for the remote tier) are
+        carried out first."""
+        moves = self.scheduler.kv.take_tier_moves()
+        if moves:
+            self.executor.persist_kv_tiers(moves)
         self.executor.sync_kv_tiers()
 
     # ------------------------------------------------------------------ sleep mode, RPC, profiling
@@ -708,9 +713,9 @@ def _check_sleep_mode_fits(config: EngineConfig) -> None:
     points into them is refused."""
     if not config.model.enable_sleep_mode:
         return
-    if config.cache.kv_offload_cpu_bytes or config.cache.kv_offload_dir is not None:
+    if tiers_enabled(config.cache):
         raise ValueError("enable_sleep_mode=True cannot be combined with KV tiers (kv_offload_cpu_gb, "
-                         "kv_offload_dir): their copies point into the pool that sleep frees")
+                         "kv_offload_dir, kv_offload_remote): their copies point into the pool that sleep frees")
     if config.speculative is not None:
         raise ValueError("enable_sleep_mode=True cannot be combined with speculative_config: the draft model's "
                          "weights and pool do not sleep")

@@ -77,10 +77,13 @@ class BlockPool:
 
     ``changed``: None, or (while the dashboard listens, ``kv_cache/events.py``) the set that every
     block whose reference count or hash changes is added to.
+    ``on_release(block_id, block_hash)``, when set, is called as a cached block's last reference
+    goes (its K/V computed, the block still cached): the remote tier publishes it then.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 on_evict: Callable[[int, bytes], None] | None = None):
+                 on_evict: Callable[[int, bytes], None] | None = None,
+                 on_release: Callable[[int, bytes], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
@@ -90,6 +93,7 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding those tokens
         self.on_evict = on_evict
         self.changed: set[int] | None = None
+        self.on_release = on_release
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,6 +139,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.on_release is not None and block.block_hash is not None:
+                    self.on_release(block.block_id, block.block_hash)
             if changed is not None:
                 changed.add(block.block_id)
 

@@ -46,7 +46,8 @@ class KVCacheManager:
                  offload: OffloadManager | None = None):
         self.block_size = block_size
         self.offload = offload if enable_caching else None
-        self.pool = BlockPool(num_blocks, enable_caching, self.offload.on_evict if self.offload else None)
+        self.pool = BlockPool(num_blocks, enable_caching, self.offload.on_evict if self.offload else None,
+                              self.offload.on_release if self.offload and self.offload.remote_tiers else None)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> its CPU blocks
         self.tables: dict[str, list[KVBlock]] = {}
@@ -245,6 +246,10 @@ class KVCacheManager:
             return None
         free_cached = [(b.block_id, h) for h, b in self.pool.cached.items() if b.ref_cnt == 0]
         return self.offload.persist_ops(free_cached)
+
+    def take_tier_moves(self) -> TierOps | None:
+        """The tier moves (no loads) accumulated since the last step, for a flush between steps."""
+        return self.offload.take_moves() if self.offload is not None else None
 
     def take_tier_ops(self) -> TierOps | None:
         """The tier moves and loads of this step (None without tiers)."""

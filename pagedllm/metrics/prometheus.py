@@ -84,7 +84,8 @@ _HELP = {
     "pagedllm:kv_offload_bytes": "KV bytes moved into (store) or out of (load) an offload tier.",
     "pagedllm:kv_offload_loads": "Requests that loaded KV blocks from an offload tier.",
     "pagedllm:kv_offload_load_seconds": "Seconds spent loading KV blocks from an offload tier.",
-    "pagedllm:kv_offload_errors": "Failed filesystem calls of an offload tier (each a miss), by tier and operation.",
+    "pagedllm:kv_offload_errors": "Failed filesystem (disk) or network (remote) calls of an offload tier "
+                                  "(each a miss), by tier and operation.",
     "pagedllm:kv_offload_disabled": "1 once an offload tier was turned off for failing, by tier.",
     "pagedllm:spec_decode_num_drafts": "Speculative runs verified (one per request per step).",
     "pagedllm:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",

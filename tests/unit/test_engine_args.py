@@ -21,7 +21,7 @@ from pagedllm.config import (
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
 )
-from pagedllm.engine.arg_utils import CONVERTS, EngineArgs, add_engine_args, cli_option
+from pagedllm.engine.arg_utils import CONVERTS, EXECUTOR_BACKENDS, EngineArgs, add_engine_args, cli_option
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.layers import quantization
 from pagedllm.layers.ops import FUSED_OPS
@@ -33,7 +33,7 @@ CHOICES = {
     "kv_cache_dtype": tuple(KV_CACHE_DTYPES), "attention_backend": selector.BACKENDS,
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
     "runner": ("auto", *RUNNERS), "convert": CONVERTS, "load_format": LOAD_FORMATS,
-    "kv_offloading_backend": ("native",), "lora_dtype": LORA_DTYPES,
+    "kv_offloading_backend": ("native",), "lora_dtype": LORA_DTYPES, "distributed_executor_backend": EXECUTOR_BACKENDS,
 }
 CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
 # a value other than the default for every declared field (a new field must be added here, or to
@@ -57,6 +57,7 @@ NON_DEFAULT = {
     "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
     "allowed_local_media_path": "/tmp", "allowed_media_domains": ["example.com"],
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
+    "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600,
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
@@ -65,12 +66,14 @@ SEPARATELY_TESTED = {
     "revision": "main", "tokenizer_revision": "main", "download_dir": "/tmp/hf-downloads", "hf_token": "hf_x",
     "hf_overrides": {"rms_norm_eps": 1e-3}, "spec_method": "ngram", "spec_model": "org/draft", "spec_tokens": 3,
     "enable_chunked_prefill": True, "kv_offloading_backend": "native",
+    "distributed_executor_backend": "ray",  # needs Ray: tests/distributed/test_ray_executor.py
 }
 # a field whose effect shows only when another one is set
 NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disable_log_stats": False},
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
          "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
+         "kv_offload_remote_ttl": {"kv_offload_remote": "redis://127.0.0.1:6379/0"},
          "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"},
          **{name: {"enable_lora": True} for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")}}
 
@@ -171,6 +174,9 @@ def test_every_field_changes_the_engine_config(llama_dir, config_values, samplin
     ({"kv_offload_dir": "/tmp/x", "kv_offload_disk_gb": 0}, "kv_offload_disk_gb"),
     ({"kv_offload_cpu_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
     ({"kv_offload_cpu_gb": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"kv_offload_remote": "redis://h:1/0", "pipeline_parallel_size": 2}, "kv_offload_remote='redis://h:1/0'"),
+    ({"kv_offload_remote": "memcached://h:1"}, "kv_offload_remote='memcached://h:1'"),
+    ({"kv_offload_remote_ttl": 60}, "kv_offload_remote_ttl_s=60"),
     ({"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "kv_offload_dir": "/tmp/x"}, "calculate_kv_scales"),
 ])
 def test_bad_values_are_refused_naming_the_parameter(llama_dir, kwargs, word):

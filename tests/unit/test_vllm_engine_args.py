@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def test_a_value_for_a_missing_feature_is_refused_naming_it(llama_dir, name):
     ({"fully_sharded_loras": True}, "fully_sharded_loras=True is not supported: the shrink is not sharded"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False"),
     ({"load_format": "pt"}, "load_format='pt'"),
-    ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
+    ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend='external_launcher'"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "distributed_executor_backend='uni'"),
     ({"task": "transcription"}, "task='transcription'"),
     ({"convert": "classify"}, "convert='classify'"),
@@ -262,3 +263,9 @@ def test_table_regenerates_from_the_wheel_sources(tmp_path):
     assert table["args"]["seed"]["status"] == "honoured" and table["args"]["seed"]["llm_default"] == 1
     assert table["args"]["task"] == TABLE["task"]  # kept from older vLLM
     json.dumps(table)
+
+
+def test_ray_backend_without_ray_is_refused_with_the_install_hint(llama_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ValueError, match=r"'ray' needs Ray: pip install 'pagedllm\[ray\]'"):
+        EngineArgs(model=llama_dir, distributed_executor_backend="ray", tensor_parallel_size=2).create_engine_config()

@@ -45,10 +45,11 @@ class ReplicaPlan:
     num_threads: int | None
     device: str
     gpu_memory_utilization: float
+    host: str = "127.0.0.1"  # where the router reaches it (a Ray replica: its node's address)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class ReplicaStartupError(RuntimeError):
@@ -59,6 +60,9 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data parallel")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas on this host behind one router (each on its own internal port)")
+    g.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                   help="how the replicas run: mp (processes on this host) or ray (Ray actors on the reachable "
+                        "Ray cluster, or a local one; restarted by Ray when they die; pip install 'pagedllm[ray]')")
     g.add_argument("--data-parallel-startup-timeout", type=float, default=600.0,
                    help="seconds the replicas may take to load the model and pass GET /health")
     add_routing_args(parser, "data-parallel routing (with --data-parallel-size > 1)")
@@ -69,9 +73,14 @@ def wants_data_parallel(args: argparse.Namespace) -> bool:
     given to a single replica (a single replica is served directly: they would be ignored)."""
     size = args.data_parallel_size
     check_int("data_parallel_size", size, 1)
+    if getattr(args, "data_parallel_backend", "mp") == "ray":
+        from pagedllm.worker.executor.ray import import_ray
+        import_ray()  # ValueError with the install hint when Ray is missing
     if size == 1:
         given = [f"--{name.replace('_', '-')}" for name, default in ROUTING_DEFAULTS.items()
                  if getattr(args, name) != default]
+        if getattr(args, "data_parallel_backend", "mp") != "mp":
+            given.append("--data-parallel-backend")
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --data-parallel-size > 1 (got 1)")
     return size > 1
@@ -121,7 +130,7 @@ def replica_args(args: argparse.Namespace, plan: ReplicaPlan) -> argparse.Namesp
     """The flags of one replica: the parent's, on its internal port, threads, device and share."""
     values = vars(args) | {"host": "127.0.0.1", "port": plan.port, "num_threads": plan.num_threads,
                            "device": plan.device, "gpu_memory_utilization": plan.gpu_memory_utilization,
-                           "data_parallel_size": 1}
+                           "data_parallel_size": 1, "data_parallel_backend": "mp"}
     return argparse.Namespace(**(values | ROUTING_DEFAULTS))
 
 
@@ -199,8 +208,14 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
     from pagedllm.engine.arg_utils import engine_args_from_cli
     config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, before N processes start
     plans = plan_replicas(args, config)
+    started_ray = False
+    if args.data_parallel_backend == "ray":
+        from .ray_replicas import start_ray_replicas
+        processes, plans, started_ray = start_ray_replicas(serve, plans, [replica_args(args, p) for p in plans],
+                                                           args.data_parallel_startup_timeout)
+    else:
+        processes = start_replicas(serve, args, plans)
     router_config = router_config_of(args, config, plans)
-    processes = start_replicas(serve, args, plans)
     try:
         wait_healthy(plans, processes, args.data_parallel_startup_timeout)
         logger.warning("data parallel: %d replicas at %s", len(plans), ", ".join(p.url for p in plans))
@@ -210,6 +225,9 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
         return 1
     finally:
         stop_replicas(processes, args.shutdown_timeout)
+        if started_ray:
+            import ray
+            ray.shutdown()
     return 0
 
 

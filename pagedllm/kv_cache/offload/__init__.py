@@ -18,6 +18,10 @@ Device pool -> CPU tier -> disk tier, each with its own LRU and capacity::
     prefix walk: device pool | CPU tier | disk tier, block by block, stopping at the first miss
         -> hits load into freshly allocated device blocks; the request waits one step
 
+Below those, optionally, a remote tier (``remote_tier.py``): the same entries in a Redis/Valkey
+server shared by replicas; a block is published there when its last request lets it go (and on
+eviction), and the prefix walk ends there: device | CPU | disk | remote.
+
 The preemption swap pool (``swap.py``) stays separate from the CPU tier: swapped blocks belong
 to one preempted request and must come back, so they can never be evicted, while tier entries
 are a cache that any eviction may drop. Merged, a burst of evictions could fill the space a

@@ -137,10 +137,7 @@ class DiskTier:
 
     def encode(self, block_hash: bytes, tensor: torch.Tensor) -> bytes:
         """The whole file for one block: header, CRC, payload."""
-        payload = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        head = self.encode_header(block_hash, tuple(tensor.shape), tensor.dtype)
-        crc = zlib.crc32(payload, zlib.crc32(head))
-        return head + struct.pack("<I", crc) + payload
+        return encode_block(self.fingerprint, block_hash, tensor)
 
     # ------------------------------------------------------------------ read
     def read(self, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -158,31 +155,16 @@ class DiskTier:
             self._bad.add(path.name)
             return None
         self.health.ok("read")
-        reason = self._check(data, block_hash, shape, dtype)
-        if reason is not None:
-            self._discard(path, reason)
+        block = decode_block(self.fingerprint, data, block_hash, shape, dtype)
+        if isinstance(block, str):
+            self._discard(path, block)
             return None
         self._call("touch", path, self.fs.touch, path)
-        payload = bytearray(data[len(data) - _payload_size(shape, dtype):])
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # [*shape]
-
-    def _check(self, data: bytes, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
-        expected = self.encode_header(block_hash, shape, dtype)
-        if len(data) != len(expected) + 4 + _payload_size(shape, dtype):
-            return f"size {len(data)} != {len(expected) + 4 + _payload_size(shape, dtype)} (torn or another layout)"
-        if data[:len(expected)] != expected:
-            return "header does not match this fingerprint / block hash / layout"
-        (crc,) = struct.unpack_from("<I", data, len(expected))
-        if zlib.crc32(data[len(expected) + 4:], zlib.crc32(expected)) != crc:
-            return "checksum mismatch (corrupt)"
-        return None
+        return block
 
     def encode_header(self, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
         """The header (up to the CRC) a valid file for this block starts with."""
-        dt = dtype_name(dtype).encode()
-        return (MAGIC + struct.pack("<I", VERSION) + self.fingerprint + struct.pack("<H", len(block_hash))
-                + block_hash + struct.pack("<B", len(dt)) + dt + struct.pack("<B", len(shape))
-                + struct.pack(f"<{len(shape)}I", *shape) + struct.pack("<Q", _payload_size(shape, dtype)))
+        return encode_header(self.fingerprint, block_hash, shape, dtype)
 
     def _discard(self, path: Path, reason: str) -> None:
         if path.name not in self._reported:
@@ -245,3 +227,37 @@ def _payload_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# ---------------------------------------------------------------------- the format (disk and remote tiers)
+def encode_header(fingerprint: bytes, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The header (up to the CRC) a valid entry for this block starts with."""
+    dt = dtype_name(dtype).encode()
+    return (MAGIC + struct.pack("<I", VERSION) + fingerprint + struct.pack("<H", len(block_hash))
+            + block_hash + struct.pack("<B", len(dt)) + dt + struct.pack("<B", len(shape))
+            + struct.pack(f"<{len(shape)}I", *shape) + struct.pack("<Q", _payload_size(shape, dtype)))
+
+
+def encode_block(fingerprint: bytes, block_hash: bytes, tensor: torch.Tensor) -> bytes:
+    """One block's whole entry: header, CRC (of header and payload), payload (the raw tensor bytes)."""
+    payload = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    head = encode_header(fingerprint, block_hash, tuple(tensor.shape), tensor.dtype)
+    crc = zlib.crc32(payload, zlib.crc32(head))
+    return head + struct.pack("<I", crc) + payload
+
+
+def decode_block(fingerprint: bytes, data: bytes, block_hash: bytes, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor | str:
+    """The block ``[*shape]`` an entry holds, or why it is not a valid entry for this fingerprint,
+    block hash and layout (torn, corrupt, another model's or layout's)."""
+    expected = encode_header(fingerprint, block_hash, shape, dtype)
+    size = len(expected) + 4 + _payload_size(shape, dtype)
+    if len(data) != size:
+        return f"size {len(data)} != {size} (torn or another layout)"
+    if data[:len(expected)] != expected:
+        return "header does not match this fingerprint / block hash / layout"
+    (crc,) = struct.unpack_from("<I", data, len(expected))
+    if zlib.crc32(memoryview(data)[len(expected) + 4:], zlib.crc32(expected)) != crc:
+        return "checksum mismatch (corrupt)"
+    payload = bytearray(data[len(data) - _payload_size(shape, dtype):])
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # [*shape]

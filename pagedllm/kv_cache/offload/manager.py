@@ -8,6 +8,10 @@ so without them on disk a restart would lose every prefix whole. A CPU-tier entr
 it goes to disk only if its write did not land (e.g. the budget was full then); at shutdown,
 :meth:`persist_ops` writes what the device pool and the CPU tier still hold.
 
+With a remote tier (a Redis server shared by replicas), every evicted block is also written
+there, and so is every cached block whose last request lets it go (:meth:`on_release`): the
+other replicas find a prefix as soon as one replica has computed it.
+
 The KV manager calls :meth:`lookup` block by block past the device pool's hits and
 :meth:`add_load` for a request's hits; :meth:`take_ops` hands the step's moves and loads to the
 scheduler output, and :meth:`finish_load` settles a load with what the ranks reported.
@@ -25,15 +29,17 @@ from dataclasses import dataclass, field
 from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.ops import (
-    CPU_TO_DISK,
+    BELOW_CPU,
     DEVICE_TO_CPU,
-    DEVICE_TO_DISK,
     TIER_CPU,
     TIER_DISK,
+    TIER_REMOTE,
+    TO_TIER,
     LoadJob,
     LoadReport,
     TierOps,
 )
+from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, RemoteTier
 from pagedllm.kv_cache.offload.tier_fs import OPS
 
 
@@ -56,48 +62,64 @@ class TierStats:
 
 
 class OffloadManager:
-    """The CPU tier's index and the disk tier's presence checks for one engine (every rank).
+    """The CPU tier's index and the disk and remote tiers' presence checks for one engine (every rank).
 
     ``disk_tiers`` holds one :class:`DiskTier` per tensor-parallel rank (each with its rank's
-    fingerprint): a block counts as on disk only when every rank's file is there.
+    fingerprint), ``remote_tiers`` one :class:`RemoteTier` per rank: a block counts as in such a
+    tier only when every rank's entry is there.
     """
 
-    def __init__(self, num_cpu_slots: int, disk_tiers: list[DiskTier], block_bytes: int):
+    def __init__(self, num_cpu_slots: int, disk_tiers: list[DiskTier], block_bytes: int,
+                 remote_tiers: list[RemoteTier] | None = None):
         self.cpu = CpuTierIndex(num_cpu_slots)
         self.disk_tiers = disk_tiers
+        self.remote_tiers = remote_tiers or []
         self.block_bytes = block_bytes
-        self.stats = {TIER_CPU: TierStats(), TIER_DISK: TierStats()}
+        self.stats = {TIER_CPU: TierStats(), TIER_DISK: TierStats(), TIER_REMOTE: TierStats()}
         self._ops = TierOps()
         self._jobs: dict[str, LoadJob] = {}
         self._in_flight: set[bytes] = set()  # hashes some request is loading this step
-        # hashes this engine queued for disk or found there: spares the filesystem checks on every
-        # rank per evicted block and per lookup; a file deleted since (budget, another engine) is
-        # a load miss, which drops its hash
-        self._disk_known: set[bytes] = set()
-        # hashes with a disk write in the ops not yet taken: a block written through and evicted
-        # from the CPU tier in the same run of evictions needs no second (CPU -> disk) write
-        self._disk_queued: set[bytes] = set()
-        self.disk_disabled_reason: str | None = None
+        self._stores = {TIER_DISK: self.disk_tiers, TIER_REMOTE: self.remote_tiers}
+        # per tier below the CPU: hashes this engine queued for it or found there: spares the
+        # checks on every rank per evicted block and per lookup; an entry deleted since (budget,
+        # another engine, Redis' eviction) is a load miss, which drops its hash
+        self._known: dict[str, set[bytes]] = {t: set() for t in BELOW_CPU}
+        # hashes with a write in the ops not yet taken: a block written through and evicted
+        # from the CPU tier in the same run of evictions needs no second (CPU -> tier) write
+        self._queued: dict[str, set[bytes]] = {t: set() for t in BELOW_CPU}
+        self.disabled_reason: dict[str, str] = {}
 
     @property
     def has_disk(self) -> bool:
-        """A disk tier is configured and still on (see :meth:`disable_disk`)."""
-        if not self.disk_tiers or self.disk_disabled_reason is not None:
+        """A disk tier is configured and still on (see :meth:`disable`)."""
+        return self.has(TIER_DISK)
+
+    @property
+    def disk_disabled_reason(self) -> str | None:
+        return self.disabled_reason.get(TIER_DISK)
+
+    def has(self, tier: str) -> bool:
+        """Tier ``tier`` (disk or remote) is configured and still on."""
+        stores = self._stores[tier]
+        if not stores or tier in self.disabled_reason:
             return False
-        failed = next((t for t in self.disk_tiers if t.disabled), None)
+        failed = next((t for t in stores if t.disabled), None)
         if failed is not None:  # this side's presence checks kept failing
-            self.disable_disk(failed.health.disabled_reason)
+            self.disable(tier, failed.health.disabled_reason)
             return False
         return True
 
+    def disable(self, tier: str, reason: str) -> None:
+        """Turns tier ``tier`` (disk or remote) off for this engine: lookups miss it and no block
+        goes there any more (loads already asked for fail on the ranks and count as misses)."""
+        if tier not in self.disabled_reason and self._stores[tier]:
+            self.disabled_reason[tier] = reason
+            self.stats[tier].disabled = 1
+            self._known[tier].clear()
+            self._queued[tier].clear()
+
     def disable_disk(self, reason: str) -> None:
-        """Turns the disk tier off for this engine: lookups miss it and no block goes there any more
-        (loads already asked for fail on the ranks and count as misses)."""
-        if self.disk_disabled_reason is None and self.disk_tiers:
-            self.disk_disabled_reason = reason
-            self.stats[TIER_DISK].disabled = 1
-            self._disk_known.clear()
-            self._disk_queued.clear()
+        self.disable(TIER_DISK, reason)
 
     # ------------------------------------------------------------------ eviction
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
@@ -107,28 +129,38 @@ class OffloadManager:
             return
         if self.cpu.num_slots:
             self._store_cpu(block_id, block_hash)
-        if self.has_disk and block_hash not in self._disk_known:  # write-through: what the CPU
-            self._store_disk(DEVICE_TO_DISK, block_id, block_hash)  # tier holds at shutdown survives too
+        for tier in BELOW_CPU:  # write-through: what the CPU tier holds at shutdown survives too,
+            if self.has(tier) and block_hash not in self._known[tier]:  # and other engines see it now
+                self._store(tier, TO_TIER[tier][0], block_id, block_hash)
+
+    def on_release(self, block_id: int, block_hash: bytes) -> None:
+        """The last request holding cached ``block_id`` let it go (its K/V computed): publish it to
+        the remote tier now, for the other replicas (the block stays cached here; the move is
+        applied before any later write into it)."""
+        if self.has(TIER_REMOTE) and block_hash not in self._known[TIER_REMOTE]:
+            self._store(TIER_REMOTE, TO_TIER[TIER_REMOTE][0], block_id, block_hash)
 
     def _store_cpu(self, block_id: int, block_hash: bytes) -> None:
         placed = self.cpu.insert(block_hash)
-        if placed is None:  # every slot is being loaded from: only the disk tier (if any) keeps it
+        if placed is None:  # every slot is being loaded from: only the tiers below (if any) keep it
             return
         slot, evicted = placed
-        if evicted is not None and self._needs_spill(evicted[0]):
-            self._store_disk(CPU_TO_DISK, evicted[1], evicted[0])  # its write-through did not land
+        if evicted is not None:
+            for tier in BELOW_CPU:
+                if self._needs_spill(tier, evicted[0]):
+                    self._store(tier, TO_TIER[tier][1], evicted[1], evicted[0])  # its write-through did not land
         self._ops.moves.append((DEVICE_TO_CPU, block_id, slot))
         self._count_store(TIER_CPU)
 
-    def _needs_spill(self, block_hash: bytes) -> bool:
-        """A block leaving the CPU tier goes to disk unless its write is queued this step or landed."""
-        return self.has_disk and block_hash not in self._disk_queued and not self._on_disk_now(block_hash)
+    def _needs_spill(self, tier: str, block_hash: bytes) -> bool:
+        """A block leaving the CPU tier goes to ``tier`` unless its write is queued this step or landed."""
+        return self.has(tier) and block_hash not in self._queued[tier] and not self._in_tier_now(tier, block_hash)
 
-    def _store_disk(self, kind: str, source: int, block_hash: bytes) -> None:
+    def _store(self, tier: str, kind: str, source: int, block_hash: bytes) -> None:
         self._ops.moves.append((kind, source, block_hash))
-        self._disk_known.add(block_hash)
-        self._disk_queued.add(block_hash)
-        self._count_store(TIER_DISK)
+        self._known[tier].add(block_hash)
+        self._queued[tier].add(block_hash)
+        self._count_store(tier)
 
     def _count_store(self, tier: str) -> None:
         s = self.stats[tier]
@@ -136,20 +168,23 @@ class OffloadManager:
         s.bytes_stored += self.block_bytes
 
     # ------------------------------------------------------------------ lookup and loads
-    def on_disk(self, block_hash: bytes) -> bool:
-        """Queued for disk by this engine, or (checked once, then remembered) on every rank's disk."""
-        if not self.has_disk:
+    def in_tier(self, tier: str, block_hash: bytes) -> bool:
+        """Queued for ``tier`` by this engine, or (checked once, then remembered) there on every rank."""
+        if not self.has(tier):
             return False
-        if block_hash in self._disk_known:
+        if block_hash in self._known[tier]:
             return True
-        if self._on_disk_now(block_hash):
-            self._disk_known.add(block_hash)
+        if self._in_tier_now(tier, block_hash):
+            self._known[tier].add(block_hash)
             return True
         return False
 
-    def _on_disk_now(self, block_hash: bytes) -> bool:
-        """Every rank's file is there now (a filesystem check per rank; a failed check is a miss)."""
-        return self.has_disk and all(t.contains(block_hash) for t in self.disk_tiers)
+    def on_disk(self, block_hash: bytes) -> bool:
+        return self.in_tier(TIER_DISK, block_hash)
+
+    def _in_tier_now(self, tier: str, block_hash: bytes) -> bool:
+        """Every rank's entry is there now (a check per rank; a failed check is a miss)."""
+        return self.has(tier) and all(t.contains(block_hash) for t in self._stores[tier])
 
     def lookup(self, block_hash: bytes, misses: dict[str, int]) -> tuple[str, int] | None:
         """``(tier, CPU slot or -1)`` holding the block, or None; adds the tiers it missed in to
@@ -160,10 +195,11 @@ class OffloadManager:
             return TIER_CPU, slot
         if self.cpu.num_slots:
             misses[TIER_CPU] = misses.get(TIER_CPU, 0) + 1
-        if self.on_disk(block_hash):
-            return TIER_DISK, -1
-        if self.has_disk:
-            misses[TIER_DISK] = misses.get(TIER_DISK, 0) + 1
+        for tier in BELOW_CPU:
+            if self.in_tier(tier, block_hash):
+                return tier, -1
+            if self.has(tier):
+                misses[tier] = misses.get(tier, 0) + 1
         return None
 
     def count_misses(self, misses: dict[str, int]) -> None:
@@ -187,8 +223,17 @@ class OffloadManager:
     def take_ops(self) -> TierOps:
         """The moves and loads accumulated since the last call."""
         ops, self._ops = self._ops, TierOps()
-        self._disk_queued.clear()
+        for queued in self._queued.values():
+            queued.clear()
         return ops
+
+    def take_moves(self) -> TierOps:
+        """The moves accumulated since the last call, the loads left for the next step (to flush
+        the tiers between steps)."""
+        moves, self._ops.moves = self._ops.moves, []
+        for queued in self._queued.values():
+            queued.clear()
+        return TierOps(moves=moves)
 
     def finish_load(self, request_id: str, num_ok: int) -> LoadJob:
         """Settles a load: unpins its CPU slots, counts hits (the first ``num_ok`` items) and the
@@ -206,8 +251,8 @@ class OffloadManager:
         if num_ok < len(job.items):
             failed = job.items[num_ok]
             self.stats[failed.tier].misses += 1
-            if failed.tier == TIER_DISK:
-                self._disk_known.discard(failed.block_hash)  # deleted or damaged since
+            if failed.tier in BELOW_CPU:
+                self._known[failed.tier].discard(failed.block_hash)  # deleted, evicted or damaged since
         return job
 
     def note_report(self, report: LoadReport) -> None:
@@ -217,39 +262,47 @@ class OffloadManager:
             self.stats[tier].load_seconds += s
         for tier, ops in report.errors.items():
             self.stats[tier].errors.update(ops)
-        if TIER_DISK in report.disabled:
-            self.disable_disk(report.disabled[TIER_DISK])
+        for tier, reason in report.disabled.items():
+            if tier in BELOW_CPU:
+                self.disable(tier, reason)
 
     @property
     def num_loads_in_flight(self) -> int:
         return len(self._jobs)
 
     def persist_ops(self, device_blocks: list[tuple[int, bytes]]) -> TierOps:
-        """At shutdown: disk writes for the given cached device blocks ``(block id, hash)`` and the
-        CPU tier's entries that are not on disk yet, so a restart finds every prefix it can."""
+        """At shutdown: disk (and remote) writes for the given cached device blocks ``(block id, hash)``
+        and the CPU tier's entries that are not there yet, so a restart finds every prefix it can."""
         ops = TierOps()
-        if self.has_disk:
-            ops.moves += [(DEVICE_TO_DISK, b, h) for b, h in device_blocks if not self._on_disk_now(h)]
-            ops.moves += [(CPU_TO_DISK, s, h) for h, s in self.cpu.entries.items() if not self._on_disk_now(h)]
+        for tier in BELOW_CPU:
+            if self.has(tier):
+                from_device, from_cpu = TO_TIER[tier]
+                ops.moves += [(from_device, b, h) for b, h in device_blocks if not self._in_tier_now(tier, h)]
+                ops.moves += [(from_cpu, s, h) for h, s in self.cpu.entries.items() if not self._in_tier_now(tier, h)]
         return ops
 
     # ------------------------------------------------------------------ reset and stats
     def reset(self) -> None:
         """Forgets the CPU tier (only with no load in flight); the disk tier is cleared by the ranks."""
         self.cpu.clear()
-        self._disk_known.clear()  # the ranks may clear the disk tier; lookups re-seed it
+        for known in self._known.values():
+            known.clear()  # the ranks may clear the disk tier; lookups re-seed it
 
     def snapshot(self) -> dict[str, dict]:
         """Per tier, its counters (:class:`TierStats`) and ``errors``, ``{op: failed calls}`` (the
         ranks' and this side's)."""
-        out = {tier: s.as_dict() for tier, s in self.stats.items()}
+        out = {tier: s.as_dict() for tier, s in self.stats.items() if tier == TIER_CPU or self._stores[tier]}
         out[TIER_CPU].update(num_blocks=self.cpu.num_slots, num_used_blocks=len(self.cpu))
-        disk_errors = Counter(dict.fromkeys(OPS, 0) if self.disk_tiers else {})  # every op's series from 0
-        disk_errors.update(self.stats[TIER_DISK].errors)
-        for t in self.disk_tiers:
-            disk_errors.update(t.health.errors)
         out[TIER_CPU]["errors"] = dict(self.stats[TIER_CPU].errors)
-        out[TIER_DISK]["errors"] = dict(disk_errors)
+        out[TIER_DISK] = out.get(TIER_DISK, self.stats[TIER_DISK].as_dict())  # always reported, as before
+        for tier, ops in ((TIER_DISK, OPS), (TIER_REMOTE, REMOTE_OPS)):
+            if tier not in out:
+                continue
+            errors = Counter(dict.fromkeys(ops, 0) if self._stores[tier] else {})  # every op's series from 0
+            errors.update(self.stats[tier].errors)
+            for t in self._stores[tier]:
+                errors.update(t.health.errors)
+            out[tier]["errors"] = dict(errors)
         return out
 
     def check_integrity(self) -> None:

@@ -13,23 +13,29 @@ from dataclasses import dataclass, field
 DEVICE_TO_CPU = "d2c"  # (device block id, CPU slot)
 CPU_TO_DISK = "c2disk"  # (CPU slot, block hash)
 DEVICE_TO_DISK = "d2disk"  # (device block id, block hash): no CPU tier
+CPU_TO_REMOTE = "c2remote"  # (CPU slot, block hash)
+DEVICE_TO_REMOTE = "d2remote"  # (device block id, block hash)
 
-TIER_CPU, TIER_DISK = "cpu", "disk"
+TIER_CPU, TIER_DISK, TIER_REMOTE = "cpu", "disk", "remote"
+BELOW_CPU = (TIER_DISK, TIER_REMOTE)  # the tiers that hold blocks by hash (one store per rank), in lookup order
+TO_TIER = {TIER_DISK: (DEVICE_TO_DISK, CPU_TO_DISK), TIER_REMOTE: (DEVICE_TO_REMOTE, CPU_TO_REMOTE)}
+WRITE_TARGET = {DEVICE_TO_DISK: TIER_DISK, CPU_TO_DISK: TIER_DISK,
+                DEVICE_TO_REMOTE: TIER_REMOTE, CPU_TO_REMOTE: TIER_REMOTE}
 
 
 @dataclass(frozen=True)
 class LoadItem:
-    """One block of a load: from a CPU slot or from the disk file of ``block_hash``."""
+    """One block of a load: from a CPU slot or from the disk file (remote value) of ``block_hash``."""
 
     device_block: int
-    tier: str  # TIER_CPU or TIER_DISK
+    tier: str  # TIER_CPU, TIER_DISK or TIER_REMOTE
     block_hash: bytes
     cpu_slot: int = -1  # TIER_CPU only
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """The tier hits of one request, in block-table order; disk reads are batched per job."""
+    """The tier hits of one request, in block-table order; disk and remote reads are batched per job."""
 
     request_id: str
     items: tuple[LoadItem, ...]

@@ -25,19 +25,25 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
 from pagedllm.kv_cache.offload.ops import (
+    BELOW_CPU,
     CPU_TO_DISK,
+    CPU_TO_REMOTE,
     DEVICE_TO_CPU,
     TIER_CPU,
     TIER_DISK,
+    TIER_REMOTE,
+    WRITE_TARGET,
     LoadJob,
     LoadReport,
     TierOps,
 )
+from pagedllm.kv_cache.offload.remote_tier import RemoteTier
 from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
 
 
 class TierStore:
-    """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA) and a disk tier.
+    """Holds this rank's evicted blocks: ``num_slots`` in CPU memory (pinned on CUDA), a disk tier
+    and a remote tier (each optional).
 
     ``kv`` is the device pool ``[num_layers, num_tensors, num_blocks, num_kv_heads, block_size, head_size]``
     (kv_cache/spec.py; ``num_tensors`` is 2 for K/V per head, 1 for an MLA latent); a block is
@@ -47,17 +53,21 @@ class TierStore:
     in it directly, with no host temporary (a copy into a strided host view goes through one).
     """
 
-    def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup):
+    def __init__(self, kv: torch.Tensor, num_slots: int, disk: DiskTier | None, tp: TensorParallelGroup,
+                 remote: RemoteTier | None = None):
         self.kv = kv
         self.block_shape = tuple(kv.shape[:2]) + tuple(kv.shape[3:])
         pin = kv.device.type == "cuda"
         self.cpu = torch.empty((num_slots, *self.block_shape), dtype=kv.dtype, pin_memory=pin) if num_slots else None
         self.disk = disk
+        self.remote = remote
         self.tp = tp
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-write") if disk else None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read") if disk else None
-        self._pending: list[tuple[LoadJob, Future | None]] = []
-        self._seconds = {TIER_CPU: 0.0, TIER_DISK: 0.0}
+        # per tier below the CPU, its own writer and reader: a slow network never holds up the disk
+        self.stores = {t: s for t, s in ((TIER_DISK, disk), (TIER_REMOTE, remote)) if s is not None}
+        self._writers = {t: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-{t}-write") for t in self.stores}
+        self._readers = {t: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-{t}-read") for t in self.stores}
+        self._pending: list[tuple[LoadJob, dict[str, Future]]] = []
+        self._seconds = {TIER_CPU: 0.0, **dict.fromkeys(BELOW_CPU, 0.0)}
 
     # ------------------------------------------------------------------ before the forward
     def apply(self, ops: TierOps) -> None:
@@ -78,7 +88,7 @@ class TierStore:
         run_slots: set[int] = set()  # run's CPU slots, for an O(1) reuse check
         from_cpu: list[tuple[int, int]] = []  # (write index, CPU slot) filled when the run lands
         from_device: list[tuple[int, int]] = []  # (write index, device block) filled after the loop
-        writes: list[list] = []  # [hash, block [num_layers, 2, heads, block_size, head_dim]]
+        writes: list[list] = []  # [tier, hash, block [num_layers, 2, heads, block_size, head_dim]]
 
         def flush() -> None:
             self._to_cpu(list(run.items()))
@@ -87,7 +97,7 @@ class TierStore:
             if from_cpu:
                 blocks = self.cpu[[slot for _, slot in from_cpu]]  # indexing copies
                 for k, (i, _) in enumerate(from_cpu):
-                    writes[i][1] = blocks[k]
+                    writes[i][2] = blocks[k]
                 from_cpu.clear()
 
         for kind, src, dst in moves:
@@ -96,11 +106,11 @@ class TierStore:
                     flush()
                 run[src] = dst
                 run_slots.add(dst)
-            elif kind == CPU_TO_DISK:
+            elif kind in (CPU_TO_DISK, CPU_TO_REMOTE):
                 flush()
-                writes.append([dst, self.cpu[src].clone()])
-            else:  # DEVICE_TO_DISK
-                writes.append([dst, None])
+                writes.append([WRITE_TARGET[kind], dst, self.cpu[src].clone()])
+            else:  # DEVICE_TO_DISK, DEVICE_TO_REMOTE
+                writes.append([WRITE_TARGET[kind], dst, None])
                 if src in run:
                     from_cpu.append((len(writes) - 1, run[src]))
                 else:
@@ -110,9 +120,11 @@ class TierStore:
             index = torch.tensor([b for _, b in from_device], device=self.kv.device)
             blocks = self.kv[:, :, index].to("cpu")
             for k, (i, _) in enumerate(from_device):
-                writes[i][1] = blocks[:, :, k]
-        if writes and not self.disk.disabled:
-            self._writer.submit(self._write, [(h, b) for h, b in writes])
+                writes[i][2] = blocks[:, :, k]
+        for tier, store in self.stores.items():
+            items = [(h, b) for t, h, b in writes if t == tier]
+            if items and not store.disabled:  # a full or vanished disk, an unreachable server: future
+                self._writers[tier].submit(store.write_many, items)  # hits lost (counted), never the engine
 
     def _to_cpu(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU slot) pairs: each block lands in its slot with no host temporary."""
@@ -139,83 +151,89 @@ class TierStore:
         dst = torch.tensor([b for _, b in pairs], device=self.kv.device)
         self.kv[:, :, dst] = blocks.movedim(0, 2)  # [num_layers, 2, n, heads, block_size, head_dim]
 
-    def _write(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
-        self.disk.write_many(items)  # a full or vanished disk costs future hits (counted), never the engine
-
     def _start_load(self, job: LoadJob) -> None:
         t0 = time.perf_counter()
         cpu = [(i.cpu_slot, i.device_block) for i in job.items if i.tier == TIER_CPU]
         if cpu:
             self._from_cpu(cpu)
         self._seconds[TIER_CPU] += time.perf_counter() - t0
-        disk = [i.block_hash for i in job.items if i.tier == TIER_DISK]
-        future = self._reader.submit(self._read, disk, time.perf_counter()) if disk else None
-        self._pending.append((job, future))
+        futures = {}
+        for tier in self.stores:
+            hashes = [i.block_hash for i in job.items if i.tier == tier]
+            if hashes:
+                futures[tier] = self._readers[tier].submit(self._read, tier, hashes, time.perf_counter())
+        self._pending.append((job, futures))
 
-    def _read(self, hashes: list[bytes], t0: float) -> tuple[list[torch.Tensor | None], float]:
-        blocks = [self.disk.read(h, self.block_shape, self.kv.dtype) for h in hashes]
+    def _read(self, tier: str, hashes: list[bytes], t0: float) -> tuple[list[torch.Tensor | None], float]:
+        if tier == TIER_REMOTE:  # the whole job in one round trip
+            blocks = self.remote.read_many(hashes, self.block_shape, self.kv.dtype)
+        else:
+            blocks = [self.disk.read(h, self.block_shape, self.kv.dtype) for h in hashes]
         return blocks, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ after the forward
     def collect(self) -> LoadReport:
-        """Waits for this step's disk reads, fills the device blocks, reports per request (and the
-        disk tier's failed calls since the last report)."""
-        counts = [self._finish(job, future) for job, future in self._pending]
+        """Waits for this step's disk and remote reads, fills the device blocks, reports per request
+        (and the tiers' failed calls since the last report)."""
+        counts = [self._finish(job, futures) for job, futures in self._pending]
         jobs = [job for job, _ in self._pending]
         self._pending = []
-        disabled = {TIER_DISK: self.disk.health.disabled_reason} if self.disk and self.disk.disabled else {}
-        counts, any_disabled = self._agree(counts, bool(disabled))
-        if any_disabled and not disabled:
-            disabled = {TIER_DISK: "disabled on another tensor-parallel rank"}
-        errors = self.disk.health.take_errors() if self.disk is not None else {}
-        seconds, self._seconds = self._seconds, {TIER_CPU: 0.0, TIER_DISK: 0.0}
-        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds,
-                          {TIER_DISK: errors} if errors else {}, disabled)
+        disabled = {t: s.health.disabled_reason for t, s in self.stores.items() if s.disabled}
+        counts, any_disabled = self._agree(counts, [t in disabled for t in BELOW_CPU])
+        for tier, flag in zip(BELOW_CPU, any_disabled):
+            if flag and tier not in disabled:
+                disabled[tier] = "disabled on another tensor-parallel rank"
+        errors = {t: e for t, s in self.stores.items() if (e := s.health.take_errors())}
+        seconds, self._seconds = self._seconds, {TIER_CPU: 0.0, **dict.fromkeys(BELOW_CPU, 0.0)}
+        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds, errors, disabled)
 
-    def _finish(self, job: LoadJob, future: Future | None) -> int:
+    def _finish(self, job: LoadJob, futures: dict[str, Future]) -> int:
         """Leading items of ``job`` that are now in their device blocks."""
-        blocks = iter(())
-        if future is not None:
+        blocks = {}
+        for tier, future in futures.items():
             read, seconds = future.result()
-            self._seconds[TIER_DISK] += seconds
-            blocks = iter(read)
+            self._seconds[tier] += seconds
+            blocks[tier] = iter(read)
         for n, item in enumerate(job.items):
-            if item.tier == TIER_DISK:
-                block = next(blocks)
+            if item.tier in BELOW_CPU:
+                block = next(blocks[item.tier])
                 if block is None:
                     return n
                 self.kv[:, :, item.device_block] = block.to(self.kv.device)
         return len(job.items)
 
-    def _agree(self, counts: list[int], disabled: bool) -> tuple[list[int], bool]:
-        """Every rank uses the smallest count any rank reached (a file may be bad on one rank only),
-        and learns whether any rank's disk tier is disabled (with loads only: no extra collective)."""
+    def _agree(self, counts: list[int], disabled: list[bool]) -> tuple[list[int], list[bool]]:
+        """Every rank uses the smallest count any rank reached (an entry may be bad on one rank only),
+        and learns, per tier below the CPU, whether any rank's is disabled (with loads only: no
+        extra collective)."""
         if self.tp.size == 1 or not counts:
             return counts, disabled
-        # the group only sums: rank r fills row r, the sum holds every rank's counts (and flag, last)
-        rows = torch.zeros(self.tp.size, len(counts) + 1, dtype=torch.int64, device=self.kv.device)  # [ranks, jobs+1]
-        rows[self.tp.rank] = torch.tensor([*counts, int(disabled)], dtype=torch.int64)
+        # the group only sums: rank r fills row r, the sum holds every rank's counts (and flags, last)
+        k = len(disabled)
+        rows = torch.zeros(self.tp.size, len(counts) + k, dtype=torch.int64, device=self.kv.device)  # [ranks, jobs+k]
+        rows[self.tp.rank] = torch.tensor([*counts, *map(int, disabled)], dtype=torch.int64)
         self.tp.all_reduce(rows)
-        return rows[:, :-1].min(dim=0).values.tolist(), bool(rows[:, -1].any())
+        return rows[:, :-k].min(dim=0).values.tolist(), [bool(f) for f in rows[:, -k:].any(dim=0).tolist()]
 
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:
-        """Waits for every queued disk write."""
-        if self._writer is not None:
-            self._writer.submit(lambda: None).result()
+        """Waits for every queued disk and remote write."""
+        for writer in self._writers.values():
+            writer.submit(lambda: None).result()
 
     def clear_disk(self) -> None:
-        """Deletes this rank's disk entries (after the queued writes land)."""
-        if self.disk is not None:
-            self.flush()
-            self.disk.clear()
+        """Deletes this rank's disk and remote entries (after the queued writes land)."""
+        self.flush()
+        for store in self.stores.values():
+            store.clear()
 
     def close(self) -> None:
-        """Stops the I/O threads after the queued writes."""
-        for pool in (self._reader, self._writer):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._reader = self._writer = None
+        """Stops the I/O threads after the queued writes (and closes the remote tier's connections)."""
+        for pool in (*self._readers.values(), *self._writers.values()):
+            pool.shutdown(wait=True)
+        self._readers, self._writers = {}, {}
+        if self.remote is not None:
+            self.remote.close()
 
 
 def consecutive_runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -237,8 +255,11 @@ def build_tier_store(config: EngineConfig, kv: torch.Tensor, tp: TensorParallelG
     cache = config.cache
     if not tiers_enabled(cache):
         return None
-    disk = None
-    if cache.kv_offload_dir:
+    disk = remote = None
+    if cache.kv_offload_dir or cache.kv_offload_remote:
         fingerprint = fingerprint or kv_fingerprint(config, tp.rank)
+    if cache.kv_offload_dir:
         disk = DiskTier(cache.kv_offload_dir, fingerprint, cache.kv_offload_disk_bytes)
-    return TierStore(kv, num_cpu_tier_blocks(cache, block_bytes), disk, tp)
+    if cache.kv_offload_remote:
+        remote = RemoteTier(cache.kv_offload_remote, fingerprint, cache.kv_offload_remote_ttl_s)
+    return TierStore(kv, num_cpu_tier_blocks(cache, block_bytes), disk, tp, remote)

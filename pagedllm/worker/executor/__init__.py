@@ -16,4 +16,7 @@ def make_executor(config: EngineConfig) -> Executor:
                          f"`pagedllm serve MODEL --headless --nnodes {p.nnodes} --node-rank {p.node_rank} ...`")
     if config.parallel.world_size == 1:
         return UniProcExecutor(config)
+    if config.parallel.executor_backend == "ray":
+        from pagedllm.worker.executor.ray import RayExecutor  # ray is an optional extra
+        return RayExecutor(config)
     return MultiprocExecutor(config)

@@ -56,7 +56,7 @@ def signature(config: EngineConfig) -> dict:
                 hidden_size=m.hidden_size, vocab_size=m.vocab_size, dtype=str(m.dtype), quantization=m.quantization,
                 block_size=c.block_size, max_model_len=m.max_model_len, cache_dtype=str(c.cache_dtype),
                 calculate_kv_scales=c.calculate_kv_scales, kv_offload_cpu_bytes=c.kv_offload_cpu_bytes,
-                kv_disk_tier=c.kv_offload_dir is not None)
+                kv_disk_tier=c.kv_offload_dir is not None, kv_remote_tier=c.kv_offload_remote is not None)
 
 
 def node_of(rank: int, config: EngineConfig) -> int:
