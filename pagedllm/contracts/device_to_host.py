@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.worker.host_to_device import NUMPY_DTYPES
+from pagedllm.contracts.host_to_device import NUMPY_DTYPES
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -3,8 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.kv_cache.offload.ops import TierOps
-from pagedllm.multimodal.inputs import EncoderInput
+import torch
+
+from pagedllm.contracts.tier_ops import TierOps
+
+
+@dataclass(frozen=True)
+class EncoderInput:
+    """An image the worker encodes this step; its embeddings stay in the worker's encoder cache
+    under ``hash`` until the scheduler frees them (``SchedulerOutput.encoder_frees``)."""
+
+    hash: bytes
+    data: dict[str, torch.Tensor] = field(repr=False)
 
 
 @dataclass(frozen=True)

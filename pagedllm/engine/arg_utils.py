@@ -50,6 +50,12 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.contracts.speculative_config import (
+    SpeculativeConfig,
+    check_draft_vocab,
+    load_json_object,
+    parse_speculative_config,
+)
 from pagedllm.distributed.pipeline import check_layers
 from pagedllm.engine.vllm_args import VllmArg, unknown_keyword_error, vllm_args, vllm_version
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
@@ -65,7 +71,6 @@ from pagedllm.models.loader import (
 )
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.multimodal.processor import check_limit_mm_per_prompt
-from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
 

@@ -32,28 +32,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.contracts.sampled_tokens import SampledTokens
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.contracts.tier_ops import LoadReport
 from pagedllm.engine.request import Request, RequestStatus, make_generator
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.kv_cache.offload.manager import OffloadManager
-from pagedllm.kv_cache.offload.ops import LoadReport
 from pagedllm.layers.sampler import NO_TOKEN
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledTokens:
-    """What the sampler produced for one scheduled request (several tokens on a fork)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token
-    top_logprobs: list[dict[int, float]] | None = None
-    # token_ids follow one another in this one sequence (a verified speculative run), not one per fork
-    consecutive: bool = False
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedllm.engine.scheduler_output import ScheduledChunk
+from pagedllm.contracts.scheduler_output import ScheduledChunk
 from pagedllm.worker.block_table import PersistentBlockTable
 
 

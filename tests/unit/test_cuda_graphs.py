@@ -10,9 +10,9 @@ from graph_safe_backend import EagerStandIn, GraphSafeDecodeBackend
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.contracts.host_to_device import to_device
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, pad_decode_inputs, replay_size
-from pagedllm.worker.host_to_device import to_device
 from pagedllm.worker.model_runner import ModelRunner
 
 BS = 8  # block size

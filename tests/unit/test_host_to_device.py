@@ -1,4 +1,4 @@
-"""One packed host->device transfer per step (worker/host_to_device.py)."""
+"""One packed host->device transfer per step (contracts/host_to_device.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.worker.host_to_device import to_device
+from pagedllm.contracts.host_to_device import to_device
 
 
 def test_packed_transfer_round_trips_shapes_dtypes_and_values():

@@ -29,8 +29,25 @@ def module_names(package_dir: Path, package: str) -> dict[str, Path]:
 
 
 def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, also those inside functions (they run on first call)."""
+    """Every import statement that runs, also those inside functions (they run on first call)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+            and n not in _type_checking_imports(tree)]
+
+
+def _every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, also under ``if TYPE_CHECKING:`` (a type named there is still an arrow)."""
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _type_checking_imports(tree: ast.Module) -> set[ast.AST]:
+    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)]
+    return {i for b in blocks for i in ast.walk(b) if isinstance(i, (ast.Import, ast.ImportFrom))}
+
+
+def _function_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements inside a function body (they run on its first call)."""
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [i for f in funcs for i in ast.walk(f) if isinstance(i, (ast.Import, ast.ImportFrom))]
 
 
 def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
@@ -66,12 +83,13 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     return out
 
 
-def import_graph(package_dir: Path, package: str, function_level: bool = False) -> dict[str, set[str]]:
-    """``{module: modules it imports at module level}`` (with ``function_level``: anywhere),
-    restricted to the package."""
+def import_graph(package_dir: Path, package: str, function_level: bool = False,
+                 type_checking: bool = False) -> dict[str, set[str]]:
+    """``{module: modules it imports at module level}`` (with ``function_level``: anywhere; with
+    ``type_checking`` as well: also under ``if TYPE_CHECKING:``), restricted to the package."""
     files = module_names(package_dir, package)
     known = set(files)
-    find = _all_imports if function_level else _top_level_imports
+    find = _every_import if type_checking else _all_imports if function_level else _top_level_imports
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -193,3 +211,122 @@ def test_entrypoints_have_no_cycle_even_through_function_level_imports():
             if m.startswith("pagedllm.entrypoints")}
     cycle = find_cycle(area)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# --- layers that only point down ------------------------------------------------------------------
+# Bottom first. A module may import its own package and any package on a lower line, never one on
+# its own line or above (docs/design.md, "Layer rules"). Every import counts: at module level,
+# inside functions and under ``if TYPE_CHECKING:``. The bottom line is the top-level modules (the
+# names vLLM users import) plus ``contracts`` (what crosses between engine, worker and layers).
+CORE = ("pagedllm.config", "pagedllm.envs", "pagedllm.utils", "pagedllm.platform", "pagedllm.sampling_params",
+        "pagedllm.pooling_params", "pagedllm.outputs", "pagedllm.version", "pagedllm.contracts")
+LAYERS: list[tuple[str, ...]] = [
+    CORE,
+    ("pagedllm.native", "pagedllm.distributed", "pagedllm.metrics"),
+    ("pagedllm.attention", "pagedllm.kv_cache", "pagedllm.multimodal", "pagedllm.structured_output"),
+    ("pagedllm.layers",),
+    ("pagedllm.models",),
+    ("pagedllm.worker",),
+    ("pagedllm.spec_decode",),
+    ("pagedllm.engine",),
+    ("pagedllm.entrypoints",),
+    ("pagedllm", "pagedllm.__main__"),  # the package root re-exports LLM from entrypoints
+]
+
+# Imports inside a function are allowed only where what they import is optional (a dependency
+# that may be absent, or a backend only one platform runs): ``(importer, imported): why``.
+OPTIONAL_IMPORTS = {
+    **{(f"pagedllm.layers.{m}", f"pagedllm.layers.triton_ops.{k}"): "Triton is optional (CUDA only)"
+       for m, k in [("activation", "activation"), ("fused_moe", "fused_moe"), ("norm", "norm"),
+                    ("rotary", "rotary"), ("sampler", "sampling"), ("quantization.grouped", "grouped_gemm"),
+                    ("quantization.int8", "int8_gemm")]},
+    ("pagedllm.attention.selector", "pagedllm.attention.triton"): "Triton is optional (CUDA only)",
+    ("pagedllm.attention.selector", "pagedllm.attention.triton.backend"): "Triton is optional (CUDA only)",
+    ("pagedllm.attention.triton", "pagedllm.attention.triton.kernels"): "Triton is optional (CUDA only)",
+    ("pagedllm.attention.triton.aot", "pagedllm.attention.triton"): "Triton is optional (CUDA only)",
+    ("pagedllm.sampling_params", "pagedllm.contracts.grammar"): "xgrammar is optional until a request "
+                                                                 "asks for structured output",
+}
+
+
+def layer_of(module: str) -> int:
+    """The line of LAYERS that holds ``module`` (its longest matching package)."""
+    best = max((p for line in LAYERS for p in line if module == p or module.startswith(p + ".")), key=len)
+    return next(i for i, line in enumerate(LAYERS) if best in line)
+
+
+def package_of(module: str) -> str:
+    """The package ``module`` belongs to; the bottom line counts as one package, so does the top."""
+    best = max((p for line in LAYERS for p in line if module == p or module.startswith(p + ".")), key=len)
+    return {0: "pagedllm (core)", len(LAYERS) - 1: "pagedllm (root)"}.get(layer_of(module), best)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import of a package on the importer's line or above."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            same_package = package_of(module) == package_of(target)
+            if not same_package and layer_of(target) >= layer_of(module):
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_every_module_sits_on_one_layer():
+    graph = import_graph(PACKAGE_DIR, "pagedllm")
+    for module in graph:
+        layer_of(module)  # raises when no line of LAYERS holds it
+
+
+def test_layers_only_point_down():
+    """Every import, also inside functions and under TYPE_CHECKING, goes to the importer's own
+    package or to a lower line of LAYERS."""
+    bad = upward_imports(import_graph(PACKAGE_DIR, "pagedllm", type_checking=True))
+    assert not bad, "imports that point up or sideways:\n  " + "\n  ".join(bad)
+
+
+def test_no_package_level_loop():
+    graph = import_graph(PACKAGE_DIR, "pagedllm", type_checking=True)
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        packages.setdefault(package_of(module), set()).update(package_of(t) for t in targets)
+    packages = {p: targets - {p} for p, targets in packages.items()}
+    cycle = find_cycle(packages)
+    assert cycle is None, "package loop: " + " -> ".join(cycle)
+
+
+def test_no_file_level_circle_even_through_function_level_imports():
+    cycle = find_cycle(import_graph(PACKAGE_DIR, "pagedllm", function_level=True))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def function_level_imports(package_dir: Path, package: str) -> set[tuple[str, str]]:
+    """``(importer, imported)`` for every import of a package module inside a function."""
+    files = module_names(package_dir, package)
+    known, found = set(files), set()
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _function_imports(tree):
+            found |= {(name, t) for t in _targets(node, name, path.name == "__init__.py", known)}
+    return found
+
+
+def test_imports_inside_functions_are_only_for_optional_dependencies():
+    found = function_level_imports(PACKAGE_DIR, "pagedllm")
+    unlisted = sorted(f"{a} -> {b}" for a, b in found - set(OPTIONAL_IMPORTS))
+    assert not unlisted, ("imports inside functions that are not for an optional dependency (move them to "
+                          "the top of the module, or list them in OPTIONAL_IMPORTS with the reason):\n  "
+                          + "\n  ".join(unlisted))
+    stale = sorted(f"{a} -> {b}" for a, b in set(OPTIONAL_IMPORTS) - found)
+    assert not stale, "OPTIONAL_IMPORTS entries no longer imported inside a function:\n  " + "\n  ".join(stale)
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The check fails on an arrow that points up: a constructed engine module imported by a worker."""
+    graph = {"pagedllm.worker.model_runner": {"pagedllm.engine.request", "pagedllm.models.loader"},
+             "pagedllm.engine.request": {"pagedllm.sampling_params"},
+             "pagedllm.attention.cpu": {"pagedllm.kv_cache.spec"}}
+    assert upward_imports(graph) == ["pagedllm.attention.cpu -> pagedllm.kv_cache.spec",
+                                     "pagedllm.worker.model_runner -> pagedllm.engine.request"]
+    pkg = _write(tmp_path / "pkg", {"__init__.py": "", "a.py": "def f():\n    from pkg import b\n", "b.py": ""})
+    assert function_level_imports(pkg, "pkg") == {("pkg.a", "pkg.b")}

@@ -164,8 +164,8 @@ def test_fingerprint_changes_with_everything_that_changes_kv(base_config, tmp_pa
 
 
 def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
+    from pagedllm.contracts.tier_ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
     from pagedllm.kv_cache.offload.manager import OffloadManager
-    from pagedllm.kv_cache.offload.ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
     mgr = OffloadManager(1, [DiskTier(tmp_path, FP, 1 << 20)], block_bytes=10)
     mgr.on_evict(3, _hash(1))
     assert mgr.take_ops().moves == [(DEVICE_TO_CPU, 3, 0), (DEVICE_TO_DISK, 3, _hash(1))]  # write-through
@@ -179,8 +179,8 @@ def test_eviction_while_every_cpu_slot_is_pinned_still_reaches_disk(tmp_path):
 
 
 def test_a_block_written_through_and_evicted_from_the_cpu_tier_in_one_step_is_queued_for_disk_once(tmp_path):
+    from pagedllm.contracts.tier_ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
     from pagedllm.kv_cache.offload.manager import OffloadManager
-    from pagedllm.kv_cache.offload.ops import CPU_TO_DISK, DEVICE_TO_CPU, DEVICE_TO_DISK
     mgr = OffloadManager(1, [DiskTier(tmp_path, FP, 1 << 20)], block_bytes=10)
     for block, i in [(3, 1), (4, 2), (5, 3)]:  # one step's run of evictions through a 1-slot CPU tier
         mgr.on_evict(block, _hash(i))
@@ -224,7 +224,7 @@ def test_cpu_tier_round_trip_copies_without_temporaries():
     """Blocks evicted to CPU slots (runs and gaps) come back bit-exact into other device blocks;
     on a CPU pool both directions copy block to slot directly: no gathered temporary (the old
     path allocated one for every batch of evictions)."""
-    from pagedllm.kv_cache.offload.ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
+    from pagedllm.contracts.tier_ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
     store = _store()
     pairs = [(7, 3), (2, 4), (5, 5), (1, 0)]  # (device block, CPU slot): a run of three, then slot 0
     expected = {slot: store.kv[:, :, block].clone() for block, slot in pairs}
@@ -243,7 +243,7 @@ def test_cpu_tier_round_trip_copies_without_temporaries():
 def test_cpu_tier_round_trip_from_a_cuda_pool():
     """The CUDA branch (one gather on the device, one pinned copy per run of consecutive slots,
     and back): evicted blocks return bit-exact into other device blocks."""
-    from pagedllm.kv_cache.offload.ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
+    from pagedllm.contracts.tier_ops import DEVICE_TO_CPU, TIER_CPU, LoadItem, LoadJob, TierOps
     store = _store(device="cuda")
     pairs = [(7, 3), (2, 4), (5, 5), (1, 0)]  # a run of three slots, then slot 0
     expected = {slot: store.kv[:, :, block].cpu() for block, slot in pairs}

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import ParallelConfig
+from pagedllm.contracts.scheduler_output import ScheduledChunk
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineStage, RankLayout, stage_of
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.scheduler_output import ScheduledChunk
 from pagedllm.models.loader import build_model, get_model_class, load_weights
 from pagedllm.worker.pipeline_execute import split_micro_batches
 

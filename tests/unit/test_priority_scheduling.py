@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.contracts.sampled_tokens import SampledTokens
 from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import SampledTokens, Scheduler
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
 
 

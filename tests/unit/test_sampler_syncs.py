@@ -9,12 +9,12 @@ import torch
 from host_syncs import count_host_syncs
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.contracts.device_to_host import to_host
+from pagedllm.contracts.host_to_device import to_device
 from pagedllm.engine import llm_engine, prompt_logprobs
 from pagedllm.layers import sampler as sampler_module
 from pagedllm.layers import sampling_inputs
 from pagedllm.layers.sampler import Sampler, SamplingRow
-from pagedllm.worker.device_to_host import to_host
-from pagedllm.worker.host_to_device import to_device
 
 VOCAB = 64
 FETCHES = [(sampler_module, "to_host"), (llm_engine, "to_host")]
@@ -154,7 +154,7 @@ def test_bitmask_on_cuda_equals_the_cpu_version_without_a_sync():
 def test_a_mixed_sampling_step_syncs_once_on_the_device(ops, monkeypatch):
     """torch's sync debug mode set to "error" raises on any synchronising CUDA call (pageable
     copies included) except inside ``to_host``'s one wait, which this test lets through and counts."""
-    from pagedllm.worker import device_to_host
+    from pagedllm.contracts import device_to_host
     waits, wait = [], device_to_host._wait
 
     def counted_wait(device):

@@ -24,11 +24,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.contracts.sampled_tokens import SampledTokens
+from pagedllm.contracts.tier_ops import CPU_TO_DISK, DEVICE_TO_CPU, TIER_CPU, TIER_DISK, LoadReport
 from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import SampledTokens, Scheduler
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.manager import OffloadManager
-from pagedllm.kv_cache.offload.ops import CPU_TO_DISK, DEVICE_TO_CPU, TIER_CPU, TIER_DISK, LoadReport
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import PersistentBlockTable

@@ -22,9 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
-from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.ops import (
+from pagedllm.contracts.tier_ops import (
     CPU_TO_DISK,
     DEVICE_TO_CPU,
     DEVICE_TO_DISK,
@@ -34,6 +32,8 @@ from pagedllm.kv_cache.offload.ops import (
     LoadReport,
     TierOps,
 )
+from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.tier_fs import OPS
 
 

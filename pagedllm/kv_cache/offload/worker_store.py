@@ -21,10 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
-from pagedllm.kv_cache.offload.ops import (
+from pagedllm.contracts.tier_ops import (
     CPU_TO_DISK,
     DEVICE_TO_CPU,
     TIER_CPU,
@@ -33,6 +30,9 @@ from pagedllm.kv_cache.offload.ops import (
     LoadReport,
     TierOps,
 )
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
+from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
 from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
 
 
