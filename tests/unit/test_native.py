@@ -92,3 +92,10 @@ def test_editing_the_header_changes_the_build_key(tmp_path):
     header.write_text(header.read_text() + "/* edited */\n")
     assert build.build_key(cc, csrc=csrc) != build.build_key(cc)
     assert build.sources(csrc) == sorted(csrc.glob("*.c")) and len(build.sources(csrc)) == 10  # + bf16_linear.c
+
+
+def test_fp8_max_is_read_from_the_header_the_kernels_use():
+    """One declaration: the header's PN_FP8_E4M3_MAX is what the library exports and what the
+    Python FP8 path scales by, and it is float8_e4m3fn's largest finite value."""
+    from pagedllm.layers.quantization import fp8
+    assert fp8.FP8_MAX == bindings.library().constant("FP8_E4M3_MAX") == torch.finfo(torch.float8_e4m3fn).max

@@ -45,9 +45,11 @@ from pagedllm.layers.linear import QUANTIZED_FORWARD, ColumnParallelLinear, RowP
 from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
 from pagedllm.layers.quantization.config import require
-from pagedllm.native import bindings
+from pagedllm.native import abi, bindings
+from pagedllm.native.build import HEADER
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# largest finite float8_e4m3fn, from the header the C kernels use (native/abi.py reads constants this way)
+FP8_MAX = float(abi.header_constant(HEADER.read_text(), "PN_FP8_E4M3_MAX"))
 # up to this many rows the C kernel (bytes widened in registers) beats dequantize + MKL GEMM;
 # measured with the AVX-512 kernel on the ~200M model's 64 projections, 2 threads
 # (benchmarks/quant_kernels.py --tokens T --kinds fp8,fp8-gemm, ms per step, kernel / widen +
