@@ -9,7 +9,7 @@
 #      sm_80/sm_90 with this triton's own ptxas (the device's compiler version)
 #   3. tests/test_gpu_check.py, and gpu_check.py build-model / attention.py / throughput.py /
 #      gpu_check.py report with gpu_check.sh's flags on the CPU (smaller sizes where noted)
-#   4. the JIT compile time of every kernel launch the tests of step 2 make (benchmarks/jit_variants.py:
+#   4. the JIT compile time of every kernel launch the tests of step 2 make (benchmarks/probes/jit_variants.py:
 #      each distinct launch key compiled for sm_90), against gpu_check.sh's gpu-tests limit
 #   5. what a device call carries: the tracked files (limit 64 MiB)
 # What it cannot check: the GPU itself, Python 3.12 (not installable here, so numpy stays at the
@@ -153,7 +153,7 @@ num_key_value_heads=2, max_position_embeddings=1024)"  # the 1.1B's head_dim 64 
 
 step versions versions
 step imports imports
-step interpreted-tests env_py PYTHONPATH="$DIR/interp-numpy:$PWD:$PWD/benchmarks" TRITON_INTERPRET=1 \
+step interpreted-tests env_py PYTHONPATH="$DIR/interp-numpy:$PWD:$PWD/benchmarks:$PWD/benchmarks/probes" TRITON_INTERPRET=1 \
     "$PY" -m pytest -p no:cacheprovider -n 2 -p jit_variants --jit-log "$JIT_LOG" --deselect "$NEEDS_XGRAMMAR" \
     $GPU_TEST_FILES $E2E_FILES  # -n: under pytest-xdist, as gpu_check.sh runs them
 step gpu-check-tests env_py "$PY" -m pytest -p no:cacheprovider tests/test_gpu_check.py
@@ -168,7 +168,7 @@ step throughput env_py "$PY" benchmarks/throughput.py --model "$WORK/tiny" --dev
     --sweep-prompt-len 64 --sweep-output-len 16 --repeats 1 --quick --output "$WORK/out/throughput.json"
 step report env_py "$PY" benchmarks/gpu_check.py report "$WORK/out" --model "$WORK/model-1b"
 # the launches of the CPU twins of the `gpu` tests (the tests parametrized over triton_devices.DEVICES)
-step jit-estimate env_py "$PY" benchmarks/jit_variants.py "$JIT_LOG"* --arch 90 --tests "cpu]"
+step jit-estimate env_py "$PY" benchmarks/probes/jit_variants.py "$JIT_LOG"* --arch 90 --tests "cpu]"
 step carry bash -c 'git ls-files -z | du -b --files0-from=- -c | tail -1 |
     awk "{printf \"tracked files: %.1f MiB of the 64 MiB a device call carries\n\", \$1 / 2^20}"'
 

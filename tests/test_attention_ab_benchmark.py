@@ -1,4 +1,4 @@
-"""benchmarks/attention_ab.py: builds alternate on the same batches, and a build whose attention
+"""benchmarks/probes/attention_ab.py: builds alternate on the same batches, and a build whose attention
 differs is refused before anything is timed."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pagedllm.native.build import CSRC
 
 pytestmark = pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="no C compiler")
 
-ab = load_benchmark("pagedllm_bench_attention_ab", "attention_ab.py")
+ab = load_benchmark("pagedllm_bench_attention_ab", "probes/attention_ab.py")
 TINY = ["--cases", "3x40,1x17", "--heads", "4", "--kv-heads", "2", "--layers", "2", "--rounds", "2",
         "--threads", "1", "--bw-mib", "4"]
 

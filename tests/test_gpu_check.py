@@ -169,7 +169,7 @@ def _silu_launch(rows: int, d: int) -> dict:
     import torch
     pytest.importorskip("triton")
     from conftest import load_benchmark
-    jv = load_benchmark("pagedllm_bench_jit_variants", "jit_variants.py")
+    jv = load_benchmark("pagedllm_bench_jit_variants", "probes/jit_variants.py")
     from pagedllm.layers.triton_ops import activation
     x, out = torch.zeros(rows, 2 * d), torch.zeros(rows, d)
     fn = activation._silu_and_mul_kernel.fn  # the Python function (interpreted or compiled kernel alike)
@@ -192,7 +192,8 @@ def test_jit_variants_compiles_each_recorded_key_for_sm90(tmp_path):
     log = tmp_path / "launches.jsonl"
     log.write_text(json.dumps(_silu_launch(3, 16)) + "\n" + json.dumps(_silu_launch(3, 1)) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "jit_variants.py"), str(log), "--arch", "90"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "jit_variants.py"), str(log),
+                           "--arch", "90"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:]}

@@ -1,4 +1,4 @@
-"""benchmarks/quant_kernels.py: every kernel it times agrees with a float32 reference, on a tiny model."""
+"""benchmarks/probes/quant_kernels.py: every kernel it times agrees with a float32 reference, on a tiny model."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from pagedllm.layers import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 
-qk = load_benchmark("pagedllm_bench_quant_kernels", "quant_kernels.py")
+qk = load_benchmark("pagedllm_bench_quant_kernels", "probes/quant_kernels.py")
 TINY = ["--hidden", "128", "--inter", "256", "--layers", "1", "--bandwidth-mib", "4", "--threads", "1"]
 
 

@@ -2,8 +2,8 @@
 decode batches: the A/B behind a change to ``native/csrc/paged_attention.c``.
 
     git worktree add /tmp/before <commit>      # the build to compare against
-    python benchmarks/attention_ab.py --csrc /tmp/before/pagedllm/native/csrc,pagedllm/native/csrc
-    python benchmarks/attention_ab.py --csrc A,B --cases 64x192,16x512,1x2048 --kv-heads 4
+    python benchmarks/probes/attention_ab.py --csrc /tmp/before/pagedllm/native/csrc,pagedllm/native/csrc
+    python benchmarks/probes/attention_ab.py --csrc A,B --cases 64x192,16x512,1x2048 --kv-heads 4
 
 Each case ``BxC`` is a decode step of B requests at context C (one new token each) over
 ``--layers`` distinct pools (16 by default, as many as a model has layers), so K/V stream from
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, attention, ...
 
 import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)

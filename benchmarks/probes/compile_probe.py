@@ -7,7 +7,7 @@ every decoder layer (inductor, dynamic shapes), and reports compile time and the
 The C ops (paged attention, fused RMSNorm/rotary) are opaque to dynamo, so each layer
 compiles into the graphs between them.
 
-    python benchmarks/compile_probe.py [--batches 1,16,64] [--prefill 512] [--repeats 20]
+    python benchmarks/probes/compile_probe.py [--batches 1,16,64] [--prefill 512] [--repeats 20]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, attention, ...
 from common import default_model_dir, ensure_model, format_table  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402

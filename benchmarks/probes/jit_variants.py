@@ -10,7 +10,7 @@ Triton's JIT keys a compile: the argument types, the ints it compiles in as cons
 equal to 1), the 16-divisibility of ints and data pointers, the constexprs and the launch
 options. On a GPU each distinct key is one JIT compile (a fresh machine has an empty cache).
 
-    python benchmarks/jit_variants.py FILE [FILE-gw0 ...] [--arch 90] [--tests -cpu]]
+    python benchmarks/probes/jit_variants.py FILE [FILE-gw0 ...] [--arch 90] [--tests -cpu]]
 
 then compiles every distinct key (of the tests named) ahead of time for ``sm_<arch>`` (in a fresh cache, without the
 interpreter) and prints the count and the seconds per kernel: the JIT time those launches cost on

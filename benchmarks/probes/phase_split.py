@@ -14,7 +14,7 @@ and derives, from medians of ``--repeats``: prefill seconds = T(x -> 1); decode 
 64 x 128 -> 32 once under vLLM's torch profiler after the timed runs (its op table lands in
 ``<output stem>-vllm/profile``).
 
-    python benchmarks/phase_split.py --repeats 3 --compare-vllm /path/to/V/bin/python [--profile-vllm]
+    python benchmarks/probes/phase_split.py --repeats 3 --compare-vllm /path/to/V/bin/python [--profile-vllm]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, attention, ...
 
 import torch  # noqa: E402
 from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)

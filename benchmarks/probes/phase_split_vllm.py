@@ -1,6 +1,6 @@
 """The vLLM side of ``phase_split.py``, run by vLLM's own interpreter (standard library and ``vllm`` only).
 
-    PYTHON benchmarks/phase_split_vllm.py JOB.json RESULT.json
+    PYTHON benchmarks/probes/phase_split_vllm.py JOB.json RESULT.json
 
 The job and result are ``vllm_runner.py``'s (one load, every workload timed ``repeats`` times), with
 one addition: a job may carry ``"profile": {"dir": abs path, "prompts": [[ids]], "output_lens": [n]}``.
@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_runner.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/vllm_runner.py
 
 from vllm_runner import generate, main, timed_runs  # noqa: E402
 

@@ -2,8 +2,8 @@
 and down; distinct random weights per layer, so they stream from memory as in the engine),
 through each CPU weight kernel alone, against the time reading their bytes once takes::
 
-    python benchmarks/quant_kernels.py                      # batch 1: f32,int8,int4,fp8
-    python benchmarks/quant_kernels.py --tokens 32 --kinds int4,int4-gemm,int8,int8-gemm
+    python benchmarks/probes/quant_kernels.py                      # batch 1: f32,int8,int4,fp8
+    python benchmarks/probes/quant_kernels.py --tokens 32 --kinds int4,int4-gemm,int8,int8-gemm
 
 Kinds: ``f32`` (the register-tile kernel up to cpu_decode.DEFAULT_MAX_TOKENS, else torch's GEMM), ``f32-packed``
 (oneDNN's prepacked GEMM, what the engine's float32 linears run for 4..512 rows:
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, attention, ...
 
 import torch  # noqa: E402
 from attention import measure_bandwidth  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
