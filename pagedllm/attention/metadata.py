@@ -1,4 +1,4 @@
-"""Explicit attention metadata for one flat batch (DESIGN core idea 2).
+"""Explicit attention metadata for one flat batch (docs/design.md, core idea 2).
 
 The batch holds ``num_tokens`` query tokens from ``num_reqs`` requests, laid end to end::
 

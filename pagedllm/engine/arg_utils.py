@@ -347,7 +347,7 @@ class EngineArgs:
                                               "(pagedllm's --kv-offload-cpu-gb is per rank)", parse=float)
     kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
                                         choices=("native",))
-    # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
+    # benchmark knob: emulate contiguous pre-allocation (docs/design.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
     max_structured_output_bytes: int = option(

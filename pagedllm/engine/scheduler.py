@@ -1,6 +1,6 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute or swap.
 
-Each step re-decides what runs (DESIGN core idea 1): every request gets up to
+Each step re-decides what runs (docs/design.md, core idea 1): every request gets up to
 ``num_tokens - num_computed_tokens`` new tokens within the step's token budget, in this order:
 
 1. running requests, oldest first; when blocks run out, the most recently admitted running
