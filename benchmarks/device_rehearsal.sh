@@ -7,7 +7,7 @@
 #   2. the Triton kernels under TRITON_INTERPRET=1: every file gpu_check.sh's gpu-tests step names
 #      plus the end-to-end Triton-backend tests, and inside them the ahead-of-time compiles for
 #      sm_80/sm_90 with this triton's own ptxas (the device's compiler version)
-#   3. tests/test_gpu_check.py, and gpu_check.py build-model / attention.py / throughput.py /
+#   3. tests/benchmarks/test_gpu_check.py, and gpu_check.py build-model / attention.py / throughput.py /
 #      gpu_check.py report with gpu_check.sh's flags on the CPU (smaller sizes where noted)
 #   4. the JIT compile time of every kernel launch the tests of step 2 make (benchmarks/probes/jit_variants.py:
 #      each distinct launch key compiled for sm_90), against gpu_check.sh's gpu-tests limit
@@ -19,7 +19,7 @@
 # The venv is built once under DIR (rebuilt when the pins below change); logs, pip-freeze.txt and
 # summary.txt go to DIR/logs. Exit status 0 when every step passed.
 #
-#   bash benchmarks/device_rehearsal.sh --shape [OUT]   # what CI runs (tests/test_gpu_check.py)
+#   bash benchmarks/device_rehearsal.sh --shape [OUT]   # what CI runs (tests/benchmarks/test_gpu_check.py)
 # The script's shape only, with this machine's python and nothing installed: gpu_check.sh itself
 # on the CPU at tiny sizes (DEVICE=cpu SCALE=tiny), with a PATH that has python3 but no `python`
 # and pytest's xdist plugin disabled (as on an image without them); passes when every step
@@ -141,7 +141,7 @@ from pagedllm import LLM, SamplingParams" &&
 GPU_TEST_FILES=$(sed -n '/^step gpu-tests/,/^step build-model/p' benchmarks/gpu_check.sh | grep -o 'tests/[^ ]*')
 E2E_FILES="tests/attention/test_triton_attention_engine.py tests/attention/test_triton_graph_safety.py"
 # needs xgrammar (a grammar row): not on the device, where this file's `gpu` tests run without it
-NEEDS_XGRAMMAR=tests/unit/test_sampler_syncs.py::test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer
+NEEDS_XGRAMMAR=tests/layers/test_sampler_syncs.py::test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer
 JIT_LOG=$LOGS/jit-launches.jsonl
 rm -f "$JIT_LOG"*
 
@@ -156,7 +156,7 @@ step imports imports
 step interpreted-tests env_py PYTHONPATH="$DIR/interp-numpy:$PWD:$PWD/benchmarks:$PWD/benchmarks/probes" TRITON_INTERPRET=1 \
     "$PY" -m pytest -p no:cacheprovider -n 2 -p jit_variants --jit-log "$JIT_LOG" --deselect "$NEEDS_XGRAMMAR" \
     $GPU_TEST_FILES $E2E_FILES  # -n: under pytest-xdist, as gpu_check.sh runs them
-step gpu-check-tests env_py "$PY" -m pytest -p no:cacheprovider tests/test_gpu_check.py
+step gpu-check-tests env_py "$PY" -m pytest -p no:cacheprovider tests/benchmarks/test_gpu_check.py
 step build-model env_py "$PY" benchmarks/gpu_check.py build-model "$WORK/model-1b" --device cpu
 step attention env_py "$PY" benchmarks/attention.py --device cpu --cache-dtype bfloat16 --num-heads 32 \
     --num-kv-heads 8 --head-dim 64 --contexts 512 --cases decode-bs1-ctx512,decode-bs64-ctx512 --skip-ref \

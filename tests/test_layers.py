@@ -1,4 +1,9 @@
-"""No import cycles between pagedllm modules.
+"""Layers that only point down (docs/design.md, "Layer rules"), and no import cycles.
+
+``LAYERS`` below lists the packages bottom first; every import of every module, also inside
+functions and under ``if TYPE_CHECKING:``, must go to its own package or to a lower line. No file
+circle, no package loop, and imports inside functions only for the optional dependencies listed
+in ``OPTIONAL_IMPORTS``.
 
 The graph has an edge ``a -> b`` when module ``a`` imports ``b`` at module level (imports inside
 functions run later and do not count, nor do ``if TYPE_CHECKING:`` blocks, which never run).

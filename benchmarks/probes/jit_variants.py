@@ -3,7 +3,7 @@ benchmarks/device_rehearsal.sh to check gpu_check.sh's step limits).
 
 As a pytest plugin (benchmarks/ on ``sys.path``, ``TRITON_INTERPRET=1``)::
 
-    python -m pytest -p jit_variants --jit-log FILE tests/triton_ops ...
+    python -m pytest -p jit_variants --jit-log FILE tests/layers/triton_ops ...
 
 it records every kernel launch the interpreted tests make (with the test's node id), keyed as
 Triton's JIT keys a compile: the argument types, the ints it compiles in as constants (those
@@ -65,7 +65,7 @@ def pytest_unconfigure(config) -> None:
 
 def launch_key(fn, args: tuple, kwargs: dict) -> dict:
     """What the JIT's cache key holds for one launch of ``fn`` (the Python function)."""
-    # the JIT's own specializer (triton 3.6 to 3.9; not public API: tests/test_gpu_check.py pins it)
+    # the JIT's own specializer (triton 3.6 to 3.9; not public API: tests/benchmarks/test_gpu_check.py pins it)
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     params = inspect.signature(fn).parameters

@@ -18,7 +18,7 @@ row count to), ``fp8`` (e4m3 with per-row scales: fp8_linear.c), ``fp8-b128`` (b
 scales, one per 128 inputs), ``fp8-gemm`` (fp8 widened + GEMM, the path past fp8.C_MAX_ROWS).
 Each kind is first checked against ``x . W^T`` in float64 from the weight's own values
 (``check_kind``) on every projection shape; ``--hidden`` / ``--inter`` / ``--layers`` shrink the
-model (tests/test_quant_kernels_benchmark.py runs it tiny).
+model (tests/benchmarks/test_quant_kernels_benchmark.py runs it tiny).
 Read bandwidth: ``torch.sum`` over 512 MiB, median of 5 (benchmarks/attention.py).
 Times: median of 7 steps after one warm-up, ``--threads`` threads.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("pagedllm_bench_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
 gc = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = gc
@@ -23,8 +23,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def test_script_parses_and_names_the_gpu_test_files():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
     text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
-    for path in ("tests/triton_ops", "tests/attention/test_triton_attention.py", "tests/e2e/test_cuda_graph_replay.py",
-                 "tests/e2e/test_gpu_paths.py", "tests/unit/test_sampler_syncs.py",
+    for path in ("tests/layers/triton_ops", "tests/attention/test_triton_attention.py",
+                 "tests/e2e/test_cuda_graph_replay.py", "tests/e2e/test_gpu_paths.py",
+                 "tests/layers/test_sampler_syncs.py",
                  "tests/distributed/test_tp_cuda_graphs.py"):
         assert (ROOT / path).exists() and path in text
     # pytest without pyproject's addopts (xdist's -n): the step runs where pytest-xdist is absent

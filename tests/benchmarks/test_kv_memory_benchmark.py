@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_memory.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_memory.py"
 _spec = importlib.util.spec_from_file_location("pagedllm_bench_kv_memory", _PATH)
 kv_memory = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = kv_memory

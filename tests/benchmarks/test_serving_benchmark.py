@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 _spec = importlib.util.spec_from_file_location("pagedllm_bench_serving", _PATH)
 serving = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = serving

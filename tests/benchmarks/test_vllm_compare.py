@@ -14,7 +14,7 @@ from conftest import load_benchmark
 
 tp = load_benchmark("pagedllm_bench_throughput", "throughput.py")
 vc = sys.modules["vllm_compare"]  # imported by throughput.py from benchmarks/
-FAKE = Path(__file__).resolve().parent / "fake_vllm"
+FAKE = Path(__file__).resolve().parents[1] / "fake_vllm"
 
 
 @pytest.fixture

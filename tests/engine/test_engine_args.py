@@ -36,7 +36,7 @@ CHOICES = {
 }
 CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
 # a value other than the default for every declared field (a new field must be added here, or to
-# SEPARATELY_TESTED); vLLM's names pagedllm does not declare are tests/unit/test_vllm_engine_args.py's
+# SEPARATELY_TESTED); vLLM's names pagedllm does not declare are tests/engine/test_vllm_engine_args.py's
 NON_DEFAULT = {
     "model": "org/model", "tokenizer": "org/tok", "tokenizer_mode": "slow", "trust_remote_code": True,
     "dtype": "bfloat16", "block_size": 32, "gpu_memory_utilization": 0.5, "kv_cache_memory": "1GiB",

@@ -16,7 +16,7 @@ from pagedllm.entrypoints.plan import ConfigError, count_params, load_config, mo
 from pagedllm.utils import format_size, parse_size
 
 MiB, GiB = 2**20, 2**30
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # meta-llama/Llama-2-7b-hf config.json (the fields that matter).
 LLAMA2_7B = {

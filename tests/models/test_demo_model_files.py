@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "pagedllm" / "models" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "pagedllm" / "models" / "demo"
 TEXT = "In the beginning God created the heaven and the earth."
 
 

@@ -1,7 +1,7 @@
 """Compiles every Triton kernel ahead of time for the given CUDA architectures (no GPU needed:
 triton's wheel ships ptxas). Run without TRITON_INTERPRET: interpreted kernels cannot be compiled.
 
-    python tests/triton_ops/aot_compile.py 80 90
+    python tests/layers/triton_ops/aot_compile.py 80 90
 """
 from __future__ import annotations
 
