@@ -121,8 +121,9 @@ def bench_scheduler_only(args) -> dict:
     """The feed's bookkeeping against the scheduler's alone (no model: random tokens), the harshest
     denominator: batch ``args.batch`` to completion, no viewer vs one, interleaved, median ratio."""
     from pagedllm.config import CacheConfig, SchedulerConfig
+    from pagedllm.contracts.sampled_tokens import SampledTokens
     from pagedllm.engine.request import Request
-    from pagedllm.engine.scheduler import SampledTokens, Scheduler
+    from pagedllm.engine.scheduler import Scheduler
 
     def run(listen: bool) -> float:
         sched = Scheduler(SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192, max_model_len=4096),

@@ -7,9 +7,9 @@
 #   2. the Triton kernels under TRITON_INTERPRET=1: every file gpu_check.sh's gpu-tests step names
 #      plus the end-to-end Triton-backend tests, and inside them the ahead-of-time compiles for
 #      sm_80/sm_90 with this triton's own ptxas (the device's compiler version)
-#   3. tests/test_gpu_check.py, and gpu_check.py build-model / attention.py / throughput.py /
+#   3. tests/benchmarks/test_gpu_check.py, and gpu_check.py build-model / attention.py / throughput.py /
 #      gpu_check.py report with gpu_check.sh's flags on the CPU (smaller sizes where noted)
-#   4. the JIT compile time of every kernel launch the tests of step 2 make (benchmarks/jit_variants.py:
+#   4. the JIT compile time of every kernel launch the tests of step 2 make (benchmarks/probes/jit_variants.py:
 #      each distinct launch key compiled for sm_90), against gpu_check.sh's gpu-tests limit
 #   5. what a device call carries: the tracked files (limit 64 MiB)
 # What it cannot check: the GPU itself, Python 3.12 (not installable here, so numpy stays at the
@@ -19,7 +19,7 @@
 # The venv is built once under DIR (rebuilt when the pins below change); logs, pip-freeze.txt and
 # summary.txt go to DIR/logs. Exit status 0 when every step passed.
 #
-#   bash benchmarks/device_rehearsal.sh --shape [OUT]   # what CI runs (tests/test_gpu_check.py)
+#   bash benchmarks/device_rehearsal.sh --shape [OUT]   # what CI runs (tests/benchmarks/test_gpu_check.py)
 # The script's shape only, with this machine's python and nothing installed: gpu_check.sh itself
 # on the CPU at tiny sizes (DEVICE=cpu SCALE=tiny), with a PATH that has python3 but no `python`
 # and pytest's xdist plugin disabled (as on an image without them); passes when every step
@@ -141,7 +141,7 @@ from pagedllm import LLM, SamplingParams" &&
 GPU_TEST_FILES=$(sed -n '/^step gpu-tests/,/^step build-model/p' benchmarks/gpu_check.sh | grep -o 'tests/[^ ]*')
 E2E_FILES="tests/attention/test_triton_attention_engine.py tests/attention/test_triton_graph_safety.py"
 # needs xgrammar (a grammar row): not on the device, where this file's `gpu` tests run without it
-NEEDS_XGRAMMAR=tests/unit/test_sampler_syncs.py::test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer
+NEEDS_XGRAMMAR=tests/layers/test_sampler_syncs.py::test_engine_steps_fetch_samples_and_prompt_logprobs_in_one_transfer
 JIT_LOG=$LOGS/jit-launches.jsonl
 rm -f "$JIT_LOG"*
 
@@ -153,10 +153,10 @@ num_key_value_heads=2, max_position_embeddings=1024)"  # the 1.1B's head_dim 64 
 
 step versions versions
 step imports imports
-step interpreted-tests env_py PYTHONPATH="$DIR/interp-numpy:$PWD:$PWD/benchmarks" TRITON_INTERPRET=1 \
+step interpreted-tests env_py PYTHONPATH="$DIR/interp-numpy:$PWD:$PWD/benchmarks:$PWD/benchmarks/probes" TRITON_INTERPRET=1 \
     "$PY" -m pytest -p no:cacheprovider -n 2 -p jit_variants --jit-log "$JIT_LOG" --deselect "$NEEDS_XGRAMMAR" \
     $GPU_TEST_FILES $E2E_FILES  # -n: under pytest-xdist, as gpu_check.sh runs them
-step gpu-check-tests env_py "$PY" -m pytest -p no:cacheprovider tests/test_gpu_check.py
+step gpu-check-tests env_py "$PY" -m pytest -p no:cacheprovider tests/benchmarks/test_gpu_check.py
 step build-model env_py "$PY" benchmarks/gpu_check.py build-model "$WORK/model-1b" --device cpu
 step attention env_py "$PY" benchmarks/attention.py --device cpu --cache-dtype bfloat16 --num-heads 32 \
     --num-kv-heads 8 --head-dim 64 --contexts 512 --cases decode-bs1-ctx512,decode-bs64-ctx512 --skip-ref \
@@ -168,7 +168,7 @@ step throughput env_py "$PY" benchmarks/throughput.py --model "$WORK/tiny" --dev
     --sweep-prompt-len 64 --sweep-output-len 16 --repeats 1 --quick --output "$WORK/out/throughput.json"
 step report env_py "$PY" benchmarks/gpu_check.py report "$WORK/out" --model "$WORK/model-1b"
 # the launches of the CPU twins of the `gpu` tests (the tests parametrized over triton_devices.DEVICES)
-step jit-estimate env_py "$PY" benchmarks/jit_variants.py "$JIT_LOG"* --arch 90 --tests "cpu]"
+step jit-estimate env_py "$PY" benchmarks/probes/jit_variants.py "$JIT_LOG"* --arch 90 --tests "cpu]"
 step carry bash -c 'git ls-files -z | du -b --files0-from=- -c | tail -1 |
     awk "{printf \"tracked files: %.1f MiB of the 64 MiB a device call carries\n\", \$1 / 2^20}"'
 

@@ -88,8 +88,8 @@ if [ "$WORKERS" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
     XDIST=(-n "$WORKERS" --dist load)  # by test, not by module
 fi
 step gpu-tests 110 "$PY" -m pytest -q -o addopts= -p no:cacheprovider "${XDIST[@]}" -m gpu \
-    --junitxml="$OUT/gpu-tests.xml" tests/triton_ops tests/attention/test_triton_attention.py \
-    tests/e2e/test_cuda_graph_replay.py tests/e2e/test_gpu_paths.py tests/unit/test_sampler_syncs.py \
+    --junitxml="$OUT/gpu-tests.xml" tests/layers/triton_ops tests/attention/test_triton_attention.py \
+    tests/e2e/test_cuda_graph_replay.py tests/e2e/test_gpu_paths.py tests/layers/test_sampler_syncs.py \
     tests/distributed/test_tp_cuda_graphs.py
 step build-model 30 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device "$DEVICE" "${MODEL_ARGS[@]}"
 step attention 25 "$PY" benchmarks/attention.py --device "$DEVICE" --cache-dtype bfloat16 --skip-ref \

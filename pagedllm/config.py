@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedllm import envs
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.contracts.speculative_config import SpeculativeConfig
 from pagedllm.utils import parse_size
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)

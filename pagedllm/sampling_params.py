@@ -64,7 +64,7 @@ class StructuredOutputsParams:
         _check(isinstance(self.disable_any_whitespace, bool), "structured_outputs.disable_any_whitespace",
                self.disable_any_whitespace, "must be a bool")
         self._normalise()
-        from pagedllm.structured_output.grammar import check_grammar  # xgrammar is imported on first use
+        from pagedllm.contracts.grammar import check_grammar  # xgrammar is imported on first use
         check_grammar(self)
 
     def _normalise(self) -> None:

@@ -12,7 +12,7 @@ server flags (request logging), which the API server declares, so it is left out
 
 vLLM's facts are rewritten on every run; pagedllm's decisions (``status``, ``field``, ``accept``,
 ``reason``, ``cli``) are kept for names already in the file. A name new in the wheel gets
-``status: "unreviewed"``, which tests/unit/test_vllm_engine_args.py refuses until someone decides it.
+``status: "unreviewed"``, which tests/engine/test_vllm_engine_args.py refuses until someone decides it.
 Names kept from older vLLM releases (``legacy: true``, e.g. ``task``) are kept as they are.
 """
 from __future__ import annotations

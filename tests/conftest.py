@@ -18,16 +18,16 @@ if _XDIST_WORKERS > 1:
 import torch  # noqa: E402 - after OMP_WAIT_POLICY is set (see above)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# engines start with the fixed kernel thresholds (no timing per test); tests/unit/test_kernel_tuning.py turns it on
+# engines start with the fixed kernel thresholds (no timing per test); tests/layers/test_kernel_tuning.py turns it on
 os.environ.setdefault("PAGEDLLM_KERNEL_TUNING", "off")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels on CPU tensors need the interpreter, chosen when a kernel is decorated, i.e.
-# before pagedllm's kernel modules are first imported (only ever lazily, by tests/triton_ops or
+# before pagedllm's kernel modules are first imported (only ever lazily, by tests/layers/triton_ops or
 # a model built with fused_ops="triton"). On a GPU machine they run compiled, on the device.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if importlib.util.find_spec("triton") is None:
-    collect_ignore_glob = ["triton_ops/*"]  # the Triton path's tests need triton (test extra)
+    collect_ignore_glob = ["layers/triton_ops/*"]  # the Triton path's tests need triton (test extra)
 # two torch threads; under pytest-xdist (-n N) each worker gets its share of the cores instead, so
 # N workers do not oversubscribe a small machine (engines still set their own, physical cores)
 torch.set_num_threads(2 if _XDIST_WORKERS == 1 else max(1, min(2, (os.cpu_count() or 1) // _XDIST_WORKERS)))

@@ -1,4 +1,4 @@
-"""Explicit attention metadata for one flat batch (DESIGN core idea 2).
+"""Explicit attention metadata for one flat batch (docs/design.md, core idea 2).
 
 The batch holds ``num_tokens`` query tokens from ``num_reqs`` requests, laid end to end::
 
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagedllm.contracts.host_to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,6 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Builds metadata from host arrays: computes query_start_loc and slot_mapping."""
-        from pagedllm.worker.host_to_device import to_device
         host = cls.host_arrays(query_lens, seq_lens, block_tables, block_size)
         return cls.from_tensors(to_device(host, device), host, block_size)
 

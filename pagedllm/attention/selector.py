@@ -6,6 +6,11 @@ import logging
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, check_soft_cap
+from pagedllm.attention.cpu import CpuAttentionBackend
+from pagedllm.attention.mla import MLABackend
+from pagedllm.attention.sdpa import SdpaBackend
+from pagedllm.attention.torch_ref import TorchReferenceBackend
+from pagedllm.native import bindings
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
@@ -38,7 +43,6 @@ def get_attention_backend(name: str, device: torch.device, kind: str = "full") -
         if backend is not None:
             return backend
     if name == "torch":
-        from pagedllm.attention.torch_ref import TorchReferenceBackend
         return TorchReferenceBackend()
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         backend = _try_cpu_kernel()
@@ -46,7 +50,6 @@ def get_attention_backend(name: str, device: torch.device, kind: str = "full") -
             return backend
         if name == "cpu":
             raise ValueError("attention_backend='cpu' requested but the C kernel could not be built")
-    from pagedllm.attention.sdpa import SdpaBackend
     return SdpaBackend()
 
 
@@ -56,12 +59,10 @@ def _mla_backend(name: str, device: torch.device):
     if name not in ("auto", "torch", "cpu"):
         raise ValueError(f"attention_backend={name!r} does not implement multi-head latent attention "
                          "(DeepSeek V2/V3, a kv_lora_rank in the config); use 'auto', 'cpu' or 'torch'")
-    from pagedllm.attention.mla import MLABackend
-    from pagedllm.native import bindings
     if name == "torch":
         return MLABackend()
     if device.type == "cuda":
-        from pagedllm.attention.triton import import_error
+        from pagedllm.attention.triton import import_error  # optional: triton
         error = import_error()
         if error is None:
             return MLABackend(triton=True)
@@ -80,7 +81,6 @@ def _try_triton(device: torch.device, required: bool) -> AttentionBackend | None
     from pagedllm.attention.triton import import_error
     error = import_error()
     if error is None:
-        from pagedllm.attention.sdpa import SdpaBackend
         from pagedllm.attention.triton.backend import TritonAttentionBackend
         TritonAttentionBackend.check_device(device)
         return TritonAttentionBackend(fallback=None if required else SdpaBackend())
@@ -91,10 +91,6 @@ def _try_triton(device: torch.device, required: bool) -> AttentionBackend | None
 
 
 def _try_cpu_kernel() -> AttentionBackend | None:
-    try:
-        from pagedllm.attention.cpu import CpuAttentionBackend
-    except ImportError:
-        return None
     try:
         return CpuAttentionBackend() if CpuAttentionBackend.is_available() else None
     except Exception as exc:  # a broken toolchain must not stop the engine

@@ -53,6 +53,12 @@ from pagedllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from pagedllm.contracts.speculative_config import (
+    SpeculativeConfig,
+    check_draft_vocab,
+    load_json_object,
+    parse_speculative_config,
+)
 from pagedllm.distributed.pipeline import check_layers
 from pagedllm.engine.vllm_args import VllmArg, unknown_keyword_error, vllm_args, vllm_version
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
@@ -69,8 +75,8 @@ from pagedllm.models.loader import (
     resolve_model_path,
 )
 from pagedllm.models.registry import resolve_architecture
+from pagedllm.models.shape import model_shape
 from pagedllm.multimodal.processor import check_limit_mm_per_prompt
-from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocab, load_json_object, parse_speculative_config
 from pagedllm.utils import parse_size
 
 EXECUTOR_BACKENDS = ("mp", "uni", "ray")  # vLLM's distributed_executor_backend names pagedllm runs
@@ -358,7 +364,7 @@ class EngineArgs:
         "reaches or a local one; pip install 'pagedllm[ray]'), uni (one rank only)", choices=EXECUTOR_BACKENDS)
     kv_offloading_backend: str = option("native", "vLLM's KV offloading backend: native (pagedllm's CPU tier)",
                                         choices=("native",))
-    # benchmark knob: emulate contiguous pre-allocation (docs/architecture.md)
+    # benchmark knob: emulate contiguous pre-allocation (docs/design.md)
     preallocation: str = option("none", "benchmarks only: reserve KV up front like pre-PagedAttention systems",
                                 choices=PREALLOCATION_MODES, hidden=True)
     max_structured_output_bytes: int = option(
@@ -661,14 +667,13 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported: one of {LOAD_FORMATS} (pickled "
                              "'pt' checkpoints are never loaded)")
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's decoder
-        limit = getattr(text, "max_position_embeddings", None) or 2048
+        shape = model_shape(hf.to_dict())  # a vision-language model's decoder: its text_config
+        limit = shape.max_position_embeddings or 2048
         max_len = self.max_model_len or limit
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if max_len > limit and not envs.PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
-        heads = text.num_attention_heads
         return ModelConfig(
             model=path,
             tokenizer=self._tokenizer_path(path),
@@ -676,12 +681,12 @@ class EngineArgs:
             architecture=arch,
             dtype=resolve_dtype(self.dtype, checkpoint_dtype(path), device),
             max_model_len=max_len,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            num_layers=text.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             seed=self.seed,
             quantization=resolve_quantization(self.quantization, hf),
             tokenizer_mode=self.tokenizer_mode,

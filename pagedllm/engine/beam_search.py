@@ -23,8 +23,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pagedllm.contracts.sampled_tokens import SampledTokens
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.scheduler import SampledTokens, Scheduler
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.config import StructuredOutputConfig
+from pagedllm.contracts.grammar import check_spec_size, spec_bytes
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalItem
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.grammar import check_spec_size, spec_bytes
 
 PromptType = str | dict | list[int]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from pagedllm.contracts.scheduler_output import SchedulerOutput
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache.events import KVEventHub, KVEventRecorder, Subscription
 
 # requests listed per queue in an event (the page shows queue sizes beyond that)

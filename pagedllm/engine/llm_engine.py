@@ -13,6 +13,9 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
+from pagedllm.contracts.device_to_host import to_host
+from pagedllm.contracts.sampled_tokens import SampledTokens
+from pagedllm.contracts.scheduler_output import SchedulerOutput
 from pagedllm.engine import pooling, prompt_logprobs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
@@ -20,8 +23,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, Pr
 from pagedllm.engine.kv_events import KVEventFeed
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.scheduler import SampledTokens, Scheduler
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_cache.offload.setup import build_offload_manager, tiers_enabled
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.lora.registry import LoRARegistry
@@ -42,7 +44,6 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator, split_rounds
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker import sleep_mode
-from pagedllm.worker.device_to_host import to_host
 from pagedllm.worker.executor import make_executor
 from pagedllm.worker.model_runner import ModelRunner
 

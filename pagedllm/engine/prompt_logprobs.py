@@ -3,7 +3,7 @@
 Row j of a chunk's prompt-logprob rows (position ``start + j``) scores prompt token
 ``start + j + 1``: its logprob and vocabulary rank plus the request's top-k (raw logits, like
 vLLM). The device part returns tensors so the engine fetches them with the sampler's results in
-its one device->host transfer (``worker/device_to_host.py``).
+its one device->host transfer (``contracts/device_to_host.py``).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler_output import SchedulerOutput
-from pagedllm.worker.host_to_device import to_device
+from pagedllm.contracts.host_to_device import to_device
+from pagedllm.contracts.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

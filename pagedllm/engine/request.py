@@ -1,4 +1,4 @@
-"""A request (one sequence) and its single progress counter (DESIGN core idea 1)."""
+"""A request (one sequence) and its single progress counter (docs/design.md, core idea 1)."""
 from __future__ import annotations
 
 import enum

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute or swap.
 
-Each step re-decides what runs (DESIGN core idea 1): every request gets up to
+Each step re-decides what runs (docs/design.md, core idea 1): every request gets up to
 ``num_tokens - num_computed_tokens`` new tokens within the step's token budget, in this order:
 
 1. running requests, oldest first; when blocks run out, the most recently admitted running
@@ -38,11 +38,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, LoRAConfig, SchedulerConfig
+from pagedllm.contracts.sampled_tokens import SampledTokens
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.contracts.tier_ops import LoadReport
 from pagedllm.engine.request import Request, RequestStatus, make_generator
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.kv_cache.offload.manager import OffloadManager
-from pagedllm.kv_cache.offload.ops import LoadReport
 from pagedllm.layers.sampler import NO_TOKEN
 from pagedllm.lora.slot_pool import LoRASlotPool
 from pagedllm.metrics.stats import KVCacheStats, SchedulerSnapshot
@@ -50,18 +51,6 @@ from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.multimodal.inputs import attend_ends, cut_before_split_runs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledTokens:
-    """What the sampler produced for one scheduled request (several tokens on a fork)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token
-    top_logprobs: list[dict[int, float]] | None = None
-    # token_ids follow one another in this one sequence (a verified speculative run), not one per fork
-    consecutive: bool = False
 
 
 @dataclass

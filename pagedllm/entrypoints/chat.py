@@ -9,6 +9,8 @@ import argparse
 import sys
 
 from pagedllm.engine.arg_utils import add_engine_args, engine_args_from_cli
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.cli import add_sampling_args, sampling_params_from_cli
 
 CHAT_EXAMPLES = """examples:
   pagedllm chat                                  # bundled demo model, plain continuation
@@ -19,7 +21,6 @@ Type /exit or press Ctrl-D to quit, /reset to start a new conversation.
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.cli import add_sampling_args
     parser = subparsers.add_parser("chat", help="interactive chat in the terminal (streams tokens)",
                                    epilog=CHAT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system", default=None, help="system prompt (chat-template models)")
@@ -72,8 +73,6 @@ class ChatSession:
 
 
 def run(args) -> int:
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.cli import sampling_params_from_cli
     engine = LLMEngine.from_engine_args(engine_args_from_cli(args))
     params = sampling_params_from_cli(args, dict(engine.model_config.generation_defaults))
     session = ChatSession(engine, params, args.system)

@@ -7,6 +7,9 @@ import sys
 import time
 
 from pagedllm.engine.arg_utils import add_engine_args, engine_args_from_cli
+from pagedllm.entrypoints import plan
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 GENERATE_EXAMPLES = """examples:
   pagedllm generate "And God said"
@@ -39,7 +42,6 @@ CLI_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=-1, min_p=0.0, max_tokens
 
 def sampling_params_from_cli(args, generation_defaults: dict | None = None):
     """Flags given on the command line, else the model's ``generation_defaults``, else CLI_DEFAULTS."""
-    from pagedllm.sampling_params import SamplingParams
     flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                  max_tokens=args.max_tokens, repetition_penalty=args.repetition_penalty)
     chosen = {**CLI_DEFAULTS, **(generation_defaults or {}), **{k: v for k, v in flags.items() if v is not None}}
@@ -50,7 +52,6 @@ def sampling_params_from_cli(args, generation_defaults: dict | None = None):
 
 
 def run_generate(args) -> int:
-    from pagedllm import LLM
     llm = LLM(**vars(engine_args_from_cli(args)))
     params = sampling_params_from_cli(args, dict(llm.llm_engine.model_config.generation_defaults))
     trace = None
@@ -96,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=run_generate)
-    from pagedllm.entrypoints import plan
     plan.register(sub)
     for optional in ("pagedllm.entrypoints.chat", "pagedllm.entrypoints.openai.api_server",
                      "pagedllm.entrypoints.router.cli", "pagedllm.entrypoints.dashboard.trace"):

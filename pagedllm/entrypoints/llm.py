@@ -14,6 +14,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.entrypoints import score_utils
+from pagedllm.entrypoints.openai.chat_features import load_chat_template
 from pagedllm.entrypoints.openai.media import MediaPolicy, load_image
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import KVCacheStats, Metric
@@ -59,7 +60,6 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
         if chat_template is not None:
-            from pagedllm.entrypoints.openai.chat_features import load_chat_template
             self.get_tokenizer().chat_template = load_chat_template(os.fspath(chat_template))
 
     def __enter__(self) -> LLM:

@@ -35,7 +35,6 @@ from pagedllm.config import (
     resolve_kv_cache_dtype,
 )
 from pagedllm.kv_cache.planning import kv_bytes, mean_blocks_per_sequence
-from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.layers.quantization import (
     LOAD_TIME_METHODS,
     grouped,
@@ -47,7 +46,7 @@ from pagedllm.layers.quantization import (
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
 from pagedllm.models.loader import DEMO_MODEL_NAME, config_dtype, demo_model_path, looks_like_path
-from pagedllm.models.moe import is_sparse_layer
+from pagedllm.models.shape import ConfigError, ModelShape, model_shape
 from pagedllm.multimodal.encoder_cache import encoder_cache_bytes
 from pagedllm.utils import format_size, parse_size
 
@@ -67,190 +66,8 @@ __all__ = [
 ]
 
 PLAN_DEVICES = ("cuda", "cpu")  # the device planned for: it decides what dtype "auto" means
-# Families whose MLP is up/down only (no gate projection); everything else is assumed
-# to be a gated (SwiGLU/GeGLU-style, 3-matrix) MLP, as in Llama.
-_NON_GATED_MLP = {
-    "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "mpt",
-}
-# Families whose config class ties lm_head to the embeddings when config.json is silent.
-_TIED_BY_DEFAULT = {"gpt2", "gpt_bigcode", "opt", "bloom", "falcon", "gemma", "gemma2", "gemma3_text"}
 # Families with a learned absolute position-embedding table.
 _LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt"}
-
-_MISSING = object()
-
-
-class ConfigError(ValueError):
-    """config.json could not be found, read, or understood."""
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a decoder-only transformer that matter for memory."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    gated_mlp: bool
-    num_experts: int = 0  # 0 = dense MLP
-    shared_expert_intermediate_size: int = 0
-    experts_per_token: int = 0  # top-k: the experts (and so the parameters) one token uses
-    num_moe_layers: int = 0  # layers with experts; the others have a dense MLP of dense_intermediate_size
-    dense_intermediate_size: int = 0
-    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none)
-    num_sliding_layers: int = 0
-    max_position_embeddings: int | None = None
-    config_dtype: str | None = None
-    mla: MLAShape | None = None  # multi-head latent attention (DeepSeek V2/V3): its projections and latent
-
-    @property
-    def kv_spec(self) -> KVCacheSpec:
-        """What one token stores per layer: the engine's spec (kv_cache/spec.py), on one rank."""
-        if self.mla is not None:
-            return KVCacheSpec.mla(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
-        return KVCacheSpec.full(self.num_kv_heads, self.head_dim)
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """DeepSeek's attention: q (direct, or through a ``q_lora_rank`` bottleneck), the latent
-    ``kv_lora_rank + qk_rope_head_dim`` and its decompression to per-head K (nope part) and V."""
-
-    q_lora_rank: int  # 0: a direct q_proj (V2-Lite)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> MLAShape | None:
-        if cfg.get("kv_lora_rank") is None:
-            return None
-        return cls(int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(_get(cfg, "qk_nope_head_dim")),
-                   int(_get(cfg, "qk_rope_head_dim")), int(_get(cfg, "v_head_dim")))
-
-    def attention_params(self, hidden: int, heads: int) -> int:
-        return sum(out * in_ for out, in_ in self.linear_shapes(hidden, heads))
-
-    def linear_shapes(self, hidden: int, heads: int) -> list[tuple[int, int]]:
-        """``(out, in)`` of the q, kv_a (latent + k_pe), kv_b (latent -> per-head K nope and V) and
-        o projections."""
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = [(self.q_lora_rank, hidden), (heads * qk, self.q_lora_rank)] if self.q_lora_rank else [(heads * qk, hidden)]
-        return q + [(self.kv_lora_rank + self.qk_rope_head_dim, hidden),
-                    (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
-                    (hidden, heads * self.v_head_dim)]
-
-
-def _get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
-    """First non-null value among ``keys`` in ``cfg``; ConfigError if none and no default."""
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    if default is _MISSING:
-        raise ConfigError(f"config.json has none of the fields {', '.join(keys)}")
-    return default
-
-
-def _text_config(config: dict) -> dict:
-    """Flatten multimodal configs: the language model's ``text_config`` wins over the top level."""
-    text = config.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" not in config:
-        return {**config, **text}
-    return dict(config)
-
-
-def _kv_heads(cfg: dict, num_heads: int) -> int:
-    """Number of key/value heads: explicit field, Falcon's multi_query, else MHA."""
-    explicit = _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
-                    "multi_query_group_num", "n_kv_heads", default=None)
-    if explicit is not None:
-        return int(explicit)
-    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
-        return 1
-    return num_heads
-
-
-def _experts(cfg: dict, hidden_inter: int) -> tuple[int, int, int]:
-    """(num_experts, per-expert intermediate size, shared-expert intermediate size)."""
-    num = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0))
-    if num <= 0:
-        return 0, hidden_inter, 0
-    inter = int(_get(cfg, "moe_intermediate_size", default=hidden_inter))
-    shared = cfg.get("shared_expert_intermediate_size")
-    if shared is None:
-        shared = int(cfg.get("n_shared_experts") or 0) * inter
-    return num, inter, int(shared)
-
-
-def _moe_layers(cfg: dict, num_layers: int) -> int:
-    """Layers with experts: all, except Qwen-MoE's ``mlp_only_layers`` and off-``decoder_sparse_step``
-    ones, and DeepSeek's ``first_k_dense_replace`` dense first layers."""
-    step, dense = int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers")
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    return sum(is_sparse_layer(i, step, dense) for i in range(first_dense, num_layers))
-
-
-def _sliding_layers(cfg: dict, num_layers: int) -> tuple[int, int]:
-    """(window, number of layers that slide): ``layer_types``, Gemma's ``sliding_window_pattern``
-    (every n-th layer global), or every layer (Mistral); none when ``use_sliding_window`` is false."""
-    window = int(cfg.get("sliding_window") or 0)
-    if not window or cfg.get("use_sliding_window") is False:
-        return 0, 0
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list):
-        return window, sum(t == "sliding_attention" for t in layer_types)
-    pattern = cfg.get("sliding_window_pattern")
-    if pattern:
-        return window, sum(1 for i in range(num_layers) if (i + 1) % int(pattern))
-    return window, num_layers
-
-
-def model_shape(config: dict) -> ModelShape:
-    """Extract a :class:`ModelShape` from a parsed ``config.json`` (Llama/GPT-2/Falcon-style names)."""
-    cfg = _text_config(config)
-    model_type = str(cfg.get("model_type", "unknown"))
-    hidden = int(_get(cfg, "hidden_size", "n_embd", "d_model", "dim"))
-    heads = int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"))
-    head_dim = int(_get(cfg, "head_dim", "kv_channels", default=0)) or hidden // heads
-    inter = int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden))
-    dense_inter = inter
-    num_experts, inter, shared = _experts(cfg, inter)
-    num_layers = int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    window, sliding = _sliding_layers(cfg, num_layers)
-    return ModelShape(
-        model_type=model_type,
-        num_layers=num_layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=_kv_heads(cfg, heads),
-        head_dim=head_dim,
-        intermediate_size=inter,
-        vocab_size=int(_get(cfg, "vocab_size", "padded_vocab_size")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
-        gated_mlp=model_type not in _NON_GATED_MLP,
-        num_experts=num_experts,
-        shared_expert_intermediate_size=shared,
-        experts_per_token=int(_get(cfg, "num_experts_per_tok", "moe_topk", default=0)) if num_experts else 0,
-        num_moe_layers=_moe_layers(cfg, num_layers) if num_experts else 0,
-        dense_intermediate_size=dense_inter,
-        sliding_window=window,
-        num_sliding_layers=sliding,
-        max_position_embeddings=_get(cfg, "max_position_embeddings", "n_positions", "max_sequence_length",
-                                     "seq_length", "max_seq_len", default=None),
-        config_dtype=_get(cfg, "torch_dtype", "dtype", default=None),
-        mla=MLAShape.from_config(cfg),
-    )
-
 
 def projection_params(shape: ModelShape, active: bool = False) -> int:
     """Parameters of the attention and MLP projection matrices, all layers (what int8 quantizes);
@@ -478,24 +295,11 @@ def plan_kv(
     shape = model_shape(config)
     max_model_len, mean_len = _resolve_lengths(shape, max_model_len, mean_len)
     weights_dtype, kv_dtype = _resolve_dtypes(shape, dtype, kv_cache_dtype, device)
-    num_params = count_params(shape)
-    estimated = weights_bytes is None
     quantization = resolve_quantization(quantization, config)  # a quantized checkpoint's own format
-    if quantization in LOAD_TIME_METHODS and shape.num_experts:
-        refuse_moe(quantization, str(shape.model_type))
-    layout = projection_layout(quantization, config)
-    with_panels = estimated and device == "cpu" and keeps_cpu_panels(quantization, config)
-    panels = _panel_bytes(shape, layout) if with_panels else 0
-    weights = _weights_bytes(shape, num_params, weights_dtype, layout, quantization) + panels if estimated \
-        else int(weights_bytes)
+    weights, panels = _planned_weights(config, shape, weights_dtype, quantization, device, weights_bytes)
     usable = int(gpu_memory * gpu_memory_utilization)
-    max_batched = default_max_num_batched_tokens(device) if max_num_batched_tokens is None else max_num_batched_tokens
-    _check_positive("max_num_batched_tokens", max_batched)
-    encoder = encoder_cache_bytes(max_batched, shape.hidden_size, weights_dtype.itemsize) if "vision_config" in config \
-        else 0
-    adapter = lora_adapter_bytes(shape, lora.max_lora_rank, lora.slot_dtype(weights_dtype).itemsize) if lora else 0
+    max_batched, encoder, adapter = _side_memory(config, shape, weights_dtype, device, max_num_batched_tokens, lora)
     budget = usable - weights - encoder - (lora.max_loras * adapter if lora else 0)
-
     per_token = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype)
     per_block = kv_bytes(shape.num_layers, shape.kv_spec, kv_dtype, block_size)
     num_blocks = max(budget, 0) // per_block
@@ -504,8 +308,8 @@ def plan_kv(
     return KVPlan(
         shape=shape, dtype=dtype_name(weights_dtype), dtype_bytes=weights_dtype.itemsize, block_size=block_size,
         max_model_len=max_model_len, mean_len=mean_len, gpu_memory=gpu_memory,
-        gpu_memory_utilization=gpu_memory_utilization, num_params=num_params,
-        weights_bytes=weights, weights_estimated=estimated, kv_bytes_per_token=per_token,
+        gpu_memory_utilization=gpu_memory_utilization, num_params=count_params(shape),
+        weights_bytes=weights, weights_estimated=weights_bytes is None, kv_bytes_per_token=per_token,
         kv_bytes_per_seq=per_token * max_model_len, kv_bytes_per_block=per_block,
         usable_memory=usable, kv_budget=budget, num_blocks=num_blocks,
         max_seqs_contiguous=max_seqs, blocks_per_mean_seq=blocks_per_mean,
@@ -516,6 +320,31 @@ def plan_kv(
         max_num_batched_tokens=max_batched, lora=lora,
         lora_bytes=lora.max_loras * adapter if lora else 0, lora_host_bytes=lora.num_cpu_loras * adapter if lora else 0,
     )
+
+
+def _side_memory(config: dict, shape: ModelShape, weights_dtype: torch.dtype, device: str,
+                 max_num_batched_tokens: int | None, lora: LoRAConfig | None) -> tuple[int, int, int]:
+    """(step token budget, encoder cache bytes, bytes of one LoRA slot): what the engine takes from
+    the KV budget beside the weights (a vision-language model's encoder cache, the adapter slots)."""
+    max_batched = default_max_num_batched_tokens(device) if max_num_batched_tokens is None else max_num_batched_tokens
+    _check_positive("max_num_batched_tokens", max_batched)
+    encoder = encoder_cache_bytes(max_batched, shape.hidden_size, weights_dtype.itemsize) \
+        if "vision_config" in config else 0
+    adapter = lora_adapter_bytes(shape, lora.max_lora_rank, lora.slot_dtype(weights_dtype).itemsize) if lora else 0
+    return max_batched, encoder, adapter
+
+
+def _planned_weights(config: dict, shape: ModelShape, weights_dtype: torch.dtype, quantization: str | None,
+                     device: str, weights_bytes: int | None) -> tuple[int, int]:
+    """(weight bytes, of which CPU panel copies): ``weights_bytes`` as given, else estimated from the
+    parameter count in ``quantization``'s layout (MoE models refuse the load-time formats)."""
+    if quantization in LOAD_TIME_METHODS and shape.num_experts:
+        refuse_moe(quantization, str(shape.model_type))
+    if weights_bytes is not None:
+        return int(weights_bytes), 0
+    layout = projection_layout(quantization, config)
+    panels = _panel_bytes(shape, layout) if device == "cpu" and keeps_cpu_panels(quantization, config) else 0
+    return _weights_bytes(shape, count_params(shape), weights_dtype, layout, quantization) + panels, panels
 
 
 # --------------------------------------------------------------------------- config loading

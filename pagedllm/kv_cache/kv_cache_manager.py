@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from pagedllm.contracts.tier_ops import LoadItem, LoadJob, TierOps
 from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
 from pagedllm.kv_cache.offload.manager import OffloadManager
-from pagedllm.kv_cache.offload.ops import LoadItem, LoadJob, TierOps
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
 from pagedllm.kv_cache.swap import CpuBlockPool
 from pagedllm.utils import cdiv

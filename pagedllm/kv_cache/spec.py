@@ -1,4 +1,4 @@
-"""What one token stores in one layer's KV cache (DESIGN core idea 12).
+"""What one token stores in one layer's KV cache (docs/design.md, core idea 12).
 
 Everything that sizes, allocates, moves or describes KV blocks reads a :class:`KVCacheSpec`
 instead of assuming K and V per head, so a new attention kind is a new spec:

@@ -7,12 +7,20 @@ and the row-parallel all-reduce runs on it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.layers import cpu_ops, quantization
+from pagedllm.layers import cpu_ops
 from pagedllm.layers.lora import LoRASlots
+
+# The forward of a projection whose weight a quantization format replaced, by the weight's dtype:
+# int8 codes (layers/quantization/int8.py), uint8 group-wise 4/8-bit codes (grouped.py), FP8
+# checkpoints (fp8.py). Each format registers its own when imported, which is before any weight
+# has its dtype; the formats import these classes, never the other way.
+QUANTIZED_FORWARD: dict[torch.dtype, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {}
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -41,12 +49,9 @@ class LinearBase(nn.Module):
         return y if self.lora is None else self.lora.apply(x, y)
 
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.int8:  # weight-only quantized (layers/quantization/int8.py)
-            return quantization.int8_linear(x, self.weight, self.weight_scale, self.bias)
-        if self.weight.dtype == torch.uint8:  # group-wise 4/8-bit codes (layers/quantization/grouped.py)
-            return quantization.grouped_linear(self, x)
-        if self.weight.dtype == torch.float8_e4m3fn:  # FP8 checkpoints (layers/quantization/fp8.py)
-            return quantization.fp8_linear(self, x)
+        quantized = QUANTIZED_FORWARD.get(self.weight.dtype)
+        if quantized is not None:
+            return quantized(self, x)
         return cpu_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 

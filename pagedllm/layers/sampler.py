@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.contracts.device_to_host import to_host
+from pagedllm.contracts.host_to_device import to_device
 from pagedllm.layers.ops import check_layer_ops
 from pagedllm.layers.penalty_history import PenaltyHistory
 from pagedllm.layers.sampling_inputs import SamplingInputs, prepare_inputs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState, StructuredOutputManager
 from pagedllm.structured_output.manager import apply_token_bitmask
-from pagedllm.worker.device_to_host import to_host
-from pagedllm.worker.host_to_device import to_device
 
 NO_TOKEN = -1  # a row's sampled id when its constraints allow no token at all
 
@@ -65,7 +65,7 @@ class Sampler:
 
     A step makes one host->device copy (``prepare``: the rows' inputs and the caller's own arrays)
     and one device->host copy: ``sample`` leaves every result on the device so the caller can
-    fetch it with its own results in one ``to_host`` (``worker/device_to_host.py``), and
+    fetch it with its own results in one ``to_host`` (``contracts/device_to_host.py``), and
     ``finish`` turns the fetched arrays into a ``SamplerOutput``. Nothing in between reads a
     device value on the host. Speculative verify's ``distributions`` makes the same one upload;
     its ``chosen_logprobs`` one more each way, for the tokens rejection sampling picked from them.

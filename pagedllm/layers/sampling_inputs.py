@@ -15,8 +15,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagedllm.contracts.host_to_device import to_device
 from pagedllm.layers.penalty_history import PenaltyHistory, pad_token_lists
-from pagedllm.worker.host_to_device import to_device
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.quantization import fp8, grouped
 from pagedllm.native import bindings
 from pagedllm.native.bindings import LAYER_ARRAY_FIELDS, LdBatch, LdModel
 
@@ -118,7 +119,6 @@ def _quantized_max_tokens(model) -> int:
     (grouped.C_MAX_ROWS, fp8.C_MAX_ROWS, cpu_ops.BF16_C_MAX_ROWS) past which the module path
     (one GEMM on widened weights; oneDNN's AMX GEMM for bf16) beats the one-call decoder; no
     limit otherwise."""
-    from pagedllm.layers.quantization import fp8, grouped
     first = _projections(model)[0]
     if first.weight.dtype == torch.bfloat16:
         return cpu_ops.BF16_C_MAX_ROWS
@@ -132,7 +132,6 @@ def _panels(linear) -> torch.Tensor | None:
     """A projection's panel copy, or None: a float32 weight's in ``dense_gemm.c``'s layout
     (``cpu_ops.pack_model``), group-wise 4/8-bit codes' in ``quant_gemm.c``'s (``grouped.install``;
     with ``panel_scale`` / ``panel_szero``)."""
-    from pagedllm.layers.quantization import grouped
     if getattr(linear, "quant_bits", None) in grouped.BITS and getattr(linear, "act_perm", None) is None:
         return getattr(linear, "panel_codes", None)
     packed = getattr(linear, "packed_weight", None)
@@ -155,7 +154,6 @@ def _panel_min(model) -> int:
     """LdModel.panel_min: projections with a panel copy take its GEMM from this many tokens.
     Group-wise codes: quant_gemm.c's where the module path switches (grouped.SMALL_MAX_ROWS + 1);
     float32: dense_gemm.c's from ``cpu_ops.decode_panel_min()`` (measured at start-up, kernel_tuning.py)."""
-    from pagedllm.layers.quantization import grouped
     bits = getattr(_projections(model)[0], "quant_bits", None)
     return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else cpu_ops.decode_panel_min()
 

@@ -3,6 +3,7 @@ CPU decoder (models/cpu_decode.py), which computes exactly this family's layer."
 from __future__ import annotations
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.models.cpu_decode import FusedCpuDecoder, unsupported_reason
 from pagedllm.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
@@ -21,7 +22,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def enable_fused_decode(self, backend: AttentionBackend) -> str | None:
         """Routes small float32 CPU batches through the one-call C decoder once the weights are
         loaded; returns why not, or None when enabled."""
-        from pagedllm.models.cpu_decode import FusedCpuDecoder, unsupported_reason
         reason = unsupported_reason(self.model, backend)
         if self.ops == "triton":
             reason = "the model is built for the Triton ops (fused_ops='triton')"

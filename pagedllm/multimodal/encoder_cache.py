@@ -16,8 +16,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.contracts.scheduler_output import EncoderInput
 from pagedllm.metrics.stats import Metric
-from pagedllm.multimodal.inputs import EncoderInput, MultiModalItem
+from pagedllm.multimodal.inputs import MultiModalItem
 
 
 @dataclass

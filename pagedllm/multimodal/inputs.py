@@ -61,15 +61,6 @@ def attend_ends(items, start: int, num_new: int):
     return ends
 
 
-@dataclass(frozen=True)
-class EncoderInput:
-    """An image the worker encodes this step; its embeddings stay in the worker's encoder cache
-    under ``hash`` until the scheduler frees them (``SchedulerOutput.encoder_frees``)."""
-
-    hash: bytes
-    data: dict[str, torch.Tensor] = field(repr=False)
-
-
 def to_pil_images(value: object) -> list[Image.Image]:
     """``multi_modal_data["image"]``: one image or a list of them, each a PIL image, an HWC uint8
     array or a CHW/HWC tensor (vLLM's accepted shapes), as RGB PIL images."""

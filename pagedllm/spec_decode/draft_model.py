@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig, ParallelConfig
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.layers.sampler import NO_TOKEN, Sampler, SamplingRow
 from pagedllm.spec_decode.rejection_sampler import best, draw
+from pagedllm.spec_decode.sequence import DraftedSequence
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -78,7 +78,7 @@ class DraftModelProposer:
         self.sampler = Sampler(persistent_penalties=False)  # rows are new lists every step
         self.seqs: dict[str, DraftSequence] = {}
 
-    def propose(self, batch: list[tuple[Request, int]]) -> dict[str, Proposal]:
+    def propose(self, batch: list[tuple[DraftedSequence, int]]) -> dict[str, Proposal]:
         """``batch``: (request, its number of drafts). Returns the proposals by request id."""
         active = [(req, k, self._sync(req)) for req, k in batch]
         requests = {req.request_id: req for req, _, _ in active}
@@ -90,7 +90,7 @@ class DraftModelProposer:
         return {rid: Proposal(seq.drafts, torch.stack(seq.probs)) for rid, seq in self.seqs.items()
                 if rid in requests and seq.drafts}
 
-    def _sync(self, req: Request) -> DraftSequence:
+    def _sync(self, req: DraftedSequence) -> DraftSequence:
         """Keeps the draft K/V of the longest common prefix with the target's tokens, but never
         the last token's (it is fed again for its logits: the target may not have run last step)."""
         seq = self.seqs.get(req.request_id)
@@ -103,7 +103,7 @@ class DraftModelProposer:
         self.kv.rollback(seq)
         return seq
 
-    def _allocate(self, seq: DraftSequence, req: Request) -> bool:
+    def _allocate(self, seq: DraftSequence, req: DraftedSequence) -> bool:
         limit = getattr(self.runner.model, "long_rope_offset", None)
         if limit is not None and not seq.long_rope and seq.num_tokens > limit:
             # LongRoPE draft past its original context: all its K/V again with the long factors
@@ -116,7 +116,8 @@ class DraftModelProposer:
         seq.num_computed_tokens, seq.drafts, seq.probs = 0, [], []
         return False
 
-    def _step(self, active: list[tuple[Request, int, DraftSequence]], requests: dict[str, Request]) -> None:
+    def _step(self, active: list[tuple[DraftedSequence, int, DraftSequence]],
+              requests: dict[str, DraftedSequence]) -> None:
         """One draft forward over every active sequence's uncomputed tokens; draws one draft each."""
         chunks = [self._chunk(seq) for _, _, seq in active]
         out = SchedulerOutput(chunks=chunks, released_ids=self.kv.take_released())

@@ -23,16 +23,16 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import SampledTokens
-from pagedllm.engine.scheduler_output import ScheduledChunk
+from pagedllm.contracts.sampled_tokens import SampledTokens
+from pagedllm.contracts.scheduler_output import ScheduledChunk
+from pagedllm.contracts.speculative_config import SpeculativeConfig
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.metrics.stats import Metric
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModelProposer, Proposal
 from pagedllm.spec_decode.metrics import SpecDecodeStats
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import rejection_sample
+from pagedllm.spec_decode.sequence import DraftedSequence
 
 MAX_BACKOFF_STEPS = 16
 
@@ -63,7 +63,7 @@ class Speculator:
         self.step = 0
 
     # ------------------------------------------------------------------ propose
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[DraftedSequence]) -> None:
         """Sets ``spec_token_ids`` on every running request that may speculate this step."""
         self.step += 1
         for req in running:
@@ -81,7 +81,7 @@ class Speculator:
             if req.request_id in self.proposals:
                 req.spec_token_ids = list(self.proposals[req.request_id].token_ids)
 
-    def _num_drafts(self, req: Request) -> int:
+    def _num_drafts(self, req: DraftedSequence) -> int:
         """0 unless the request is decoding (one token to compute, at least one generated: a prompt
         whose last token a token budget left for the next chunk has one to compute too, and its
         siblings still to fork), unconstrained and not backing off."""
@@ -96,7 +96,7 @@ class Speculator:
 
     # ------------------------------------------------------------------ verify
     def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
-               requests: dict[str, Request]) -> list[SampledTokens]:
+               requests: dict[str, DraftedSequence]) -> list[SampledTokens]:
         """Checks every speculative chunk against its verify rows (``logits``: ``[sum of k + 1,
         vocab]``, chunk by chunk); returns one consecutive run of tokens per request. Greedy
         requests go through the ordinary sampler (argmax), sampled ones through rejection sampling."""
@@ -115,7 +115,7 @@ class Speculator:
         return out
 
     def _accept_greedy(self, spec: list[ScheduledChunk], logits: torch.Tensor,
-                       requests: dict[str, Request]) -> list[SampledTokens]:
+                       requests: dict[str, DraftedSequence]) -> list[SampledTokens]:
         rows = [row for c in spec for row in self._rows(requests[c.request_id], _drafts(c))]
         result = self.sampler(logits, rows)  # each row's argmax, with its raw logprobs
         out, i = [], 0
@@ -128,7 +128,7 @@ class Speculator:
         return out
 
     def _accept_sampled(self, spec: list[ScheduledChunk], logits: torch.Tensor,
-                        requests: dict[str, Request]) -> list[SampledTokens]:
+                        requests: dict[str, DraftedSequence]) -> list[SampledTokens]:
         rows = [row for c in spec for row in self._rows(requests[c.request_id], _drafts(c))]
         probs, raw = self.sampler.distributions(logits, rows)
         accepted, i = [], 0  # per chunk: (first row, accepted tokens)
@@ -150,7 +150,7 @@ class Speculator:
             at += n
         return out
 
-    def _rows(self, req: Request, drafts: list[int]) -> list[SamplingRow]:
+    def _rows(self, req: DraftedSequence, drafts: list[int]) -> list[SamplingRow]:
         """Row j predicts the token after draft j - 1: its history holds the drafts before it
         (penalties, bad words) and min_tokens counts them."""
         rows = []

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from pagedllm.config import StructuredOutputConfig
+from pagedllm.contracts.grammar import spec_bytes, to_grammar
 from pagedllm.metrics.stats import Metric
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.compile_queue import SMALL_SPEC_BYTES, CompileJob, CompileQueue
-from pagedllm.structured_output.grammar import spec_bytes, to_grammar
 
 logger = logging.getLogger(__name__)
 

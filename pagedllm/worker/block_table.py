@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedllm.engine.scheduler_output import ScheduledChunk
+from pagedllm.contracts.scheduler_output import ScheduledChunk
 
 
 class PersistentBlockTable:

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.contracts.host_to_device import to_device
 from pagedllm.utils import human_bytes
-from pagedllm.worker.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import backend_for_soft_cap, get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.contracts.host_to_device import to_device
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
+from pagedllm.contracts.tier_ops import LoadReport, TierOps
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineGroup, PipelineStage, stage_of
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.kv_cache import sizing
-from pagedllm.kv_cache.offload.ops import LoadReport, TierOps
 from pagedllm.kv_cache.offload.worker_store import TierStore, build_tier_store
 from pagedllm.kv_cache.planning import blocks_per_sequence
 from pagedllm.kv_cache.spec import kv_spec_for
@@ -34,7 +35,6 @@ from pagedllm.worker import sleep_mode
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, agree_on_schedule, capture_sizes, replay_size
-from pagedllm.worker.host_to_device import to_device
 from pagedllm.worker.pipeline_execute import StagePipeline
 
 logger = logging.getLogger(__name__)

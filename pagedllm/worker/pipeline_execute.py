@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.distributed.pipeline import PipelineGroup
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 def split_micro_batches(chunks: list[ScheduledChunk], max_batches: int) -> list[list[ScheduledChunk]]:

@@ -16,8 +16,8 @@ from graph_safe_backend import EagerStandIn, GraphSafeDecodeBackend
 from test_parallel_state import _two_ranks
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.contracts.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pagedllm.worker.cuda_graphs import agree_on_schedule
 from pagedllm.worker.model_runner import ModelRunner
 

@@ -303,7 +303,7 @@ def test_draft_weights_are_counted_from_the_checkpoint(llama_dir, dtype):
     import transformers as tf
 
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.spec_decode.memory import draft_memory
+    from pagedllm.worker.draft_memory import draft_memory
     config = EngineArgs(llama_dir, dtype=dtype, speculative_config={"model": llama_dir, "num_speculative_tokens": 2}
                         ).create_engine_config()
     hf = tf.AutoModelForCausalLM.from_pretrained(llama_dir)

@@ -10,7 +10,7 @@ import pytest
 from conftest import random_prompts
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.grammar import lengths_as_patterns
+from pagedllm.contracts.grammar import lengths_as_patterns
 
 # maxLength has its own test below (xgrammar 0.2.9's rule for it admits raw control characters,
 # so grammar.lengths_as_patterns rewrites it as a pattern)
@@ -242,7 +242,7 @@ def test_json_at_temperature_1_with_free_whitespace_ends_in_a_valid_document(lla
     """Whitespace is free (no disable_any_whitespace) but bounded per gap: sampled at temperature 1,
     every one of 16 samples is a document that validates, ended by the grammar, not by max_tokens
     (unbounded, a random model wrote "{" and whitespace until max_tokens)."""
-    from pagedllm.structured_output.grammar import JSON_MAX_WHITESPACE
+    from pagedllm.contracts.grammar import JSON_MAX_WHITESPACE
     engine = LLM(llama_dir if model == "random" else "pagedllm-demo", block_size=8, num_gpu_blocks_override=400,
                  max_model_len=512)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=StructuredOutputsParams(

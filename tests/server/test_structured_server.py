@@ -121,7 +121,7 @@ BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for 
 def test_a_spec_over_the_limit_is_refused_before_it_is_parsed(live_server, monkeypatch, path, body):  # noqa: F811
     """The size limit used to be checked after the constructor parsed the spec on the event loop:
     a 3 MB schema (a body under the 4 MiB limit) held every client 4.6 s before its 400."""
-    import pagedllm.structured_output.grammar as grammar
+    import pagedllm.contracts.grammar as grammar
     parsed = []
     monkeypatch.setattr(grammar, "check_grammar", lambda params: parsed.append(params.kind))
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "hello"}

@@ -7,9 +7,9 @@ import argparse
 import pytest
 
 from pagedllm import LLM
+from pagedllm.contracts.speculative_config import SpeculativeConfig, parse_speculative_config
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args
 from pagedllm.sampling_params import BeamSearchParams
-from pagedllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 def test_ngram_defaults_follow_vllm():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.contracts.scheduler_output import ScheduledChunk
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler_output import ScheduledChunk
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.speculator import Speculator
 

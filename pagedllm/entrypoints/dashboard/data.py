@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.config import dtype_name
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.plan import load_config, plan_kv
 
 _METRIC_PREFIXES = ("pagedllm:", "vllm:")
 _DROPPED_LABELS = ("model_name", "engine")  # the same for every sample of one server
@@ -60,7 +61,6 @@ def build_config_card(engine: LLMEngine) -> dict:
 def _plan_estimate(c, card: dict) -> dict:
     """``plan_kv`` on the model's config.json for this engine's settings: its bytes per block and
     token, its weights estimate, and how many blocks the engine's measured KV budget holds by it."""
-    from pagedllm.entrypoints.plan import load_config, plan_kv
     try:
         plan = plan_kv(load_config(c.model.model), gpu_memory=1 << 50, max_model_len=c.model.max_model_len,
                        block_size=c.cache.block_size, dtype=card["dtype"], kv_cache_dtype=card["kv_cache_dtype"],

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import EngineSleepingError
+from pagedllm.version import __version__
 
 from .serving import error_body
 
@@ -45,7 +46,6 @@ def _error(exc: Exception, status: int = 400) -> JSONResponse:
 # ---------------------------------------------------------------------- open
 @public.get("/version")
 async def version() -> dict:
-    from pagedllm import __version__
     return {"version": __version__}
 
 
@@ -67,7 +67,6 @@ async def is_sleeping(raw: Request) -> dict:
 @control.get("/server_info")
 async def server_info(raw: Request) -> dict:
     """The engine's resolved configuration (as text, like vLLM's ``vllm_config``)."""
-    from pagedllm import __version__
     engine = _engine(raw).engine
     return {"version": __version__, "engine_config": str(engine.config),
             "num_gpu_blocks": engine.executor.num_blocks, "num_cpu_blocks": engine.executor.num_cpu_blocks}

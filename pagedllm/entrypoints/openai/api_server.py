@@ -27,6 +27,7 @@ from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.headless import is_headless, run_headless
 from pagedllm.entrypoints.http_common import (
     HttpOptions,
     add_http_args,
@@ -306,7 +307,6 @@ def run_server(args: argparse.Namespace) -> int:
         return run_data_parallel(args, serve=run_server)
     engine_args = engine_args_from_cli(args)
     config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
-    from pagedllm.entrypoints.headless import is_headless, run_headless
     if is_headless(config, args.headless):
         return run_headless(config)
     app = build_app(LLMEngine(config), served_model_name=list(engine_args.served_model_names()),

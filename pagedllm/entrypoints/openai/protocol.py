@@ -8,13 +8,15 @@ Range checks live in ``SamplingParams`` so the API and the Python API agree.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
 from pagedllm import envs
-from pagedllm.sampling_params import SEED_MAX, SEED_MIN
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 # int64 range: larger values cannot become tensors or generator seeds
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -67,8 +69,34 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = False  # usage (so far) on every chunk
 
 
-class SamplingFields(RequestModel):
-    """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+def _wire_type(name: str, hint: Any) -> Any:
+    """A SamplingParams field's type on the wire: integers bounded to int64 (a seed to its range),
+    token id lists as int64 lists, the structured-outputs object as its fields' dict."""
+    if name == "seed":
+        return Seed | None
+    wire = {int: Int64, int | None: Int64 | None, list[int] | None: list[TokenId] | None,
+            StructuredOutputsParams | None: dict[str, Any] | None}
+    return wire.get(hint, hint)
+
+
+def sampling_fields(names: typing.Iterable[str]) -> dict[str, Any]:
+    """``{name: (wire type, default)}`` of SamplingParams fields, for ``create_model``: the request
+    models take their names, types and defaults from the one declaration (sampling_params.py)."""
+    hints = typing.get_type_hints(SamplingParams)
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return {name: (_wire_type(name, hints[name]), defaults[name]) for name in names}
+
+
+# vLLM's extra sampling fields of completions and chat: SamplingParams' own, with its defaults
+_VllmSamplingExtras = create_model(
+    "_VllmSamplingExtras", __base__=RequestModel,
+    **sampling_fields(("stop_token_ids", "allowed_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
+                       "include_stop_str_in_output", "skip_special_tokens", "bad_words", "truncate_prompt_tokens")))
+
+
+class SamplingFields(_VllmSamplingExtras):
+    """Sampling fields shared by completions and chat: OpenAI's, whose unset value (None) means the
+    model's generation_config default, and vLLM's extras (from SamplingParams, above)."""
 
     model: str | None = None
     n: Int64 | None = 1
@@ -87,16 +115,7 @@ class SamplingFields(RequestModel):
     top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: Int64 = 0
-    stop_token_ids: list[TokenId] | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     spaces_between_special_tokens: SpacesBetweenSpecialTokens = True
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: Int64 | None = None
-    prompt_logprobs: Int64 | None = None  # per prompt position: its token and the top-k (-1: all)
     return_token_ids: bool | None = False  # prompt_token_ids and each choice's token_ids in the reply
     return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N" (default: the server's)
     priority: Int64 = 0  # needs the server's --scheduling-policy priority; lower values go first
@@ -248,33 +267,15 @@ class DetokenizeRequest(RequestModel):
     tokens: list[TokenId]
 
 
-class GenerateRequest(StrictModel):
-    """vLLM's legacy ``/generate`` body: a prompt, ``stream``, and SamplingParams fields."""
+# SamplingParams fields the legacy /generate never took (its body is StrictModel: refused by name)
+_NOT_ON_GENERATE = ("logit_bias", "allowed_token_ids", "prompt_logprobs", "detokenize", "output_kind", "extra_args",
+                    "bad_words_token_ids")
 
-    prompt: str | list[TokenId]
-    stream: bool = False
-    n: Int64 = 1
-    best_of: Int64 | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Int64 = -1
-    min_p: float = 0.0
-    seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    max_tokens: Int64 | None = 16
-    min_tokens: Int64 = 0
-    logprobs: Int64 | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True  # SamplingParams refuses False
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: Int64 | None = None
-    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
+GenerateRequest = create_model(
+    "GenerateRequest", __base__=StrictModel,
+    __doc__="vLLM's legacy ``/generate`` body: a prompt, ``stream``, and SamplingParams fields.",
+    prompt=(str | list[TokenId], ...), stream=(bool, False),
+    **sampling_fields(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _NOT_ON_GENERATE))
 
 
 # ---------------------------------------------------------------------- responses

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.contracts.grammar import check_spec_size, raw_spec_size
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.http_common import error_body, sse
@@ -29,7 +30,6 @@ from pagedllm.entrypoints.openai_common import ServingError
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.grammar import check_spec_size, raw_spec_size
 
 from .chat_features import ChatOptions
 from .client_identity import client_id

@@ -12,7 +12,9 @@ from pagedllm import envs
 from pagedllm.entrypoints.http_common import HttpOptions, add_http_args, http_options_from_cli, uvicorn_kwargs
 from pagedllm.entrypoints.http_guards import add_limit_args, limits_from_cli
 from pagedllm.entrypoints.openai.chat_features import load_chat_template
+from pagedllm.models.loader import DEMO_MODEL_NAME, demo_model_path
 
+from .app import build_router_app, load_hasher
 from .backends import BackendPool
 from .config import ROUTING_POLICIES, RouterConfig
 
@@ -115,7 +117,6 @@ def run_router(args: argparse.Namespace) -> int:
 def _resolved_tokenizer(name: str | None) -> str | None:
     """The bundled demo model's folder for its name; anything else goes to AutoTokenizer as given
     (a Hub id fetches only the tokenizer files, not the weights)."""
-    from pagedllm.models.loader import DEMO_MODEL_NAME, demo_model_path
     return demo_model_path() if name == DEMO_MODEL_NAME else name
 
 
@@ -133,7 +134,6 @@ def serve_router(config: RouterConfig, host: str, port: int, log_level: str,
     middleware), ``log_level`` overriding theirs."""
     import uvicorn
 
-    from .app import build_router_app, load_hasher
     http_options = dataclasses.replace(http_options or HttpOptions(), uvicorn_log_level=log_level)
     app = build_router_app(config, load_hasher(config), http_options)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=config.limits.shutdown_timeout,

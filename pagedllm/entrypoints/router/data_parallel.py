@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagedllm import platform
+from pagedllm.engine.arg_utils import engine_args_from_cli
 from pagedllm.entrypoints.openai.chat_features import load_chat_template
 from pagedllm.utils import check_int
 
@@ -92,11 +94,10 @@ def plan_replicas(args: argparse.Namespace, config) -> list[ReplicaPlan]:
     n, ranks = args.data_parallel_size, config.parallel.world_size
     if config.device.type == "cuda":
         return _cuda_plans(args, config, n, ranks)
-    from pagedllm.platform import physical_cores
-    threads = args.num_threads or max(1, physical_cores() // (n * ranks))
-    if args.num_threads is None and physical_cores() < n * ranks:
+    threads = args.num_threads or max(1, platform.physical_cores() // (n * ranks))
+    if args.num_threads is None and platform.physical_cores() < n * ranks:
         logger.warning("%d replicas x %d ranks on %d physical cores: each rank gets 1 thread (oversubscribed)",
-                       n, ranks, physical_cores())
+                       n, ranks, platform.physical_cores())
     share = args.gpu_memory_utilization / n  # the replicas share this host's RAM
     return [ReplicaPlan(i, free_port(), threads, args.device, share) for i in range(n)]
 
@@ -205,7 +206,6 @@ def stop_replicas(processes: list, grace: float) -> None:
 
 def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
     """Starts the replicas (each runs ``serve``), serves the router until interrupted, then stops the replicas."""
-    from pagedllm.engine.arg_utils import engine_args_from_cli
     config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, before N processes start
     plans = plan_replicas(args, config)
     started_ray = False

@@ -1,7 +1,7 @@
 """Tiers below the device block pool: prefix blocks evicted from the pool live on in CPU memory
 and on disk, and come back on a prefix hit.
 
-Two halves, talking only through :mod:`~pagedllm.kv_cache.offload.ops`:
+Two halves, talking only through :mod:`~pagedllm.contracts.tier_ops`:
 
 * the scheduler side (:class:`~pagedllm.kv_cache.offload.manager.OffloadManager`) owns the
   bookkeeping: which block hash sits in which CPU slot (an LRU), whether a hash is on disk, and

@@ -26,9 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
-from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.ops import (
+from pagedllm.contracts.tier_ops import (
     BELOW_CPU,
     DEVICE_TO_CPU,
     TIER_CPU,
@@ -39,6 +37,8 @@ from pagedllm.kv_cache.offload.ops import (
     LoadReport,
     TierOps,
 )
+from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, RemoteTier
 from pagedllm.kv_cache.offload.tier_fs import OPS
 

@@ -21,10 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
-from pagedllm.kv_cache.offload.ops import (
+from pagedllm.contracts.tier_ops import (
     BELOW_CPU,
     CPU_TO_DISK,
     CPU_TO_REMOTE,
@@ -37,6 +34,9 @@ from pagedllm.kv_cache.offload.ops import (
     LoadReport,
     TierOps,
 )
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kv_cache.offload.disk_tier import DiskTier
+from pagedllm.kv_cache.offload.fingerprint import kv_fingerprint
 from pagedllm.kv_cache.offload.remote_tier import RemoteTier
 from pagedllm.kv_cache.offload.setup import num_cpu_tier_blocks, tiers_enabled
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.awq import AWQMethod
 from pagedllm.layers.quantization.base import QuantMethod
 from pagedllm.layers.quantization.checkpoint import CheckpointMethod
@@ -123,7 +125,6 @@ def keeps_cpu_panels(method: str | None, hf_config) -> bool:
 
 
 def _linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from pagedllm.layers.linear import LinearBase
     return [m for m in model.modules() if isinstance(m, LinearBase)]
 
 
@@ -154,7 +155,6 @@ def quantize_model(model: torch.nn.Module, method: str | None) -> int:
     ``int4``; returns how many. Checkpoint formats were converted while loading: 0."""
     if check_method(method) not in LOAD_TIME_METHODS:
         return 0
-    from pagedllm.layers.fused_moe import FusedMoE
     if any(isinstance(m, FusedMoE) for m in model.modules()):  # refused, not half-applied
         refuse_moe(method, type(model).__name__)
     return process_weights(model, Int8Method() if method == "int8" else Int4Method())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.layers.quantization import grouped
 from pagedllm.layers.quantization.base import QuantMethod
 
@@ -75,7 +76,6 @@ class CheckpointMethod(QuantMethod):
 
     def _local_groups(self, layer: torch.nn.Module, in_features: int) -> int:
         """Groups in this rank's slice of the inputs (row-parallel layers hold 1/tp of them)."""
-        from pagedllm.layers.linear import RowParallelLinear
         tp = layer.tp_size if isinstance(layer, RowParallelLinear) else 1
         if self.group_size == -1:
             return 1
@@ -102,7 +102,6 @@ class CheckpointMethod(QuantMethod):
 
     def _check_shape(self, layer: torch.nn.Module, shape: torch.Tensor) -> None:
         """The checkpoint's own record of the unpacked shape ``[out, in]`` must match the layer's."""
-        from pagedllm.layers.linear import RowParallelLinear
         codes = next(getattr(layer, t.name) for t in self.checkpoint_tensors() if t.kind == "codes")
         in_features = codes.shape[1] * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
         if shape.numel() != 2 or int(shape[1]) != in_features:
@@ -126,7 +125,6 @@ class CheckpointMethod(QuantMethod):
     def _first_group(self, layer: torch.nn.Module, local_groups: int) -> int:
         """g_idx numbers the groups of the whole layer; a row-parallel rank holds groups
         ``[rank * local_groups, (rank + 1) * local_groups)`` (all of them when there is one)."""
-        from pagedllm.layers.linear import RowParallelLinear
         if not isinstance(layer, RowParallelLinear) or self.group_size == -1:
             return 0
         return layer.tp_rank * local_groups
@@ -135,7 +133,6 @@ class CheckpointMethod(QuantMethod):
 def shard_into(layer: torch.nn.Module, param: torch.nn.Parameter, full: torch.Tensor, shard_id,
                 spec: CheckpointTensor) -> None:
     """Copies this rank's slice of the logical tensor ``full`` into ``param`` (module docstring)."""
-    from pagedllm.layers.linear import RowParallelLinear
     axis = _INPUT_AXIS[spec.kind]
     if isinstance(layer, RowParallelLinear):
         size = param.shape[axis]

@@ -41,12 +41,15 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.linear import QUANTIZED_FORWARD, ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.layers.quantization.checkpoint import CheckpointTensor, shard_into
 from pagedllm.layers.quantization.config import require
-from pagedllm.native import bindings
+from pagedllm.native import abi, bindings
+from pagedllm.native.build import HEADER
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# largest finite float8_e4m3fn, from the header the C kernels use (native/abi.py reads constants this way)
+FP8_MAX = float(abi.header_constant(HEADER.read_text(), "PN_FP8_E4M3_MAX"))
 # up to this many rows the C kernel (bytes widened in registers) beats dequantize + MKL GEMM;
 # measured with the AVX-512 kernel on the ~200M model's 64 projections, 2 threads
 # (benchmarks/quant_kernels.py --tokens T --kinds fp8,fp8-gemm, ms per step, kernel / widen +
@@ -139,7 +142,6 @@ class Fp8Method(QuantMethod):
 
     def _local_groups(self, layer: torch.nn.Module, in_features: int) -> int:
         """Weight-scale groups per row in this rank's slice of the inputs."""
-        from pagedllm.layers.linear import RowParallelLinear
         if self.scheme.block is None:
             return 1
         bk, tp = self.scheme.block[1], layer.tp_size if isinstance(layer, RowParallelLinear) else 1
@@ -172,7 +174,6 @@ class Fp8Method(QuantMethod):
         """The checkpoint's weight scale as one row per output row, ``[rows, groups]``. A per-tensor
         scale is the same for every row: it becomes a column tall enough for the layer's own
         loader to take any shard's rows from (``shard_into``)."""
-        from pagedllm.layers.linear import ColumnParallelLinear
         tall = param.shape[0] * (layer.tp_size if isinstance(layer, ColumnParallelLinear) else 1)
         if self.scheme.block is not None:
             return scale.repeat_interleave(self.scheme.block[0], dim=0)[:tall]  # [>= out, in / bk]
@@ -344,3 +345,6 @@ def _scaled_mm_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if layer.bias is not None:  # added here: not every scaling mode takes a bias
         y = y + layer.bias
     return y.view(*x.shape[:-1], layer.weight.shape[0])  # [..., out]
+
+
+QUANTIZED_FORWARD[torch.float8_e4m3fn] = fp8_linear

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.linear import QUANTIZED_FORWARD
 from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import native_f32, scratch_buffer
 from pagedllm.native import bindings
@@ -217,3 +218,6 @@ def _triton_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return grouped_gemm(rows, q, scale, szero, bias, group, bits).view(*x.shape[:-1], q.shape[0])  # [..., out]
+
+
+QUANTIZED_FORWARD[torch.uint8] = grouped_linear

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.linear import QUANTIZED_FORWARD
 from pagedllm.layers.ops import triton_available
 from pagedllm.layers.quantization.base import QuantMethod, native_f32, scratch_buffer
 from pagedllm.native import bindings
@@ -91,3 +92,10 @@ def _c_linear(native: bindings.NativeLibrary, x: torch.Tensor, q: torch.Tensor, 
     b = None if bias is None else bias.float().contiguous()
     native.linear(x, q, scale, b, y, torch.get_num_threads())
     return y
+
+
+def _int8_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return int8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+
+
+QUANTIZED_FORWARD[torch.int8] = _int8_forward

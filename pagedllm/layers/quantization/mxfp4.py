@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.ops import _interpreting, triton_available
 from pagedllm.layers.quantization.base import QuantMethod
 from pagedllm.native import bindings
 
@@ -63,7 +64,6 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
 
 
 def _triton_runs_on(device: torch.device) -> bool:
-    from pagedllm.layers.ops import _interpreting, triton_available
     return triton_available() and (device.type == "cuda" or _interpreting())
 
 

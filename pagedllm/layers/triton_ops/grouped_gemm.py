@@ -102,11 +102,3 @@ def grouped_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: t
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y
-
-
-def grouped_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, szero: torch.Tensor,
-                     bias: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
-    """The reference: the whole weight dequantized in float64, one GEMM, rounded to x's dtype."""
-    from pagedllm.layers.quantization.grouped import dequantize
-    y = x.double() @ dequantize(q, scale, szero, group, bits, torch.float64).T
-    return (y if bias is None else y + bias.double()).to(x.dtype)

@@ -249,7 +249,7 @@ int fp8_dequant(const uint8_t *w, const float *scale, float *out, int64_t rows, 
 /* FP8 activations (W8A8 formats): x rounded to e4m3 with its scale and scaled back            */
 /* ------------------------------------------------------------------------------------------ */
 
-#define E4M3_MAX 448.0f
+#define E4M3_MAX ((float)PN_FP8_E4M3_MAX)
 
 /* v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as torch's cast does: the
  * step is 2^-9 below 2^-6 (subnormals), else 2^(e - 4) for v in [2^(e-1), 2^e); v / step is

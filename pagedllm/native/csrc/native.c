@@ -34,6 +34,7 @@ static const Constant CONSTANTS[] = {
     {"QG_PANEL", QG_PANEL},
     {"DG_PANEL", DG_PANEL},
     {"DG_ROWS", DG_ROWS},
+    {"FP8_E4M3_MAX", PN_FP8_E4M3_MAX},
 };
 
 typedef struct {

@@ -59,6 +59,9 @@ static inline __attribute__((always_inline)) void pn_tile32(const int M, const f
 #define LD_MAX_TOKENS 64
 #define LD_PANEL_MAX_TOKENS 96
 
+/* Largest finite float8_e4m3fn: FP8 scales are amax / PN_FP8_E4M3_MAX (Python reads it from here). */
+#define PN_FP8_E4M3_MAX 448
+
 /* KV cache dtypes (the math is float32 whatever the cache holds; fp8 caches' scales are folded
  * into the softmax scale and the output by the caller). */
 enum { PN_DTYPE_F32 = 0, PN_DTYPE_F16 = 1, PN_DTYPE_BF16 = 2, PN_DTYPE_FP8_E4M3 = 3, PN_DTYPE_FP8_E5M2 = 4 };

@@ -14,11 +14,11 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.contracts.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.offload.setup import prefetch_tier_fingerprints
 from pagedllm.platform import available_ram, peak_rss, physical_cores
-from pagedllm.spec_decode.memory import draft_memory
+from pagedllm.worker.draft_memory import draft_memory
 from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
 
 logger = logging.getLogger(__name__)
