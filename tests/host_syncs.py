@@ -43,6 +43,7 @@ class HostSyncs:
         self.fetches = self.uploads = self.kernels = self.fetch_reads = self.armed_calls = 0
         self.armed, self.strict = armed, strict
         self._inside: str | None = None
+        self._redispatch = 0  # depth of calls the index watch passes on (their records were made outside)
 
     def arm_within(self, monkeypatch, owner, name: str) -> None:
         """Records only during calls of ``owner.name`` (counted in ``armed_calls``)."""
@@ -57,7 +58,7 @@ class HostSyncs:
         monkeypatch.setattr(owner, name, armed)
 
     def record(self, what: str) -> None:
-        if not self.armed:
+        if not self.armed or self._redispatch:
             return
         if self._inside == "fetch":
             self.fetch_reads += 1
@@ -120,8 +121,6 @@ def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_
     for owner in (torch, torch.Tensor):
         watch(owner, "repeat_interleave", "repeat_interleave without output_size", _repeats_read_on_host)
     watch(torch, "where", "torch.where(condition) (a nonzero)", lambda *a, **k: len(a) + len(k) == 1)
-    watch(torch.Tensor, "__getitem__", "boolean-mask index", lambda self, index: _is_mask(index))
-    watch(torch.Tensor, "__setitem__", "boolean-mask write", lambda self, index, value: _is_mask(index))
     watch(torch.Tensor, "to", "Tensor.to(device)", lambda self, *a, **k: _has_device(a, k))
     watch(torch.Tensor, "cuda", "Tensor.cuda")
     watch(torch.cuda, "synchronize", "torch.cuda.synchronize")
@@ -135,7 +134,31 @@ def count_host_syncs(monkeypatch, fetch_sites: list, upload_sites: list, kernel_
         monkeypatch.setattr(module, name, syncs.sanctioned("upload", getattr(module, name)))
     for module, name in kernel_sites:
         monkeypatch.setattr(module, name, syncs.sanctioned("kernel", getattr(module, name)))
-    yield syncs
+    with _MaskIndexWatch(syncs):
+        yield syncs
+
+
+class _MaskIndexWatch(torch.overrides.TorchFunctionMode):
+    """Boolean-mask indexing and writes (their result's size is read on the host), seen as torch
+    functions. Not by patching ``Tensor.__getitem__``: assigning that dunder on the class gives it
+    a sequence slot that outlives the undo, after which ``torch.tensor([t0, t1])`` of 0-d tensors
+    raises "len() of a 0-d tensor" in every later test of the process."""
+
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            if self.syncs._inside is None and len(args) > 1 and _is_mask(args[1]):
+                self.syncs.record("boolean-mask index" if func is torch.Tensor.__getitem__ else "boolean-mask write")
+            return func(*args, **(kwargs or {}))
+        # a method the guard patched reaches here again as its patched self (already recorded)
+        self.syncs._redispatch += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.syncs._redispatch -= 1
 
 
 def interpreted_launches() -> list:

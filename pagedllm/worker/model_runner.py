@@ -230,6 +230,7 @@ class ModelRunner:
         self.block_table.reset()
         if self.device.type == "cpu":
             self.model.disable_fused_decode()  # it holds pointers into the pool
+            self._fused_decoder = None  # (the LoRA step's copy of the same reference)
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Undoes ``sleep`` for ``tags`` ("weights": their storage back, with their values after a

@@ -28,9 +28,9 @@ def test_a_build_with_different_output_is_refused(tmp_path):
     wrong = tmp_path / "csrc"
     shutil.copytree(CSRC, wrong)
     src = (wrong / "paged_attention.c").read_text()
-    assert src.count("const float inv = 1.0f / S->l[r];") == 1
-    (wrong / "paged_attention.c").write_text(src.replace("const float inv = 1.0f / S->l[r];",
-                                                         "const float inv = 1.001f / S->l[r];"))
+    assert src.count("const float inv = 1.0f / (S->l[r] + sink);") == 1
+    (wrong / "paged_attention.c").write_text(src.replace("const float inv = 1.0f / (S->l[r] + sink);",
+                                                         "const float inv = 1.001f / (S->l[r] + sink);"))
     with pytest.raises(SystemExit, match="output differs"):
         ab.main(["--csrc", f"{CSRC},{wrong}", *TINY])
 

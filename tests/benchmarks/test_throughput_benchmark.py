@@ -270,7 +270,7 @@ def test_cpu_lock_is_shared_for_the_run_and_exclusive_while_timing(tmp_path):
 def test_compare_llamacpp_alternates_a_loaded_worker_and_reports_pair_ratios(llama_dir, tmp_path, monkeypatch):
     """--compare-llamacpp with a stand-in llama_cpp (tests/fake_llamacpp): one worker process
     kept loaded, one ratio per repeat, their median; a missing GGUF is refused by name."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "fake_llamacpp"))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1] / "fake_llamacpp"))
     import sys
     argv = ["--model", llama_dir, "--quick", "--repeats", "3", "--workloads", "single", "--skip-hf",
             "--kv-cache-memory", "64MiB", "--num-threads", "2", "--compare-llamacpp", sys.executable]
