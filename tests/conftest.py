@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -246,3 +248,14 @@ def fp8_act_hook(mode: str, group: int, input_scale: float | None):
                 return ((xs / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2),
         return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,
     return hook
+
+
+@pytest.fixture
+def isolated_ray(monkeypatch):
+    """A Ray temp dir of the test's own (``RAY_TMPDIR``, short for Ray's socket paths): there,
+    ``ray.init(address="auto")`` finds only the Ray this test starts, never one another pytest-xdist
+    worker's test started (and will shut down under it)."""
+    path = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -15,7 +15,7 @@ RAY_SCENARIOS = Path(__file__).with_name("ray_scenarios.py")
 pytest.importorskip("ray", reason="the Ray executor needs Ray (pip install 'pagedllm[ray]')")
 
 
-def test_ray_tp2_matches_transformers_and_fails_fast(llama_dir, hf_models):
+def test_ray_tp2_matches_transformers_and_fails_fast(llama_dir, hf_models, isolated_ray):
     prompts = random_prompts(3, seed=38, hi=20)
     expected = [hf_greedy(hf_models["llama"], p, MAX_NEW) for p in prompts]
     result = scenario("lifecycle", llama_dir, prompts, timeout=420, script=RAY_SCENARIOS)

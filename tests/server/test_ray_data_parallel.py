@@ -51,7 +51,7 @@ def _complete(url: str, prompt: str) -> str:
     return out.choices[0].text
 
 
-def test_ray_replicas_serve_restart_and_leave_nothing(server_model_dir, tmp_path):  # noqa: F811
+def test_ray_replicas_serve_restart_and_leave_nothing(server_model_dir, tmp_path, isolated_ray):  # noqa: F811
     port, log = free_port(), tmp_path / "server.log"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", server_model_dir, "--data-parallel-size", "2",
            "--data-parallel-backend", "ray", "--port", str(port), "--block-size", "8",
