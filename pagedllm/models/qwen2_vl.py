@@ -118,10 +118,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
-        for prefix, ours in _RENAMES:
-            if name.startswith(prefix):
-                name = ours + name.removeprefix(prefix)
-                break
+        name = self.renamed(name, _RENAMES)
         if name.startswith("language_model."):
             yield from self.language_weights(name, tensor)
             return

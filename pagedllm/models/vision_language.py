@@ -29,6 +29,15 @@ class VisionLanguageModel(nn.Module):
     def stage_layers(self) -> list[nn.Module]:
         return self.language_model.stage_layers()
 
+    @staticmethod
+    def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+        """``name`` with the first matching checkpoint prefix of ``renames`` replaced by ours (the
+        transformers 5 layout ``model.language_model.`` etc. onto the module tree)."""
+        for prefix, ours in renames:
+            if name.startswith(prefix):
+                return ours + name.removeprefix(prefix)
+        return name
+
     def language_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
         """A ``language_model.*`` checkpoint tensor through the language model's own mapping."""
         inner = name.removeprefix("language_model.")
