@@ -7,7 +7,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import torch
@@ -241,3 +241,13 @@ def seed_and_threads(config: EngineConfig) -> None:
     if config.device.type == "cpu":
         torch.set_num_threads(config.num_threads or num_threads_per_rank(config))
     torch.manual_seed(config.model.seed)
+
+
+def raise_dead(kind: str, reason: str, exc: BaseException) -> NoReturn:
+    """Raises why a ``kind`` call left the engine dead (after the executor recorded ``reason``):
+    a TimeoutError for a timeout, a RuntimeError for another failure, ``exc`` itself otherwise."""
+    if isinstance(exc, TimeoutError):
+        raise TimeoutError(f"{kind} call timed out, the engine is dead: {reason}") from exc
+    if isinstance(exc, Exception):
+        raise RuntimeError(f"{kind} step failed, the engine is dead: {reason}") from exc
+    raise exc

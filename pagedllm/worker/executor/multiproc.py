@@ -46,6 +46,7 @@ from pagedllm.worker.executor.base import (
     RankCall,
     Reply,
     answer,
+    raise_dead,
     rank_config,
     seed_and_threads,
     unpicklable_reply,
@@ -474,11 +475,7 @@ class MultiprocExecutor(Executor):
         """A call failed part-way: the ranks are out of step, so the engine stops; raises why."""
         reason = self._failure_reason(exc)
         self._fail(reason)
-        if isinstance(exc, TimeoutError):
-            raise TimeoutError(f"{self._workers.kind} call timed out, the engine is dead: {reason}") from exc
-        if isinstance(exc, Exception):
-            raise RuntimeError(f"{self._workers.kind} step failed, the engine is dead: {reason}") from exc
-        raise exc
+        raise_dead(self._workers.kind, reason, exc)
 
     def _failure_reason(self, exc: BaseException) -> str:
         local = self._workers.cause(_CAUSE_GRACE_S if self._workers.procs else 0.0)

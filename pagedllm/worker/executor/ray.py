@@ -34,7 +34,15 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import create_store, init_groups, join_store
 from pagedllm.distributed.pipeline import RankLayout
-from pagedllm.worker.executor.base import Executor, RankCall, Reply, answer, rank_config, seed_and_threads
+from pagedllm.worker.executor.base import (
+    Executor,
+    RankCall,
+    Reply,
+    answer,
+    raise_dead,
+    rank_config,
+    seed_and_threads,
+)
 from pagedllm.worker.executor.multiproc import Timeouts, parallel_kind, rank_label
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -318,11 +326,7 @@ class RayExecutor(Executor):
             f"every Ray actor is still running but the call failed on rank 0 (a collective gives up after "
             f"PAGEDLLM_TP_TIMEOUT={envs.PAGEDLLM_TP_TIMEOUT:g} s): {type(exc).__name__}: {exc}")
         self._fail(reason)
-        if isinstance(exc, TimeoutError):
-            raise TimeoutError(f"{kind} call timed out, the engine is dead: {reason}") from exc
-        if isinstance(exc, Exception):
-            raise RuntimeError(f"{kind} step failed, the engine is dead: {reason}") from exc
-        raise exc
+        raise_dead(kind, reason, exc)
 
     def _stop(self, graceful: bool) -> None:
         if getattr(self, "_finalizer", None) is not None:
