@@ -161,9 +161,10 @@ class ImageURL(StrictModel):
 
 
 class ContentPart(StrictModel):
-    type: str  # "text" or "image_url"
+    type: str  # "text", "image_url" or "video_url" (vLLM's; a video file or data:video/jpeg frames)
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: ImageURL | None = None
 
 
 class FunctionCall(StrictModel):
