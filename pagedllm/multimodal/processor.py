@@ -40,8 +40,6 @@ class ImageLayout:
     hidden_size: int | None = None  # the language model's (``image_embeds`` inputs must match it)
     # Gemma 3: an image's tokens attend to each other both ways (MultiModalItem.bidirectional)
     bidirectional: bool = False
-    # raises ValueError for processor options the model cannot honour
-    check_options: Callable[[dict], None] | None = None
     # videos (Qwen2-VL): the processor's output -> one dict of tensors per video, and each video's
     # M-RoPE temporal spacing; None: the model takes no video
     split_videos: Callable[[Mapping, int], list[dict[str, torch.Tensor]]] | None = None
@@ -57,7 +55,6 @@ def image_layout(model_cls: type, hf_config) -> ImageLayout:
                        functools.partial(grid, hf_config) if grid else None,
                        getattr(model_cls, "image_placeholder", None), text.hidden_size,
                        bool(getattr(model_cls, "bidirectional_images", False)),
-                       getattr(model_cls, "check_processor_options", None),
                        *(functools.partial(getattr(model_cls, name), hf_config) if hasattr(model_cls, name) else None
                          for name in ("split_videos", "video_intervals")),
                        getattr(model_cls, "video_placeholder", None))
@@ -255,8 +252,6 @@ class MultiModalProcessor:
         if unknown:
             raise ValueError(f"mm_processor_kwargs has {unknown}: this model's image processor takes "
                              f"{sorted(self.option_names)}")
-        if self.layout.check_options is not None:
-            self.layout.check_options(options)
         return options
 
     def _placeholder_runs(self, ids: list[int], lengths: list[int], token_id: int,

@@ -106,7 +106,12 @@ class ChatServing(ServingBase):
         media = await self.chat_media(req.messages)
         if media:  # the model's processor tokenizes the text and expands each image's / video's placeholder
             prompt = {"prompt": text, "multi_modal_data": media, "add_special_tokens": req.add_special_tokens}
+            if req.mm_processor_kwargs is not None:
+                prompt["mm_processor_kwargs"] = req.mm_processor_kwargs
             return await self.start(rid, [prompt], params, arrival, req)
+        if req.mm_processor_kwargs is not None:
+            raise ServingError(f"mm_processor_kwargs={req.mm_processor_kwargs!r:.80} needs image_url or video_url "
+                               "parts in the messages (for a vision-language model)", 400, "mm_processor_kwargs")
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:

@@ -232,6 +232,8 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the HF processor's options for the messages' images / videos (a vision-language model's), e.g. max_pixels
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class EmbeddingRequest(RequestModel):
