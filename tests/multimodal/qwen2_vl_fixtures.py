@@ -3,9 +3,13 @@
 Qwen2-VL image processor + the test tokenizer with the vision special tokens)."""
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from pagedllm.multimodal.processor import image_only_processor, load_hf_processor
 from tests.conftest import _tokenizer
@@ -84,6 +88,17 @@ def load_hf(path: str):
 def make_video(seed: int, frames: int = 4, size: tuple[int, int] = (40, 32)) -> np.ndarray:
     """A random RGB clip ``[frames, height, width, 3]`` (uint8)."""
     return np.random.RandomState(seed).randint(0, 256, (frames, *size, 3), dtype=np.uint8)
+
+
+def jpeg_frames_url(clip: np.ndarray) -> tuple[str, list]:
+    """vLLM's frames URL and the frames as the server will decode them."""
+    payloads = []
+    for frame in clip:
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="JPEG")
+        payloads.append(base64.b64encode(buf.getvalue()).decode())
+    return "data:video/jpeg;base64," + ",".join(payloads), [
+        np.asarray(Image.open(io.BytesIO(base64.b64decode(p))).convert("RGB")) for p in payloads]
 
 
 def hf_generate(hf, prompt: str, images: list, max_new_tokens: int, videos: list | None = None,

@@ -12,7 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.multimodal import qwen2_vl_fixtures
 from tests.multimodal.llava_fixtures import chunks_seen, make_image
-from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, VIDEO, hf_generate, load_hf, make_video
+from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, VIDEO, hf_generate, jpeg_frames_url, load_hf, make_video
 
 qwen2_vl_dir, qwen2_5_vl_dir = qwen2_vl_fixtures.qwen2_vl_dir, qwen2_vl_fixtures.qwen2_5_vl_dir  # fixtures
 
@@ -167,3 +167,15 @@ def test_models_without_video_refuse_it(tmp_path):
         processor.process("a <image>", {"video": make_video(1)})
     with pytest.raises(ValueError, match="limit_mm_per_prompt has 'video'"):
         MultiModalProcessor.from_pretrained(path, 368, MultiModalLimits((("video", 1),)), lambda data: IMAGE_TOKENS)
+
+
+def test_llm_chat_video_url_part(model):
+    """LLM.chat: a video_url part (vLLM's data:video/jpeg frames) becomes the video placeholder."""
+    llm, hf = model
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    url, frames = jpeg_frames_url(make_video(61))
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "what is this?"}]}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)[0]
+    text = f"user: {VIDEO}\nwhat is this?\nassistant:"
+    assert list(out.outputs[0].token_ids) == hf_generate(hf, text, [], MAX_NEW, [frames])

@@ -10,11 +10,10 @@ import io
 import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from tests.multimodal import qwen2_vl_fixtures
 from tests.multimodal.llava_fixtures import make_image
-from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, VIDEO, hf_generate, load_hf, make_video
+from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, VIDEO, hf_generate, jpeg_frames_url, load_hf, make_video
 from tests.multimodal.test_llava_server import MAX_NEW, _data_url
 from tests.server.live_server import CHAT_TEMPLATE, start_server
 
@@ -37,17 +36,6 @@ def _decoded(data: bytes) -> np.ndarray:
     """The file's frames as PyAV decodes them (the lossy codec changed the pixels)."""
     with av.open(io.BytesIO(data)) as container:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
-
-
-def _jpeg_frames_url(clip: np.ndarray) -> tuple[str, list]:
-    """vLLM's frames URL and the frames as the server will decode them."""
-    payloads = []
-    for frame in clip:
-        buf = io.BytesIO()
-        Image.fromarray(frame).save(buf, format="JPEG")
-        payloads.append(base64.b64encode(buf.getvalue()).decode())
-    return "data:video/jpeg;base64," + ",".join(payloads), [
-        np.asarray(Image.open(io.BytesIO(base64.b64decode(p))).convert("RGB")) for p in payloads]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +69,7 @@ def _video(url: str) -> dict:
 
 
 def test_jpeg_frames_and_an_image_match_transformers(client, hf):
-    url, frames = _jpeg_frames_url(make_video(3))
+    url, frames = jpeg_frames_url(make_video(3))
     image = make_image(4)
     out = _chat(client, [_video(url), {"type": "image_url", "image_url": {"url": _data_url(image)}}])
     text = f"<s>user: {VIDEO}\n{PLACEHOLDER}\nwhat is this?\nassistant:"
@@ -100,7 +88,7 @@ def test_mp4_file_with_its_frame_rate(client, hf, media_dir):
 
 
 def test_too_many_videos_is_a_400_naming_the_limit(client):
-    url, _ = _jpeg_frames_url(make_video(1, frames=2))
+    url, _ = jpeg_frames_url(make_video(1, frames=2))
     with pytest.raises(openai.BadRequestError) as info:
         _chat(client, [_video(url), _video(url)])
     assert info.value.body["param"] == "limit_mm_per_prompt" and "{'video': 1}" in info.value.body["message"]
