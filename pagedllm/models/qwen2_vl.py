@@ -11,6 +11,10 @@ The processor resizes an image to a multiple of ``patch_size * merge_size`` with
 ``image_grid_thw`` ``[images, 3]``; ``split_images`` cuts that per image. The tower is
 transformers' own module (weights load by their checkpoint names) on SDPA: it runs once per
 image, off the paged-KV path, which only the language model uses.
+
+A video is the same tower over ``pixel_values_videos`` (two consecutive frames per temporal
+patch) with ``video_grid_thw``; its M-RoPE temporal positions are spaced by ``video_intervals``
+(1 on Qwen2-VL; ``tokens_per_second * second_per_grid_ts`` on Qwen2.5-VL, as get_rope_index).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""One image of a prompt, as the engine carries it: its content hash, where its placeholder
-tokens sit in the prompt, and the processor's tensors the vision tower reads."""
+"""One image (or video, or image crop) of a prompt, as the engine carries it: its content hash,
+where its placeholder tokens sit in the prompt, and the processor's tensors the vision tower reads."""
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +12,12 @@ from PIL import Image
 
 @dataclass(frozen=True)
 class MultiModalItem:
-    """An image's placeholder run ``[offset, offset + length)`` in the prompt and its inputs.
+    """An image's (a video's, a crop's) placeholder run ``[offset, offset + length)`` in the
+    prompt and its inputs.
 
-    ``hash`` names the image's content (and the processor options that shaped its tensors): the
-    encoder cache and the prefix cache key on it, so the same image is encoded once and shares KV.
+    ``hash`` names the image's content (and the processor options that shaped its tensors; a
+    video's temporal spacing): the encoder cache and the prefix cache key on it, so the same image
+    is encoded once and shares KV.
     """
 
     hash: bytes

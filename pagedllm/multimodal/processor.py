@@ -136,10 +136,11 @@ class MultiModalProcessor:
 
     def process(self, text: str, mm_data: object, kwargs: object = None,
                 add_special_tokens: bool = True) -> tuple[list[int], tuple[MultiModalItem, ...]]:
-        """Token ids (each image's placeholder expanded to its embedding length) and one item per
-        image, in prompt order. ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat
-        template's text, which writes its own). Raises ValueError naming the field for anything
-        it cannot take."""
+        """Token ids (each image's / video's placeholder expanded to its embedding length) and one
+        item per placeholder run (an image, a video, a pan-and-scan crop), in prompt order.
+        ``mm_data``: ``{"image": ..., "video": ...}`` (multimodal/inputs.py, video.py).
+        ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat template's text, which
+        writes its own). Raises ValueError naming the field for anything it cannot take."""
         if isinstance(mm_data, Mapping) and isinstance(mm_data.get("image"), Mapping):
             return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images, (videos, metadata) = self._inputs(mm_data)
