@@ -103,3 +103,12 @@ def test_bad_videos_are_400s(client, url, match):
     with pytest.raises(openai.BadRequestError) as info:
         _chat(client, [_video(url)])
     assert info.value.body["param"] == "messages" and match in info.value.body["message"]
+
+
+def test_tokenize_refuses_video_parts(client):
+    import httpx
+    url, _ = jpeg_frames_url(make_video(1, frames=2))
+    messages = [{"role": "user", "content": [_video(url)]}]
+    base = str(client.base_url).removesuffix("/v1/")
+    r = httpx.post(f"{base}/tokenize", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 400 and "does not process images or videos" in r.json()["error"]["message"]
