@@ -15,7 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.vllm_args import unknown_keyword_error
 from pagedllm.entrypoints import score_utils
 from pagedllm.entrypoints.openai.chat_features import load_chat_template
-from pagedllm.entrypoints.openai.media import MediaPolicy, load_image
+from pagedllm.entrypoints.openai.media import MediaPolicy, load_image, load_video
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import KVCacheStats, Metric
 from pagedllm.multimodal.embeds import chat_embeds
@@ -128,8 +128,10 @@ class LLM:
         text parts into one string (with newlines, as vLLM), "openai" passes the parts as they
         are, "auto" = "string". A vision-language model also takes ``image_url`` parts (``{"url":
         ...}``: data:, or file:// / http(s) where ``allowed_local_media_path`` / ``allowed_media_domains``
-        allow) and ``image_pil`` parts (a PIL image); under "string" each becomes the model's image
-        placeholder, and ``mm_processor_kwargs`` goes to its processor. ``lora_request`` as in ``generate``."""
+        allow) and ``image_pil`` parts (a PIL image), and a model that takes videos ``video_url`` parts
+        (a video file, or vLLM's ``data:video/jpeg;base64,<frame>,<frame>,...``); under "string" each
+        becomes the model's image (video) placeholder, and ``mm_processor_kwargs`` goes to its
+        processor. ``lora_request`` as in ``generate``."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True and add_generation_prompt=True cannot be combined: the "
                              "first continues the last message, the second starts a new one; pass "
@@ -150,20 +152,21 @@ class LLM:
         """One conversation as a prompt: its token ids, or (with images) its text and images, which
         the model's processor tokenizes together (each placeholder expanded)."""
         multimodal = self.llm_engine.multimodal
-        images = chat_images(conversation, self.llm_engine.model_config) if multimodal is not None else []
-        if not images:
+        media = chat_media(conversation, self.llm_engine.model_config) if multimodal is not None else {}
+        images = media.get("image", [])
+        if not media:
             if mm_processor_kwargs is not None:
                 raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80} is not supported here: it needs "
                                  "image parts in the messages, for a vision-language model")
             messages = _content_as(conversation, content_format)
             return {"prompt_token_ids": _as_ids(tok.apply_chat_template(messages, tokenize=True, **options))}
-        messages = _content_as(conversation, content_format, multimodal.placeholder)
+        messages = _content_as(conversation, content_format, multimodal.placeholder, multimodal.video_placeholder)
         embeds = _parts_of(conversation, "image_embeds")
         if embeds and len(embeds) != len(images):
             raise ValueError("a conversation gives either images (image_url, image_pil) or image_embeds parts, "
                              "not both")
         prompt = {"prompt": tok.apply_chat_template(messages, tokenize=False, **options),
-                  "multi_modal_data": {"image": chat_embeds(embeds) if embeds else images},
+                  "multi_modal_data": {**media, **({"image": chat_embeds(embeds)} if embeds else {})},
                   "add_special_tokens": False}  # the template writes its own
         return {**prompt, "mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs is not None else prompt
 
@@ -373,26 +376,34 @@ def _refuse(value, name: str, why: str) -> None:
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-def _content_as(conversation: list[dict], content_format: str, image_placeholder: str | None = None) -> list[dict]:
+def _content_as(conversation: list[dict], content_format: str, image_placeholder: str | None = None,
+                video_placeholder: str | None = None) -> list[dict]:
     """The messages with list contents joined into one string ("string", "auto") or kept ("openai").
-    ``image_placeholder``: a vision-language model's image text, for its image parts."""
+    ``image_placeholder``: a vision-language model's image text, for its image parts (``video_placeholder``:
+    its video text, for ``video_url`` parts)."""
     if content_format not in _CONTENT_FORMATS:
         raise ValueError(f"chat_template_content_format={content_format!r} must be one of {_CONTENT_FORMATS}")
     if content_format == "openai":
         return conversation
-    return [{**m, "content": _joined_text(m["content"], i, image_placeholder)} if isinstance(m.get("content"), list)
-            else m for i, m in enumerate(conversation)]
+    return [{**m, "content": _joined_text(m["content"], i, image_placeholder, video_placeholder)}
+            if isinstance(m.get("content"), list) else m for i, m in enumerate(conversation)]
 
 
-def _joined_text(parts: list, i: int, image_placeholder: str | None = None) -> str:
+def _joined_text(parts: list, i: int, image_placeholder: str | None = None,
+                 video_placeholder: str | None = None) -> str:
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _IMAGE_PARTS and image_placeholder is not None:
             texts.append(image_placeholder)
             continue
+        if kind == "video_url" and video_placeholder is not None:
+            texts.append(video_placeholder)
+            continue
         if kind != "text":
-            allowed = ("text, image_url, image_pil and image_embeds parts" if image_placeholder
+            names = ["text", *(_IMAGE_PARTS if image_placeholder else ())]
+            names += ["video_url"] if video_placeholder else []
+            allowed = (f"{', '.join(names[:-1])} and {names[-1]} parts" if len(names) > 1
                        else "only text parts (text-only)")
             raise ValueError(f"messages[{i}].content has a {kind!r} part: {allowed} are supported")
         texts.append(part.get("text", ""))
@@ -402,22 +413,24 @@ def _joined_text(parts: list, i: int, image_placeholder: str | None = None) -> s
 _IMAGE_PARTS = ("image_url", "image_pil", "image_embeds")
 
 
-def chat_images(conversation: list[dict], model_config) -> list:
-    """The images of a conversation's ``image_url`` / ``image_pil`` parts (PIL images) and its
-    ``image_embeds`` parts (as given), in order."""
-    images = []
+def chat_media(conversation: list[dict], model_config) -> dict:
+    """A conversation's ``multi_modal_data``: the images of its ``image_url`` / ``image_pil`` parts
+    (PIL images) and ``image_embeds`` parts (as given), the videos of its ``video_url`` parts, in
+    order; empty without any."""
+    media: dict[str, list] = {}
     for i, message in enumerate(conversation):
         for part in message.get("content") if isinstance(message.get("content"), list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("image_pil", "image_embeds"):
-                images.append(part.get(kind))  # embeds: told apart by _chat_prompt
-            elif kind == "image_url":
-                url = part.get("image_url")
+                media.setdefault("image", []).append(part.get(kind))  # embeds: told apart by _chat_prompt
+            elif kind in ("image_url", "video_url"):
+                url = part.get(kind)
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
-                    raise ValueError(f"messages[{i}]: an image_url part needs image_url={{'url': ...}}")
-                images.append(load_image(url, MediaPolicy.of(model_config)))
-    return images
+                    raise ValueError(f"messages[{i}]: an {kind} part needs {kind}={{'url': ...}}")
+                load = load_image if kind == "image_url" else load_video
+                media.setdefault(kind.removesuffix("_url"), []).append(load(url, MediaPolicy.of(model_config)))
+    return media
 
 
 def _parts_of(conversation: list[dict], kind: str) -> list:

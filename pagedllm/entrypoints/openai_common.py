@@ -55,12 +55,13 @@ def template_options(req: ChatCompletionRequest) -> dict:
 
 def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
                 template: str | None = None, content_format: str = "auto", image_placeholder: str | None = None,
-                **kwargs) -> str:
+                video_placeholder: str | None = None, **kwargs) -> str:
     """The chat template (``template``, else ``server_template``, else the tokenizer's) applied to the
     messages: the prompt text. The one rendering path of the server (and of the router, which must
     see the same tokens). ``content_format`` (--chat-template-content-format): message content as a
     string, OpenAI's list of parts, or whichever the template reads ("auto"). ``image_placeholder``: a
-    vision-language model's image text, for ``image_url`` parts. ``kwargs`` go to
+    vision-language model's image text, for ``image_url`` parts (``video_placeholder``: its video
+    text, for ``video_url`` parts, where it takes videos). ``kwargs`` go to
     ``apply_chat_template`` (tools, template variables)."""
     template = template if template is not None else server_template
     if template is None and not getattr(tokenizer, "chat_template", None):
@@ -73,7 +74,8 @@ def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessa
         content_format = detect_content_format(text) if isinstance(text, str) else "string"
 
     def content_of(m: ChatMessage) -> str | list[dict]:
-        return content_for_template(message_text(m, image_placeholder), content_format) if m.content is not None else ""
+        text = message_text(m, image_placeholder, video_placeholder)
+        return content_for_template(text, content_format) if m.content is not None else ""
     try:
         conversation = conversation_of(messages, content_of)
     except RequestFieldError as exc:
@@ -85,15 +87,16 @@ def render_chat(tokenizer, server_template: str | None, messages: list[ChatMessa
         raise ServingError(f"cannot apply the chat template: {exc}", 400, "messages") from None
 
 
-def message_text(m: ChatMessage, image_placeholder: str | None = None) -> str:
+def message_text(m: ChatMessage, image_placeholder: str | None = None, video_placeholder: str | None = None) -> str:
     """A message's text; each ``image_url`` part becomes the model's image placeholder and a newline
-    (a vision-language model only: ``image_placeholder``)."""
+    (a vision-language model only: ``image_placeholder``), each ``video_url`` part its video
+    placeholder (``video_placeholder``: a model that takes videos)."""
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    return "".join(_part_text(p, image_placeholder) for p in m.content)
+    return "".join(_part_text(p, image_placeholder, video_placeholder) for p in m.content)
 
 
-def _part_text(part, image_placeholder: str | None) -> str:
+def _part_text(part, image_placeholder: str | None, video_placeholder: str | None) -> str:
     if part.type == "text":
         return part.text or ""
     if part.type == "image_url" and part.image_url is not None:
@@ -101,5 +104,10 @@ def _part_text(part, image_placeholder: str | None) -> str:
             raise ServingError("this model takes text only: image_url content parts need a vision-language model",
                                400, "messages")
         return image_placeholder + "\n"
-    raise ServingError(f"content part type {part.type!r} is not supported: 'text' or 'image_url' (with its "
-                       "image_url object)", 400, "messages")
+    if part.type == "video_url" and part.video_url is not None:
+        if video_placeholder is None:
+            raise ServingError("this model does not take videos: video_url content parts need a model that does "
+                               "(Qwen2-VL, Qwen2.5-VL)", 400, "messages")
+        return video_placeholder + "\n"
+    raise ServingError(f"content part type {part.type!r} is not supported: 'text', 'image_url' or 'video_url' (with "
+                       "its image_url / video_url object)", 400, "messages")

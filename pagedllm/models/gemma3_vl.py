@@ -9,12 +9,14 @@ The tokens of one image attend to each other in both directions (transformers'
 still applies): each image item is marked ``bidirectional``, so the scheduler never splits its
 run across chunks and hands the attention per-token visible ends (attention/metadata.py).
 
-Pan-and-scan (``do_pan_and_scan``) is refused: it turns one image into several crops, each with
-its own ``<start_of_image>`` run, which the one-item-per-image layout here does not carry.
+Pan-and-scan (``mm_processor_kwargs={"do_pan_and_scan": True}``, off by default) crops a wide or
+tall image: the processor writes the whole image's run, then one run per crop, and returns one
+``pixel_values`` row per run in that order; ``split_images`` makes each row its own item, so each
+crop is encoded, cached and attended to both ways on its own, as transformers does.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -23,6 +25,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline import PipelineStage
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.vision_language import VisionLanguageModel
+from pagedllm.multimodal.processor import image_tensors
 
 # transformers 5 checkpoints ("model.language_model.*", top-level "lm_head") and the released ones
 # ("language_model.model.*", "vision_tower.vision_model.*") -> the names used here; the first match wins
@@ -80,11 +83,12 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return {"pixel_values": torch.zeros(1, 3, size, size)}
 
     @staticmethod
-    def check_processor_options(options: dict) -> None:
-        if options.get("do_pan_and_scan"):
-            raise ValueError(f"mm_processor_kwargs do_pan_and_scan={options['do_pan_and_scan']!r} is not supported "
-                             "for Gemma 3: pan-and-scan crops one image into several image runs; only False "
-                             "(the default) is allowed")
+    def split_images(cfg, out: Mapping, num_images: int) -> list[dict[str, torch.Tensor]]:
+        """One ``pixel_values`` row per placeholder run: an image's, then (pan-and-scan) each of its crops'."""
+        pixels = image_tensors(out).get("pixel_values")
+        if pixels is None or pixels.shape[0] < num_images:
+            raise ValueError(f"the processor returned no pixel_values row per image ({num_images} images)")
+        return [{"pixel_values": pixels[i:i + 1].clone()} for i in range(pixels.shape[0])]
 
     @torch.inference_mode()
     def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,10 @@ The processor resizes an image to a multiple of ``patch_size * merge_size`` with
 ``image_grid_thw`` ``[images, 3]``; ``split_images`` cuts that per image. The tower is
 transformers' own module (weights load by their checkpoint names) on SDPA: it runs once per
 image, off the paged-KV path, which only the language model uses.
+
+A video is the same tower over ``pixel_values_videos`` (two consecutive frames per temporal
+patch) with ``video_grid_thw``; its M-RoPE temporal positions are spaced by ``video_intervals``
+(1 on Qwen2-VL; ``tokens_per_second * second_per_grid_ts`` on Qwen2.5-VL, as get_rope_index).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from pagedllm.models.vision_language import VisionLanguageModel
 from pagedllm.multimodal.processor import image_tensors
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 # checkpoint prefixes -> the names used here: transformers 5 ("model.language_model.*", "model.visual.*")
 # and the released checkpoints ("model.layers.*", "visual.*"); the first match wins
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
@@ -47,6 +52,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     """Vision tower (with its merger) + Qwen2 M-RoPE language model; ``config`` is the whole config."""
 
     image_placeholder = IMAGE_PLACEHOLDER
+    video_placeholder = VIDEO_PLACEHOLDER
 
     def __init__(self, cfg, backend: AttentionBackend, max_position: int, tp: TensorParallelGroup,
                  ops: str = "native", stage: PipelineStage | None = None):
@@ -78,30 +84,46 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def merge_size(cfg) -> int:
         return cfg.vision_config.spatial_merge_size
 
+    @staticmethod
+    def _grid_thw(data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """An image's ``image_grid_thw`` or a video's ``video_grid_thw`` ``[1, 3]`` (patches)."""
+        return data["image_grid_thw"] if "image_grid_thw" in data else data["video_grid_thw"]
+
     @classmethod
     def image_rows(cls, cfg, data: dict[str, torch.Tensor]) -> int:
-        """One token per ``merge_size ** 2`` patches of the image's grid."""
-        return int(data["image_grid_thw"][0].prod()) // cls.merge_size(cfg) ** 2
+        """One token per ``merge_size ** 2`` patches of the image's (or video's) grid."""
+        return int(cls._grid_thw(data)[0].prod()) // cls.merge_size(cfg) ** 2
 
     @classmethod
     def image_grid(cls, cfg, data: dict[str, torch.Tensor]) -> tuple[int, int, int]:
-        """The image's M-RoPE token grid (t, h, w): its patch grid with h and w merged."""
-        t, h, w = data["image_grid_thw"][0].tolist()
+        """The image's (or video's) M-RoPE token grid (t, h, w): its patch grid with h and w merged."""
+        t, h, w = cls._grid_thw(data)[0].tolist()
         merge = cls.merge_size(cfg)
         return t, h // merge, w // merge
 
     @staticmethod
-    def split_images(cfg, out: Mapping, num_images: int) -> list[dict[str, torch.Tensor]]:
-        """The processor's concatenated patches, cut per image by ``image_grid_thw``."""
+    def split_images(cfg, out: Mapping, num_images: int, kind: str = "image") -> list[dict[str, torch.Tensor]]:
+        """The processor's concatenated patches, cut per image by ``image_grid_thw`` (``kind``
+        "video": ``pixel_values_videos`` by ``video_grid_thw``)."""
+        pixels_key, grid_key = ("pixel_values", "image_grid_thw") if kind == "image" else \
+            ("pixel_values_videos", "video_grid_thw")
         tensors = image_tensors(out)
-        grids = tensors.get("image_grid_thw")
-        if grids is None or grids.shape[0] != num_images or "pixel_values" not in tensors:
-            raise ValueError(f"the processor returned {sorted(tensors)} for {num_images} images: this model needs "
-                             "pixel_values and one image_grid_thw row per image")
+        grids = tensors.get(grid_key)
+        if grids is None or grids.shape[0] != num_images or pixels_key not in tensors:
+            raise ValueError(f"the processor returned {sorted(tensors)} for {num_images} {kind}s: this model needs "
+                             f"{pixels_key} and one {grid_key} row per {kind}")
         patches = grids.prod(-1).tolist()
-        pixels = tensors["pixel_values"].split(patches)  # each [patches, patch dim]
-        return [{"pixel_values": pixels[i].clone(), "image_grid_thw": grids[i:i + 1].clone()}
-                for i in range(num_images)]
+        pixels = tensors[pixels_key].split(patches)  # each [patches, patch dim]
+        return [{pixels_key: pixels[i].clone(), grid_key: grids[i:i + 1].clone()} for i in range(num_images)]
+
+    @classmethod
+    def split_videos(cls, cfg, out: Mapping, num_videos: int) -> list[dict[str, torch.Tensor]]:
+        return cls.split_images(cfg, out, num_videos, "video")
+
+    @staticmethod
+    def video_intervals(cfg, out: Mapping, num_videos: int) -> list[float]:
+        """Each video's M-RoPE temporal spacing: 1 (Qwen2-VL's get_rope_index)."""
+        return [1.0] * num_videos
 
     def dummy_image(self, max_rows: int) -> dict[str, torch.Tensor]:
         """The largest square image one step's encoder budget (``max_rows`` tokens) takes."""
@@ -112,9 +134,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     @torch.inference_mode()
     def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's embeddings ``[placeholder tokens, hidden]``: the tower's merged output."""
-        pixels = data["pixel_values"].to(self.visual.dtype)  # [patches, patch dim]
-        return self.visual(pixels, grid_thw=data["image_grid_thw"]).pooler_output  # [patches / merge ** 2, hidden]
+        """One image's (or video's) embeddings ``[placeholder tokens, hidden]``: the tower's merged output."""
+        pixels = data["pixel_values"] if "pixel_values" in data else data["pixel_values_videos"]
+        pixels = pixels.to(self.visual.dtype)  # [patches, patch dim]: a video's like an image's
+        return self.visual(pixels, grid_thw=self._grid_thw(data)).pooler_output  # [patches / merge ** 2, hidden]
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
@@ -133,3 +156,15 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # no
     def tower_class() -> type:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         return Qwen2_5_VisionTransformerPretrainedModel
+
+    @staticmethod
+    def video_intervals(cfg, out: Mapping, num_videos: int) -> list[float]:
+        """``tokens_per_second * second_per_grid_ts`` (the processor's, from the frame rate), as
+        transformers' get_rope_index spaces a video's temporal positions."""
+        seconds = out.get("second_per_grid_ts")
+        if seconds is None or len(seconds) != num_videos:
+            raise ValueError(f"the processor returned second_per_grid_ts={seconds!r} for {num_videos} videos: "
+                             "Qwen2.5-VL needs one per video")
+        per_second = getattr(cfg.vision_config, "tokens_per_second", None) or cfg.tokens_per_second
+        # in float32, as transformers multiplies the processor's tensor (the positions truncate the product)
+        return [float(per_second * s) for s in torch.as_tensor(seconds, dtype=torch.float32)]

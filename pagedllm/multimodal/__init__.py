@@ -1,2 +1,2 @@
-"""Multimodal inputs (images): parsing, hashing and the HF processor (``processor``), the
-engine-side encoder-cache bookkeeping (``encoder_cache``)."""
+"""Multimodal inputs (images, videos): parsing, hashing and the HF processor (``processor``,
+``video``), the engine-side encoder-cache bookkeeping (``encoder_cache``)."""

@@ -8,10 +8,11 @@ processor would have expanded it from the image's size.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from pagedllm.multimodal.inputs import tensors_hash
 
 EMBED_KEYS = ("image_embeds", "image_grid_thw")
 
@@ -67,14 +68,7 @@ def _is_grid(grids: object) -> bool:
 
 def embeds_hash(data: Mapping[str, torch.Tensor]) -> bytes:
     """SHA-256 of the rows (and the grid): the same embeddings share encoder-cache and KV blocks."""
-    digest = hashlib.sha256(b"image_embeds")
-    for key in EMBED_KEYS:
-        if key in data:
-            tensor = data[key]
-            digest.update(repr((key, str(tensor.dtype), tuple(tensor.shape))).encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.dtype == torch.bfloat16
-                          else tensor.numpy().tobytes())
-    return digest.digest()
+    return tensors_hash(b"image_embeds", {key: data[key] for key in EMBED_KEYS if key in data})
 
 
 def expand_placeholders(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:

@@ -1,5 +1,5 @@
-"""One image of a prompt, as the engine carries it: its content hash, where its placeholder
-tokens sit in the prompt, and the processor's tensors the vision tower reads."""
+"""One image (or video, or image crop) of a prompt, as the engine carries it: its content hash,
+where its placeholder tokens sit in the prompt, and the processor's tensors the vision tower reads."""
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +12,12 @@ from PIL import Image
 
 @dataclass(frozen=True)
 class MultiModalItem:
-    """An image's placeholder run ``[offset, offset + length)`` in the prompt and its inputs.
+    """An image's (a video's, a crop's) placeholder run ``[offset, offset + length)`` in the
+    prompt and its inputs.
 
-    ``hash`` names the image's content (and the processor options that shaped its tensors): the
-    encoder cache and the prefix cache key on it, so the same image is encoded once and shares KV.
+    ``hash`` names the image's content (and the processor options that shaped its tensors; a
+    video's temporal spacing): the encoder cache and the prefix cache key on it, so the same image
+    is encoded once and shares KV.
     """
 
     hash: bytes
@@ -67,10 +69,11 @@ def to_pil_images(value: object) -> list[Image.Image]:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
         raise ValueError("multi_modal_data['image'] is an empty list; give at least one image or leave it out")
-    return [_to_pil(item, i) for i, item in enumerate(items)]
+    return [to_pil(item, f"multi_modal_data['image'][{i}]") for i, item in enumerate(items)]
 
 
-def _to_pil(item: object, index: int) -> Image.Image:
+def to_pil(item: object, name: str) -> Image.Image:
+    """One image (or video frame) as RGB; ``name`` says where it was, for the error."""
     if isinstance(item, Image.Image):
         return item.convert("RGB")
     if isinstance(item, torch.Tensor):
@@ -79,22 +82,33 @@ def _to_pil(item: object, index: int) -> Image.Image:
             item = item.permute(1, 2, 0)  # CHW -> HWC
         item = item.numpy()
     if isinstance(item, np.ndarray):
-        return _array_to_pil(item, index)
-    raise ValueError(f"multi_modal_data['image'][{index}] is a {type(item).__name__}: an image must be a "
+        return _array_to_pil(item, name)
+    raise ValueError(f"{name} is a {type(item).__name__}: an image must be a "
                      "PIL.Image, a numpy array (HWC) or a torch tensor (CHW or HWC)")
 
 
-def _array_to_pil(array: np.ndarray, index: int) -> Image.Image:
+def _array_to_pil(array: np.ndarray, name: str) -> Image.Image:
     if array.ndim == 3 and array.shape[-1] == 1:
         array = array[..., 0]
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (3, 4)):
-        raise ValueError(f"multi_modal_data['image'][{index}] has shape {list(array.shape)}: an array image must "
+        raise ValueError(f"{name} has shape {list(array.shape)}: an array image must "
                          "be HxW, HxWx1, HxWx3 or HxWx4")
     if array.dtype != np.uint8:
         if np.issubdtype(array.dtype, np.floating) and array.size and array.min() >= 0 and array.max() <= 1:
             array = array * 255  # floats in [0, 1], as torchvision's ToTensor makes them
         array = np.clip(np.rint(array), 0, 255).astype(np.uint8)
     return Image.fromarray(array).convert("RGB")
+
+
+def tensors_hash(tag: bytes, data: dict[str, torch.Tensor]) -> bytes:
+    """SHA-256 of ``tag`` and every tensor of ``data`` (name, dtype, shape, bytes), in name order."""
+    digest = hashlib.sha256(tag)
+    for key in sorted(data):
+        tensor = data[key].detach().cpu().contiguous()
+        digest.update(repr((key, str(tensor.dtype), tuple(tensor.shape))).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.dtype == torch.bfloat16
+                      else tensor.numpy().tobytes())
+    return digest.digest()
 
 
 def image_hash(image: Image.Image, options: dict) -> bytes:

@@ -63,9 +63,12 @@ class MRopePositions:
 
 def grid_positions(grid: tuple[int, int, int], time_interval: float = 1.0) -> np.ndarray:
     """``[3, t * h * w]`` coordinates of a (merged) grid, row-major like the tower's output rows;
-    the temporal coordinate is spaced by ``time_interval`` (Qwen2.5-VL videos)."""
+    the temporal coordinate is spaced by ``time_interval`` (Qwen2.5-VL videos: ``tokens_per_second *
+    second_per_grid_ts``)."""
     t, h, w = grid
-    tt, hh, ww = np.meshgrid((np.arange(t) * time_interval).astype(np.int64), np.arange(h), np.arange(w),
+    # float32 like transformers' get_rope_index: the product is truncated, so its rounding matters
+    times = (np.arange(t, dtype=np.float32) * np.float32(time_interval)).astype(np.int64)
+    tt, hh, ww = np.meshgrid(times, np.arange(h), np.arange(w),
                              indexing="ij")
     return np.stack([tt, hh, ww]).reshape(3, -1)
 

@@ -1,5 +1,7 @@
-"""Prompt text + images -> token ids with expanded image placeholders + per-image items, with the
-model's own Hugging Face processor (``AutoProcessor``: resizing, patching, placeholder expansion).
+"""Prompt text + images (and videos) -> token ids with expanded placeholders + one item per
+placeholder run, with the model's own Hugging Face processor (``AutoProcessor``: resizing,
+patching, placeholder expansion). A run is an image, a video (Qwen2-VL: its frames, multimodal/video.py)
+or one crop of an image (Gemma 3's pan-and-scan: the whole image, then each crop, each its own run).
 
 It runs inside the input processor, i.e. on the async engine's tokenizer threads, never on the
 engine loop: a large image never stalls the requests that are running.
@@ -15,9 +17,10 @@ import numpy as np
 import torch
 
 from pagedllm.multimodal.embeds import embeds_hash, expand_placeholders, parse_image_embeds
-from pagedllm.multimodal.inputs import MultiModalItem, image_hash, to_pil_images
+from pagedllm.multimodal.inputs import MultiModalItem, image_hash, tensors_hash, to_pil_images
+from pagedllm.multimodal.video import FramesVideoProcessor, parse_videos, video_hash
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
@@ -37,8 +40,11 @@ class ImageLayout:
     hidden_size: int | None = None  # the language model's (``image_embeds`` inputs must match it)
     # Gemma 3: an image's tokens attend to each other both ways (MultiModalItem.bidirectional)
     bidirectional: bool = False
-    # raises ValueError for processor options the model cannot honour (Gemma 3's do_pan_and_scan)
-    check_options: Callable[[dict], None] | None = None
+    # videos (Qwen2-VL): the processor's output -> one dict of tensors per video, and each video's
+    # M-RoPE temporal spacing; None: the model takes no video
+    split_videos: Callable[[Mapping, int], list[dict[str, torch.Tensor]]] | None = None
+    video_intervals: Callable[[Mapping, int], list[float]] | None = None
+    video_placeholder: str | None = None
 
 
 def image_layout(model_cls: type, hf_config) -> ImageLayout:
@@ -49,7 +55,9 @@ def image_layout(model_cls: type, hf_config) -> ImageLayout:
                        functools.partial(grid, hf_config) if grid else None,
                        getattr(model_cls, "image_placeholder", None), text.hidden_size,
                        bool(getattr(model_cls, "bidirectional_images", False)),
-                       getattr(model_cls, "check_processor_options", None))
+                       *(functools.partial(getattr(model_cls, name), hf_config) if hasattr(model_cls, name) else None
+                         for name in ("split_videos", "video_intervals")),
+                       getattr(model_cls, "video_placeholder", None))
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,10 @@ class MultiModalProcessor:
         self.layout = layout
         self.image_token_id = image_token_id
         self.limits = limits
+        self.video_token_id = getattr(hf_processor, "video_token_id", None)
         image_processor = getattr(hf_processor, "image_processor", None)
         self.option_names = _image_options(image_processor)
+        self.check_limits()
 
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
@@ -114,6 +124,11 @@ class MultiModalProcessor:
             return self.layout.placeholder
         return getattr(self.hf, "image_token", None) or self.hf.tokenizer.decode([self.image_token_id])
 
+    @property
+    def video_placeholder(self) -> str | None:
+        """The text that stands for one video in a prompt; None for a model that takes no video."""
+        return self.layout.video_placeholder if "video" in self.modalities else None
+
     def clone(self) -> MultiModalProcessor:
         other = copy.copy(self)
         other.hf = copy.deepcopy(self.hf)
@@ -121,39 +136,63 @@ class MultiModalProcessor:
 
     def process(self, text: str, mm_data: object, kwargs: object = None,
                 add_special_tokens: bool = True) -> tuple[list[int], tuple[MultiModalItem, ...]]:
-        """Token ids (each image's placeholder expanded to its embedding length) and one item per
-        image, in prompt order. ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat
-        template's text, which writes its own). Raises ValueError naming the field for anything
-        it cannot take."""
+        """Token ids (each image's / video's placeholder expanded to its embedding length) and one
+        item per placeholder run (an image, a video, a pan-and-scan crop), in prompt order.
+        ``mm_data``: ``{"image": ..., "video": ...}`` (multimodal/inputs.py, video.py).
+        ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat template's text, which
+        writes its own). Raises ValueError naming the field for anything it cannot take."""
         if isinstance(mm_data, Mapping) and isinstance(mm_data.get("image"), Mapping):
             return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
-        images = self._images(mm_data)
+        images, (videos, metadata) = self._inputs(mm_data)
         options = self._options(kwargs)
         try:
-            out = self.hf(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens,
-                          **options)
+            out = self.hf(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
+                          add_special_tokens=add_special_tokens, images_kwargs=options,
+                          **({"videos_kwargs": {**options, "video_metadata": metadata}} if videos else {}))
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()
-        split = self.layout.split or self._split_rows
-        data = split(out, len(images))
-        runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data])
+        items = self._image_items(ids, out, images, options) + self._video_items(ids, out, videos, options)
+        return ids, tuple(sorted(items, key=lambda item: item.offset))
+
+    def _image_items(self, ids: list[int], out: Mapping, images: list, options: dict) -> tuple[MultiModalItem, ...]:
+        """One item per image placeholder run: an image's, or (more runs than images: Gemma 3's
+        pan-and-scan) each crop's, named by its own pixels since the output does not say which
+        image a crop came from."""
+        if not images:
+            return ()
+        data = (self.layout.split or self._split_rows)(out, len(images))
+        runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data], self.image_token_id, "image")
+        hashes = ([image_hash(image, options) for image in images] if len(data) == len(images)
+                  else [tensors_hash(b"image crop" + repr(sorted(options.items(), key=str)).encode(), d) for d in data])
         grid = self.layout.grid or (lambda d: None)
-        both_ways = self.layout.bidirectional
-        items = tuple(MultiModalItem(image_hash(img, options), offset, length, d, grid(d), bidirectional=both_ways)
-                      for img, (offset, length), d in zip(images, runs, data))
-        return ids, items
+        return tuple(MultiModalItem(h, offset, length, d, grid(d), bidirectional=self.layout.bidirectional)
+                     for h, (offset, length), d in zip(hashes, runs, data))
+
+    def _video_items(self, ids: list[int], out: Mapping, videos: list, options: dict) -> tuple[MultiModalItem, ...]:
+        """One item per video: its patches, its M-RoPE grid and temporal spacing."""
+        if not videos:
+            return ()
+        data = self.layout.split_videos(out, len(videos))
+        intervals = self.layout.video_intervals(out, len(videos))
+        runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data], self.video_token_id, "video")
+        return tuple(MultiModalItem(video_hash(frames, options, interval), offset, length, d, self.layout.grid(d),
+                                    interval)
+                     for frames, interval, (offset, length), d in zip(videos, intervals, runs, data))
 
     def _process_embeds(self, text: str, mm_data: Mapping, kwargs: object,
                         add_special_tokens: bool) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Precomputed embeddings (multimodal/embeds.py): the text is tokenized alone and each
         placeholder token repeated to its image's rows; the vision tower never runs for them."""
         self._check_modalities(mm_data)
+        if "video" in mm_data:
+            raise ValueError("multi_modal_data cannot mix image_embeds with a video: give the images as pixels, or "
+                             "send the video in another prompt")
         if kwargs:
             raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} cannot apply to image_embeds (no image is "
                              "processed); leave it out")
         data = parse_image_embeds(mm_data["image"], self.layout.hidden_size, self.layout.grid is not None)
-        self._check_count(len(data))
+        self._check_count("image", len(data))
         lengths = [d["image_embeds"].shape[0] for d in data]
         for i, d in enumerate(data):
             if "image_grid_thw" in d and self.image_rows(d) != lengths[i]:
@@ -161,33 +200,48 @@ class MultiModalProcessor:
                                  f"{d['image_grid_thw'][0].tolist()} makes {self.image_rows(d)}")
         ids = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         ids = expand_placeholders(ids, self.image_token_id, lengths)
-        runs = self._placeholder_runs(ids, lengths)
+        runs = self._placeholder_runs(ids, lengths, self.image_token_id, "image")
         grid = self.layout.grid or (lambda d: None)
         return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d),
                                          bidirectional=self.layout.bidirectional)
                           for (offset, length), d in zip(runs, data))
 
-    def _images(self, mm_data: object) -> list:
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What this model's prompts may carry: images, and videos where the model and its processor take them."""
+        return MODALITIES if self.layout.split_videos is not None and self.video_token_id is not None else ("image",)
+
+    def check_limits(self) -> None:
+        """``limit_mm_per_prompt`` names only modalities this model takes (ValueError otherwise)."""
+        for modality, _ in self.limits.limit_per_prompt:
+            if modality not in self.modalities:
+                raise ValueError(f"limit_mm_per_prompt has {modality!r}: this model takes {self.modalities}")
+
+    def _inputs(self, mm_data: object) -> tuple[list, tuple[list, list]]:
+        """The prompt's images, and its videos (each a list of frames) with their metadata, the
+        counts checked."""
         self._check_modalities(mm_data)
         images = to_pil_images(mm_data["image"]) if "image" in mm_data else []
-        self._check_count(len(images))
-        return images
+        videos, metadata = parse_videos(mm_data["video"]) if "video" in mm_data else ([], [])
+        self._check_count("image", len(images))
+        self._check_count("video", len(videos))
+        if not images and not videos:
+            raise ValueError("multi_modal_data has no image or video; leave multi_modal_data out for a text-only "
+                             "prompt")
+        return images, (videos, metadata)
 
-    @staticmethod
-    def _check_modalities(mm_data: object) -> None:
+    def _check_modalities(self, mm_data: object) -> None:
         if not isinstance(mm_data, Mapping):
             raise ValueError(f"multi_modal_data={mm_data!r:.80} must be a dict such as {{'image': image}}")
-        unknown = sorted(set(mm_data) - set(MODALITIES), key=str)
+        unknown = sorted(set(mm_data) - set(self.modalities), key=str)
         if unknown:
-            raise ValueError(f"multi_modal_data has {unknown}: this engine takes the modalities {MODALITIES}")
+            raise ValueError(f"multi_modal_data has {unknown}: this model takes the modalities {self.modalities}")
 
-    def _check_count(self, num_images: int) -> None:
-        limit = self.limits.limit("image")
-        if limit is not None and num_images > limit:
-            raise ValueError(f"the prompt has {num_images} images, over limit_mm_per_prompt={{'image': {limit}}}; "
-                             "send fewer images (or start the engine with a higher limit_mm_per_prompt)")
-        if not num_images:
-            raise ValueError("multi_modal_data has no image; leave multi_modal_data out for a text-only prompt")
+    def _check_count(self, modality: str, count: int) -> None:
+        limit = self.limits.limit(modality)
+        if limit is not None and count > limit:
+            raise ValueError(f"the prompt has {count} {modality}s, over limit_mm_per_prompt={{{modality!r}: {limit}}}; "
+                             f"send fewer {modality}s (or start the engine with a higher limit_mm_per_prompt)")
 
     def _options(self, kwargs: object) -> dict:
         """The engine's ``mm_processor_kwargs`` updated by the request's; every key must be an
@@ -199,30 +253,29 @@ class MultiModalProcessor:
         if unknown:
             raise ValueError(f"mm_processor_kwargs has {unknown}: this model's image processor takes "
                              f"{sorted(self.option_names)}")
-        if self.layout.check_options is not None:
-            self.layout.check_options(options)
         return options
 
-    def _placeholder_runs(self, ids: list[int], lengths: list[int]) -> list[tuple[int, int]]:
-        """``(offset, length)`` of each image's placeholder run: the placeholder tokens in prompt
-        order, the first ``lengths[0]`` for the first image and so on (adjacent images make one
-        run). ``lengths``: the rows the model embeds each image as; the processor must have put
-        exactly that many placeholders, each image's contiguous."""
-        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+    def _placeholder_runs(self, ids: list[int], lengths: list[int], token_id: int,
+                          kind: str) -> list[tuple[int, int]]:
+        """``(offset, length)`` of each item's placeholder run (``token_id`` tokens): the placeholder
+        tokens in prompt order, the first ``lengths[0]`` for the first item and so on (adjacent
+        items make one run). ``lengths``: the rows the model embeds each item as; the processor must
+        have put exactly that many placeholders, each item's contiguous."""
+        positions = np.flatnonzero(np.asarray(ids) == token_id)
         if len(positions) != sum(lengths):
-            raise ValueError(f"the model's processor put {len(positions)} image placeholder tokens in the prompt for "
-                             f"{len(lengths)} images that the model embeds as {sum(lengths)} rows: its processor "
+            raise ValueError(f"the model's processor put {len(positions)} {kind} placeholder tokens in the prompt for "
+                             f"{len(lengths)} {kind} runs that the model embeds as {sum(lengths)} rows: its processor "
                              "config does not match the model (e.g. num_additional_image_tokens, patch_size)")
         runs, start = [], 0
         for length in lengths:
             run = positions[start:start + length]
             if length == 0 or run[-1] - run[0] != length - 1:
-                raise ValueError("the prompt's image placeholders are not one contiguous run per image: put exactly "
-                                 "one image placeholder in the prompt per image")
+                raise ValueError(f"the prompt's {kind} placeholders are not one contiguous run per {kind}: put exactly "
+                                 f"one {kind} placeholder in the prompt per {kind}")
             if length > self.limits.max_item_tokens:
-                raise ValueError(f"an image takes {length} tokens, over the {self.limits.max_item_tokens} that fit in "
-                                 "one step's encoder budget (max_num_batched_tokens); use smaller images or raise "
-                                 "max_num_batched_tokens")
+                raise ValueError(f"one {kind} takes {length} tokens, over the {self.limits.max_item_tokens} that "
+                                 f"fit in one step's encoder budget (max_num_batched_tokens); use smaller {kind}s "
+                                 "(fewer frames) or raise max_num_batched_tokens")
             runs.append((int(run[0]), length))
             start += length
         return runs
@@ -259,7 +312,8 @@ def image_tensors(out: Mapping) -> dict[str, torch.Tensor]:
 def load_hf_processor(model_dir: str, trust_remote_code: bool = False):
     """The checkpoint's ``AutoProcessor``. Without torchvision (or without a video processor
     config), transformers cannot build a video processor, so a processor that has one (Qwen2-VL) is
-    loaded without it: images work, and a video input is refused by the engine (``MODALITIES``)."""
+    loaded without it and given ``FramesVideoProcessor`` (multimodal/video.py), made of its image
+    processor."""
     from transformers import AutoConfig, AutoProcessor
     try:
         return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -271,13 +325,19 @@ def load_hf_processor(model_dir: str, trust_remote_code: bool = False):
         cls = _PROCESSOR_CLASSES.get(arch)
         if cls is None:
             raise
-        return image_only_processor(getattr(transformers, cls)).from_pretrained(model_dir)
+        processor = image_only_processor(getattr(transformers, cls)).from_pretrained(model_dir)
+        processor.video_processor = FramesVideoProcessor(processor.image_processor)
+        return processor
 
 
 _PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
 def image_only_processor(cls: type) -> type:
-    """``cls`` without its video processor (its ``__call__`` reads one only for videos)."""
+    """``cls`` without its video processor (its ``__call__`` reads one only for videos; one set on
+    the instance, FramesVideoProcessor, is left out of the saved / printed config)."""
     attributes = [name for name in cls.get_attributes() if name != "video_processor"]
-    return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attributes))})
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in cls.to_dict(self).items() if key != "video_processor"}
+    return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attributes)), "to_dict": to_dict})

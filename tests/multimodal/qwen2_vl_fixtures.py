@@ -3,8 +3,13 @@
 Qwen2-VL image processor + the test tokenizer with the vision special tokens)."""
 from __future__ import annotations
 
+import base64
+import io
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from pagedllm.multimodal.processor import image_only_processor, load_hf_processor
 from tests.conftest import _tokenizer
@@ -13,6 +18,7 @@ PATCH, MERGE = 4, 2  # a token covers 8x8 pixels
 MIN_PIXELS, MAX_PIXELS = 16 * 16, 48 * 48  # images resize to 2x2 .. 6x6 tokens
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def _tok():
@@ -79,9 +85,27 @@ def load_hf(path: str):
             load_hf_processor(path))
 
 
-def hf_generate(hf, prompt: str, images: list, max_new_tokens: int, **processor_kwargs) -> list[int]:
+def make_video(seed: int, frames: int = 4, size: tuple[int, int] = (40, 32)) -> np.ndarray:
+    """A random RGB clip ``[frames, height, width, 3]`` (uint8)."""
+    return np.random.RandomState(seed).randint(0, 256, (frames, *size, 3), dtype=np.uint8)
+
+
+def jpeg_frames_url(clip: np.ndarray) -> tuple[str, list]:
+    """vLLM's frames URL and the frames as the server will decode them."""
+    payloads = []
+    for frame in clip:
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="JPEG")
+        payloads.append(base64.b64encode(buf.getvalue()).decode())
+    return "data:video/jpeg;base64," + ",".join(payloads), [
+        np.asarray(Image.open(io.BytesIO(base64.b64decode(p))).convert("RGB")) for p in payloads]
+
+
+def hf_generate(hf, prompt: str, images: list, max_new_tokens: int, videos: list | None = None,
+                **processor_kwargs) -> list[int]:
     model, processor = hf
-    inputs = processor(text=[prompt], images=images or None, return_tensors="pt", **processor_kwargs)
+    inputs = processor(text=[prompt], images=images or None, videos=videos or None, return_tensors="pt",
+                       **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -25,10 +25,10 @@ def llm(gemma3_vl_dir):
     engine.llm_engine.shutdown()
 
 
-def hf_generate(hf, prompt: str, images: list, bidirectional: bool = True) -> list[int]:
+def hf_generate(hf, prompt: str, images: list, bidirectional: bool = True, **processor_kwargs) -> list[int]:
     """transformers' greedy tokens; ``bidirectional=False`` drops token_type_ids (a causal-only mask)."""
     model, processor = hf
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt", **processor_kwargs)
     if not bidirectional:
         inputs.pop("token_type_ids")
     with torch.no_grad():
@@ -112,9 +112,52 @@ def test_prefix_hit_same_image_miss_other_image(llm, gemma3_vl_hf):
     assert list(other.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, prompt, [make_image(31)])
 
 
-def test_pan_and_scan_is_refused(llm):
-    with pytest.raises(ValueError, match="do_pan_and_scan"):
-        _generate(llm, f"the {IMG} fox", [make_image(1)], mm_processor_kwargs={"do_pan_and_scan": True})
+WIDE = make_image(90, (260, 800))  # pan-and-scan: 3 crops of 267x260 (>= pan_and_scan_min_crop_size, 256)
+SMALL_CROPS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+
+
+def test_pan_and_scan_crops_match_transformers(llm, gemma3_vl_hf):
+    """do_pan_and_scan per request (off by default): the whole image's run, then one run per crop,
+    each its own item (encoded, cached and attended to both ways alone); runs are never split by
+    chunked prefill (BUDGET 16, 4 runs of 4 tokens amid the text)."""
+    prompt, token = f"the quick {IMG} brown fox", gemma3_vl_hf[1].tokenizer.image_token_id
+    out = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [WIDE]},
+                         "mm_processor_kwargs": {"do_pan_and_scan": True}}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(token) == 4 * IMAGE_TOKENS
+    assert list(out.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, prompt, [WIDE], do_pan_and_scan=True)
+    plain = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [WIDE]}}], GREEDY, use_tqdm=False)[0]
+    assert plain.prompt_token_ids.count(token) == IMAGE_TOKENS  # off by default
+    assert list(plain.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, prompt, [WIDE])
+
+
+def test_pan_and_scan_two_images_and_crop_hashes(llm, gemma3_vl_hf):
+    """A wide and a tall image (3 and 2 crops with a 16-pixel minimum crop): outputs equal
+    transformers', each crop's item is named by its pixels (a repeated prompt hits past every run)."""
+    prompt = f"{IMG} paged attention {IMG} keeps a block table"
+    images = [make_image(91, (40, 120)), make_image(92, (60, 30))]
+    items = llm.llm_engine.multimodal.process(prompt, {"image": images}, SMALL_CROPS)[1]
+    assert len(items) == 2 + 3 + 2 and len({item.hash for item in items}) == len(items)
+    request = {"prompt": prompt, "multi_modal_data": {"image": images}, "mm_processor_kwargs": SMALL_CROPS}
+    outs = [llm.generate([request], GREEDY, use_tqdm=False)[0] for _ in range(2)]
+    assert outs[1].num_cached_tokens >= items[-1].end - items[-1].end % 8
+    for out in outs:
+        assert list(out.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, prompt, images, **SMALL_CROPS)
+
+
+def test_pan_and_scan_as_the_engine_default(gemma3_vl_dir, gemma3_vl_hf):
+    """mm_processor_kwargs at engine level: every prompt's images are cropped; a request's own
+    do_pan_and_scan=False turns it off for that request."""
+    engine = LLM(model=gemma3_vl_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
+                 block_size=8, mm_processor_kwargs=SMALL_CROPS)
+    try:
+        prompt, image = f"the quick {IMG} brown fox", make_image(93, (40, 120))
+        assert _generate(engine, prompt, [image]) == hf_generate(gemma3_vl_hf, prompt, [image], **SMALL_CROPS)
+        off = engine.generate([{"prompt": prompt, "multi_modal_data": {"image": [image]},
+                                "mm_processor_kwargs": {"do_pan_and_scan": False}}], GREEDY, use_tqdm=False)[0]
+        assert off.prompt_token_ids.count(gemma3_vl_hf[1].tokenizer.image_token_id) == IMAGE_TOKENS
+        assert list(off.outputs[0].token_ids) == hf_generate(gemma3_vl_hf, prompt, [image])
+    finally:
+        engine.llm_engine.shutdown()
 
 
 def test_prefix_hit_ending_inside_an_image_run(llm, gemma3_vl_hf, monkeypatch):

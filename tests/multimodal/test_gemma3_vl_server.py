@@ -1,6 +1,6 @@
 """The server with a Gemma 3 image model and the real openai client: base64 image_url parts
-become each image's <start_of_image> run, the reply equals transformers' generate, and
-do_pan_and_scan is a 400 naming it."""
+become each image's <start_of_image> run, and the reply equals transformers' generate, also with
+mm_processor_kwargs={"do_pan_and_scan": True} (a run per crop)."""
 from __future__ import annotations
 
 import openai
@@ -37,6 +37,18 @@ def test_base64_images_match_transformers(client, gemma3_vl_hf):
     assert out.usage.prompt_tokens > 2 * IMAGE_TOKENS  # the image tokens are counted
 
 
-def test_pan_and_scan_is_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="do_pan_and_scan"):
-        _chat(client, [make_image(64)], mm_processor_kwargs={"do_pan_and_scan": True})
+def test_pan_and_scan_per_request(client, gemma3_vl_hf):
+    image = make_image(64, (40, 120))
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+    out = _chat(client, [image], mm_processor_kwargs=kwargs)
+    text = f"<s>user: {IMG}\nwhat is this?\nassistant:"
+    assert out.choices[0].token_ids == hf_generate(gemma3_vl_hf, text, [image], **kwargs)
+    assert out.usage.prompt_tokens > 4 * IMAGE_TOKENS  # the whole image and its 3 crops
+
+
+def test_bad_mm_processor_kwargs_are_400s(client):
+    with pytest.raises(openai.BadRequestError, match="no_such_option"):
+        _chat(client, [make_image(65)], mm_processor_kwargs={"no_such_option": 1})
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, [], mm_processor_kwargs={"do_pan_and_scan": True})
+    assert info.value.body["param"] == "mm_processor_kwargs"

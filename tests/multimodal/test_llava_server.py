@@ -132,3 +132,10 @@ def test_image_detail_other_than_auto_is_refused(client):
     out = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _data_url(make_image(1)), "detail": "auto"}}]}])
     assert out.choices[0].finish_reason == "length"
+
+
+def test_video_url_parts_need_a_video_model(client):
+    parts = [{"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,aGVsbG8="}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2)
+    assert "does not take videos" in info.value.body["message"] and info.value.body["param"] == "messages"

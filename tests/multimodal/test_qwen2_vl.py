@@ -149,11 +149,6 @@ def test_llm_chat_image_parts_use_the_vision_tokens(llm, hf):
     assert list(out.outputs[0].token_ids) == hf_generate(hf, text, [image], MAX_NEW)
 
 
-def test_video_is_refused_by_name(llm):
-    with pytest.raises(ValueError, match="modalities"):
-        llm.generate([{"prompt": "x", "multi_modal_data": {"video": [make_image(1)] * 2}}], GREEDY, use_tqdm=False)
-
-
 def test_tied_lm_head_checkpoint(tmp_path):
     """tie_word_embeddings on the top config (Qwen2-VL-2B's layout): the head is the embedding."""
     path = qwen2_vl_fixtures.make_qwen2_vl_dir(tmp_path / "tied", "2", seed=1, tied=True)

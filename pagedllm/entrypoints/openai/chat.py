@@ -25,7 +25,7 @@ from .chat_features import (
     keeps_special_tokens,
     resolve_tool_choice,
 )
-from .media import MediaPolicy, load_images
+from .media import MediaPolicy, load_images, load_videos
 from .protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -103,26 +103,35 @@ class ChatServing(ServingBase):
                                               and not keeps_special_tokens(self.chat_options, tool_choice)))
         text = await self.render_chat(req.messages, req.add_generation_prompt,
                                       **self.server_template_options(req, tool_choice))
-        urls = image_urls(req.messages)
-        if urls:  # the model's processor tokenizes the text and expands each image's placeholder
-            images = await self.chat_images(urls)
-            prompt = {"prompt": text, "multi_modal_data": {"image": images},
-                      "add_special_tokens": req.add_special_tokens}
+        media = await self.chat_media(req.messages)
+        if media:  # the model's processor tokenizes the text and expands each image's / video's placeholder
+            prompt = {"prompt": text, "multi_modal_data": media, "add_special_tokens": req.add_special_tokens}
+            if req.mm_processor_kwargs is not None:
+                prompt["mm_processor_kwargs"] = req.mm_processor_kwargs
             return await self.start(rid, [prompt], params, arrival, req)
+        if req.mm_processor_kwargs is not None:
+            raise ServingError(f"mm_processor_kwargs={req.mm_processor_kwargs!r:.80} needs image_url or video_url "
+                               "parts in the messages (for a vision-language model)", 400, "mm_processor_kwargs")
         try:  # on a tokenizer thread, bounded like any prompt; by default no extra BOS: the template writes its own
             ids = await self.engine.encode(text, add_special_tokens=req.add_special_tokens, field="messages")
         except ValueError as exc:
             raise ServingError(str(exc), 400, "messages") from None
         return await self.start(rid, [{"prompt": text, "prompt_token_ids": ids}], params, arrival, req)
 
-    async def chat_images(self, urls: list[str]) -> list:
-        """The images of a chat's ``image_url`` parts, after ``limit_mm_per_prompt`` is checked
-        (before any is fetched); fetched and decoded on worker threads (media.py)."""
-        limit = dict(self.model_config.limit_mm_per_prompt).get("image")
-        if limit is not None and len(urls) > limit:
-            raise ServingError(f"the messages have {len(urls)} images, over limit_mm_per_prompt={{'image': {limit}}}",
-                               400, "limit_mm_per_prompt")
-        return await load_images(urls, MediaPolicy.of(self.model_config))
+    async def chat_media(self, messages: list[ChatMessage]) -> dict:
+        """The ``multi_modal_data`` of a chat's ``image_url`` and ``video_url`` parts, after
+        ``limit_mm_per_prompt`` is checked (before any is fetched); fetched and decoded on worker
+        threads (media.py). Empty for a text-only chat."""
+        policy, media = MediaPolicy.of(self.model_config), {}
+        for modality, load in (("image", load_images), ("video", load_videos)):
+            urls = image_urls(messages, f"{modality}_url")
+            limit = dict(self.model_config.limit_mm_per_prompt).get(modality)
+            if limit is not None and len(urls) > limit:
+                raise ServingError(f"the messages have {len(urls)} {modality}s, over limit_mm_per_prompt="
+                                   f"{{{modality!r}: {limit}}}", 400, "limit_mm_per_prompt")
+            if urls:
+                media[modality] = await load(urls, policy)
+        return media
 
     template_options = staticmethod(template_options)
 
@@ -145,15 +154,11 @@ class ChatServing(ServingBase):
         messages: the prompt text, rendered on a tokenizer thread. ``kwargs`` go to
         ``apply_chat_template`` (tools, template variables)."""
         content_format = self.chat_options.chat_template_content_format
-        placeholder = self.image_placeholder()
+        multimodal = self.engine.engine.multimodal
+        image, video = (multimodal.placeholder, multimodal.video_placeholder) if multimodal else (None, None)
         return await self.engine.with_tokenizer(lambda tokenizer: render_chat(
             tokenizer, self.chat_template, messages, add_generation_prompt, template, content_format,
-            image_placeholder=placeholder, **kwargs))
-
-    def image_placeholder(self) -> str | None:
-        """The prompt text of one image for a vision-language model; None for a text-only one."""
-        multimodal = self.engine.engine.multimodal
-        return multimodal.placeholder if multimodal is not None else None
+            image_placeholder=image, video_placeholder=video, **kwargs))
 
     def response_role(self, req: ChatCompletionRequest) -> str:
         """vLLM's rule: ``--response-role`` after a generation prompt; else the reply continues the
@@ -256,10 +261,11 @@ def _echo_prefix(req: ChatCompletionRequest) -> str:
     return message_text(last) if last is not None and last.role == "assistant" else ""
 
 
-def image_urls(messages: list[ChatMessage]) -> list[str]:
-    """The ``image_url`` parts' URLs, in message and part order (the placeholders' order)."""
-    return [p.image_url.url for m in messages if isinstance(m.content, list) for p in m.content
-            if p.type == "image_url" and p.image_url is not None]
+def image_urls(messages: list[ChatMessage], part: str = "image_url") -> list[str]:
+    """The ``image_url`` (or ``part``: ``video_url``) parts' URLs, in message and part order (the
+    placeholders' order)."""
+    return [getattr(p, part).url for m in messages if isinstance(m.content, list) for p in m.content
+            if p.type == part and getattr(p, part) is not None]
 
 
 

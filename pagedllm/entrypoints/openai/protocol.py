@@ -161,9 +161,10 @@ class ImageURL(StrictModel):
 
 
 class ContentPart(StrictModel):
-    type: str  # "text" or "image_url"
+    type: str  # "text", "image_url" or "video_url" (vLLM's; a video file or data:video/jpeg frames)
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: ImageURL | None = None
 
 
 class FunctionCall(StrictModel):
@@ -231,6 +232,8 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the HF processor's options for the messages' images / videos (a vision-language model's), e.g. max_pixels
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class EmbeddingRequest(RequestModel):

@@ -17,7 +17,7 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "logits_processors": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
-    "mm_processor_kwargs": None,  # text-only models
+    "mm_processor_kwargs": None,  # completions (chat requests declare it: their image / video parts)
     "media_io_kwargs": None,
     "reasoning_effort": None,
 }

@@ -26,10 +26,10 @@ class TokenizationServing(ServingBase):
         check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise ServingError("give exactly one of prompt or messages", 400, "prompt")
-        if req.messages is not None and image_urls(req.messages):
-            raise ServingError("/tokenize does not process images: image_url parts expand to a number of tokens only "
-                               "the model's processor computes (the chat completion's usage reports it)", 400,
-                               "messages")
+        if req.messages is not None and (image_urls(req.messages) or image_urls(req.messages, "video_url")):
+            raise ServingError("/tokenize does not process images or videos: image_url / video_url parts expand to a "
+                               "number of tokens only the model's processor computes (the chat completion's usage "
+                               "reports it)", 400, "messages")
         if req.messages is not None:  # rendered and encoded in one tokenizer-thread job (one hop, not two)
             ids = await self.engine.with_tokenizer(lambda tokenizer: _encode(tokenizer, render_chat(
                 tokenizer, self.chat_template, req.messages, req.add_generation_prompt,
