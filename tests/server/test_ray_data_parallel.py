@@ -38,9 +38,6 @@ def _complete(url: str, prompt: str) -> str:
     return out.choices[0].text
 
 
-@pytest.mark.skipif(os.environ.get("PYTEST_XDIST_WORKER") is not None,
-                    reason="under pytest-xdist the Ray executor test in the other worker can take this test's Ray node "
-                           "down with it (seen twice in CI); run it alone: python -m pytest -n 0 " + __file__)
 def test_ray_replicas_serve_restart_and_leave_nothing(server_model_dir, tmp_path, isolated_ray):  # noqa: F811
     flags = ["--data-parallel-size", "2", "--data-parallel-backend", "ray", "--block-size", "8",
              "--num-gpu-blocks-override", "64", "--max-model-len", "128", "--served-model-name", "tiny",
