@@ -37,18 +37,21 @@ def _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_times_slot_t(acc, lhs_ptr, lhs_rows, lhs_stride, live, w_ptr, slot, cols, num_cols, K,
-                       DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc += lhs[lhs_rows, :K] @ w[slot][cols, :K].T`` (``w [slots, num_cols, K]`` contiguous),
-    rows not ``live`` and columns past ``num_cols`` masked: the one loop of shrink and expand."""
+def _tile_times_slot_t(lhs_ptr, lhs_rows, lhs_stride, live, w_ptr, slot, num_cols, K, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``lhs[lhs_rows, :K] @ w[slot][cols, :K].T`` (``w [slots, num_cols, K]`` contiguous) in float32
+    ``[BLOCK_M, BLOCK_N]``, for this program's block of columns ``cols`` (grid axis 2), rows not
+    ``live`` and columns past ``num_cols`` masked: the GEMM of both shrink and expand."""
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         lhs = tl.load(lhs_ptr + lhs_rows[:, None] * lhs_stride + (k0 + rk)[None, :],
                       mask=live[:, None] & (k0 + rk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + slot * num_cols * K + cols[None, :].to(tl.int64) * K + (k0 + rk)[:, None],
-                    mask=(cols[None, :] < num_cols) & (k0 + rk[:, None] < K), other=0.0)  # [BLOCK_K, cols]: w[s].T
+                    mask=(cols[None, :] < num_cols) & (k0 + rk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]: w[s].T
         acc = tl.dot(lhs.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
-    return acc
+    return acc, cols
 
 
 @triton.jit
@@ -56,9 +59,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, seg_slot_ptr, seg_start_p
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
-    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc = _rows_times_slot_t(acc, x_ptr, rows, x_stride, live, a_ptr, slot, rr, R, K, DOT_PRECISION, BLOCK_K)
+    acc, rr = _tile_times_slot_t(x_ptr, rows, x_stride, live, a_ptr, slot, R, K, DOT_PRECISION, BLOCK_M, BLOCK_R,
+                                 BLOCK_K)
     tl.store(t_ptr + tokens[:, None].to(tl.int64) * R + rr[None, :], acc, mask=live[:, None] & (rr[None, :] < R))
 
 
@@ -67,10 +69,9 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, seg_slot_ptr, seg_start_p
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr):
     tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
-    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # t is [lora tokens, R] float32, indexed by the tokens' positions in the grouped order
-    acc = _rows_times_slot_t(acc, t_ptr, tokens.to(tl.int64), R, live, b_ptr, slot, rn, N, R, DOT_PRECISION, BLOCK_R)
+    # t is [lora tokens, R] float32, its rows the tokens' positions in the grouped order
+    acc, rn = _tile_times_slot_t(t_ptr, tokens.to(tl.int64), R, live, b_ptr, slot, N, R, DOT_PRECISION, BLOCK_M,
+                                 BLOCK_N, BLOCK_R)
     mask = live[:, None] & (rn[None, :] < N)
     y_ptrs = y_ptr + rows[:, None] * y_stride + rn[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
