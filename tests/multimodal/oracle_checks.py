@@ -7,6 +7,13 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 
+def vlm_engine(model_dir: str, max_num_batched_tokens: int, max_images: int) -> LLM:
+    """The engine a VLM test module shares: a 4 MiB KV cache of 8-token blocks, context 256, the
+    step's token budget (where chunk boundaries fall) and up to ``max_images`` images a prompt."""
+    return LLM(model=model_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=max_num_batched_tokens,
+               block_size=8, limit_mm_per_prompt={"image": max_images})
+
+
 def assert_preemption_keeps_outputs_exact(model_dir: str, hf, cases: list, max_tokens: int = 24, **engine_kwargs):
     """Generate every ``(prompt, images)`` case in one batch on an engine built with ``engine_kwargs`` (a KV cache
     too small for all of them at once), assert the scheduler preempted, and that each output equals

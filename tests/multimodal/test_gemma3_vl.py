@@ -10,7 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.multimodal.gemma3_vl_fixtures import IMAGE_TOKENS, gemma3_vl_dir, gemma3_vl_hf  # noqa: F401 - fixtures
 from tests.multimodal.llava_fixtures import chunks_seen, make_image
-from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact
+from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact, vlm_engine
 
 MAX_NEW = 6
 BUDGET = 16  # max_num_batched_tokens: a plain chunk boundary would fall inside the image run below
@@ -20,8 +20,7 @@ IMG = "<start_of_image>"
 
 @pytest.fixture(scope="module")
 def llm(gemma3_vl_dir):
-    engine = LLM(model=gemma3_vl_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
-                 block_size=8, limit_mm_per_prompt={"image": 2})
+    engine = vlm_engine(gemma3_vl_dir, BUDGET, max_images=2)
     yield engine
     engine.llm_engine.shutdown()
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.multimodal.llava_fixtures import IMAGE_TOKENS, chunks_seen, hf_generate, llava_dir, llava_hf, make_image  # noqa: F401 - fixtures
-from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact
+from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact, vlm_engine
 
 MAX_NEW = 8
 BUDGET = 32  # max_num_batched_tokens: image runs (25 tokens) straddle chunk boundaries
@@ -19,8 +19,7 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog paged attention keeps"
 
 @pytest.fixture(scope="module")
 def llm(llava_dir):
-    engine = LLM(model=llava_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
-                 block_size=8, limit_mm_per_prompt={"image": 3})
+    engine = vlm_engine(llava_dir, BUDGET, max_images=3)
     yield engine
     engine.llm_engine.shutdown()
 
