@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import json
 import multiprocessing
@@ -935,6 +936,29 @@ def start_server(args: argparse.Namespace, log) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server did not start; its log: {log.name}")
 
 
+@dataclass
+class Served:
+    """A server ``served`` started: its process, URL and log file (kept after the run)."""
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log_text(self) -> str:
+        return Path(self.log_path).read_text()
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, prefix: str, stop_timeout: float = 60):
+    """``start_server`` with its output in a kept temp log file (``prefix``...``.log``); terminated on exit."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix=prefix, delete=False) as log:
+        proc, url = start_server(args, log)
+        try:
+            yield Served(proc, url, log.name)
+        finally:
+            proc.terminate()
+            proc.wait(stop_timeout)
+
+
 def run(args: argparse.Namespace, url: str) -> tuple[Book, dict, float]:
     greedy_before, book, t0 = greedy_reply(url, args.model), Book(), time.time()
     stop_at = t0 + args.duration
@@ -956,11 +980,17 @@ def report(book: Book, checks: dict, elapsed: float, log_text: str | None) -> bo
         print(f"  {name:22s} {status:4s} {k}")
     for name, errors in book.failures.items():
         print(f"FAILED {name}:\n    " + "\n    ".join(errors))
+    return report_checks(checks, log_text) and book.num_failed == 0
+
+
+def report_checks(checks: dict, log_text: str | None) -> bool:
+    """Prints the after-storm ``checks`` (name -> (ok, what was seen)), with "no traceback" in ``log_text``
+    when there is a server log; True when all passed."""
     if log_text is not None:
         checks["no traceback in the server log"] = ("Traceback" not in log_text, log_text.count("Traceback"))
     for name, (ok, seen) in checks.items():
         print(f"after: {name:32s} {'ok' if ok else 'FAILED'}  ({seen})")
-    return book.num_failed == 0 and all(ok for ok, _ in checks.values())
+    return all(ok for ok, _ in checks.values())
 
 
 def main() -> int:
@@ -991,16 +1021,10 @@ def main() -> int:
         return run_mixed(args)
     if args.base_url:
         return 0 if report(*run(args, args.base_url.rstrip("/")), None) else 1
-    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-server-", delete=False) as log:
-        proc, url = start_server(args, log)
-        try:
-            result = run(args, url)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        log.seek(0)
-        print(f"server log: {log.name}")
-        return 0 if report(*result, log.read()) else 1
+    with served(args, "soak-server-", stop_timeout=30) as server:
+        result = run(args, server.url)
+    print(f"server log: {server.log_path}")
+    return 0 if report(*result, server.log_text()) else 1
 
 
 def abuse_kinds(args: argparse.Namespace) -> tuple[str, ...]:
@@ -1019,42 +1043,27 @@ def run_mixed(args: argparse.Namespace) -> int:
     tier_dir = tempfile.mkdtemp(prefix="soak-tier-")
     args.server_args += (f" --api-key {args.api_key} {args.abuse_key} --request-body-timeout 5"
                          f" --kv-offload-dir {tier_dir} --kv-offload-disk-gb 1")
-    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-mixed-", delete=False) as log:
-        proc, url = start_server(args, log)
-        try:
-            greedy_before = greedy_reply(url, args.model)
-            result = mixed_abuse(url, args.model, args.api_key, args.abuse_key, args.duration, workers=args.workers,
-                                 abusers=args.abusers, seed=args.seed, tier_dir=tier_dir, kinds=abuse_kinds(args))
-            exits = int(proc.poll() is not None)
-            checks = {} if exits else after_storm(url, args.model, greedy_before)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        log.seek(0)
-        text = log.read()
+    with served(args, "soak-mixed-") as server:
+        greedy_before = greedy_reply(server.url, args.model)
+        result = mixed_abuse(server.url, args.model, args.api_key, args.abuse_key, args.duration, workers=args.workers,
+                             abusers=args.abusers, seed=args.seed, tier_dir=tier_dir, kinds=abuse_kinds(args))
+        exits = int(server.proc.poll() is not None)
+        checks = {} if exits else after_storm(server.url, args.model, greedy_before)
     ok = report_mixed(result, exits, args)
-    checks["no traceback in the server log"] = ("Traceback" not in text, text.count("Traceback"))
-    for name, (passed, seen) in checks.items():
-        print(f"after: {name:32s} {'ok' if passed else 'FAILED'}  ({seen})")
-    print(f"server log: {log.name}")
-    return 0 if ok and all(passed for passed, _ in checks.values()) else 1
+    ok = report_checks(checks, server.log_text()) and ok
+    print(f"server log: {server.log_path}")
+    return 0 if ok else 1
 
 
 def run_router_abuse(args: argparse.Namespace) -> int:
     if args.base_url:
         return 0 if router_abuse(args, args.base_url.rstrip("/")) else 1
     args.server_args += f" --data-parallel-size 2 --api-key {args.api_key} --request-body-timeout 5"
-    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="soak-router-", delete=False) as log:
-        proc, url = start_server(args, log)
-        try:
-            ok = router_abuse(args, url)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        log.seek(0)
-        text = log.read()
-        print(f"server log: {log.name} ({text.count('Traceback')} tracebacks)")
-        return 0 if ok and "Traceback" not in text else 1
+    with served(args, "soak-router-") as server:
+        ok = router_abuse(args, server.url)
+    text = server.log_text()
+    print(f"server log: {server.log_path} ({text.count('Traceback')} tracebacks)")
+    return 0 if ok and "Traceback" not in text else 1
 
 
 if __name__ == "__main__":

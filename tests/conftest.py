@@ -253,9 +253,12 @@ def fp8_act_hook(mode: str, group: int, input_scale: float | None):
 @pytest.fixture
 def isolated_ray(monkeypatch):
     """A Ray temp dir of the test's own (``RAY_TMPDIR``, short for Ray's socket paths): there,
-    ``ray.init(address="auto")`` finds only the Ray this test starts, never one another pytest-xdist
-    worker's test started (and will shut down under it)."""
+    ``ray.init()`` finds only a cluster this test records (``ray start``), never one another pytest-xdist
+    worker's test started (and will shut down under it). ``RAY_ADDRESS`` is unset for the same reason.
+    (``ray.init(address="auto")`` would still find the other worker's Ray, by scanning processes:
+    pagedllm never calls it.)"""
     path = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     monkeypatch.setenv("RAY_TMPDIR", path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     yield path
     shutil.rmtree(path, ignore_errors=True)

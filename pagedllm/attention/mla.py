@@ -154,13 +154,17 @@ class MLABackend:
                          scale: float, out: torch.Tensor) -> None:
         """The absorbed form of ``spans``' requests in one latent-kernel call (module docstring)."""
         device, rank = latent_cache.device, w_uk.shape[2]
-        rows = torch.cat([torch.arange(start, end) for _, start, end, _ in spans]).to(device)  # their tokens
+        q_lens = [end - start for _, start, end, _ in spans]
+        if len(spans) == meta.num_reqs:  # every request of the step (a decode step): its metadata as it is
+            rows = slice(0, spans[-1][2])
+            qsl, seq_lens, tables = meta.query_start_loc, meta.seq_lens, meta.block_tables.contiguous()
+        else:
+            rows = torch.cat([torch.arange(start, end) for _, start, end, _ in spans]).to(device)  # their tokens
+            qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([n for _, _, _, n in spans], dtype=torch.int32, device=device)
+            tables = meta.block_tables[[r for r, _, _, _ in spans]].to(torch.int32).contiguous()
         q_lat = absorb_query(q_nope[rows], w_uk)  # [n, heads, rank]
         q = torch.cat([q_lat, q_pe[rows]], dim=-1)  # [n, heads, rank + rope]
-        q_lens = [end - start for _, start, end, _ in spans]
-        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([n for _, _, _, n in spans], dtype=torch.int32, device=device)
-        tables = meta.block_tables[[r for r, _, _, _ in spans]].to(torch.int32).contiguous()
         if self._triton:
             o_lat = latent_attention(q.contiguous(), latent_cache, tables, qsl, seq_lens, rank, scale,
                                      max(q_lens), max(n for _, _, _, n in spans))

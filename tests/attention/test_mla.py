@@ -112,13 +112,13 @@ def test_fp8_latent_saturates_instead_of_overflowing():
 KERNEL_REQS = [(40, 1), (3, 1), (17, 4), (0, 2), (70, 1)]
 
 
-def _latent_case(heads: int, cache_dtype: torch.dtype, seed: int = 3):
-    batch = make_paged_batch(KERNEL_REQS, 1, 1, RANK + ROPE, 8, seed=seed, cache_dtype=cache_dtype)
-    q = torch.randn(batch.meta.num_tokens, heads, RANK + ROPE, generator=torch.Generator().manual_seed(seed))
+def _latent_case(heads: int, cache_dtype: torch.dtype, seed: int = 3, rank: int = RANK, block_size: int = 8):
+    batch = make_paged_batch(KERNEL_REQS, 1, 1, rank + ROPE, block_size, seed=seed, cache_dtype=cache_dtype)
+    q = torch.randn(batch.meta.num_tokens, heads, rank + ROPE, generator=torch.Generator().manual_seed(seed))
     return batch, q
 
 
-def _latent_reference(batch, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _latent_reference(batch, q: torch.Tensor, scale: float, rank: int = RANK) -> torch.Tensor:
     """float64: each token's softmax over its causal context of latents, times the c_kv part."""
     outs, start = [], 0
     for ctx, (_, q_len) in zip(batch.ctx_k, KERNEL_REQS):
@@ -126,14 +126,15 @@ def _latent_reference(batch, q: torch.Tensor, scale: float) -> torch.Tensor:
         qs = q[start:start + q_len].double()  # [q_len, heads, RANK + ROPE]
         scores = torch.einsum("qhd,sd->qhs", qs, lat) * scale
         mask = mla.causal_mask(q_len, lat.shape[0], "cpu")[:, None, :]
-        outs.append(torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ lat[:, :RANK])
+        outs.append(torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ lat[:, :rank])
         start += q_len
     return torch.cat(outs)
 
 
-def _run_latent_kernel(kind: str, batch, q: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
+def _run_latent_kernel(kind: str, batch, q: torch.Tensor, scale: float, rank: int = RANK, **kwargs) -> torch.Tensor:
     cache, meta = batch.key_cache.clone(), batch.meta
-    cache[meta.slot_mapping // 8, 0, meta.slot_mapping % 8] = batch.key[:, 0].to(cache.dtype)
+    block_size = cache.shape[2]
+    cache[meta.slot_mapping // block_size, 0, meta.slot_mapping % block_size] = batch.key[:, 0].to(cache.dtype)
     if kind == "triton":
         if not INTERPRETED:
             pytest.skip("the Triton latent kernel on CPU tensors needs TRITON_INTERPRET=1")
@@ -142,9 +143,9 @@ def _run_latent_kernel(kind: str, batch, q: torch.Tensor, scale: float, **kwargs
                                 meta.max_query_len, meta.max_seq_len, **kwargs)
     if not bindings.is_available():
         pytest.skip("the C library does not build here")
-    out = q.new_empty(q.shape[0], q.shape[1], RANK)
+    out = q.new_empty(q.shape[0], q.shape[1], rank)
     bindings.library().mla_latent_attention(q, out, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                            RANK, scale, **kwargs)
+                                            rank, scale, **kwargs)
     return out
 
 
@@ -164,6 +165,21 @@ def test_latent_kernels_match_float64(kind, heads, cache_dtype, kwargs):
     out = _run_latent_kernel(kind, batch, q, scale, **kwargs)
     assert out.shape == (q.shape[0], heads, RANK)
     torch.testing.assert_close(out.double(), _latent_reference(batch, q, scale), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, rank, block_size, cache_dtype, threads", [
+    (16, 40, 8, torch.float32, 1),  # a rank that is not a multiple of the 32 output columns per pass
+    (40, 48, 128, torch.bfloat16, 16),  # heads split into two items of 20 (padded to 32); 64-key chunks of a block
+    (17, 32, 16, torch.float8_e4m3fn, 2),
+])  # fmt: skip
+def test_native_latent_kernel_items_of_many_heads(heads, rank, block_size, cache_dtype, threads):
+    """Items of 16 heads or more: on an AVX-512 build the heads are the vector lanes of the scores
+    and the softmax (padded to a multiple of 16), keys go in chunks of 64 across block boundaries or
+    inside a larger block, and the output's columns in passes of 32; float64 agrees."""
+    batch, q = _latent_case(heads, cache_dtype, rank=rank, block_size=block_size)
+    scale = (NOPE + ROPE) ** -0.5
+    out = _run_latent_kernel("native", batch, q, scale, rank=rank, num_threads=threads)
+    torch.testing.assert_close(out.double(), _latent_reference(batch, q, scale, rank), atol=2e-5, rtol=1e-5)
 
 
 def test_native_latent_kernel_refuses_metadata_past_the_pool():

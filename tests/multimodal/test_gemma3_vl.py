@@ -10,6 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.multimodal.gemma3_vl_fixtures import IMAGE_TOKENS, gemma3_vl_dir, gemma3_vl_hf  # noqa: F401 - fixtures
 from tests.multimodal.llava_fixtures import chunks_seen, make_image
+from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact, vlm_engine
 
 MAX_NEW = 6
 BUDGET = 16  # max_num_batched_tokens: a plain chunk boundary would fall inside the image run below
@@ -19,8 +20,7 @@ IMG = "<start_of_image>"
 
 @pytest.fixture(scope="module")
 def llm(gemma3_vl_dir):
-    engine = LLM(model=gemma3_vl_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
-                 block_size=8, limit_mm_per_prompt={"image": 2})
+    engine = vlm_engine(gemma3_vl_dir, BUDGET, max_images=2)
     yield engine
     engine.llm_engine.shutdown()
 
@@ -197,22 +197,9 @@ def test_cut_before_split_runs():
 def test_preemption_keeps_outputs_exact(gemma3_vl_dir, gemma3_vl_hf):
     """A KV cache too small for every image prompt at once: requests are preempted (recompute),
     their runs prefilled whole again; outputs stay exact."""
-    engine = LLM(model=gemma3_vl_dir, max_model_len=64, num_gpu_blocks_override=10, block_size=8,
-                 max_num_batched_tokens=BUDGET)
-    try:
-        cases = [(f"the quick brown fox {IMG} jumps", [make_image(80 + i)]) for i in range(4)]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        outs = engine.generate([{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases], params,
-                               use_tqdm=False)
-        assert engine.llm_engine.scheduler.stats.num_preemptions > 0
-        model, processor = gemma3_vl_hf
-        for (text, images), out in zip(cases, outs):
-            inputs = processor(text=text, images=images, return_tensors="pt")
-            with torch.no_grad():
-                ref = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-            assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
-    finally:
-        engine.llm_engine.shutdown()
+    cases = [(f"the quick brown fox {IMG} jumps", [make_image(80 + i)]) for i in range(4)]
+    assert_preemption_keeps_outputs_exact(gemma3_vl_dir, gemma3_vl_hf, cases, max_model_len=64,
+                                          num_gpu_blocks_override=10, block_size=8, max_num_batched_tokens=BUDGET)
 
 
 def test_image_token_past_the_vocabulary_embeds(gemma3_vl_dir):

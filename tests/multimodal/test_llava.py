@@ -9,6 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.multimodal.llava_fixtures import IMAGE_TOKENS, chunks_seen, hf_generate, llava_dir, llava_hf, make_image  # noqa: F401 - fixtures
+from tests.multimodal.oracle_checks import assert_preemption_keeps_outputs_exact, vlm_engine
 
 MAX_NEW = 8
 BUDGET = 32  # max_num_batched_tokens: image runs (25 tokens) straddle chunk boundaries
@@ -18,8 +19,7 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog paged attention keeps"
 
 @pytest.fixture(scope="module")
 def llm(llava_dir):
-    engine = LLM(model=llava_dir, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=BUDGET,
-                 block_size=8, limit_mm_per_prompt={"image": 3})
+    engine = vlm_engine(llava_dir, BUDGET, max_images=3)
     yield engine
     engine.llm_engine.shutdown()
 
@@ -167,22 +167,9 @@ def test_llm_chat_with_image_parts(llm, llava_hf):
 def test_preemption_keeps_outputs_exact(llava_dir, llava_hf):
     """A KV cache too small for every image prompt at once: requests are preempted (recompute)
     and their images encoded again or hit in the encoder cache; outputs stay exact."""
-    engine = LLM(model=llava_dir, max_model_len=96, num_gpu_blocks_override=16, block_size=8,
-                 max_num_batched_tokens=64)
-    try:
-        cases = [(f"{LONG_TEXT} <image> fox", [make_image(80 + i)]) for i in range(4)]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        outs = engine.generate([{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases], params,
-                               use_tqdm=False)
-        assert engine.llm_engine.scheduler.stats.num_preemptions > 0
-        model, processor = llava_hf
-        for (text, images), out in zip(cases, outs):
-            inputs = processor(text=text, images=images, return_tensors="pt")
-            with torch.no_grad():
-                ref = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-            assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
-    finally:
-        engine.llm_engine.shutdown()
+    cases = [(f"{LONG_TEXT} <image> fox", [make_image(80 + i)]) for i in range(4)]
+    assert_preemption_keeps_outputs_exact(llava_dir, llava_hf, cases, max_model_len=96, num_gpu_blocks_override=16,
+                                          block_size=8, max_num_batched_tokens=64)
 
 
 def test_processor_model_mismatch_is_refused(llava_dir):

@@ -1,12 +1,20 @@
-"""Live-server helpers and fixtures: uvicorn in a background thread, tiny random Llama."""
+"""Live-server helpers and fixtures: uvicorn in a background thread, ``pagedllm serve`` in a
+process of its own, tiny random Llama."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 from conftest import make_model_dir
 
@@ -127,6 +135,62 @@ def start_server(model_dir: str, api_key: str | None = None, chat_template: str 
         time.sleep(0.02)
     scheme = "https" if http_options.tls else "http"
     return LiveServer(f"{scheme}://127.0.0.1:{port}", app, server, thread)
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.2) -> None:
+    """Polls ``condition()`` until true; TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def is_healthy(url: str) -> bool:
+    """``GET {url}/health`` answers 200."""
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class ServeProcess:
+    """A ``pagedllm serve`` started by :func:`serve_process`: its URL, process and log file."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: str, log: Path, flags: list[str], startup_timeout: float, stop_timeout: float,
+                  ready=is_healthy):
+    """``pagedllm serve model_dir --port <free port> *flags`` in a session of its own, output to ``log``;
+    yields once ``ready(url)`` (the process exiting first fails, with its log). On exit: SIGTERM, then
+    the whole process group SIGKILLed if it has not stopped within ``stop_timeout`` seconds (read
+    ``proc.returncode`` after the block)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(port), *flags]
+    repo = Path(__file__).resolve().parents[2]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(repo)), stdout=out, stderr=out,
+                                start_new_session=True)
+    server = ServeProcess(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        wait_for(lambda: proc.poll() is not None or ready(server.url), startup_timeout, f"`{' '.join(cmd[2:])}`")
+        assert proc.poll() is None, server.log_tail()
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(stop_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

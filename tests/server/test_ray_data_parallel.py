@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
-from live_server import free_port, server_model_dir  # noqa: F401 (a fixture)
+from live_server import serve_process, server_model_dir, wait_for  # noqa: F401 (a fixture)
 
 pytest.importorskip("ray", reason="--data-parallel-backend ray needs Ray (pip install 'pagedllm[ray]')")
-REPO = Path(__file__).resolve().parents[2]
 ACTOR = "ray::_ReplicaActor"
 
 
@@ -37,50 +32,27 @@ def _backends(url: str) -> list[dict]:
         return []
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if time.time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
 def _complete(url: str, prompt: str) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     return out.choices[0].text
 
 
-@pytest.mark.skipif(os.environ.get("PYTEST_XDIST_WORKER") is not None,
-                    reason="under pytest-xdist the Ray executor test in the other worker can take this test's Ray node "
-                           "down with it (seen twice in CI); run it alone: python -m pytest -n 0 " + __file__)
 def test_ray_replicas_serve_restart_and_leave_nothing(server_model_dir, tmp_path, isolated_ray):  # noqa: F811
-    port, log = free_port(), tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", server_model_dir, "--data-parallel-size", "2",
-           "--data-parallel-backend", "ray", "--port", str(port), "--block-size", "8",
-           "--num-gpu-blocks-override", "64", "--max-model-len", "128", "--served-model-name", "tiny",
-           "--health-check-interval", "0.5", "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=out,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        healthy = lambda: len([b for b in _backends(url) if b["healthy"]]) == 2  # noqa: E731
-        _wait_for(lambda: proc.poll() is not None or healthy(), 400, "two healthy Ray replicas")
-        assert proc.poll() is None, log.read_text()[-3000:]
+    flags = ["--data-parallel-size", "2", "--data-parallel-backend", "ray", "--block-size", "8",
+             "--num-gpu-blocks-override", "64", "--max-model-len", "128", "--served-model-name", "tiny",
+             "--health-check-interval", "0.5", "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
+    healthy = lambda url: len([b for b in _backends(url) if b["healthy"]]) == 2  # noqa: E731
+    with serve_process(server_model_dir, tmp_path / "server.log", flags, startup_timeout=400, stop_timeout=90,
+                       ready=healthy) as server:
+        url = server.url
         first = _complete(url, "hello world the quick brown fox")
         assert len(_replica_pids()) == 2
         os.kill(_replica_pids()[0], signal.SIGKILL)
-        _wait_for(lambda: not healthy(), 60, "the router to see the killed replica")
+        wait_for(lambda: not healthy(url), 60, "the router to see the killed replica", interval=0.5)
         assert _complete(url, "hello world the quick brown fox") == first  # the other replica serves
-        _wait_for(healthy, 300, "Ray to restart the replica and the router to re-admit it")
+        wait_for(lambda: healthy(url), 300, "Ray to restart the replica and the router to re-admit it", interval=0.5)
         assert len(_replica_pids()) == 2
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
     # uvicorn re-raises the SIGTERM it drained for; Ray's driver handler turns that into exit(15)
-    assert proc.returncode in (0, 15), log.read_text()[-3000:]
-    _wait_for(lambda: not _replica_pids(), 30, "the replica actors to exit")
+    assert server.proc.returncode in (0, 15), server.log_tail()
+    wait_for(lambda: not _replica_pids(), 30, "the replica actors to exit", interval=0.5)

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from live_server import free_port, raw_http, server_model_dir
+from live_server import free_port, raw_http, serve_process, server_model_dir, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.entrypoints.cli import main as cli_main
@@ -34,7 +33,6 @@ from pagedllm.entrypoints.router.app import build_router_app
 from pagedllm.entrypoints.router.config import RouterConfig
 from pagedllm.entrypoints.router.prompt_hasher import PromptHasher
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 8
 MAX_TOKENS = 180  # a long stream (the prompts are ~65 tokens of max_model_len 256)
 WORDS = "the quick brown fox jumps over lazy dog paged attention keeps a block table hello world".split()
@@ -48,48 +46,15 @@ class DataParallelServer:
     log: Path
 
 
-def _get(url: str, timeout: float = 5.0) -> httpx.Response | None:
-    try:
-        return httpx.get(url, timeout=timeout)
-    except httpx.HTTPError:
-        return None
-
-
-def _healthy(url: str) -> bool:
-    response = _get(f"{url}/health")
-    return response is not None and response.status_code == 200
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if time.time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def dp_server(server_model_dir, tmp_path_factory):
-    port, log = free_port(), tmp_path_factory.mktemp("dp") / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", server_model_dir, "--data-parallel-size", "2",
-           "--port", str(port), "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", "256",
-           "--max-model-len", "256", "--max-num-seqs", "2", "--served-model-name", "tiny",
-           "--health-check-interval", "0.5", "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=out,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(lambda: proc.poll() is not None or _healthy(url), 240, "the data-parallel server to start")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        backends = [b["url"] for b in httpx.get(f"{url}/router/backends").json()["backends"]]
-        yield DataParallelServer(url, backends, proc, log)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    flags = ["--data-parallel-size", "2", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", "256",
+             "--max-model-len", "256", "--max-num-seqs", "2", "--served-model-name", "tiny",
+             "--health-check-interval", "0.5", "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
+    with serve_process(server_model_dir, tmp_path_factory.mktemp("dp") / "server.log", flags, startup_timeout=240,
+                       stop_timeout=60) as server:
+        backends = [b["url"] for b in httpx.get(f"{server.url}/router/backends").json()["backends"]]
+        yield DataParallelServer(server.url, backends, server.proc, server.log)
 
 
 @contextlib.contextmanager
@@ -103,7 +68,7 @@ def _router_in_thread(backends: list[str], **options):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        _wait_for(lambda: server.started, 30, "the in-process router")
+        wait_for(lambda: server.started, 30, "the in-process router")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
@@ -210,7 +175,7 @@ def test_other_routes_are_forwarded(dp_server):
 
 def test_every_block_is_free_on_each_replica(dp_server):
     for url in dp_server.backends:
-        _wait_for(lambda u=url: _replica_total([u], "pagedllm:num_requests_running") == 0, 10, "idle replicas")
+        wait_for(lambda u=url: _replica_total([u], "pagedllm:num_requests_running") == 0, 10, "idle replicas")
         assert _replica_total([url], "pagedllm:num_requests_waiting") == 0
         assert _replica_total([url], "pagedllm:kv_cache_usage_perc") == 0
 
@@ -421,5 +386,5 @@ def test_killed_backend_pending_requests_complete_on_the_other(dp_server):
     assert delta("pagedllm:router_backend_taken_out_total") == 1
     assert httpx.get(f"{dp_server.url}/health").status_code == 200
     survivor = next(url for url in dp_server.backends if url != holder)
-    _wait_for(lambda: _replica_total([survivor], "pagedllm:num_requests_running") == 0, 10, "the survivor to idle")
+    wait_for(lambda: _replica_total([survivor], "pagedllm:num_requests_running") == 0, 10, "the survivor to idle")
     assert _replica_total([survivor], "pagedllm:kv_cache_usage_perc") == 0

@@ -208,10 +208,10 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
     """Starts the replicas (each runs ``serve``), serves the router until interrupted, then stops the replicas."""
     config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, before N processes start
     plans = plan_replicas(args, config)
-    started_ray = False
+    ray_inited = False
     if args.data_parallel_backend == "ray":
         from .ray_replicas import start_ray_replicas
-        processes, plans, started_ray = start_ray_replicas(serve, plans, [replica_args(args, p) for p in plans],
+        processes, plans, ray_inited = start_ray_replicas(serve, plans, [replica_args(args, p) for p in plans],
                                                            args.data_parallel_startup_timeout)
     else:
         processes = start_replicas(serve, args, plans)
@@ -225,7 +225,7 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
         return 1
     finally:
         stop_replicas(processes, args.shutdown_timeout)
-        if started_ray:
+        if ray_inited:
             import ray
             ray.shutdown()
     return 0

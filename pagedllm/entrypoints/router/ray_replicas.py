@@ -92,13 +92,14 @@ class RayReplica:
 
 def start_ray_replicas(serve, plans: list, replica_args: list[argparse.Namespace],
                        timeout: float) -> tuple[list[RayReplica], list, bool]:
-    """One actor per plan (running ``serve`` with its ``replica_args``) on the reachable Ray cluster
-    (or a local one: then the bool is True and the caller shuts Ray down); the plans come back
-    with the address each replica's node has."""
+    """One actor per plan (running ``serve`` with its ``replica_args``) on the Ray cluster this
+    process is pointed at, or a local one (executor/ray.py's ``_connect``); the bool is True when
+    this call ran ``ray.init`` (the caller then runs ``ray.shutdown()``); the plans come back with
+    the address each replica's node has."""
     from pagedllm.worker.executor.ray import _connect, import_ray
 
     ray = import_ray()
-    started = _connect(ray)
+    ray_inited = _connect(ray)
     replicas, placed = [], []
     for plan, rargs in zip(plans, replica_args):
         gpu = plan.device.startswith("cuda")
@@ -111,4 +112,4 @@ def start_ray_replicas(serve, plans: list, replica_args: list[argparse.Namespace
         host, pid = replica.address(timeout=timeout)
         logger.warning("data-parallel replica %d: Ray actor on %s (pid %d), port %d", plan.index, host, pid, plan.port)
         placed.append(replace(plan, host=host))
-    return replicas, placed, started
+    return replicas, placed, ray_inited

@@ -23,46 +23,56 @@ BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
 
 
 @triton.jit
+def _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of its segment's tokens: their positions in the grouped order, which of
+    them are in the segment (past a short segment's end: none), the segment's slot and the tokens'
+    rows in ``x`` / ``y``."""
+    g = tl.program_id(0)
+    start, end = tl.load(seg_start_ptr + g), tl.load(seg_start_ptr + g + 1)
+    tokens = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = tokens < end
+    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
+    rows = tl.load(perm_ptr + tokens, mask=live, other=0).to(tl.int64)
+    return tokens, live, slot, rows
+
+
+@triton.jit
+def _tile_times_slot_t(lhs_ptr, lhs_rows, lhs_stride, live, w_ptr, slot, num_cols, K, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``lhs[lhs_rows, :K] @ w[slot][cols, :K].T`` (``w [slots, num_cols, K]`` contiguous) in float32
+    ``[BLOCK_M, BLOCK_N]``, for this program's block of columns ``cols`` (grid axis 2), rows not
+    ``live`` and columns past ``num_cols`` masked: the GEMM of both shrink and expand."""
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        lhs = tl.load(lhs_ptr + lhs_rows[:, None] * lhs_stride + (k0 + rk)[None, :],
+                      mask=live[:, None] & (k0 + rk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + slot * num_cols * K + cols[None, :].to(tl.int64) * K + (k0 + rk)[:, None],
+                    mask=(cols[None, :] < num_cols) & (k0 + rk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]: w[s].T
+        acc = tl.dot(lhs.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
+    return acc, cols
+
+
+@triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, K, R, x_stride,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr):
-    g = tl.program_id(0)
-    start, end = tl.load(seg_start_ptr + g), tl.load(seg_start_ptr + g + 1)
-    tokens = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # past a short segment's end: all masked
-    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
-    rows = tl.load(perm_ptr + tokens, mask=tokens < end, other=0).to(tl.int64)
-    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + rk)[None, :],
-                    mask=(tokens[:, None] < end) & (k0 + rk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_ptr + slot * R * K + rr[None, :].to(tl.int64) * K + (k0 + rk)[:, None],
-                    mask=(rr[None, :] < R) & (k0 + rk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_R]: a[s].T
-        acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-    tl.store(t_ptr + tokens[:, None].to(tl.int64) * R + rr[None, :], acc,
-             mask=(tokens[:, None] < end) & (rr[None, :] < R))
+    tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
+    acc, rr = _tile_times_slot_t(x_ptr, rows, x_stride, live, a_ptr, slot, R, K, DOT_PRECISION, BLOCK_M, BLOCK_R,
+                                 BLOCK_K)
+    tl.store(t_ptr + tokens[:, None].to(tl.int64) * R + rr[None, :], acc, mask=live[:, None] & (rr[None, :] < R))
 
 
 @triton.jit
 def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, N, R, y_stride,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr):
-    g = tl.program_id(0)
-    start, end = tl.load(seg_start_ptr + g), tl.load(seg_start_ptr + g + 1)
-    tokens = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # past a short segment's end: all masked
-    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
-    rows = tl.load(perm_ptr + tokens, mask=tokens < end, other=0).to(tl.int64)
-    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        t = tl.load(t_ptr + tokens[:, None].to(tl.int64) * R + (r0 + rr)[None, :],
-                    mask=(tokens[:, None] < end) & (r0 + rr[None, :] < R), other=0.0)  # [BLOCK_M, BLOCK_R]
-        b = tl.load(b_ptr + slot * N * R + rn[None, :].to(tl.int64) * R + (r0 + rr)[:, None],
-                    mask=(rn[None, :] < N) & (r0 + rr[:, None] < R), other=0.0)  # [BLOCK_R, BLOCK_N]: b[s].T
-        acc = tl.dot(t.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-    mask = (tokens[:, None] < end) & (rn[None, :] < N)
+    tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
+    # t is [lora tokens, R] float32, its rows the tokens' positions in the grouped order
+    acc, rn = _tile_times_slot_t(t_ptr, tokens.to(tl.int64), R, live, b_ptr, slot, N, R, DOT_PRECISION, BLOCK_M,
+                                 BLOCK_N, BLOCK_R)
+    mask = live[:, None] & (rn[None, :] < N)
     y_ptrs = y_ptr + rows[:, None] * y_stride + rn[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)

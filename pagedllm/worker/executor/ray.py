@@ -1,6 +1,6 @@
 """Ranks as Ray actors (``distributed_executor_backend="ray"``): rank 0 in the engine's process,
-ranks 1..N-1 as actors in one placement group, on the Ray cluster this process can reach
-(``ray.init(address="auto")``, or ``RAY_ADDRESS``) or, with none, on a local Ray instance it starts.
+ranks 1..N-1 as actors in one placement group, on the Ray cluster this process is pointed at
+(``RAY_ADDRESS``, or the one ``ray start`` recorded) or, with none, on a local Ray instance it starts.
 
 The same protocol as the multiprocessing executor (multiproc.py): every runner call is a
 ``RankCall`` sent to each actor (an actor runs its calls one at a time, in order) and then run
@@ -18,7 +18,7 @@ Failure handling, so that nothing waits forever:
   its node lost) marks the engine dead within a second, naming the node and the rank; collectives
   time out after ``PAGEDLLM_TP_TIMEOUT``; a failed call stops every rank and raises RuntimeError.
 - shutdown: every actor is killed and the placement group removed (``ray.kill``, no restarts);
-  a Ray instance this executor started is shut down with it.
+  ``ray.shutdown()`` if this executor called ``ray.init`` (a local instance it started stops).
 """
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ class RayActors:
     """The actors of one engine, their placement group and the watchdog; no reference to the
     executor (its finalizer closes this). ``dead`` is set to why an actor is gone."""
 
-    def __init__(self, config: EngineConfig, host: str, port: int, timeouts: Timeouts, started_ray: bool):
+    def __init__(self, config: EngineConfig, host: str, port: int, timeouts: Timeouts, ray_inited: bool):
         self.ray = import_ray()
-        self.started_ray = started_ray  # this engine started the local Ray instance: stop it too
+        self.ray_inited = ray_inited  # this engine called ray.init: ray.shutdown() too
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -215,7 +215,7 @@ class RayActors:
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Kills every actor, removes the placement group, and stops a Ray instance it started."""
+        """Kills every actor, removes the placement group, and shuts down the Ray connection it made."""
         if self._closed:
             return
         self._closed = True
@@ -228,21 +228,22 @@ class RayActors:
             self.ray.util.remove_placement_group(self.pg)
         except Exception:
             pass
-        if self.started_ray:
+        if self.ray_inited:
             self.ray.shutdown()
 
 
 def _connect(ray) -> bool:
-    """Joins the Ray cluster this process can reach, else starts a local instance; True when it
-    started one (it is then shut down with the executor)."""
+    """Joins the Ray cluster this process is pointed at (``RAY_ADDRESS``, or the one ``ray start``
+    recorded in Ray's temp dir, ``RAY_TMPDIR``), else starts a local instance: ``ray.init()`` with
+    no address. Not ``address="auto"``: with neither of those, that joins whatever Ray it finds
+    running on the machine by scanning processes, such as another program's private instance,
+    which then stops under this one when that program ends. True when it called ``ray.init``: the
+    caller undoes it with ``ray.shutdown()``, which stops a local instance it started and only
+    disconnects from a cluster it joined."""
     if ray.is_initialized():
         return False
-    try:
-        ray.init(address="auto", log_to_driver=False)
-        return False
-    except ConnectionError:
-        ray.init(include_dashboard=False, log_to_driver=False)
-        return True
+    ray.init(include_dashboard=False, log_to_driver=False)
+    return True
 
 
 class RayExecutor(Executor):
@@ -254,14 +255,14 @@ class RayExecutor(Executor):
             raise ValueError(f"nnodes={p.nnodes}: with distributed_executor_backend='ray' Ray places the ranks on "
                              "its cluster's nodes; launch one engine, without --nnodes")
         ray = import_ray()
-        started_ray = _connect(ray)
+        ray_inited = _connect(ray)
         host = ray.util.get_node_ip_address()  # the actors may be on other nodes: they dial this
         store = create_store(p.world_size, envs.PAGEDLLM_PORT, timeouts.startup, host)
         self._inflight: list = []
         try:
-            self._actors = RayActors(self.config, host, store.port, timeouts, started_ray)
+            self._actors = RayActors(self.config, host, store.port, timeouts, ray_inited)
         except BaseException:
-            if started_ray:
+            if ray_inited:
                 ray.shutdown()
             raise
         self._finalizer = weakref.finalize(self, self._actors.close)
