@@ -390,11 +390,12 @@ def test_backend_api_key_replaces_the_clients_authorization(backend_api_key, sen
 def test_data_parallel_router_takes_the_servers_key_limits_and_flags(monkeypatch):
     from pagedllm.entrypoints.router.data_parallel import ReplicaPlan, router_config_of
     monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
-    args = _serve_args(data_parallel_size=2, api_key="k", metrics_public=True, max_request_body_bytes=1000,
+    args = _serve_args(data_parallel_size=2, api_key=["k", "k2"], metrics_public=True, max_request_body_bytes=1000,
                        request_body_timeout=2.5, routing_policy="round_robin")
     plans = [ReplicaPlan(i, 9000 + i, 1, "cpu", 0.4) for i in range(2)]
     config = router_config_of(args, argparse.Namespace(model=argparse.Namespace(tokenizer="t")), plans)
-    assert (config.api_key, config.backend_api_key, config.metrics_public) == ("k", "k", True)
+    # serve's --api-key takes several keys (nargs="+"): the router accepts each, sends the replicas one
+    assert (config.api_keys, config.backend_api_key, config.metrics_public) == (("k", "k2"), "k", True)
     assert (config.limits.max_request_body_bytes, config.limits.request_body_timeout) == (1000, 2.5)
     assert config.backends == ("http://127.0.0.1:9000", "http://127.0.0.1:9001")
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")  # as the replicas read it
@@ -406,6 +407,7 @@ def test_data_parallel_router_takes_the_servers_key_limits_and_flags(monkeypatch
 @pytest.mark.parametrize("kwargs, match", [
     (dict(metrics_public=True), "metrics_public=True applies only with an api_key"),
     (dict(api_key=""), "api_key is invalid"),
+    (dict(api_key=("k", "")), "api_key is invalid"),
     (dict(backend_api_key="a\nb"), "backend_api_key is invalid"),
     (dict(limits=4096), "limits=4096 is invalid"),
 ])

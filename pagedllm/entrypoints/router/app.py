@@ -87,8 +87,8 @@ def build_router_app(config: RouterConfig, hasher: PromptHasher | None = None,
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestBodyMiddleware, limits=config.limits)
     # outside the body limits: a request without the key is refused before its body is read
-    if config.api_key:
-        http_options = dataclasses.replace(http_options, api_keys=(*http_options.api_keys, config.api_key))
+    if config.api_keys:
+        http_options = dataclasses.replace(http_options, api_keys=(*http_options.api_keys, *config.api_keys))
     install_middlewares(app, http_options, protected=key_required(config))
     return app
 

@@ -97,9 +97,11 @@ def config_from_cli(args: argparse.Namespace, backends: tuple[str, ...], **fixed
                         limits=limits_from_cli(args), **fixed)
 
 
-def api_key_from_cli(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else $PAGEDLLM_API_KEY (as the server reads it), else None."""
-    return args.api_key or envs.PAGEDLLM_API_KEY or None
+def api_key_from_cli(args: argparse.Namespace) -> str | tuple[str, ...] | None:
+    """``--api-key`` (the router's one key; ``serve``'s list of them, as parsed), else $PAGEDLLM_API_KEY
+    (as the server reads it), else None."""
+    key = args.api_key or envs.PAGEDLLM_API_KEY or None
+    return tuple(key) if isinstance(key, list) else key
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ class RouterConfig:
     adapter) has more than this many requests in flight beyond the least loaded one, the least
     loaded one gets the request.
 
-    ``api_key``: clients must send ``Authorization: Bearer <api_key>`` on every route but
+    ``api_key``: one key or several (``pagedllm serve --api-key K1 K2`` with data parallelism): clients
+    must send ``Authorization: Bearer <one of them>`` on every route but
     ``/health`` (``/metrics`` and ``/router/backends`` too, unless ``metrics_public``).
     ``backend_api_key``: the key the router sends the backends in place of the client's
     ``Authorization`` (None: the client's header is passed on as it came). ``limits``: the request
@@ -44,7 +45,7 @@ class RouterConfig:
     health_check_interval: float = 2.0
     startup_timeout: float = 10.0
     request_timeout: float = 600.0
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     backend_api_key: str | None = None
     metrics_public: bool = False
     disable_dashboard: bool = False  # no /dashboard and no /router/replicas/... relays (router/dashboard.py)
@@ -70,11 +71,19 @@ class RouterConfig:
             check_seconds(name, getattr(self, name))
         self._check_keys()
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a client may send (none: every route is open)."""
+        return () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+
     def _check_keys(self) -> None:
-        for name in ("api_key", "backend_api_key"):
-            value = getattr(self, name)
+        if isinstance(self.api_key, list):  # hashable, as the rest of a frozen config
+            object.__setattr__(self, "api_key", tuple(self.api_key))
+        keys = self.api_key if isinstance(self.api_key, tuple) and self.api_key else (self.api_key,)
+        for name, value in [("api_key", key) for key in keys] + [("backend_api_key", self.backend_api_key)]:
             if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
-                raise ValueError(f"{name} is invalid: must be a non-empty printable string (or unset)")
+                raise ValueError(f"{name} is invalid: must be a non-empty printable string, a list of them, "
+                                 "or unset")
         for name in ("metrics_public", "disable_dashboard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be true or false")

@@ -237,4 +237,9 @@ def router_config_of(args: argparse.Namespace, config, plans: list[ReplicaPlan])
     return config_from_cli(args, tuple(p.url for p in plans), tokenizer=config.model.tokenizer,
                            trust_remote_code=args.trust_remote_code, block_size=args.block_size,
                            chat_template=load_chat_template(args.chat_template),
-                           backend_api_key=api_key_from_cli(args))
+                           backend_api_key=_first(api_key_from_cli(args)))
+
+
+def _first(key: str | tuple[str, ...] | None) -> str | None:
+    """The key the router sends the replicas: they were given all of them, any one will do."""
+    return key[0] if isinstance(key, tuple) else key
