@@ -4,61 +4,16 @@ cold run; bad values, a flushed or killed server and another model's engine are 
 correct outputs, and a server that stays down turns the tier off while the engine keeps serving."""
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 from conftest import hf_greedy, make_model_dir, random_prompts
+from redis_server import RedisServer
 from test_kv_tiers import DOC, GREEDY, PROMPTS, _assert_all_blocks_free, _llm, _tier
 
 from pagedllm import LLM
 from pagedllm.kv_cache.offload.tier_fs import MAX_CONSECUTIVE_ERRORS
 
-redis = pytest.importorskip("redis", reason="the remote KV tier needs the redis client (pip install pagedllm[redis])")
 BLOCK = 8
 NUM_DOC_BLOCKS = len(DOC) // BLOCK  # full blocks of the shared document
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway ``redis-server`` on a free port (no persistence, LRU under 64 MiB)."""
-
-    def __init__(self):
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            pytest.skip("redis-server (or valkey-server) is not installed: apt-get install redis-server")
-        self.binary, self.port = binary, _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(200):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def client(self):
-        return redis.Redis.from_url(self.url)
 
 
 @pytest.fixture
@@ -84,7 +39,7 @@ def _greedy(llm: LLM, i: int) -> list[int]:
 
 
 def _keys(server: RedisServer) -> list[bytes]:
-    return list(server.client().scan_iter(match=b"pagedllm:kv:*"))
+    return server.keys()
 
 
 def test_second_engine_hits_what_the_first_computed(llama_dir, server, expected):
