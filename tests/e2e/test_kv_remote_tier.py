@@ -105,6 +105,7 @@ def test_killed_server_is_misses_then_the_tier_turns_off(llama_dir, server, expe
     for llm in (a, b):
         remote = _tier(llm, "remote")
         assert remote["hits"] == 0 and sum(remote["errors"].values()) > 0
+        assert remote["unreachable"] > 0  # the server is gone (not an error reply)
         _assert_all_blocks_free(llm)
     metrics = "\n".join(f"{m.name}{m.labels}={m.value}" for m in b.llm_engine.get_metrics()
                         if "kv_offload_errors" in m.name and m.labels.get("tier") == "remote")

@@ -44,7 +44,12 @@ def test_producer_publishes_before_returning_and_consumer_decodes(llama_dir, ser
     out = consumer.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert out == expected
     remote = _tier(consumer, "remote")
-    assert remote["hits"] == NUM_PROMPT_BLOCKS and remote["misses"] == 0
+    assert remote["hits"] == NUM_PROMPT_BLOCKS and remote["misses"] == 0 and remote["unreachable"] == 0
+    assert remote["bytes_loaded"] == NUM_PROMPT_BLOCKS * 2 * 2 * 2 * 16 * BLOCK * 4  # float32 blocks
+    trips = {m.labels["op"]: m for m in consumer.llm_engine.get_metrics()
+             if m.name == "pagedllm:kv_offload_round_trip_seconds"}
+    assert trips["read"].buckets[-1][1] == 1 and trips["read"].value > 0  # the whole prefix in one MGET
+    assert trips["stat"].buckets[-1][1] >= 1  # the presence checks of the prefix walk
     consumer.generate([{"prompt_token_ids": PROMPTS[3]}], GREEDY, use_tqdm=False)  # new blocks of its own
     consumer.llm_engine.flush_kv_tiers()
     assert set(server.keys()) == published and _tier(consumer, "remote")["stored_blocks"] == 0  # never writes

@@ -26,6 +26,12 @@ class RouterConfig:
     adapter) has more than this many requests in flight beyond the least loaded one, the least
     loaded one gets the request.
 
+    ``prefill_backends``: prefill/decode disaggregation (replicas started with ``--kv-role producer``
+    or ``both`` and a shared ``--kv-offload-remote``): each completion or chat request goes first to
+    one of them with ``max_tokens=1`` (its answer discarded), then whole to one of ``backends`` (the
+    decode replicas, ``--kv-role consumer`` or ``both``), which loads the prompt's blocks from the
+    pool (``proxy.py``). Empty: every backend serves whole requests.
+
     ``api_key``: clients must send ``Authorization: Bearer <api_key>`` on every route but
     ``/health`` (``/metrics`` and ``/router/backends`` too, unless ``metrics_public``).
     ``backend_api_key``: the key the router sends the backends in place of the client's
@@ -35,6 +41,7 @@ class RouterConfig:
 
     backends: tuple[str, ...]
     policy: str = "prefix"
+    prefill_backends: tuple[str, ...] = ()
     tokenizer: str | None = None
     trust_remote_code: bool = False
     chat_template: str | None = None
@@ -55,8 +62,12 @@ class RouterConfig:
             raise ValueError("backends=() is invalid: give at least one --backend URL")
         for url in self.backends:
             check_backend_url(url)
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"backends={list(self.backends)} lists a URL twice: each backend once")
+        for name in ("backends", "prefill_backends"):
+            urls = getattr(self, name)
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{name}={list(urls)} lists a URL twice: each backend once")
+        for url in self.prefill_backends:
+            check_backend_url(url)
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy={self.policy!r} is invalid: must be one of {ROUTING_POLICIES}")
         if self.policy == "prefix" and not self.tokenizer:
@@ -69,6 +80,11 @@ class RouterConfig:
         for name in ("health_check_interval", "startup_timeout", "request_timeout"):
             check_seconds(name, getattr(self, name))
         self._check_keys()
+
+    @property
+    def all_backends(self) -> tuple[str, ...]:
+        """Every backend the router probes: the decode (or only) ones, then the prefill-only ones."""
+        return self.backends + tuple(u for u in self.prefill_backends if u not in self.backends)
 
     def _check_keys(self) -> None:
         for name in ("api_key", "backend_api_key"):

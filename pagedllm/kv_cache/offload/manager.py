@@ -40,8 +40,9 @@ from pagedllm.contracts.tier_ops import (
 from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
 from pagedllm.kv_cache.offload.kv_transfer import publishes_sync, writes_remote
-from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, RemoteTier
+from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, ROUND_TRIP_BUCKETS, RemoteTier
 from pagedllm.kv_cache.offload.tier_fs import OPS
+from pagedllm.metrics.stats import Histogram
 
 
 @dataclass
@@ -57,9 +58,16 @@ class TierStats:
     load_seconds: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)  # op -> failed filesystem calls the ranks reported
     disabled: int = 0  # 1 once the tier was turned off for failing
+    unreachable: int = 0  # remote: calls that failed for want of the server (refused, lost, timed out)
+    round_trips: dict[str, Histogram] = field(default_factory=dict)  # remote: op -> seconds per call
 
     def as_dict(self) -> dict[str, float]:
-        return {k: v for k, v in vars(self).items() if k != "errors"}
+        return {k: v for k, v in vars(self).items() if k not in ("errors", "round_trips")}
+
+    def record_calls(self, round_trips: list[tuple[str, float]], unreachable: int) -> None:
+        for op, seconds in round_trips:
+            self.round_trips.setdefault(op, Histogram(ROUND_TRIP_BUCKETS)).observe(seconds)
+        self.unreachable += unreachable
 
 
 class OffloadManager:
@@ -284,6 +292,8 @@ class OffloadManager:
         for tier, reason in report.disabled.items():
             if tier in BELOW_CPU:
                 self.disable(tier, reason)
+        for tier in report.round_trips.keys() | report.unreachable.keys():
+            self.stats[tier].record_calls(report.round_trips.get(tier, []), report.unreachable.get(tier, 0))
 
     @property
     def num_loads_in_flight(self) -> int:
@@ -309,7 +319,10 @@ class OffloadManager:
 
     def snapshot(self) -> dict[str, dict]:
         """Per tier, its counters (:class:`TierStats`) and ``errors``, ``{op: failed calls}`` (the
-        ranks' and this side's)."""
+        ranks' and this side's); the remote tier's also ``round_trips``, ``{op: (cumulative buckets,
+        sum of seconds)}`` (rank 0's calls as reported so far, and this side's presence checks)."""
+        for t in self.remote_tiers:
+            self.stats[TIER_REMOTE].record_calls(*t.calls.take())
         out = {tier: s.as_dict() for tier, s in self.stats.items() if tier == TIER_CPU or self._stores[tier]}
         out[TIER_CPU].update(num_blocks=self.cpu.num_slots, num_used_blocks=len(self.cpu))
         out[TIER_CPU]["errors"] = dict(self.stats[TIER_CPU].errors)
@@ -322,6 +335,9 @@ class OffloadManager:
             for t in self._stores[tier]:
                 errors.update(t.health.errors)
             out[tier]["errors"] = dict(errors)
+        if TIER_REMOTE in out:
+            out[TIER_REMOTE]["round_trips"] = {op: (h.cumulative(), h.total)
+                                               for op, h in sorted(self.stats[TIER_REMOTE].round_trips.items())}
         return out
 
     def check_integrity(self) -> None:
