@@ -324,8 +324,13 @@ class LLMEngine:
         prefill's response tells the router the decode replica will find them
         (kv_cache/offload/kv_transfer.py)."""
         offload = self.scheduler.kv.offload
-        if offload is None or not offload.publishes_sync or not any(o.finished for o in outputs):
-            return
+        if offload is not None and offload.publishes_sync and any(o.finished for o in outputs):
+            self.publish_tier_moves()
+
+    def publish_tier_moves(self) -> None:
+        """Carries out the tier moves queued since the last step (e.g. the blocks finished requests
+        let go, bound for the remote tier) and waits for them. The async engine calls it as it goes
+        idle: other replicas find those blocks without waiting for this engine's next step."""
         moves = self.scheduler.kv.take_tier_moves()
         if moves:
             self.executor.persist_kv_tiers(moves)
@@ -622,9 +627,7 @@ class LLMEngine:
         blocks are written in the background; until then a lookup misses them). Moves the scheduler
         queued since the last step (e.g. finished requests' blocks bound for the remote tier) are
         carried out first."""
-        moves = self.scheduler.kv.take_tier_moves()
-        if moves:
-            self.executor.persist_kv_tiers(moves)
+        self.publish_tier_moves()
         self.executor.sync_kv_tiers()
 
     # ------------------------------------------------------------------ sleep mode, RPC, profiling

@@ -179,7 +179,9 @@ class KVCacheManager:
             return [], misses
         max_blocks = (req.num_tokens - 1) // self.block_size
         plan: list[KVBlock | tuple[bytes, str, int]] = []
-        for block_hash in self._request_hashes(req)[num_device_hits:max_blocks]:
+        walk = self._request_hashes(req)[num_device_hits:max_blocks]
+        self.offload.check_remote(walk)
+        for block_hash in walk:
             if self.offload.is_loading(block_hash):
                 return None, {}
             found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash, misses)

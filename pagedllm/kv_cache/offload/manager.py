@@ -206,6 +206,18 @@ class OffloadManager:
             return True
         return False
 
+    def check_remote(self, hashes: list[bytes]) -> None:
+        """Looks up, in one round trip per rank, which of a prefix's ``hashes`` the remote tier holds
+        that this engine does not know of yet (remembered for :meth:`lookup`): a walk would
+        otherwise check them one block, one round trip, at a time."""
+        if not self.has(TIER_REMOTE):
+            return
+        unknown = [h for h in hashes if h not in self._known[TIER_REMOTE]]
+        if len(unknown) < 2:  # the walk's own check costs the same
+            return
+        present = [all(found) for found in zip(*(t.contains_many(unknown) for t in self.remote_tiers))]
+        self._known[TIER_REMOTE].update(h for h, ok in zip(unknown, present) if ok)
+
     def on_disk(self, block_hash: bytes) -> bool:
         return self.in_tier(TIER_DISK, block_hash)
 

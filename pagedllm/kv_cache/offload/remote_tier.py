@@ -131,6 +131,21 @@ class RemoteTier:
     def contains(self, block_hash: bytes) -> bool:
         return self._call("stat", self.client.exists, self.key(block_hash)) == 1
 
+    def contains_many(self, hashes: list[bytes]) -> list[bool]:
+        """Which of ``hashes`` are there, in one round trip (a pipeline of ``EXISTS``); all False if
+        the call failed."""
+        if not hashes or self.disabled:
+            return [False] * len(hashes)
+
+        def run() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(self.key(h))
+            return pipe.execute()
+
+        found = self._call("stat", run)
+        return [False] * len(hashes) if found is _FAILED else [n == 1 for n in found]
+
     # ------------------------------------------------------------------ write
     def write_many(self, items: list[tuple[bytes, torch.Tensor]]) -> int:
         """Stores each ``(block hash, K/V tensor)`` not already there (``SET NX``, one pipeline);
