@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
-from live_server import free_port, server_model_dir  # noqa: F401 - the fixture
+from live_server import free_port, server_model_dir, start_server  # noqa: F401 - the fixture
 from redis_server import RedisServer
 from test_router import _client, _healthy, _metrics, _wait_for
 
@@ -176,3 +176,16 @@ def test_no_prefill_replica_decodes_alone(replicas, server_model_dir, hf_model):
         assert _complete(url, prompt) == hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert _total(url, "pagedllm:router_pd_prefill_skipped_total", backend=decode) == 1
         assert _total(url, "pagedllm:router_pd_handoffs_total") == 0
+
+
+def test_an_idle_server_publishes_at_once(server_model_dir, redis):  # noqa: F811 - the fixture
+    """Write-through (no role): a finished request's blocks reach the pool when the engine goes idle,
+    not at its next step (the other replicas would miss them until this one got more work)."""
+    redis.client().flushdb()
+    server = start_server(server_model_dir, kv_offload_remote=redis.url)
+    try:
+        prompt = random_prompts(1, seed=93, lo=40, hi=41)[0]
+        _complete(server.url, prompt)
+        _wait_for(lambda: len(redis.keys()) >= len(prompt) // BLOCK, 10, "the blocks in Redis")
+    finally:
+        server.stop()

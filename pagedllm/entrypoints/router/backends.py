@@ -59,12 +59,12 @@ def queue_depth(metrics_text: str) -> int:
 def remote_kv_counts(metrics_text: str) -> tuple[float, float]:
     """A pagedllm server's remote KV tier ``(hits, misses)`` (blocks) in a Prometheus text exposition,
     (0, 0) without a remote tier."""
-    out = {"pagedllm:kv_offload_hits": 0.0, "pagedllm:kv_offload_misses": 0.0}
+    out = {"pagedllm:kv_offload_hits_total": 0.0, "pagedllm:kv_offload_misses_total": 0.0}
     for family in text_string_to_metric_families(metrics_text):
-        if family.name in out:
-            out[family.name] = sum(s.value for s in family.samples
-                                   if s.labels.get("tier") == "remote" and s.name.endswith("_total"))
-    return out["pagedllm:kv_offload_hits"], out["pagedllm:kv_offload_misses"]
+        for sample in family.samples:  # by sample name: families are named with or without _total
+            if sample.name in out and sample.labels.get("tier") == "remote":
+                out[sample.name] += sample.value
+    return out["pagedllm:kv_offload_hits_total"], out["pagedllm:kv_offload_misses_total"]
 
 
 class BackendPool:
