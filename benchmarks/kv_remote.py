@@ -77,7 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--user-len", type=int, default=24, help="tokens of each new chat message")
     p.add_argument("--answer-len", type=int, default=16, help="tokens each chat turn generates")
     p.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts")
-    p.add_argument("--rounds", type=int, default=None, help="mixed-workload rounds per cluster (3; quick 1)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--kv-cache-memory", default="512MiB", help="each replica's KV pool")
