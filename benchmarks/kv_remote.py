@@ -6,10 +6,12 @@ Three clusters (same machine, same flags otherwise), each with its own fresh red
     no pool     2 replicas, no remote tier (today: each replica's prefix cache is an island)
     pool        2 replicas sharing the Redis pool (write-through, reads)
     P/D         1 --kv-role producer + 1 --kv-role consumer, the router's --prefill-replicas
+    chunked     as "pool", with --max-num-batched-tokens --chunk (colocated serving's own answer
+                to long prefills: smaller steps; only in the mixed workload)
 
-"no pool" runs alone first; "pool" and "P/D" then run side by side (the idle one costs little),
-so their ``--rounds`` of the mixed workload alternate between them in one run (the machine's
-load drifts: a ratio per round, its median reported).
+"no pool" runs alone first; the others then run side by side (the idle ones cost little), so
+their ``--rounds`` of the mixed workload alternate between them in one run (the machine's load
+drifts: a ratio per round, its median reported).
 
 Workloads (every request a completion on token ids, greedy; the router round-robins, so each
 request lands on the other replica than the one before it, the case the pool is for; the
@@ -26,7 +28,8 @@ default prefix policy keeps a conversation on one replica while it is not overlo
   while ``--long-count`` prompts of ``--long-len`` tokens arrive ``--long-every`` seconds apart.
   Reported: p50/p99 inter-token latency of the decode streams and the long prompts' TTFT, on
   the pool cluster (colocated) and the P/D cluster, per round (new prompts each round), and the
-  median over rounds of P/D p99 / colocated p99. Target: <= 0.5.
+  median over rounds of P/D p99 / colocated p99 ("pool", the CPU default of 2,048-token steps;
+  and "chunked"). Target: <= 0.5.
 
 Each replica gets ``--num-threads`` torch threads (default 1: two replicas on a 2-core machine).
 Writes ``--out``_remote.json.
@@ -77,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--user-len", type=int, default=24, help="tokens of each new chat message")
     p.add_argument("--answer-len", type=int, default=16, help="tokens each chat turn generates")
     p.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts")
+    p.add_argument("--chunk", type=int, default=256, help="the chunked cluster's --max-num-batched-tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--kv-cache-memory", default="512MiB", help="each replica's KV pool")
@@ -152,8 +156,8 @@ class Cluster:
 
 @contextlib.contextmanager
 def cluster(kind: str, model: str, args: argparse.Namespace, redis_url: str, logs: Path):
-    """The ``kind`` cluster ("no pool", "pool" or "P/D") started and healthy; stopped on exit."""
-    roles = {"no pool": (None, None), "pool": ("", ""), "P/D": ("producer", "consumer")}[kind]
+    """The ``kind`` cluster ("no pool", "pool", "P/D" or "chunked") started and healthy; stopped on exit."""
+    roles = {"no pool": (None, None), "pool": ("", ""), "P/D": ("producer", "consumer"), "chunked": ("", "")}[kind]
     max_len = max(args.doc_len, args.long_len, args.chat_first_len + args.turns * (args.user_len + args.answer_len))
     replicas, procs = [], []
     try:
@@ -165,6 +169,8 @@ def cluster(kind: str, model: str, args: argparse.Namespace, redis_url: str, log
                    "--kv-cache-memory", args.kv_cache_memory, "--uvicorn-log-level", "warning"]
             if role is not None:
                 cmd += ["--kv-offload-remote", redis_url] + (["--kv-role", role] if role else [])
+            if kind == "chunked":
+                cmd += ["--max-num-batched-tokens", str(args.chunk)]
             log = logs / f"{kind.replace('/', '')}-replica{i}.log"
             procs.append(_spawn(cmd, log))
             replicas.append((f"http://127.0.0.1:{port}", procs[-1], log))
@@ -306,8 +312,10 @@ def run_mixed(clusters: dict[str, Cluster], args: argparse.Namespace, vocab: int
             rounds[kind].append(asyncio.run(long_prefills_and_decodes(c, args, vocab, seed=300 + 10 * r)))
             print(f"round {r} {kind}: {rounds[kind][-1]}", flush=True)
     ratios = [pd["itl_p99_ms"] / co["itl_p99_ms"] for pd, co in zip(rounds["P/D"], rounds["pool"])]
+    chunked = [pd["itl_p99_ms"] / co["itl_p99_ms"] for pd, co in zip(rounds["P/D"], rounds["chunked"])]
     return {"rounds": rounds, "pd_vs_colocated_itl_p99_ratios": ratios,
             "pd_vs_colocated_itl_p99": statistics.median(ratios),
+            "pd_vs_chunked_itl_p99_ratios": chunked, "pd_vs_chunked_itl_p99": statistics.median(chunked),
             **{f"{kind}_itl_p99_ms_median": statistics.median(r["itl_p99_ms"] for r in rs)
                for kind, rs in rounds.items()},
             **{f"{kind}_itl_p50_ms_median": statistics.median(r["itl_p50_ms"] for r in rs)
@@ -334,9 +342,9 @@ def report(results: dict) -> None:
     m = results["mixed"]
     print(common.format_table(["cluster", "ITL p50 ms", "ITL p99 ms", "long prompt TTFT ms"],
                               [[k, f"{m[f'{k}_itl_p50_ms_median']:.0f}", f"{m[f'{k}_itl_p99_ms_median']:.0f}",
-                                f"{m[f'{k}_long_ttft_s_median'] * 1000:.0f}"] for k in ("pool", "P/D")]))
+                                f"{m[f'{k}_long_ttft_s_median'] * 1000:.0f}"] for k in ("pool", "chunked", "P/D")]))
     print(f"P/D p99 ITL / colocated, median of {len(m['pd_vs_colocated_itl_p99_ratios'])} rounds: "
-          f"{m['pd_vs_colocated_itl_p99']:.2f} (target <= 0.5)")
+          f"{m['pd_vs_colocated_itl_p99']:.2f} (target <= 0.5); / colocated chunked: {m['pd_vs_chunked_itl_p99']:.2f}")
 
 
 def main(argv=None) -> dict:
@@ -351,7 +359,7 @@ def main(argv=None) -> dict:
         with cluster("no pool", model, args, "", logs) as c:  # no remote tier: no server
             results["no pool"] = run_sharing(c, args, vocab)
         clusters = {kind: stack.enter_context(cluster(kind, model, args, stack.enter_context(redis_server(logs)),
-                                                      logs)) for kind in ("pool", "P/D")}
+                                                      logs)) for kind in ("pool", "P/D", "chunked")}
         results["pool"] = run_sharing(clusters["pool"], args, vocab)
         results["mixed"] = run_mixed(clusters, args, vocab)
         for kind, c in clusters.items():
