@@ -7,12 +7,10 @@ the router's handoffs; a pool miss and a missing prefill replica are recomputed,
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -21,10 +19,7 @@ import torch
 from conftest import hf_greedy, random_prompts
 from live_server import free_port, server_model_dir, start_server  # noqa: F401 - the fixture
 from redis_server import RedisServer
-from test_router import _client, _healthy, _metrics, _wait_for
-
-from pagedllm.entrypoints.router.app import build_router_app, load_hasher
-from pagedllm.entrypoints.router.config import RouterConfig
+from test_router import _client, _healthy, _metrics, _router_in_thread, _wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 8
@@ -73,29 +68,10 @@ def replicas(server_model_dir, redis, tmp_path_factory):  # noqa: F811 - the fix
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def _router(decode: list[str], prefill: list[str], model_dir: str):
-    """The prefix-aware router in this process, prefilling on ``prefill``; yields its URL."""
-    import uvicorn
-    config = RouterConfig(tuple(decode), prefill_backends=tuple(prefill), tokenizer=model_dir, block_size=BLOCK,
-                          health_check_interval=0.3)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_router_app(config, load_hasher(config)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        _wait_for(lambda: server.started, 30, "the in-process router")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def pd_router(replicas, server_model_dir):  # noqa: F811 - the fixture
+def pd_router(replicas):
     prefill, decode = replicas
-    with _router([decode], [prefill], server_model_dir) as url:
+    with _router_in_thread([decode], prefill_backends=(prefill,)) as url:
         yield url
 
 
@@ -168,10 +144,10 @@ def test_pool_miss_recomputes(replicas, pd_router, redis, hf_model):
     assert _total(decode, "pagedllm:kv_offload_misses_total", tier="remote") == misses + 1
 
 
-def test_no_prefill_replica_decodes_alone(replicas, server_model_dir, hf_model):  # noqa: F811 - the fixture
+def test_no_prefill_replica_decodes_alone(replicas, hf_model):
     _, decode = replicas
     nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens: the prefill half is skipped
-    with _router([decode], [nowhere], server_model_dir) as url:
+    with _router_in_thread([decode], prefill_backends=(nowhere,)) as url:
         prompt = random_prompts(1, seed=91, lo=30, hi=31)[0]
         assert _complete(url, prompt) == hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert _total(url, "pagedllm:router_pd_prefill_skipped_total", backend=decode) == 1
