@@ -45,7 +45,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import common  # noqa: E402  (puts this checkout's pagedllm first on sys.path)
 import serving  # noqa: E402  (send_request: TTFT and inter-token gaps of one stream)
+
+from pagedllm.entrypoints.router.data_parallel import free_port  # noqa: E402
 
 MODEL_NAME = "bench"
 QUICK = dict(doc_len=512, docs=2, chats=3, turns=3, chat_first_len=128, long_len=512, long_count=3, streams=2,
@@ -94,12 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -3,19 +3,14 @@ neither redis-server nor valkey-server is installed; ``.ci/run`` installs it).""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 
+from pagedllm.entrypoints.router.data_parallel import free_port
+
 redis = pytest.importorskip("redis", reason="the remote KV tier needs the redis client (pip install pagedllm[redis])")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
