@@ -110,6 +110,9 @@ def test_killed_server_is_misses_then_the_tier_turns_off(llama_dir, server, expe
     metrics = "\n".join(f"{m.name}{m.labels}={m.value}" for m in b.llm_engine.get_metrics()
                         if "kv_offload_errors" in m.name and m.labels.get("tier") == "remote")
     assert "op" in metrics
+    unreachable = [m.value for m in b.llm_engine.get_metrics()
+                   if m.name == "pagedllm:kv_offload_unreachable" and m.labels == {"tier": "remote"}]
+    assert unreachable and unreachable[0] > 0  # the Redis-down counter
     plain = _llm(llama_dir, BLOCK, enable_prefix_caching=False)
     fresh = [{"prompt_token_ids": p} for p in random_prompts(MAX_CONSECUTIVE_ERRORS + 1, seed=43, lo=20, hi=40)]
     for prompt in fresh:  # new prefixes: each is looked up (and written) remotely, and fails

@@ -482,3 +482,20 @@ def test_remote_kv_counts_read_a_pagedllm_servers_tier_metrics():
             'pagedllm:kv_offload_misses_total{model_name="m",tier="remote"} 3.0\n')
     assert remote_kv_counts(text) == (12.0, 3.0)
     assert remote_kv_counts("") == (0.0, 0.0)
+
+
+def test_router_cli_takes_prefill_and_decode_replicas(monkeypatch):
+    from pagedllm.entrypoints.router import cli
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["router", "--decode-replicas", A, "--prefill-replicas", B, "--routing-policy",
+                              "round_robin"])
+    seen = {}
+
+    async def reachable(config) -> None:  # no backend runs: what the router would probe is enough
+        seen["config"] = config
+    monkeypatch.setattr(cli, "check_reachable", reachable)
+    monkeypatch.setattr(cli, "serve_router", lambda config, *rest: None)
+    assert cli.run_router(args) == 0
+    assert (seen["config"].backends, seen["config"].prefill_backends) == ((A,), (B,))
+    assert seen["config"].all_backends == (A, B)
