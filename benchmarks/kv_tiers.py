@@ -35,6 +35,11 @@ estimate larger checkpoints, and what hashing before loading would cost)::
     python benchmarks/kv_tiers.py --startup-gb 1 --repeats 5
 
 Writes ``--out``.json and, when matplotlib imports, ``--out``.png (TTFT by tier).
+
+``--remote``: the remote tier across two replicas behind the router, and prefill/decode
+disaggregation against colocated serving (``kv_remote.py``: its own flags, see its --help)::
+
+    python benchmarks/kv_tiers.py --remote --quick
 """
 from __future__ import annotations
 
@@ -376,6 +381,10 @@ def startup_summary(size: int, runs: list[dict], cpu_runs: list[dict], hash_s: f
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--remote" in argv:  # the remote tier across replicas: its own flags and processes
+        import kv_remote
+        return kv_remote.main(argv)
     args = parse_args(argv)
     if args.num_threads:
         import torch

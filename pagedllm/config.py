@@ -96,6 +96,10 @@ class CacheConfig:
     # a remote tier below those: a Redis/Valkey server shared by replicas (offload/remote_tier.py)
     kv_offload_remote: str | None = None  # redis://[user:password@]host:port/db (rediss:// TLS, valkey://)
     kv_offload_remote_ttl_s: int | None = None  # seconds each value lives; None: until Redis evicts it
+    # prefill/decode disaggregation over the remote tier (offload/kv_transfer.py): None (write-through,
+    # reads), "producer" / "both" (a finished request's blocks are in the pool before its last output),
+    # "consumer" (reads only)
+    kv_role: str | None = None
     calculate_kv_scales: bool = False  # fp8 caches: K/V scales from the first batch (attention/kv_quant.py)
 
     def __post_init__(self):
@@ -290,12 +294,19 @@ def check_offload(cache: CacheConfig) -> None:
                                                       or cache.kv_offload_remote_ttl_s <= 0):
         raise ValueError(f"kv_offload_remote_ttl_s={cache.kv_offload_remote_ttl_s!r} must be > 0 and needs "
                          "kv_offload_remote")
+    if cache.kv_role is not None and cache.kv_role not in KV_ROLES:
+        raise ValueError(f"kv_role={cache.kv_role!r} is invalid: must be one of {KV_ROLES} (or unset)")
+    if cache.kv_role is not None and cache.kv_offload_remote is None:
+        raise ValueError(f"kv_role={cache.kv_role!r} needs kv_offload_remote (--kv-offload-remote "
+                         "redis://host:port/db): prefill and decode replicas hand the KV over through that shared pool")
     if (cache.kv_offload_cpu_bytes or cache.kv_offload_dir or cache.kv_offload_remote) \
             and not cache.enable_prefix_caching:
         raise ValueError("the KV offload tiers (kv_offload_cpu_gb / kv_offload_dir / kv_offload_remote) hold "
                          "prefix-cache blocks: they need enable_prefix_caching=True")
 
 
+# prefill/decode roles on the remote tier (vLLM's kv_transfer_config kv_role: kv_producer, kv_consumer, kv_both)
+KV_ROLES = ("producer", "consumer", "both")
 REMOTE_TIER_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")  # rediss / valkeys: TLS
 REMOTE_TIER_INSTALL_HINT = "the remote KV tier needs the redis client: pip install 'pagedllm[redis]'"
 

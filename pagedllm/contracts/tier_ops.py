@@ -54,10 +54,14 @@ class TierOps:
 class LoadReport:
     """What the ranks' tier work came to this step: per request, the leading items that arrived
     intact (every rank agreeing); seconds spent loading per tier (rank 0's); the tiers' failed
-    filesystem calls since the last report, ``{tier: {op: count}}`` (rank 0's); and the tiers a
-    rank disabled, with why (every rank's when the step had loads, else rank 0's)."""
+    filesystem calls since the last report, ``{tier: {op: count}}`` (rank 0's); the tiers a
+    rank disabled, with why (every rank's when the step had loads, else rank 0's); and, per
+    networked tier, rank 0's calls since the last report: ``round_trips`` ``[(op, seconds)]`` and
+    ``unreachable`` (calls that failed for want of the server)."""
 
     num_ok: dict[str, int]
     seconds: dict[str, float]
     errors: dict[str, dict[str, int]] = field(default_factory=dict)
     disabled: dict[str, str] = field(default_factory=dict)
+    round_trips: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    unreachable: dict[str, int] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_ROLES,
     LORA_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
@@ -61,6 +62,8 @@ from pagedllm.contracts.speculative_config import (
 )
 from pagedllm.distributed.pipeline import check_layers
 from pagedllm.engine.vllm_args import VllmArg, unknown_keyword_error, vllm_args, vllm_version
+from pagedllm.kv_cache.offload.kv_transfer import CONNECTOR as KV_CONNECTOR
+from pagedllm.kv_cache.offload.kv_transfer import kv_role_from_transfer_config, normalize_kv_role
 from pagedllm.layers.ops import FUSED_OPS, resolve_fused_ops
 from pagedllm.layers.quantization import METHODS as QUANTIZATION_METHODS
 from pagedllm.layers.quantization import resolve_method as resolve_quantization
@@ -257,6 +260,13 @@ class EngineArgs:
                                            "--kv-offload-remote-ttl")
     kv_offload_remote_ttl: int | None = option(None, "seconds each block lives in --kv-offload-remote (default: "
                                                "until the server evicts it)", parse=int)
+    kv_role: str | None = option(None, "prefill/decode disaggregation on --kv-offload-remote: producer (a finished "
+                                 "request's blocks are in the pool before its response ends), consumer (reads the "
+                                 "pool, never writes it), both (as producer; a router may send it either)",
+                                 choices=KV_ROLES)
+    kv_transfer_config: dict | str | None = option(
+        None, 'vLLM\'s form of --kv-role, as JSON: \'{"kv_role": "kv_producer"}\' (kv_consumer, kv_both); '
+        f"kv_connector unset or {KV_CONNECTOR!r} (other connectors are refused)", parse=str)
     max_model_len: int | None = option(None, "context length (default: the model's)", parse=int)
     max_num_seqs: int | None = option(256, "sequences per step (None: 256)", parse=int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 CPU, 8192 GPU); a longer "
@@ -536,6 +546,7 @@ class EngineArgs:
                 kv_offload_disk_bytes=self._disk_tier_bytes(),
                 kv_offload_remote=self.kv_offload_remote,
                 kv_offload_remote_ttl_s=self.kv_offload_remote_ttl,
+                kv_role=self._kv_role(),
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
@@ -624,6 +635,15 @@ class EngineArgs:
                              f"/ kv_offload_remote={self.kv_offload_remote!r} "
                              f"cannot be combined with pipeline_parallel_size={self.pipeline_parallel_size}: the KV "
                              "tiers work with pipeline_parallel_size=1 only")
+
+    def _kv_role(self) -> str | None:
+        """``kv_role``, or vLLM's ``kv_transfer_config`` kv_role (the two must agree when both are set)."""
+        role = normalize_kv_role(self.kv_role)
+        from_json = kv_role_from_transfer_config(self.kv_transfer_config)
+        if role is not None and from_json is not None and role != from_json:
+            raise ValueError(f"kv_role={self.kv_role!r} contradicts kv_transfer_config's kv_role ({from_json!r}): "
+                             "set one of them")
+        return role or from_json
 
     def _disk_tier_bytes(self) -> int:
         if self.kv_offload_dir is None:

@@ -370,6 +370,7 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 elif not self._stopping:
+                    self.engine.publish_tier_moves()  # the last requests' blocks reach the shared tier now
                     self._wake.wait()
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop is reported to clients
             logger.exception("engine loop died")

@@ -308,6 +308,7 @@ class LLMEngine:
         touched = self._apply(sampled)
         self._count(sched_out, sampled, touched)
         outputs = self._collect_outputs({r.parent_id for r in touched})
+        self._publish_finished(outputs)
         if self.speculator is not None:
             self.speculator.retain(set(self.scheduler.requests))
         self.step_times.add(update=time.perf_counter() - t2, steps=1)
@@ -316,6 +317,23 @@ class LLMEngine:
             self.kv_events.publish(self.counters.num_steps, sched_out)
         self._maybe_log()
         return outputs
+
+    def _publish_finished(self, outputs: list[RequestOutput]) -> None:
+        """A producer (``kv_role`` producer / both): the blocks of the requests finished this step are
+        written to the remote tier, and the writes awaited, before their last outputs leave: a
+        prefill's response tells the router the decode replica will find them
+        (kv_cache/offload/kv_transfer.py)."""
+        offload = self.scheduler.kv.offload
+        if offload is not None and offload.publishes_sync and any(o.finished for o in outputs):
+            self.publish_tier_moves()
+
+    def publish_tier_moves(self) -> None:
+        """Carries out the tier moves queued since the last step (e.g. the blocks finished requests
+        let go, bound for the remote tier) and waits for them. The async engine calls it as it goes
+        idle: other replicas find those blocks without waiting for this engine's next step."""
+        moves = self.scheduler.kv.take_tier_moves()
+        if moves:
+            self.executor.persist_kv_tiers(moves)
 
     def _apply(self, sampled: list[SampledTokens]) -> list[Request]:
         """Appends the step's tokens, finishing sequences on stops (stop strings included).
@@ -609,9 +627,7 @@ class LLMEngine:
         blocks are written in the background; until then a lookup misses them). Moves the scheduler
         queued since the last step (e.g. finished requests' blocks bound for the remote tier) are
         carried out first."""
-        moves = self.scheduler.kv.take_tier_moves()
-        if moves:
-            self.executor.persist_kv_tiers(moves)
+        self.publish_tier_moves()
         self.executor.sync_kv_tiers()
 
     # ------------------------------------------------------------------ sleep mode, RPC, profiling

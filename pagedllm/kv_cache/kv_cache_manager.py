@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from pagedllm.contracts.tier_ops import LoadItem, LoadJob, TierOps
+from pagedllm.contracts.tier_ops import TIER_REMOTE, LoadItem, LoadJob, TierOps
 from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
 from pagedllm.kv_cache.offload.manager import OffloadManager
 from pagedllm.kv_cache.prefix_hash import extend_block_hashes
@@ -47,7 +47,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.offload = offload if enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching, self.offload.on_evict if self.offload else None,
-                              self.offload.on_release if self.offload and self.offload.remote_tiers else None)
+                              self.offload.on_release if self.offload and self.offload.writes(TIER_REMOTE) else None)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> its CPU blocks
         self.tables: dict[str, list[KVBlock]] = {}
@@ -179,7 +179,9 @@ class KVCacheManager:
             return [], misses
         max_blocks = (req.num_tokens - 1) // self.block_size
         plan: list[KVBlock | tuple[bytes, str, int]] = []
-        for block_hash in self._request_hashes(req)[num_device_hits:max_blocks]:
+        walk = self._request_hashes(req)[num_device_hits:max_blocks]
+        self.offload.check_remote(walk)
+        for block_hash in walk:
             if self.offload.is_loading(block_hash):
                 return None, {}
             found = self.pool.get_cached(block_hash) or self.offload.lookup(block_hash, misses)
@@ -348,6 +350,8 @@ class KVCacheManager:
         """Returns a request's blocks; its tail blocks are evicted first from the cache."""
         rid = req.request_id
         table = self._drop_table(rid)
+        if self.offload is not None and self.offload.publishes_sync:  # a producer's computed blocks, shared or not
+            self.offload.publish([(b.block_id, b.block_hash) for b in table if b.block_hash is not None])
         self.pool.free(reversed(table))
         self.cpu_pool.free(self.cpu_tables.pop(rid, []))
         self.requests.pop(rid, None)

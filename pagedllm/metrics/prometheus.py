@@ -87,6 +87,10 @@ _HELP = {
     "pagedllm:kv_offload_errors": "Failed filesystem (disk) or network (remote) calls of an offload tier "
                                   "(each a miss), by tier and operation.",
     "pagedllm:kv_offload_disabled": "1 once an offload tier was turned off for failing, by tier.",
+    "pagedllm:kv_offload_unreachable": "Calls to a networked offload tier (remote: Redis/Valkey) that failed for "
+                                       "want of the server (connection refused or lost, timeout): each a miss.",
+    "pagedllm:kv_offload_round_trip_seconds": "Seconds per call to a networked offload tier (remote: one MGET of "
+                                              "a request's blocks, one pipelined write, one presence check), by op.",
     "pagedllm:spec_decode_num_drafts": "Speculative runs verified (one per request per step).",
     "pagedllm:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
     "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted.",

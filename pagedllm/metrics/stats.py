@@ -58,9 +58,10 @@ class KVCacheStats:
     cpu_usage: float
     num_preemptions: int
     preemptions_by_mode: dict[str, int]
-    # KV tiers (kv_cache/offload/): per tier ("cpu", "disk") hits, misses, stored_blocks,
+    # KV tiers (kv_cache/offload/): per tier ("cpu", "disk", "remote") hits, misses, stored_blocks,
     # bytes_stored, bytes_loaded, loads, load_seconds (cumulative), disabled (1 once turned off for
-    # failing) and errors ({op: failed filesystem calls}); empty without tiers
+    # failing) and errors ({op: failed filesystem calls}); the remote tier's also unreachable (calls
+    # that found no server) and round_trips ({op: (cumulative buckets, seconds)}); empty without tiers
     offload: dict[str, dict] = field(default_factory=dict)
 
 
@@ -126,4 +127,8 @@ def offload_metrics(offload: dict[str, dict]) -> list[Metric]:
                 Metric("pagedllm:kv_offload_disabled", t.get("disabled", 0), labels)]
         out += [Metric("pagedllm:kv_offload_errors", n, {**labels, "op": op}, "counter")
                 for op, n in sorted(t.get("errors", {}).items())]
+        if "round_trips" in t:  # a networked tier (remote)
+            out.append(Metric("pagedllm:kv_offload_unreachable", t["unreachable"], labels, "counter"))
+            out += [Metric("pagedllm:kv_offload_round_trip_seconds", total, {**labels, "op": op}, "histogram", buckets)
+                    for op, (buckets, total) in t["round_trips"].items()]
     return out

@@ -4,61 +4,16 @@ cold run; bad values, a flushed or killed server and another model's engine are 
 correct outputs, and a server that stays down turns the tier off while the engine keeps serving."""
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 from conftest import hf_greedy, make_model_dir, random_prompts
+from redis_server import RedisServer
 from test_kv_tiers import DOC, GREEDY, PROMPTS, _assert_all_blocks_free, _llm, _tier
 
 from pagedllm import LLM
 from pagedllm.kv_cache.offload.tier_fs import MAX_CONSECUTIVE_ERRORS
 
-redis = pytest.importorskip("redis", reason="the remote KV tier needs the redis client (pip install pagedllm[redis])")
 BLOCK = 8
 NUM_DOC_BLOCKS = len(DOC) // BLOCK  # full blocks of the shared document
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway ``redis-server`` on a free port (no persistence, LRU under 64 MiB)."""
-
-    def __init__(self):
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            pytest.skip("redis-server (or valkey-server) is not installed: apt-get install redis-server")
-        self.binary, self.port = binary, _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(200):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def client(self):
-        return redis.Redis.from_url(self.url)
 
 
 @pytest.fixture
@@ -84,7 +39,7 @@ def _greedy(llm: LLM, i: int) -> list[int]:
 
 
 def _keys(server: RedisServer) -> list[bytes]:
-    return list(server.client().scan_iter(match=b"pagedllm:kv:*"))
+    return server.keys()
 
 
 def test_second_engine_hits_what_the_first_computed(llama_dir, server, expected):
@@ -150,10 +105,14 @@ def test_killed_server_is_misses_then_the_tier_turns_off(llama_dir, server, expe
     for llm in (a, b):
         remote = _tier(llm, "remote")
         assert remote["hits"] == 0 and sum(remote["errors"].values()) > 0
+        assert remote["unreachable"] > 0  # the server is gone (not an error reply)
         _assert_all_blocks_free(llm)
     metrics = "\n".join(f"{m.name}{m.labels}={m.value}" for m in b.llm_engine.get_metrics()
                         if "kv_offload_errors" in m.name and m.labels.get("tier") == "remote")
     assert "op" in metrics
+    unreachable = [m.value for m in b.llm_engine.get_metrics()
+                   if m.name == "pagedllm:kv_offload_unreachable" and m.labels == {"tier": "remote"}]
+    assert unreachable and unreachable[0] > 0  # the Redis-down counter
     plain = _llm(llama_dir, BLOCK, enable_prefix_caching=False)
     fresh = [{"prompt_token_ids": p} for p in random_prompts(MAX_CONSECUTIVE_ERRORS + 1, seed=43, lo=20, hi=40)]
     for prompt in fresh:  # new prefixes: each is looked up (and written) remotely, and fails

@@ -110,6 +110,8 @@ def test_no_candidate_means_no_choice():
     (dict(backends=("http://h:8000/v1",)), "root URL"),
     (dict(backends=("http://h:99999",)), "port"),
     (dict(backends=(A, A)), "twice"),
+    (dict(backends=(A,), policy="round_robin", prefill_backends=(B, B)), "prefill_backends=.* twice"),
+    (dict(backends=(A,), policy="round_robin", prefill_backends=("h:1",)), "backend='h:1' is invalid"),
     (dict(backends=(A,), policy="random"), "routing_policy='random'"),
     (dict(backends=(A,), policy="prefix"), "needs the replicas' tokenizer"),
     (dict(backends=(A,), policy="round_robin", block_size=5), "block_size=5"),
@@ -257,8 +259,8 @@ def test_prompt_hasher_keys_salted_prompts_as_the_replica_does():
 
 
 # ---------------------------------------------------------------------- what takes a backend out
-def _mock_router(handler, **options):
-    """A round-robin router over A and B whose HTTP client (forwarding and health probes) is ``handler``.
+def _mock_router(handler, backends=(A, B), **options):
+    """A round-robin router over ``backends`` whose HTTP client (forwarding and health probes) is ``handler``.
 
     Unlike httpx.MockTransport, which reads every request body first, the handler reads a body only
     if it wants to, as a server refusing a body does not."""
@@ -269,7 +271,7 @@ def _mock_router(handler, **options):
     class Transport(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             return await handler(request)
-    router = Router(RouterConfig((A, B), policy="round_robin", **options))
+    router = Router(RouterConfig(backends, policy="round_robin", **options))
     router.client = router.pool.client = httpx.AsyncClient(transport=Transport())
     return router
 
@@ -414,3 +416,88 @@ def test_data_parallel_router_takes_the_servers_key_limits_and_flags(monkeypatch
 def test_bad_router_keys_and_limits_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RouterConfig((A,), policy="round_robin", **kwargs)
+
+
+# ---------------------------------------------------------------------- prefill/decode disaggregation
+def _pd_backends(prefill_answer, seen: list):
+    """A mock handler: A is the prefill backend (``prefill_answer(request)``), B the decode one (200
+    ``{"from": "B"}``); every forwarded request's (backend, JSON body) goes to ``seen``."""
+    import json
+
+    async def prefill(request):
+        seen.append((A, json.loads(await request.aread())))
+        return await prefill_answer(request)
+
+    async def decode(request):
+        seen.append((B, json.loads(await request.aread())))
+        return await _answer_b(request)
+    return _backends_that({A, B}, prefill, decode)
+
+
+async def _prefilled(request):
+    import httpx
+    return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+
+def test_pd_prefills_a_one_token_copy_then_decodes_the_request_whole():
+    import json
+    seen: list = []
+    router = _mock_router(_pd_backends(_prefilled, seen), backends=(B,), prefill_backends=(A,))
+    body = {"prompt": "hi", "max_tokens": 50, "n": 2, "min_tokens": 3, "logprobs": 2, "stream": False,
+            "cache_salt": "s"}
+    status, answer, _ = _forward(router, json.dumps(body).encode())
+    assert (status, answer) == (200, {"from": "B"})
+    assert seen == [(A, {"prompt": "hi", "max_tokens": 1, "cache_salt": "s"}), (B, body)]
+    assert router.metrics.pd_prefills.labels(backend=A)._value.get() == 1
+    assert router.metrics.pd_handoffs.labels(backend=B)._value.get() == 1
+    assert router.metrics.pd_prefill_skipped.labels(backend=B)._value.get() == 0
+    assert [b["role"] for b in router.describe()["backends"]] == ["decode", "prefill"]
+
+
+def test_pd_relays_the_prefills_client_error_and_never_decodes():
+    import httpx
+    seen: list = []
+
+    async def refuse(request):
+        return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+    status, answer, healthy = _forward(_mock_router(_pd_backends(refuse, seen), backends=(B,), prefill_backends=(A,)))
+    assert (status, answer, healthy) == (400, {"error": {"message": "prompt too long"}}, {A: True, B: True})
+    assert [url for url, _ in seen] == [A]
+
+
+def test_pd_without_a_prefill_backend_decodes_alone():
+    seen: list = []
+    router = _mock_router(_backends_that({B}, _drop_after_reading, _answer_b), backends=(B,), prefill_backends=(A,))
+    status, answer, healthy = _forward(router)
+    assert (status, answer, healthy) == (200, {"from": "B"}, {A: False, B: True})  # A died: out, B recomputes
+    assert router.metrics.pd_prefill_skipped.labels(backend=B)._value.get() == 1
+    assert router.metrics.pd_handoffs.labels(backend=B)._value.get() == 0
+    assert not seen
+
+
+def test_remote_kv_counts_read_a_pagedllm_servers_tier_metrics():
+    from pagedllm.entrypoints.router.backends import remote_kv_counts
+    text = ('# TYPE pagedllm:kv_offload_hits counter\n'
+            'pagedllm:kv_offload_hits_total{model_name="m",tier="cpu"} 7.0\n'
+            'pagedllm:kv_offload_hits_total{model_name="m",tier="remote"} 12.0\n'
+            '# TYPE pagedllm:kv_offload_misses counter\n'
+            'pagedllm:kv_offload_misses_total{model_name="m",tier="remote"} 3.0\n')
+    assert remote_kv_counts(text) == (12.0, 3.0)
+    assert remote_kv_counts("") == (0.0, 0.0)
+
+
+def test_router_cli_takes_prefill_and_decode_replicas(monkeypatch):
+    from pagedllm.entrypoints.router import cli
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["router", "--decode-replicas", A, "--prefill-replicas", B, "--routing-policy",
+                              "round_robin"])
+    seen = {}
+
+    async def reachable(config) -> None:  # no backend runs: what the router would probe is enough
+        seen["config"] = config
+    monkeypatch.setattr(cli, "check_reachable", reachable)
+    monkeypatch.setattr(cli, "serve_router", lambda config, *rest: None)
+    assert cli.run_router(args) == 0
+    assert (seen["config"].backends, seen["config"].prefill_backends) == ((A,), (B,))
+    assert seen["config"].all_backends == (A, B)

@@ -44,8 +44,8 @@ def _router(raw: Request) -> Router:
 
 @routes.get("/health")
 async def health(raw: Request) -> Response:
-    """200 while at least one backend is in rotation."""
-    if _router(raw).pool.healthy():
+    """200 while at least one backend answering whole requests (not a prefill-only one) is in rotation."""
+    if _router(raw).serving():
         return Response(status_code=200)
     return JSONResponse(error_body("no healthy backend", 503), status_code=503)
 

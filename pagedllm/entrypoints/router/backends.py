@@ -23,7 +23,10 @@ class Backend:
     """One OpenAI-compatible server. ``in_flight``: this router's requests on it now; ``queued``:
     running + waiting requests its last ``/metrics`` reported (any client's), 0 if it exports none;
     ``adapters``: the LoRA adapters its ``/v1/models`` lists; ``active_adapters``: those of its running
-    and waiting requests and ``lora_slots`` its adapter slots, by its last ``/metrics``."""
+    and waiting requests and ``lora_slots`` its adapter slots, by its last ``/metrics``;
+    ``remote_kv``: its remote KV tier's block hits and misses (``kv_offload_*{tier="remote"}``: blocks
+    it loaded from the pool the replicas share, and prefix walks that found the pool short), by its
+    last ``/metrics``."""
 
     url: str
     healthy: bool = True
@@ -33,6 +36,7 @@ class Backend:
     adapters: frozenset[str] = frozenset()
     active_adapters: frozenset[str] = frozenset()
     lora_slots: int = 1
+    remote_kv: tuple[float, float] = (0.0, 0.0)
 
     @property
     def load(self) -> int:
@@ -50,6 +54,17 @@ def queue_depth(metrics_text: str) -> int:
             prefix = family.name.split(":", 1)[0]
             totals[prefix] = totals.get(prefix, 0.0) + sum(sample.value for sample in family.samples)
     return int(max(totals.values(), default=0.0))
+
+
+def remote_kv_counts(metrics_text: str) -> tuple[float, float]:
+    """A pagedllm server's remote KV tier ``(hits, misses)`` (blocks) in a Prometheus text exposition,
+    (0, 0) without a remote tier."""
+    out = {"pagedllm:kv_offload_hits_total": 0.0, "pagedllm:kv_offload_misses_total": 0.0}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:  # by sample name: families are named with or without _total
+            if sample.name in out and sample.labels.get("tier") == "remote":
+                out[sample.name] += sample.value
+    return out["pagedllm:kv_offload_hits_total"], out["pagedllm:kv_offload_misses_total"]
 
 
 class BackendPool:
@@ -94,6 +109,7 @@ class BackendPool:
         try:
             backend.queued = queue_depth(metrics_text)
             backend.active_adapters, slots = lora_state(metrics_text)
+            backend.remote_kv = remote_kv_counts(metrics_text)
         except ValueError:  # unparsable metrics: our own in-flight count stands
             backend.queued, backend.active_adapters, slots = 0, frozenset(), None
         backend.lora_slots = slots or backend.lora_slots

@@ -49,6 +49,7 @@ def add_routing_args(parser: argparse.ArgumentParser, title: str = "routing") ->
 EXAMPLES = """examples:
   pagedllm router --backend http://10.0.0.2:8000 http://10.0.0.3:8000 --model Qwen/Qwen2.5-0.5B-Instruct
   pagedllm router --backend http://h1:8000 --backend http://h2:8000 --routing-policy least_loaded
+  pagedllm router --prefill-replicas http://p1:8000 --decode-replicas http://d1:8000 --model MODEL
   pagedllm serve MODEL --data-parallel-size 2     # the same router in front of 2 local replicas
 """
 
@@ -61,8 +62,13 @@ def register(subparsers) -> None:
     """Adds ``pagedllm router`` to the pagedllm CLI."""
     p = subparsers.add_parser("router", help="route requests across OpenAI-compatible servers (data parallelism)",
                               epilog=EXAMPLES, formatter_class=_HelpFormatter)
-    p.add_argument("--backend", action="extend", nargs="+", required=True, metavar="URL",
-                   help="a backend server's root URL, e.g. http://10.0.0.2:8000 (repeatable)")
+    p.add_argument("--backend", "--decode-replicas", dest="backend", action="extend", nargs="+", required=True,
+                   metavar="URL", help="a backend server's root URL, e.g. http://10.0.0.2:8000 (repeatable); with "
+                   "--prefill-replicas, the decode replicas (--kv-role consumer or both)")
+    p.add_argument("--prefill-replicas", action="extend", nargs="+", default=[], metavar="URL",
+                   help="prefill/decode disaggregation: replicas started with --kv-role producer (or both) and the "
+                        "decode replicas' --kv-offload-remote; each completion and chat request is prefilled on one "
+                        "(max_tokens=1), then decoded on a --backend replica from the shared KV pool")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--model", default=None, help="the backends' model: its tokenizer keys the prefix policy")
@@ -109,7 +115,7 @@ def run_router(args: argparse.Namespace) -> int:
     config = config_from_cli(args, tuple(args.backend), tokenizer=resolved, trust_remote_code=args.trust_remote_code,
                              chat_template=load_chat_template(args.chat_template), block_size=args.block_size,
                              startup_timeout=args.startup_timeout, request_timeout=args.request_timeout,
-                             backend_api_key=args.backend_api_key)
+                             backend_api_key=args.backend_api_key, prefill_backends=tuple(args.prefill_replicas))
     http_options = http_options_from_cli(args)
     asyncio.run(check_reachable(config))
     serve_router(config, args.host, args.port, args.uvicorn_log_level, http_options)
@@ -125,7 +131,7 @@ def _resolved_tokenizer(name: str | None) -> str | None:
 async def check_reachable(config: RouterConfig) -> None:
     """ValueError naming each backend that does not pass ``GET /health`` within ``startup_timeout``."""
     async with httpx.AsyncClient() as client:
-        await BackendPool(config.backends, client).wait_reachable(config.startup_timeout)
+        await BackendPool(config.all_backends, client).wait_reachable(config.startup_timeout)
 
 
 def serve_router(config: RouterConfig, host: str, port: int, log_level: str,

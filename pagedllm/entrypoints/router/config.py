@@ -26,6 +26,12 @@ class RouterConfig:
     adapter) has more than this many requests in flight beyond the least loaded one, the least
     loaded one gets the request.
 
+    ``prefill_backends``: prefill/decode disaggregation (replicas started with ``--kv-role producer``
+    or ``both`` and a shared ``--kv-offload-remote``): each completion or chat request goes first to
+    one of them with ``max_tokens=1`` (its answer discarded), then whole to one of ``backends`` (the
+    decode replicas, ``--kv-role consumer`` or ``both``), which loads the prompt's blocks from the
+    pool (``proxy.py``). Empty: every backend serves whole requests.
+
     ``api_key``: one key or several (``pagedllm serve --api-key K1 K2`` with data parallelism): clients
     must send ``Authorization: Bearer <one of them>`` on every route but
     ``/health`` (``/metrics`` and ``/router/backends`` too, unless ``metrics_public``).
@@ -36,6 +42,7 @@ class RouterConfig:
 
     backends: tuple[str, ...]
     policy: str = "prefix"
+    prefill_backends: tuple[str, ...] = ()
     tokenizer: str | None = None
     trust_remote_code: bool = False
     chat_template: str | None = None
@@ -56,8 +63,12 @@ class RouterConfig:
             raise ValueError("backends=() is invalid: give at least one --backend URL")
         for url in self.backends:
             check_backend_url(url)
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"backends={list(self.backends)} lists a URL twice: each backend once")
+        for name in ("backends", "prefill_backends"):
+            urls = getattr(self, name)
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{name}={list(urls)} lists a URL twice: each backend once")
+        for url in self.prefill_backends:
+            check_backend_url(url)
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy={self.policy!r} is invalid: must be one of {ROUTING_POLICIES}")
         if self.policy == "prefix" and not self.tokenizer:
@@ -75,6 +86,11 @@ class RouterConfig:
     def api_keys(self) -> tuple[str, ...]:
         """The keys a client may send (none: every route is open)."""
         return () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+
+    @property
+    def all_backends(self) -> tuple[str, ...]:
+        """Every backend the router probes: the decode (or only) ones, then the prefill-only ones."""
+        return self.backends + tuple(u for u in self.prefill_backends if u not in self.backends)
 
     def _check_keys(self) -> None:
         if isinstance(self.api_key, list):  # hashable, as the rest of a frozen config

@@ -30,7 +30,7 @@ async def dashboard(raw: Request) -> Response:
     router = _router(raw)
     if router.config.disable_dashboard:
         return _disabled()
-    panels = [{"name": url, "base": f"router/replicas/{i}/"} for i, url in enumerate(router.config.backends)]
+    panels = [{"name": url, "base": f"router/replicas/{i}/"} for i, url in enumerate(router.config.all_backends)]
     return render_page("pagedllm router", panels)
 
 
@@ -40,7 +40,7 @@ async def replica_feed(raw: Request, index: int, feed: str) -> Response:
     router = _router(raw)
     if router.config.disable_dashboard:
         return _disabled()
-    backends = router.config.backends
+    backends = router.config.all_backends
     if feed not in FEEDS or not 0 <= index < len(backends):
         message = f"no dashboard feed {feed!r} of replica {index}: replicas are 0..{len(backends) - 1}, feeds {FEEDS}"
         return JSONResponse(error_body(message, 404), status_code=404)

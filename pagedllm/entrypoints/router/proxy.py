@@ -15,6 +15,15 @@ answer to this request and is relayed unchanged. A healthy backend that stops re
 body and drops the connection refused the body (a server answers 413 and closes; the reset loses
 that answer): the client gets 413 and nothing is retried. A healthy backend that drops a
 connection after taking the whole body is skipped for this request only.
+
+Prefill/decode disaggregation (``RouterConfig.prefill_backends``, as vLLM's disaggregated proxy): a
+completion or chat request goes first, whole but with ``max_tokens=1`` and no streaming, to a
+prefill backend (a ``--kv-role producer`` replica answers only once the prompt's blocks are in the
+shared Redis pool), then unchanged to a decode backend, which loads them from the pool and
+generates, streaming or not. The prefill's answer is discarded. A 4xx from it (the request's own
+fault: the decode backend would refuse it too) goes to the client; when no prefill backend can
+take the request, the decode backend gets it anyway and computes the prompt itself (counted:
+``pagedllm:router_pd_prefill_skipped``).
 """
 from __future__ import annotations
 
@@ -47,6 +56,10 @@ _DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "k
 _DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
                                        "content-encoding", "date", "server"})
 _BACKEND_DOWN_STATUSES = (502, 503, 504)
+PD_PATHS = ("/v1/completions", "/v1/chat/completions")  # split into a prefill and a decode request
+# what changes the generated text, not the prompt's K/V: the prefill copy (one discarded token) goes without
+_PREFILL_DROPPED = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens", "logprobs",
+                    "top_logprobs", "prompt_logprobs", "echo", "use_beam_search")
 CONNECT_TIMEOUT = 5.0
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
@@ -90,7 +103,8 @@ class Router:
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.table = PrefixTable(config.prefix_table_size)
         self.adapters = AdapterTable()  # which backends hold which LoRA adapters (adapters.py)
-        self.pool = BackendPool(config.backends, self.client, on_down=self._taken_out, on_scrape=self._scraped)
+        self.pool = BackendPool(config.all_backends, self.client, on_down=self._taken_out, on_scrape=self._scraped)
+        self.decoders, self.prefillers = frozenset(config.backends), frozenset(config.prefill_backends)
         self.picker = Picker(config.policy, config.balance_threshold)
         self.metrics = RouterMetrics(self.pool)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
@@ -104,6 +118,10 @@ class Router:
     def _scraped(self, backend: Backend) -> None:
         self.adapters.observe(backend.url, backend.active_adapters, backend.lora_slots)
 
+    def serving(self) -> bool:
+        """A backend that answers whole requests (a decode backend, with prefill ones) is in rotation."""
+        return any(b.url in self.decoders for b in self.pool.healthy())
+
     async def close(self) -> None:
         await self.client.aclose()
         self._tokenizer_thread.shutdown(wait=False)
@@ -116,11 +134,14 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, self.hasher.block_hashes, path, data, adapter)
 
-    def choose(self, hashes: list[bytes], tried: set[str], adapter: str | None = None) -> Choice | None:
+    def choose(self, hashes: list[bytes], tried: set[str], adapter: str | None = None,
+               among: frozenset[str] | None = None) -> Choice | None:
         """The next backend for a request (None when every healthy one was tried); counts it as in flight.
         ``adapter``: the LoRA adapter it names: only backends serving it are candidates (any backend if
-        none does: its answer names the unknown model), those holding it preferred."""
-        candidates = [b for b in self.pool.healthy() if b.url not in tried]
+        none does: its answer names the unknown model), those holding it preferred. ``among``: the
+        backends to pick from (default: those answering whole requests, not the prefill-only ones)."""
+        among = self.decoders if among is None else among
+        candidates = [b for b in self.pool.healthy() if b.url not in tried and b.url in among]
         if adapter is not None:
             candidates = [b for b in candidates if adapter in b.adapters] or candidates
         holders = self.adapters.holders(adapter) if adapter is not None else set()
@@ -151,11 +172,19 @@ class Router:
         adapter = adapter_of(data, self.pool.all_adapters())
         hashes = await self.prompt_hashes(path, data, adapter)
         stream = wants_stream(data)
+        disaggregated = bool(self.prefillers) and method == "POST" and path in PD_PATHS and isinstance(data, dict)
+        if disaggregated:
+            refused, handed_off = await self._prefill(path_qs, headers, data, hashes, adapter)
+            if refused is not None:
+                return refused
+            handoffs = self.metrics.pd_handoffs if handed_off else self.metrics.pd_prefill_skipped
         tried: set[str] = set()
         skipped: list[str] = []  # healthy backends that dropped this request's connection
         while (choice := self.choose(hashes, tried, adapter)) is not None:
             backend = choice.backend
             tried.add(backend.url)
+            if disaggregated:
+                handoffs.labels(backend=backend.url).inc()
             try:
                 return await self._attempt(backend, method, path_qs, headers, body, stream)
             except httpx.TimeoutException:
@@ -168,6 +197,37 @@ class Router:
                     skipped.append(f"{backend.url}: {exc}")
                 self.metrics.failovers.labels(backend=backend.url).inc()
         return self._unanswered(tried, skipped)
+
+    async def _prefill(self, path_qs: str, headers: dict[str, str], data: dict, hashes: list[bytes],
+                       adapter: str | None) -> tuple[Response | None, bool]:
+        """The prefill half of a disaggregated request, on the prefill backends in turn: ``(None, True)``
+        once one answered 200 (the prompt's blocks are in the pool); ``(its answer, False)`` for a 4xx
+        or a timeout (the client gets it); ``(None, False)`` when none could (the decode backend
+        recomputes)."""
+        body = json.dumps({k: v for k, v in data.items() if k not in _PREFILL_DROPPED} | {"max_tokens": 1}).encode()
+        tried: set[str] = set()
+        while (choice := self.choose(hashes, tried, adapter, among=self.prefillers)) is not None:
+            backend = choice.backend
+            tried.add(backend.url)
+            try:
+                response = await self._attempt(backend, "POST", path_qs, headers, body, stream=False)
+            except httpx.TimeoutException:
+                message = f"prefill backend {backend.url} did not answer within {self.config.request_timeout:g} s"
+                return JSONResponse(error_body(message, 504), status_code=504), False
+            except BackendFailed as exc:
+                if exc.down:
+                    self.pool.mark_down(backend.url, str(exc))
+                self.metrics.failovers.labels(backend=backend.url).inc()
+                continue
+            if response.status_code == 200:
+                self.metrics.pd_prefills.labels(backend=backend.url).inc()
+                return None, True
+            if 400 <= response.status_code < 500:
+                return response, False
+            logger.warning("prefill on %s answered %d: the decode backend computes the prompt itself", backend.url,
+                           response.status_code)
+            break
+        return None, False
 
     async def broadcast(self, path_qs: str, headers: dict[str, str], body: bytes, data: Any) -> Response:
         """A LoRA load/unload, sent to every healthy backend so that all serve the same adapters: the
@@ -308,6 +368,9 @@ class Router:
         backends = [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "queue_depth": b.queued,
                      "error": b.error} for b in self.pool.backends.values()]
         for entry, b in zip(backends, self.pool.backends.values()):
+            entry["role"] = ("both" if b.url in self.prefillers and b.url in self.decoders else "prefill"
+                             if b.url in self.prefillers else "decode") if self.prefillers else "serve"
+            entry["remote_kv_hits"], entry["remote_kv_misses"] = b.remote_kv
             entry["lora_adapters"] = sorted(b.adapters)
             entry["lora_adapters_held"] = sorted(a for a in b.adapters if b.url in self.adapters.holders(a))
         return {"policy": self.config.policy, "prefix_table_entries": len(self.table), "backends": backends}

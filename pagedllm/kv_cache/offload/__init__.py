@@ -20,7 +20,9 @@ Device pool -> CPU tier -> disk tier, each with its own LRU and capacity::
 
 Below those, optionally, a remote tier (``remote_tier.py``): the same entries in a Redis/Valkey
 server shared by replicas; a block is published there when its last request lets it go (and on
-eviction), and the prefix walk ends there: device | CPU | disk | remote.
+eviction), and the prefix walk ends there: device | CPU | disk | remote. Prefill/decode roles
+on that tier (``kv_transfer.py``): a producer publishes a finished request's blocks before its last
+output, a consumer only reads.
 
 The preemption swap pool (``swap.py``) stays separate from the CPU tier: swapped blocks belong
 to one preempted request and must come back, so they can never be evicted, while tier entries

@@ -39,8 +39,10 @@ from pagedllm.contracts.tier_ops import (
 )
 from pagedllm.kv_cache.offload.cpu_tier import CpuTierIndex
 from pagedllm.kv_cache.offload.disk_tier import DiskTier
-from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, RemoteTier
+from pagedllm.kv_cache.offload.kv_transfer import publishes_sync, writes_remote
+from pagedllm.kv_cache.offload.remote_tier import REMOTE_OPS, ROUND_TRIP_BUCKETS, RemoteTier
 from pagedllm.kv_cache.offload.tier_fs import OPS
+from pagedllm.metrics.stats import Histogram
 
 
 @dataclass
@@ -56,9 +58,16 @@ class TierStats:
     load_seconds: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)  # op -> failed filesystem calls the ranks reported
     disabled: int = 0  # 1 once the tier was turned off for failing
+    unreachable: int = 0  # remote: calls that failed for want of the server (refused, lost, timed out)
+    round_trips: dict[str, Histogram] = field(default_factory=dict)  # remote: op -> seconds per call
 
     def as_dict(self) -> dict[str, float]:
-        return {k: v for k, v in vars(self).items() if k != "errors"}
+        return {k: v for k, v in vars(self).items() if k not in ("errors", "round_trips")}
+
+    def record_calls(self, round_trips: list[tuple[str, float]], unreachable: int) -> None:
+        for op, seconds in round_trips:
+            self.round_trips.setdefault(op, Histogram(ROUND_TRIP_BUCKETS)).observe(seconds)
+        self.unreachable += unreachable
 
 
 class OffloadManager:
@@ -66,15 +75,17 @@ class OffloadManager:
 
     ``disk_tiers`` holds one :class:`DiskTier` per tensor-parallel rank (each with its rank's
     fingerprint), ``remote_tiers`` one :class:`RemoteTier` per rank: a block counts as in such a
-    tier only when every rank's entry is there.
+    tier only when every rank's entry is there. ``kv_role`` (``kv_transfer.py``): a consumer never
+    writes to the remote tier; a producer publishes a finished request's blocks (:meth:`publish`).
     """
 
     def __init__(self, num_cpu_slots: int, disk_tiers: list[DiskTier], block_bytes: int,
-                 remote_tiers: list[RemoteTier] | None = None):
+                 remote_tiers: list[RemoteTier] | None = None, kv_role: str | None = None):
         self.cpu = CpuTierIndex(num_cpu_slots)
         self.disk_tiers = disk_tiers
         self.remote_tiers = remote_tiers or []
         self.block_bytes = block_bytes
+        self.kv_role = kv_role
         self.stats = {TIER_CPU: TierStats(), TIER_DISK: TierStats(), TIER_REMOTE: TierStats()}
         self._ops = TierOps()
         self._jobs: dict[str, LoadJob] = {}
@@ -118,6 +129,15 @@ class OffloadManager:
             self._known[tier].clear()
             self._queued[tier].clear()
 
+    def writes(self, tier: str) -> bool:
+        """Blocks go to ``tier`` (configured, on, and for the remote tier, not a consumer's)."""
+        return self.has(tier) and (tier != TIER_REMOTE or writes_remote(self.kv_role))
+
+    @property
+    def publishes_sync(self) -> bool:
+        """A producer: a finished request's blocks are written to the remote tier (and awaited) at once."""
+        return publishes_sync(self.kv_role) and self.has(TIER_REMOTE)
+
     def disable_disk(self, reason: str) -> None:
         self.disable(TIER_DISK, reason)
 
@@ -130,15 +150,22 @@ class OffloadManager:
         if self.cpu.num_slots:
             self._store_cpu(block_id, block_hash)
         for tier in BELOW_CPU:  # write-through: what the CPU tier holds at shutdown survives too,
-            if self.has(tier) and block_hash not in self._known[tier]:  # and other engines see it now
+            if self.writes(tier) and block_hash not in self._known[tier]:  # and other engines see it now
                 self._store(tier, TO_TIER[tier][0], block_id, block_hash)
 
     def on_release(self, block_id: int, block_hash: bytes) -> None:
         """The last request holding cached ``block_id`` let it go (its K/V computed): publish it to
         the remote tier now, for the other replicas (the block stays cached here; the move is
         applied before any later write into it)."""
-        if self.has(TIER_REMOTE) and block_hash not in self._known[TIER_REMOTE]:
+        if self.writes(TIER_REMOTE) and block_hash not in self._known[TIER_REMOTE]:
             self._store(TIER_REMOTE, TO_TIER[TIER_REMOTE][0], block_id, block_hash)
+
+    def publish(self, blocks: list[tuple[int, bytes]]) -> None:
+        """A producer's request is done with its computed blocks ``(block id, hash)``: each goes to the
+        remote tier now, also while other requests still hold it (the engine then awaits the writes
+        before the request's last output: the consumer replica finds them as soon as it is asked)."""
+        for block_id, block_hash in blocks:
+            self.on_release(block_id, block_hash)
 
     def _store_cpu(self, block_id: int, block_hash: bytes) -> None:
         placed = self.cpu.insert(block_hash)
@@ -154,7 +181,7 @@ class OffloadManager:
 
     def _needs_spill(self, tier: str, block_hash: bytes) -> bool:
         """A block leaving the CPU tier goes to ``tier`` unless its write is queued this step or landed."""
-        return self.has(tier) and block_hash not in self._queued[tier] and not self._in_tier_now(tier, block_hash)
+        return self.writes(tier) and block_hash not in self._queued[tier] and not self._in_tier_now(tier, block_hash)
 
     def _store(self, tier: str, kind: str, source: int, block_hash: bytes) -> None:
         self._ops.moves.append((kind, source, block_hash))
@@ -178,6 +205,18 @@ class OffloadManager:
             self._known[tier].add(block_hash)
             return True
         return False
+
+    def check_remote(self, hashes: list[bytes]) -> None:
+        """Looks up, in one round trip per rank, which of a prefix's ``hashes`` the remote tier holds
+        that this engine does not know of yet (remembered for :meth:`lookup`): a walk would
+        otherwise check them one block, one round trip, at a time."""
+        if not self.has(TIER_REMOTE):
+            return
+        unknown = [h for h in hashes if h not in self._known[TIER_REMOTE]]
+        if len(unknown) < 2:  # the walk's own check costs the same
+            return
+        present = [all(found) for found in zip(*(t.contains_many(unknown) for t in self.remote_tiers))]
+        self._known[TIER_REMOTE].update(h for h, ok in zip(unknown, present) if ok)
 
     def on_disk(self, block_hash: bytes) -> bool:
         return self.in_tier(TIER_DISK, block_hash)
@@ -265,6 +304,8 @@ class OffloadManager:
         for tier, reason in report.disabled.items():
             if tier in BELOW_CPU:
                 self.disable(tier, reason)
+        for tier in report.round_trips.keys() | report.unreachable.keys():
+            self.stats[tier].record_calls(report.round_trips.get(tier, []), report.unreachable.get(tier, 0))
 
     @property
     def num_loads_in_flight(self) -> int:
@@ -275,7 +316,7 @@ class OffloadManager:
         and the CPU tier's entries that are not there yet, so a restart finds every prefix it can."""
         ops = TierOps()
         for tier in BELOW_CPU:
-            if self.has(tier):
+            if self.writes(tier):
                 from_device, from_cpu = TO_TIER[tier]
                 ops.moves += [(from_device, b, h) for b, h in device_blocks if not self._in_tier_now(tier, h)]
                 ops.moves += [(from_cpu, s, h) for h, s in self.cpu.entries.items() if not self._in_tier_now(tier, h)]
@@ -290,7 +331,10 @@ class OffloadManager:
 
     def snapshot(self) -> dict[str, dict]:
         """Per tier, its counters (:class:`TierStats`) and ``errors``, ``{op: failed calls}`` (the
-        ranks' and this side's)."""
+        ranks' and this side's); the remote tier's also ``round_trips``, ``{op: (cumulative buckets,
+        sum of seconds)}`` (rank 0's calls as reported so far, and this side's presence checks)."""
+        for t in self.remote_tiers:
+            self.stats[TIER_REMOTE].record_calls(*t.calls.take())
         out = {tier: s.as_dict() for tier, s in self.stats.items() if tier == TIER_CPU or self._stores[tier]}
         out[TIER_CPU].update(num_blocks=self.cpu.num_slots, num_used_blocks=len(self.cpu))
         out[TIER_CPU]["errors"] = dict(self.stats[TIER_CPU].errors)
@@ -303,6 +347,9 @@ class OffloadManager:
             for t in self._stores[tier]:
                 errors.update(t.health.errors)
             out[tier]["errors"] = dict(errors)
+        if TIER_REMOTE in out:
+            out[TIER_REMOTE]["round_trips"] = {op: (h.cumulative(), h.total)
+                                               for op, h in sorted(self.stats[TIER_REMOTE].round_trips.items())}
         return out
 
     def check_integrity(self) -> None:

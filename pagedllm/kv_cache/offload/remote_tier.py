@@ -15,10 +15,16 @@ A request's blocks are read in one round trip (``MGET``); a step's writes in one
 method raises: a network error or timeout is a miss (or a write that did not land), counted in
 ``self.health`` (``pagedllm:kv_offload_errors_total{tier="remote",op}``), which disables the
 tier after ``tier_fs.MAX_CONSECUTIVE_ERRORS`` failures of one operation in a row, as on disk.
+Each call's round trip is timed and each failure to reach the server (refused, lost, timed out,
+as opposed to an error reply) counted in ``self.calls`` (``CallLog``), for the
+``pagedllm:kv_offload_round_trip_seconds{tier="remote",op}`` histogram and
+``pagedllm:kv_offload_unreachable_total{tier="remote"}``.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import torch
@@ -32,6 +38,30 @@ REMOTE_OPS = ("read", "write", "stat", "unlink", "scan")  # the ``op`` labels of
 KEY_PREFIX = "pagedllm:kv:"
 SOCKET_TIMEOUT_S = 2.0  # a server that stops answering costs at most this per call, then a miss
 _FAILED = object()
+# a round trip to the server, seconds: sub-millisecond on a local network to the socket timeout
+ROUND_TRIP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class CallLog:
+    """A tier's calls since the last :meth:`take`: ``(op, seconds)`` of each round trip, and how many
+    failed for want of the server (connection refused or lost, timeout). Thread-safe: the engine
+    thread and the I/O threads call the server."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._round_trips: list[tuple[str, float]] = []
+        self._unreachable = 0
+
+    def record(self, op: str, seconds: float, reached: bool) -> None:
+        with self._lock:
+            self._round_trips.append((op, seconds))
+            self._unreachable += not reached
+
+    def take(self) -> tuple[list[tuple[str, float]], int]:
+        with self._lock:
+            out = self._round_trips, self._unreachable
+            self._round_trips, self._unreachable = [], 0
+        return out
 
 
 def redacted(url: str) -> str:
@@ -68,6 +98,7 @@ class RemoteTier:
         self.ttl_s = ttl_s
         self.client = client if client is not None else connect(url)
         self.health = TierHealth("remote", redacted(url))
+        self.calls = CallLog()
         self._reported: set[bytes] = set()  # bad values already logged
 
     @property
@@ -84,17 +115,36 @@ class RemoteTier:
 
         if self.health.disabled:
             return _FAILED
+        t0 = time.perf_counter()
         try:
             out = fn(*args)
         except (redis.RedisError, OSError) as exc:
+            reached = not isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError))
+            self.calls.record(op, time.perf_counter() - t0, reached)
             self.health.error(op, exc, redacted(self.url))
             return _FAILED
+        self.calls.record(op, time.perf_counter() - t0, True)
         self.health.ok(op)
         return out
 
     # ------------------------------------------------------------------ lookup
     def contains(self, block_hash: bytes) -> bool:
         return self._call("stat", self.client.exists, self.key(block_hash)) == 1
+
+    def contains_many(self, hashes: list[bytes]) -> list[bool]:
+        """Which of ``hashes`` are there, in one round trip (a pipeline of ``EXISTS``); all False if
+        the call failed."""
+        if not hashes or self.disabled:
+            return [False] * len(hashes)
+
+        def run() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(self.key(h))
+            return pipe.execute()
+
+        found = self._call("stat", run)
+        return [False] * len(hashes) if found is _FAILED else [n == 1 for n in found]
 
     # ------------------------------------------------------------------ write
     def write_many(self, items: list[tuple[bytes, torch.Tensor]]) -> int:

@@ -64,4 +64,4 @@ def build_offload_manager(config: EngineConfig, block_bytes: int,
         disks = [DiskTier(cache.kv_offload_dir, fp, cache.kv_offload_disk_bytes) for fp in fingerprints]
     if cache.kv_offload_remote is not None:
         remotes = [RemoteTier(cache.kv_offload_remote, fp, cache.kv_offload_remote_ttl_s) for fp in fingerprints]
-    return OffloadManager(num_cpu_tier_blocks(cache, block_bytes), disks, block_bytes, remotes)
+    return OffloadManager(num_cpu_tier_blocks(cache, block_bytes), disks, block_bytes, remotes, cache.kv_role)

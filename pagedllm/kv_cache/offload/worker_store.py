@@ -185,7 +185,10 @@ class TierStore:
                 disabled[tier] = "disabled on another tensor-parallel rank"
         errors = {t: e for t, s in self.stores.items() if (e := s.health.take_errors())}
         seconds, self._seconds = self._seconds, {TIER_CPU: 0.0, **dict.fromkeys(BELOW_CPU, 0.0)}
-        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds, errors, disabled)
+        round_trips, unreachable = self.remote.calls.take() if self.remote is not None else ([], 0)
+        return LoadReport({job.request_id: n for job, n in zip(jobs, counts)}, seconds, errors, disabled,
+                          {TIER_REMOTE: round_trips} if round_trips else {},
+                          {TIER_REMOTE: unreachable} if unreachable else {})
 
     def _finish(self, job: LoadJob, futures: dict[str, Future]) -> int:
         """Leading items of ``job`` that are now in their device blocks."""

@@ -1,0 +1,167 @@
+"""Prefill/decode disaggregation through the router: a ``--kv-role producer`` replica and a
+``--kv-role consumer`` replica (separate processes) share a real redis-server; the router
+(``prefill_backends``) prefills each request on the first with max_tokens=1 and decodes it on the
+second, which loads the prompt's blocks from the pool. Outputs equal transformers' (completions)
+and one replica's (a streamed chat); the decode replica's remote-tier hits are counted, and so are
+the router's handoffs; a pool miss and a missing prefill replica are recomputed, with the same output.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import hf_greedy, random_prompts
+from live_server import free_port, server_model_dir, start_server  # noqa: F401 - the fixture
+from redis_server import RedisServer
+from test_router import _client, _healthy, _metrics, _router_in_thread, _wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 8
+MAX_TOKENS = 6
+PROMPTS = random_prompts(3, seed=90, lo=41, hi=60)  # 5-7 full blocks each
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.kill()
+
+
+def _start_replica(model_dir: str, redis_url: str, role: str, log: Path) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(port),
+           "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "256",
+           "--served-model-name", "tiny", "--num-threads", "1", "--kv-offload-remote", redis_url, "--kv-role", role,
+           "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=out,
+                                start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+@pytest.fixture(scope="module")
+def replicas(server_model_dir, redis, tmp_path_factory):  # noqa: F811 - the fixture
+    """(prefill URL, decode URL): a producer and a consumer replica, started together."""
+    logs = tmp_path_factory.mktemp("pd")
+    started = [_start_replica(server_model_dir, redis.url, role, logs / f"{role}.log")
+               for role in ("producer", "consumer")]
+    try:
+        for (url, proc), role in zip(started, ("producer", "consumer")):
+            _wait_for(lambda p=proc, u=url: p.poll() is not None or _healthy(u), 240, f"the {role} replica")
+            assert proc.poll() is None, (logs / f"{role}.log").read_text()[-3000:]
+        yield started[0][0], started[1][0]
+    finally:
+        for _, proc in started:
+            proc.send_signal(signal.SIGTERM)
+        for _, proc in started:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def pd_router(replicas):
+    prefill, decode = replicas
+    with _router_in_thread([decode], prefill_backends=(prefill,)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def hf_model(server_model_dir):  # noqa: F811 - the fixture
+    import transformers as tf
+    return tf.AutoModelForCausalLM.from_pretrained(server_model_dir, torch_dtype=torch.float32).eval()
+
+
+def _total(url: str, name: str, **labels: str) -> float:
+    return sum(v for (n, lab), v in _metrics(url).items() if n == name and labels.items() <= dict(lab).items())
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_prefill_then_decode_equals_transformers(replicas, pd_router, hf_model):
+    prefill, decode = replicas
+    hits = _total(decode, "pagedllm:kv_offload_hits_total", tier="remote")
+    for prompt in PROMPTS:
+        assert _complete(pd_router, prompt) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+    # the decode replica loaded every full prompt block but the last token's from the pool
+    assert _total(decode, "pagedllm:kv_offload_hits_total", tier="remote") - hits == \
+        sum((len(p) - 1) // BLOCK for p in PROMPTS)
+    assert _total(decode, "pagedllm:kv_offload_misses_total", tier="remote") == 0
+    assert _total(decode, "pagedllm:kv_offload_bytes_total", tier="remote", direction="store") == 0  # a consumer
+    assert _total(prefill, "pagedllm:generation_tokens_total") == len(PROMPTS)  # one token each
+    assert _total(decode, "pagedllm:kv_offload_round_trip_seconds_count", tier="remote", op="read") == len(PROMPTS)
+    router = _metrics(pd_router)
+    assert sum(v for (n, _), v in router.items() if n == "pagedllm:router_pd_prefills_total") == len(PROMPTS)
+    assert router[("pagedllm:router_pd_handoffs_total", (("backend", decode),))] == len(PROMPTS)
+
+
+def test_streamed_chat_equals_one_replica(replicas, pd_router):
+    prefill, _ = replicas
+    messages = [{"role": "system", "content": "paged attention keeps a block table " * 6},
+                {"role": "user", "content": "and then?"}]
+
+    def chat(url: str, stream: bool) -> str:
+        out = _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                   stream=stream, extra_body={"ignore_eos": True})
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
+    assert chat(pd_router, stream=True) == chat(prefill, stream=False)  # the producer alone, whole
+
+
+def test_router_shows_roles_and_remote_hits(replicas, pd_router):
+    prefill, decode = replicas
+    _wait_for(lambda: _total(pd_router, "pagedllm:router_remote_kv_hits") > 0, 10, "a scrape of the replicas")
+    backends = {b["url"]: b for b in httpx.get(f"{pd_router}/router/backends").json()["backends"]}
+    assert backends[prefill]["role"] == "prefill" and backends[decode]["role"] == "decode"
+    assert backends[decode]["remote_kv_hits"] == _total(pd_router, "pagedllm:router_remote_kv_hits")
+
+
+def test_pool_miss_recomputes(replicas, pd_router, redis, hf_model):
+    """Redis lost the blocks (flushed) after the producer published them: the producer's prefill is a
+    device hit and writes nothing new; the decode replica misses, recomputes and answers the same."""
+    prefill, decode = replicas
+    prompt = random_prompts(1, seed=92, lo=40, hi=41)[0]
+    _complete(prefill, prompt)  # the producer alone: it holds and published the prompt's blocks
+    redis.client().flushdb()
+    misses = _total(decode, "pagedllm:kv_offload_misses_total", tier="remote")
+    assert _complete(pd_router, prompt) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+    assert _total(decode, "pagedllm:kv_offload_misses_total", tier="remote") == misses + 1
+
+
+def test_no_prefill_replica_decodes_alone(replicas, hf_model):
+    _, decode = replicas
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens: the prefill half is skipped
+    with _router_in_thread([decode], prefill_backends=(nowhere,)) as url:
+        prompt = random_prompts(1, seed=91, lo=30, hi=31)[0]
+        assert _complete(url, prompt) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+        assert _total(url, "pagedllm:router_pd_prefill_skipped_total", backend=decode) == 1
+        assert _total(url, "pagedllm:router_pd_handoffs_total") == 0
+
+
+def test_an_idle_server_publishes_at_once(server_model_dir, redis):  # noqa: F811 - the fixture
+    """Write-through (no role): a finished request's blocks reach the pool when the engine goes idle,
+    not at its next step (the other replicas would miss them until this one got more work)."""
+    redis.client().flushdb()
+    server = start_server(server_model_dir, kv_offload_remote=redis.url)
+    try:
+        prompt = random_prompts(1, seed=93, lo=40, hi=41)[0]
+        _complete(server.url, prompt)
+        _wait_for(lambda: len(redis.keys()) >= len(prompt) // BLOCK, 10, "the blocks in Redis")
+    finally:
+        server.stop()
