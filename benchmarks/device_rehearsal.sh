@@ -42,7 +42,7 @@ shape() {  # shape [OUT]: see the header
     printf '#!/bin/sh\nexec %s "$@"\n' "$("${PYTHON3:-python3}" -c 'import sys; print(sys.executable)')" \
         > "$bin/python3"
     chmod +x "$bin/python3"
-    env -u PYTHON PATH="$path" DEVICE=cpu SCALE=tiny GPU_TEST_WORKERS=0 PYTEST_ADDOPTS="-p no:xdist" OUT="$out" \
+    env -u PYTHON PATH="$path" DEVICE=cpu SCALE=tiny LIMIT_SCALE=${LIMIT_SCALE:-4} GPU_TEST_WORKERS=0 PYTEST_ADDOPTS="-p no:xdist" OUT="$out" \
         bash benchmarks/gpu_check.sh
     local rc=$? missing=""
     rm -rf "$bin"
