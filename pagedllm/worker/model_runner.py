@@ -126,7 +126,8 @@ class ModelRunner:
         decoder's pointers into them: made at load and again whenever the weights change.
         Returns why the one-call decoder is off, or None."""
         cpu_ops.pack_model(self.model, available_ram())
-        kernel_tuning.tune_model(self.model)  # before the decoder: it reads the tile/panel switch
+        # before the decoder: it reads the tile/panel switch and the attention backend's parallel_work
+        kernel_tuning.tune_model(self.model, backend=self.backend)
         return self._enable_fused_decode()
 
     def _enable_fused_decode(self) -> str | None:
