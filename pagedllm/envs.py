@@ -82,8 +82,9 @@ VARIABLES: dict[str, EnvVar] = {
         "0 turns off packed float32 linear weights on CPU (oneDNN-packed and panel copies)"),
     "PAGEDLLM_KERNEL_TUNING": EnvVar(
         _str("PAGEDLLM_KERNEL_TUNING", "fast"),
-        "off|fast|full: time the CPU float32 GEMM kernels per layer shape at start-up and keep the fastest "
-        "(cached under PAGEDLLM_CACHE_DIR/kernels); off keeps the fixed row thresholds"),
+        "off|fast|full: time the CPU float32 GEMM kernels per layer shape and the C attention kernel's work "
+        "split at start-up and keep the fastest (cached under PAGEDLLM_CACHE_DIR/kernels); off keeps the fixed "
+        "row thresholds and split"),
     "PAGEDLLM_HUGE_PAGES": EnvVar(
         _flag("PAGEDLLM_HUGE_PAGES", True),
         "0 keeps CPU weights and the CPU KV pool in ordinary 4 KiB pages (default: 2 MiB transparent huge pages)"),

@@ -25,7 +25,8 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         if t.dtype not in NUMPY_DTYPES:
             raise TypeError(f"to_host: tensor {name!r} has dtype {t.dtype}; allowed: {sorted(map(str, NUMPY_DTYPES))}")
     order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # each part aligned to its item size
-    flat = torch.cat([tensors[k].detach().contiguous().view(-1).view(torch.uint8) for k in order])
+    parts = [tensors[k].detach().contiguous().view(-1).view(torch.uint8) for k in order]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # (a greedy step's one array: no packing copy)
     host, arrays, offset = _copy_to_host(flat), {}, 0
     for k in order:
         t = tensors[k]

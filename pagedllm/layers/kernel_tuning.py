@@ -22,10 +22,27 @@ thresholds, ``fast`` (default) times buckets up to 256 rows for ~2 ms per candid
 thresholds), ``full`` adds 512 and 2048 rows and ~10 ms per candidate. Every candidate computes
 the same product (float32, summed in a different order), so the choice changes speed, not
 results beyond rounding.
+
+Attention (the C kernel, ``native/csrc/paged_attention.c``, when the engine runs the ``cpu``
+backend) gets its work split measured the same way, on the model's head shape with a random
+float32 cache, and kept in the same cache file (``AttentionSplit``):
+
+- ``parallel_work``: from how much work (query rows x keys x head_dim) a step runs on the thread
+  team rather than the calling thread (decode steps of 1-16 requests at 64-2048 keys, timed on one
+  thread and on the team; fixed: ``CpuAttentionBackend.DEFAULT_PARALLEL_WORK``; with one thread
+  nothing to choose);
+- ``tile_rows``: query rows per prefill work item (``tile_rows / head_dim`` tokens; fixed 4096),
+  timed on prefill chunks of 128 and 256 tokens (``full``: 256 and 512);
+- ``decode_items_per_thread``: under how many work items per thread a decode token's kv heads
+  are split over more items (fixed 1), timed on decode batches of 1 x 1024 and 4 x 256.
+
+Every split computes the same attention (each row's keys in the same order), so again only the
+speed changes.
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,7 +73,18 @@ LONG_CALL = 20
 MARGIN = 0.05
 # fast: up to 256 rows (more keep the fixed thresholds); the big buckets cost most of the time
 MODE_BUCKETS = {"fast": ROW_BUCKETS[:-2], "full": ROW_BUCKETS}
-TABLE_VERSION = 2
+TABLE_VERSION = 3
+# attention: the block size measured (the engine's default; the split depends little on it), the
+# candidates of each knob (0: the kernel's fixed default), and the shapes timed for each
+ATTN_BLOCK = 16
+TILE_ROWS = (1024, 2048, 4096, 8192)
+DECODE_ITEMS = (1, 2, 4)
+# (requests, context): decode steps of growing work, for parallel_work; then the tile and items cases
+WORK_LADDER = ((1, 64), (1, 256), (1, 1024), (1, 2048), (4, 512), (16, 1024))
+# one prompt chunk of this many tokens from position 0, per mode (512 tokens cost most of the time)
+TILE_CASES = {"fast": (128, 256), "full": (256, 512)}
+ITEM_CASES = ((1, 1024), (4, 256))
+ALWAYS, NEVER = 0, 1 << 62  # parallel_work that always / never wakes the team
 
 
 def tuning_mode() -> str:
@@ -73,6 +101,20 @@ def bucket_index(rows: int) -> int:
 
 
 @dataclass(frozen=True)
+class AttentionSplit:
+    """The C attention kernel's work split measured on this host (see the module docstring);
+    ``parallel_work`` None: keep the backend's."""
+    parallel_work: int | None
+    tile_rows: int
+    decode_items_per_thread: int
+
+    def describe(self) -> str:
+        team = "fixed" if self.parallel_work is None else f"{self.parallel_work}"
+        return (f"attention: thread team from {team} work, prefill items of {self.tile_rows} query rows x "
+                f"head_dim, decode items per thread {self.decode_items_per_thread}")
+
+
+@dataclass(frozen=True)
 class KernelTable:
     """The measured kernel per weight shape and row bucket, and the decoder's tile/panel switch.
 
@@ -82,6 +124,7 @@ class KernelTable:
     keep ``cpu_ops.DECODE_PANEL_MIN_ROWS``."""
     choices: dict[tuple[int, int], tuple[str, ...]]
     decode_panel_min: int | None = None
+    attention: AttentionSplit | None = None  # None: attention not measured (not the C kernel)
 
     def choose(self, out_features: int, in_features: int, rows: int) -> str | None:
         per_bucket = self.choices.get((out_features, in_features))
@@ -92,6 +135,8 @@ class KernelTable:
         """One line per shape, for the start-up log."""
         lines = [f"decoder panel GEMM from {self.decode_panel_min} tokens" if self.decode_panel_min else
                  "decoder tile/panel switch: fixed threshold"]
+        if self.attention is not None:
+            lines.append(self.attention.describe())
         for (out_f, in_f), kernels in sorted(self.choices.items()):
             cells = " ".join(f"{ROW_BUCKETS[i]}:{k}" for i, k in enumerate(kernels))
             lines.append(f"[{out_f}x{in_f}] {cells}")
@@ -137,14 +182,19 @@ def candidates(weight: torch.Tensor, packed, rows: int) -> list[str]:
 
 
 def time_kernel(name: str, x: torch.Tensor, weight: torch.Tensor, packed, budget_s: float) -> float:
-    """Seconds per call of ``name`` on ``x``: the fastest of at least two calls, repeated until
+    """Seconds per call of ``name`` on ``x`` (``best_time``)."""
+    return best_time(lambda: cpu_ops.run_gemm(name, x, weight, None, packed), budget_s)
+
+
+def best_time(call: Callable[[], object], budget_s: float) -> float:
+    """Seconds per ``call()``: the fastest of at least two calls, repeated until
     ``budget_s`` is spent (the minimum: the first call's one-time costs and other processes' load
     only add to it). A first call longer than ``LONG_CALL`` budgets stands alone: its one-time
     costs are small beside it, and a second call would double the start-up time it costs."""
     best, spent, calls = float("inf"), 0.0, 0
     while spent < budget_s or calls < 2:
         start = time.perf_counter()
-        cpu_ops.run_gemm(name, x, weight, None, packed)
+        call()
         elapsed = time.perf_counter() - start
         best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
         if calls == 1 and elapsed > LONG_CALL * budget_s:
@@ -221,10 +271,120 @@ def build_table(times: dict, shapes: list[tuple[int, int]]) -> KernelTable:
     return KernelTable(choices, decode_panel_min(times, shapes))
 
 
-def cache_key(modules: list[torch.nn.Module], mode: str) -> tuple[str, dict]:
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One timed attention call: ``tokens`` new tokens of each of ``requests`` requests at
+    ``context`` keys each, under a split (``parallel_work``, ``tile_rows``, ``decode_items``)."""
+    requests: int
+    tokens: int
+    context: int
+    parallel_work: int
+    tile_rows: int = 0
+    decode_items: int = 0
+
+
+AttentionTimer = Callable[[AttentionCase, tuple[int, int, int], float], float]
+
+
+def attention_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """``(num_heads, num_kv_heads, head_dim)`` of the first decoder layer's attention, or None."""
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    dims = tuple(getattr(attn, name, None) for name in ("num_heads", "num_kv_heads", "head_dim"))
+    return dims if all(isinstance(d, int) and d > 0 for d in dims) else None
+
+
+def time_attention(case: AttentionCase, shape: tuple[int, int, int], budget_s: float) -> float:
+    """Seconds per ``pa_attention`` call of ``case`` on a random float32 cache of ``shape``'s heads
+    (the split set for the call, the defaults restored after it)."""
+    heads, kv_heads, head_dim = shape
+    lib, g = bindings.library(), torch.Generator().manual_seed(0)
+    per_req = -(-case.context // ATTN_BLOCK)
+    num_blocks = case.requests * per_req
+    key_cache = torch.randn(num_blocks, kv_heads, ATTN_BLOCK, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, kv_heads, ATTN_BLOCK, head_dim, generator=g)
+    tables = torch.arange(num_blocks, dtype=torch.int32).reshape(case.requests, per_req)
+    qsl = torch.arange(case.requests + 1, dtype=torch.int32) * case.tokens
+    seq_lens = torch.full((case.requests,), case.context, dtype=torch.int32)
+    query = torch.randn(case.requests * case.tokens, heads, head_dim, generator=g)
+    out = torch.empty_like(query)
+    threads = torch.get_num_threads()
+    lib.set_attention_split(case.tile_rows, case.decode_items)
+    try:
+        return best_time(lambda: lib.attention(query, out, key_cache, value_cache, tables, qsl, seq_lens,
+                                               head_dim ** -0.5, 0, threads, case.parallel_work), budget_s)
+    finally:
+        lib.set_attention_split(0, 0)
+
+
+def measure_attention(shape: tuple[int, int, int], mode: str, timer: AttentionTimer = time_attention) -> dict:
+    """``{"team": [[work, one thread s, team s], ...], "tile_rows": {rows: s}, "decode_items":
+    {items: s}}`` (seconds summed over each knob's cases; no "team" with one thread)."""
+    budget, heads, head_dim = TIME_BUDGET_S[mode], shape[0], shape[2]
+    times: dict = {}
+    if torch.get_num_threads() > 1:
+        # work as the kernel counts it for a decode step: query rows (tokens x heads) x keys x head_dim
+        times["team"] = [[r * heads * c * head_dim,
+                          timer(AttentionCase(r, 1, c, NEVER), shape, budget),
+                          timer(AttentionCase(r, 1, c, ALWAYS), shape, budget)] for r, c in WORK_LADDER]
+    times["tile_rows"] = {str(rows): sum(timer(AttentionCase(1, n, n, ALWAYS, tile_rows=rows), shape, budget)
+                                         for n in TILE_CASES[mode]) for rows in TILE_ROWS}
+    times["decode_items"] = {str(k): sum(timer(AttentionCase(r, 1, c, ALWAYS, decode_items=k), shape, budget)
+                                         for r, c in ITEM_CASES) for k in DECODE_ITEMS}
+    return times
+
+
+def team_threshold(ladder: list[list[float]]) -> int:
+    """The smallest measured work from which the thread team beats one thread (by ``MARGIN``) at
+    every larger work measured; past the largest when it never does."""
+    threshold = None
+    for work, one, team in sorted(ladder, reverse=True):  # from the most work down, while the team keeps winning
+        if team * (1 + MARGIN) >= one:
+            break
+        threshold = int(work)
+    return threshold if threshold is not None else int(2 * max(w for w, _, _ in ladder))
+
+
+def _fastest(times: dict[str, float], default: int) -> int:
+    """The fastest candidate, the kernel's default unless another beats it by ``MARGIN``."""
+    best = min(times, key=times.get)
+    return default if times.get(str(default), float("inf")) <= times[best] * (1 + MARGIN) else int(best)
+
+
+def build_attention(times: dict) -> AttentionSplit:
+    team = times.get("team")
+    return AttentionSplit(team_threshold(team) if team else None, _fastest(times["tile_rows"], 4096),
+                          _fastest(times["decode_items"], 1))
+
+
+def apply_attention(split: AttentionSplit | None, backend) -> None:
+    """Sets the kernel's split process-wide (None: its defaults) and ``backend.parallel_work``."""
+    if not bindings.is_available():
+        return
+    bindings.library().set_attention_split(*((split.tile_rows, split.decode_items_per_thread) if split else (0, 0)))
+    if split is not None and split.parallel_work is not None and backend is not None:
+        backend.parallel_work = split.parallel_work
+
+
+def _attention_to_tune(model: torch.nn.Module, backend) -> tuple[int, int, int] | None:
+    """The model's attention shape when the engine runs the C kernel (``cpu`` backend), else None."""
+    if backend is None or getattr(backend, "name", None) != "cpu" or not bindings.is_available():
+        return None
+    return attention_shape(model)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def cache_key(modules: list[torch.nn.Module], mode: str, attention: tuple[int, int, int] | None = None) -> tuple[
+        str, dict]:
     """The cache file's name and what it hashes."""
     lib = bindings.library() if bindings.is_available() else None
     key = {"version": TABLE_VERSION, "mode": mode, "buckets": MODE_BUCKETS[mode], "dtype": "float32", **host_info(),
+           "attention": attention and [*attention, ATTN_BLOCK],
            "shapes": sorted({tuple(m.weight.shape) for m in modules}),
            "panels": sorted({tuple(m.weight.shape) for m in modules
                              if isinstance(m.packed_weight, cpu_ops.PanelWeight)}),
@@ -238,44 +398,58 @@ def cache_path(digest: str) -> Path:
 
 
 def _load(path: Path) -> dict | None:
+    """The cached ``{"times": ..., "attention": ...}``, or None."""
     try:
-        return json.loads(path.read_text())["times"]
-    except (OSError, ValueError, KeyError):
+        cached = json.loads(path.read_text())
+        return {"times": cached["times"], "attention": cached["attention"]}
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _save(path: Path, key: dict, times: dict) -> None:
+def _save(path: Path, key: dict, measured: dict) -> None:
     """Written to a temporary name and renamed: a concurrent start-up reads a whole file or none."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "times": times}, indent=1, default=list))
+        tmp.write_text(json.dumps({"key": key, **measured}, indent=1, default=list))
         tmp.replace(path)
     except OSError as e:  # a read-only cache dir: the table still applies to this process
         logger.warning("kernel table not cached at %s: %s", path, e)
 
 
-def tune_model(model: torch.nn.Module, timer: Timer | None = None) -> KernelTable | None:
+def tune_model(model: torch.nn.Module, timer: Timer | None = None, backend=None,
+               attention_timer: AttentionTimer | None = None) -> KernelTable | None:
     """Measures (or loads from the cache) the kernel table for ``model``'s packed linear layers
-    and installs it in ``cpu_ops`` (``PAGEDLLM_KERNEL_TUNING=off``, or nothing packed: removes
-    any, so the fixed thresholds apply). Call after ``cpu_ops.pack_model``; ``timer``: seconds
-    per call of a kernel (default ``time_kernel``; tests pass fake ones)."""
+    and installs it in ``cpu_ops`` and, when ``backend`` is the C attention kernel's, its
+    attention split in the kernel and ``backend`` (``PAGEDLLM_KERNEL_TUNING=off``, or nothing
+    packed: removes any, so the fixed thresholds apply). Call after ``cpu_ops.pack_model`` and
+    before the one-call decoder is built (it reads both); ``timer`` / ``attention_timer``: seconds
+    per call of a GEMM kernel / an attention case (defaults ``time_kernel`` / ``time_attention``;
+    tests pass fake ones)."""
     mode = tuning_mode()
     modules = _linear_modules(model)
     if mode == "off" or not modules:
         cpu_ops.set_kernel_table(None)
+        apply_attention(None, None)
         return None
-    digest, key = cache_key(modules, mode)
+    shape = _attention_to_tune(model, backend)
+    digest, key = cache_key(modules, mode, shape)
     path = cache_path(digest)
-    times = _load(path)
-    if times is None:
+    measured = _load(path)
+    if measured is None:
         start = time.perf_counter()
-        times = measure(modules, mode, timer or time_kernel)
-        _save(path, key, times)
-        logger.info("kernel table measured in %.2f s (%s mode), cached at %s", time.perf_counter() - start, mode, path)
+        measured = {"times": measure(modules, mode, timer or time_kernel), "attention": None}
+        gemm_s = time.perf_counter() - start
+        if shape is not None:
+            measured["attention"] = measure_attention(shape, mode, attention_timer or time_attention)
+        _save(path, key, measured)
+        logger.info("kernel table measured in %.2f s (%s mode; GEMMs %.2f s, attention %.2f s), cached at %s",
+                    time.perf_counter() - start, mode, gemm_s, time.perf_counter() - start - gemm_s, path)
     else:
         logger.info("kernel table loaded from %s", path)
-    table = build_table(times, decoder_shapes(model))
-    logger.info("CPU linear kernels per shape and tokens:\n%s", table.describe())
+    attention = build_attention(measured["attention"]) if measured["attention"] else None
+    table = dataclasses.replace(build_table(measured["times"], decoder_shapes(model)), attention=attention)
+    logger.info("CPU kernels per shape and tokens:\n%s", table.describe())
     cpu_ops.set_kernel_table(table)
+    apply_attention(attention, backend)
     return table

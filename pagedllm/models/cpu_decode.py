@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import numpy as np
 import torch
 
 from pagedllm import envs
@@ -72,6 +73,9 @@ QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 # the model dtypes (every floating parameter but quantized projections) and KV cache dtypes it takes
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# forward_host's arrays, in _run's order, with the dtypes ld_forward reads
+HOST_INPUTS = (("input_ids", np.int64), ("positions", np.int64), ("query_start_loc", np.int32),
+               ("seq_lens", np.int32), ("block_tables", np.int32), ("slot_mapping", np.int64))
 # LdModel.fp8_act: how an FP8 layer's activations enter its matmul (layers/quantization/fp8.py's modes)
 FP8_ACT_CODES = {"none": 1, "token": 2, "group": 3}
 
@@ -182,6 +186,7 @@ class FusedCpuDecoder:
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
+        self._batch = LdBatch()
 
     def _f32_ptr(self, t: torch.Tensor | None) -> int | None:
         """A norm weight or bias as the C side reads it: float32 (a bf16 model's: a copy)."""
@@ -257,18 +262,25 @@ class FusedCpuDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden]`` (float32, in a bfloat16 model too);
         the KV cache is written in place."""
-        ids = input_ids.to(torch.int64).contiguous()
-        pos = positions.to(torch.int64).contiguous()
-        qsl = meta.query_start_loc.to(torch.int32).contiguous()
-        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        batch = LdBatch(
-            query_start_loc=qsl.data_ptr(), seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(),
-            slot_mapping=slots.data_ptr(), positions=pos.data_ptr(), input_ids=ids.data_ptr(),
-            num_reqs=seq_lens.shape[0], max_blocks=tables.shape[1], bt_stride=tables.stride(0),
-            num_tokens=ids.shape[0], parallel_work=self.parallel_work,
-        )  # fmt: skip
+        return self._run(input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
+                         meta.query_start_loc.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous(),
+                         meta.block_tables.to(torch.int32).contiguous(), meta.slot_mapping.to(torch.int64).contiguous())
+
+    def forward_host(self, host: dict[str, np.ndarray]) -> torch.Tensor:
+        """``__call__`` on the step's host arrays (``AttentionMetadata.host_arrays`` with
+        ``input_ids``): the C call reads them in place, so a decode step builds no tensors and
+        no metadata object for it (the model runner's CPU fast path)."""
+        arrays = [np.ascontiguousarray(host[name], dtype=dtype) for name, dtype in HOST_INPUTS]
+        return self._run(*(torch.from_numpy(a) for a in arrays))
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
+             tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        batch = self._batch  # one struct, refilled each step
+        batch.query_start_loc, batch.seq_lens, batch.block_tables = qsl.data_ptr(), seq_lens.data_ptr(), \
+            tables.data_ptr()
+        batch.slot_mapping, batch.positions, batch.input_ids = slots.data_ptr(), pos.data_ptr(), ids.data_ptr()
+        batch.num_reqs, batch.max_blocks, batch.bt_stride = seq_lens.shape[0], tables.shape[1], tables.stride(0)
+        batch.num_tokens, batch.parallel_work = ids.shape[0], self.parallel_work
         out = torch.empty(ids.shape[0], self._struct.hidden, dtype=torch.float32)
         self._native.decoder_forward(self._struct, batch, out, torch.get_num_threads())
         return out

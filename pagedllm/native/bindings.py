@@ -92,7 +92,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _I64, _I64, _I64, _I64,  # query / out strides (token, head), in elements
         _F32, _I32, _I32,  # scale, cache dtype, threads
     ]),
+    "pa_set_split": (_I32, [_I32, _I32]),  # prefill tile rows, decode items per thread (0: the defaults)
     "pl_add_rms_norm": (_I32, [_VP, _VP, _VP, _VP, _I64, _I64, _I64, _F32, _I32]),
+    "pl_argmax_rows": (_I32, [_VP, _I64, _I64, _I64, _VP]),
     "pl_rotary_neox": (_I32, [_VP, _VP, _VP, _VP, _I64, _I32, _I32, _I64, _I64, _I64, _I32]),
     "ld_dequant_i8": (_I32, [_VP, _VP, _VP, _I64, _I64, _I32]),
     "ld_linear": (_I32, [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I32]),
@@ -261,6 +263,14 @@ class NativeLibrary:
         if rc != 0:
             self._raise(rc, "pa_attention")
 
+    def set_attention_split(self, tile_rows: int, decode_items_per_thread: int) -> None:
+        """``attention``'s work split from the next call on, process-wide: query rows per prefill
+        item (``tile_rows / head_dim`` tokens) and decode items per thread (0: the built-in defaults)."""
+        rc = self._lib.pa_set_split(tile_rows, decode_items_per_thread)
+        if rc != 0:
+            self._raise(rc, "pa_set_split", f": tile_rows={tile_rows}, "
+                        f"decode_items_per_thread={decode_items_per_thread}")
+
     def mla_latent_attention(self, query: torch.Tensor, out: torch.Tensor, latent_cache: torch.Tensor,
                              block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                              kv_lora_rank: int, scale: float, num_threads: int) -> None:
@@ -292,6 +302,15 @@ class NativeLibrary:
                                        eps, num_threads)
         if rc != 0:
             self._raise(rc, "pl_add_rms_norm", f": x {tuple(x.shape)}")
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows]`` int64: each row of float32 ``x`` ``[rows, cols]`` (unit inner stride)'s first
+        maximum, a NaN first (torch's ``max(dim).indices``)."""
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = self._lib.pl_argmax_rows(_ptr(x), x.shape[0], x.shape[1], x.stride(0), _ptr(out))
+        if rc != 0:
+            self._raise(rc, "pl_argmax_rows", f": x {tuple(x.shape)} strides {x.stride()}")
+        return out
 
     def rotary_neox_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_threads: int) -> None:

@@ -126,7 +126,8 @@ class ModelRunner:
         decoder's pointers into them: made at load and again whenever the weights change.
         Returns why the one-call decoder is off, or None."""
         cpu_ops.pack_model(self.model, available_ram())
-        kernel_tuning.tune_model(self.model)  # before the decoder: it reads the tile/panel switch
+        # before the decoder: it reads the tile/panel switch and the attention backend's parallel_work
+        kernel_tuning.tune_model(self.model, backend=self.backend)
         return self._enable_fused_decode()
 
     def _enable_fused_decode(self) -> str | None:
@@ -339,21 +340,43 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._run_encoder(out)
         encoder_time, t0 = time.perf_counter() - t0, time.perf_counter()
-        input_ids, positions, meta, logit_idx = self.prepare_inputs(out)
-        prepare_time = time.perf_counter() - t0
-        embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
-        if embeds is not None:
-            hidden = self.model(input_ids, positions, self.cache.layer_caches, meta, inputs_embeds=embeds)
-        elif self.decode_graphs is not None and self.decode_graphs.holds(meta):
-            hidden = self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
+        host = self._host_inputs(out)
+        fused = self._fused_from_host(out, host)
+        if fused is not None:  # the one-call C decoder straight from the host arrays: no tensors, no metadata
+            prepare_time = time.perf_counter() - t0
+            hidden = fused.forward_host(host)  # [num_tokens, hidden]
         else:
-            hidden = self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
-        rows = hidden[logit_idx]  # [sample + prompt + verify rows, hidden]
+            input_ids, positions, meta, logit_idx = self._model_inputs(host)
+            prepare_time = time.perf_counter() - t0
+            hidden = self._forward(out, input_ids, positions, meta)
+        # [sample + prompt + verify rows, hidden]; a decode-only step samples every row once, in order
+        if _every_row_once(host, hidden.shape[0]):
+            rows = hidden
+        else:
+            rows = hidden[torch.from_numpy(host["sample_idx"]) if fused else logit_idx]
         logits = self.model.compute_logits(rows)  # [sample + prompt + verify rows, vocab]
         spans = (torch.stack([hidden[a:a + n].float().sum(0) for a, n in out.pool_spans])  # [spans, hidden]
                  if out.pool_spans else None)
         return ExecuteResult(logits, prepare_time, self._tier_report(out), rows if out.return_hidden else None,
                              spans, self._span_rows(hidden, out.pool_rows), encoder_time)
+
+    def _forward(self, out: SchedulerOutput, input_ids, positions, meta) -> torch.Tensor:
+        embeds = self._inputs_embeds(out.chunks, input_ids)  # None unless a chunk covers image placeholders
+        if embeds is not None:
+            return self.model(input_ids, positions, self.cache.layer_caches, meta, inputs_embeds=embeds)
+        if self.decode_graphs is not None and self.decode_graphs.holds(meta):
+            return self.decode_graphs.replay(meta)  # [padded num_tokens, hidden]
+        return self.model(input_ids, positions, self.cache.layer_caches, meta)  # [num_tokens, hidden]
+
+    def _fused_from_host(self, out: SchedulerOutput, host: dict[str, np.ndarray]):
+        """The one-call C decoder when it runs this step the way ``DecoderModel.forward`` would pick
+        it (plain positions, no image rows or spans, no adapter tokens, its token limit), else None."""
+        if self._fused_decoder is None or self.model.model.fused_decoder is None:  # (LoRA: off for adapter steps)
+            return None
+        if host["positions"].ndim != 1 or "attend_ends" in host or any(c.mm_spans for c in out.chunks):
+            return None
+        fused = self.model.model.fused_decoder
+        return fused if fused.applies(len(host["input_ids"]), self.cache.layer_caches) else None
 
     # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
     def _run_encoder(self, out: SchedulerOutput) -> None:
@@ -432,6 +455,13 @@ class ModelRunner:
         return self.pipeline.max_in_flight if self.pipeline is not None else 0
 
     def prepare_inputs(self, out: SchedulerOutput):
+        """``(input_ids, positions, AttentionMetadata, sample_idx)`` of the step, on the device."""
+        return self._model_inputs(self._host_inputs(out))
+
+    def _host_inputs(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
+        """The step's inputs as host arrays (``AttentionMetadata.host_arrays`` plus ``input_ids``,
+        ``sample_idx`` and, for image runs, ``attend_ends``); applies the chunks' block-table
+        updates and the LoRA batch mapping."""
         chunks = out.chunks
         query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         seq_lens = np.fromiter((c.seq_len for c in chunks), dtype=np.int64, count=len(chunks))
@@ -464,6 +494,9 @@ class ModelRunner:
             host["attend_ends"] = np.concatenate([c.attend_ends if c.attend_ends is not None else
                                                   np.arange(c.start + 1, c.seq_len + 1, dtype=np.int32)
                                                   for c in chunks])
+        return host
+
+    def _model_inputs(self, host: dict[str, np.ndarray]):
         # [3, num_tokens]: M-RoPE image rows; attend_ends: image runs; never a graph replay
         plain = host["positions"].ndim == 1 and "attend_ends" not in host
         size = replay_size(self.decode_graphs.sizes, host) if self.decode_graphs is not None and plain else None
@@ -537,3 +570,11 @@ class ModelRunner:
         max_blocks_per_seq = blocks_per_sequence(mc.max_model_len, self.block_size)
         return DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
                             mc.max_model_len, pad_block, self.device)
+
+
+def _every_row_once(host: dict[str, np.ndarray], hidden_rows: int) -> bool:
+    """Whether ``sample_idx`` is ``0 .. hidden_rows - 1``: the logits' rows are the hidden rows as
+    they are (a decode-only step without prompt logprobs, forks or drafts, and no CUDA-graph
+    padding rows), no gather needed."""
+    idx = host["sample_idx"]
+    return len(idx) == hidden_rows == len(host["input_ids"]) and idx.tolist() == list(range(hidden_rows))

@@ -3,13 +3,17 @@ followed by the linear layers; any choice gives transformers' greedy tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import check_greedy_against, random_prompts
 
+from pagedllm.attention.cpu import CpuAttentionBackend
+from pagedllm.attention.testing import dense_attention_f64, make_paged_batch
 from pagedllm.layers import cpu_ops, kernel_tuning
+from pagedllm.native import bindings
 
 pytestmark = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 
@@ -141,6 +145,7 @@ def test_greedy_equals_transformers_whatever_the_table_chooses(tuning, monkeypat
     (the table says so) and generates transformers' greedy tokens."""
     from pagedllm import LLM
     monkeypatch.setattr(kernel_tuning, "time_kernel", _preferring(kernel))
+    monkeypatch.setattr(kernel_tuning, "time_attention", _attention_preferring(2048, 2, 1 << 16))
     llm = LLM(llama_dir, num_gpu_blocks_override=64, max_model_len=256, device="cpu")
     table = cpu_ops.kernel_table()
     assert table is not None
@@ -160,3 +165,107 @@ def test_the_thresholds_choice_stays_unless_another_wins_by_the_margin():
     assert kernel_tuning.pick(close) == "onednn" and kernel_tuning.pick(clear) == "panel"
     packed = cpu_ops.pack_weight(torch.randn(64, 32), panels=True)
     assert cpu_ops.threshold_kernel(packed, 1) in cpu_ops.GEMM_KERNELS
+
+
+# --------------------------------------------------------------------------- attention's split
+
+
+class _FakeBackend:
+    name = "cpu"
+    parallel_work = CpuAttentionBackend.DEFAULT_PARALLEL_WORK
+
+
+def _attention_model() -> torch.nn.Module:
+    """A packed projection (so there is a table) and a first layer with an attention shape."""
+    model = _model((64, 32))
+    attn = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)
+    model.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)])
+    return model
+
+
+def _attention_preferring(tile_rows: int, items: int, team_from: int, calls: list | None = None):
+    """A fake attention timer: ``tile_rows`` and ``items`` 1 us, other splits 2 us; the team
+    1 us from ``team_from`` work on (one thread 2 us there), 3 us below it."""
+    def timer(case, shape, budget):
+        if calls is not None:
+            calls.append(case)
+        if case.tile_rows or case.decode_items:
+            return 1e-6 if case.tile_rows == tile_rows or case.decode_items == items else 2e-6
+        work = case.requests * shape[0] * case.context * shape[2]
+        if case.parallel_work == kernel_tuning.NEVER:
+            return 2e-6
+        return 1e-6 if work >= team_from else 3e-6
+    return timer
+
+
+@pytest.fixture
+def split_calls(monkeypatch):
+    """Records every split set in the C kernel (and sets it)."""
+    calls = []
+    real = bindings.NativeLibrary.set_attention_split
+    monkeypatch.setattr(bindings.NativeLibrary, "set_attention_split",
+                        lambda self, rows, items: calls.append((rows, items)) or real(self, rows, items))
+    yield calls
+    bindings.library().set_attention_split(0, 0)
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_attention_split_is_measured_cached_and_used(tuning, split_calls, two_threads):
+    heads, head_dim = 4, 16
+    team_from = 1 * heads * 1024 * head_dim  # the ladder's (1 request, 1024 keys) step on
+    timed: list = []
+    backend = _FakeBackend()
+    table = kernel_tuning.tune_model(_attention_model(), _preferring("mm"), backend,
+                                     _attention_preferring(2048, 2, team_from, timed))
+    assert table.attention == kernel_tuning.AttentionSplit(team_from, 2048, 2)
+    assert {c.tile_rows for c in timed} >= set(kernel_tuning.TILE_ROWS)
+    assert {c.decode_items for c in timed} >= set(kernel_tuning.DECODE_ITEMS)
+    # used: the kernel's split set process-wide, the backend's team threshold replaced
+    assert split_calls[-1] == (2048, 2) and backend.parallel_work == team_from
+    cached = json.loads(next((tuning / "kernels").glob("*.json")).read_text())
+    assert cached["key"]["attention"] == [4, 2, 16, kernel_tuning.ATTN_BLOCK] and "tile_rows" in cached["attention"]
+    # the next start-up reads it from the cache: nothing timed, the same split applied
+    again = _FakeBackend()
+    table2 = kernel_tuning.tune_model(_attention_model(), _refuse, again, _refuse)
+    assert table2.attention == table.attention and again.parallel_work == team_from
+    assert split_calls[-1] == (2048, 2)
+
+
+def test_defaults_stand_in_a_close_race_and_the_team_threshold_follows_the_ladder():
+    close = {"tile_rows": {"1024": 1.0, "4096": 1.0 + kernel_tuning.MARGIN / 2}, "decode_items": {"1": 1.0, "2": 0.5}}
+    split = kernel_tuning.build_attention(close)
+    assert (split.tile_rows, split.decode_items_per_thread, split.parallel_work) == (4096, 2, None)
+    ladder = [[100, 2.0, 3.0], [200, 2.0, 1.0], [400, 2.0, 3.0], [800, 2.0, 1.0], [1600, 2.0, 1.0]]
+    assert kernel_tuning.team_threshold(ladder) == 800  # from where the team wins every larger step
+    assert kernel_tuning.team_threshold([[100, 1.0, 2.0], [200, 1.0, 2.0]]) == 400  # never: past the ladder
+
+
+def test_off_restores_the_kernel_defaults_and_other_backends_are_not_timed(tuning, split_calls, monkeypatch):
+    torch_backend = SimpleNamespace(name="torch", parallel_work=5)
+    table = kernel_tuning.tune_model(_attention_model(), _preferring("mm"), torch_backend, _refuse)
+    assert table.attention is None and torch_backend.parallel_work == 5
+    monkeypatch.setenv("PAGEDLLM_KERNEL_TUNING", "off")
+    assert kernel_tuning.tune_model(_attention_model(), _refuse, _FakeBackend(), _refuse) is None
+    assert split_calls[-1] == (0, 0)
+
+
+@pytest.mark.parametrize("tile_rows,items", [(1024, 4), (8192, 1), (2048, 2)])
+def test_every_split_computes_the_same_attention(split_calls, tile_rows, items):
+    """The kernel under each candidate split (prefill chunks cut into other item sizes, decode
+    heads spread over more items) against the float64 oracle on a ragged batch."""
+    batch = make_paged_batch([(40, 1), (0, 37), (65, 5), (8, 1), (0, 130)], num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=16, seed=tile_rows)
+    backend = CpuAttentionBackend(num_threads=2, parallel_work=0)
+    bindings.library().set_attention_split(tile_rows, items)
+    kc, vc = batch.fresh_caches()
+    out = backend.forward(batch.query, batch.key, batch.value, kc, vc, batch.meta, batch.scale)
+    torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="decode_items_per_thread=-1"):
+        bindings.library().set_attention_split(0, -1)

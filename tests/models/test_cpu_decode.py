@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import load_benchmark, make_model_dir
+from conftest import check_greedy_against, load_benchmark, make_model_dir
 
 from pagedllm import LLM
 from pagedllm.attention.metadata import AttentionMetadata, positions_from_lens
@@ -139,6 +139,43 @@ def test_fused_matches_torch_path_on_one_decode_token(arch, model_dirs, odd_llam
     for (fk, fv), (tk, tv) in zip(fused_caches, torch_caches):
         torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5, equal_nan=True)
         torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_forward_host_computes_what_the_tensor_call_does(llama_dir):
+    """The model runner's decode path hands the step's host arrays to the decoder as they are
+    (``forward_host``): the same hidden states and K/V, bit for bit, as the call on tensors."""
+    model, caches = _model(llama_dir)
+    fused = model.model.fused_decoder
+    g = torch.Generator().manual_seed(2)
+    decoder_step(model, caches, False, [(torch.randint(3, 500, (20,), generator=g).tolist(), 0, [5, 17, 2]),
+                                        (torch.randint(3, 500, (9,), generator=g).tolist(), 0, [30, 8])])
+    query_lens, seq_lens = np.array([1, 3]), np.array([21, 12])
+    tables = np.array([[5, 17, 2], [30, 8, -1]], dtype=np.int32)
+    host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, BLOCK)
+    host["input_ids"] = np.array([7, 8, 9, 10], dtype=np.int64)
+    host_caches, call_caches = _clone(caches), _clone(caches)
+    with torch.inference_mode():
+        assert fused.applies(4, host_caches)
+        got = fused.forward_host(host)
+        assert fused.applies(4, call_caches)
+        want = fused(torch.from_numpy(host["input_ids"]), torch.from_numpy(host["positions"]),
+                     AttentionMetadata.from_tensors({k: torch.from_numpy(v) for k, v in host.items()}, host, BLOCK))
+    assert torch.equal(got, want)
+    for (hk, hv), (ck, cv) in zip(host_caches, call_caches):
+        assert torch.equal(hk.nan_to_num(), ck.nan_to_num()) and torch.equal(hv.nan_to_num(), cv.nan_to_num())
+
+
+def test_engine_decode_steps_skip_the_tensor_inputs(llama_dir, hf_models, monkeypatch):
+    """Every decode step of a greedy run goes through ``forward_host`` (no metadata tensors), and
+    the tokens are transformers' greedy ones."""
+    calls = []
+    original = cpu_decode.FusedCpuDecoder.forward_host
+    monkeypatch.setattr(cpu_decode.FusedCpuDecoder, "forward_host",
+                        lambda self, host: calls.append(len(host["input_ids"])) or original(self, host))
+    llm = LLM(llama_dir, num_gpu_blocks_override=40, block_size=BLOCK, max_model_len=256)
+    prompts = [[5, 9, 14, 200, 3], [17, 18, 19]]
+    check_greedy_against(llm, hf_models["llama"], prompts, 6, logprob_prompts=0)
+    assert calls and calls.count(2) >= 5  # the prompts' step, then 5 decode steps of both requests
 
 
 @pytest.mark.parametrize("arch,panel_min", [("llama", 16), ("llama", 1), ("qwen2", 16), ("qwen2", 1),

@@ -553,8 +553,10 @@ static int cmp_cost_desc(const void *a, const void *b) {
 
 /* Query tokens per item: enough rows (tokens x group heads) to amortize each K/V tile load,
  * few enough that the rows' q and acc (2 x rows x head_dim floats) stay cache resident. */
+#define DEFAULT_TILE_ROWS 4096 /* x head_dim floats: 16 KiB of q per item in float32 */
+static int g_tile_rows = DEFAULT_TILE_ROWS;
 static int tile_tokens(int group, int head_dim) {
-    int rows = 4096 / head_dim;
+    int rows = g_tile_rows / head_dim;
     if (rows < group) rows = group;
     int t = rows / group;
     return t < 1 ? 1 : t;
@@ -594,11 +596,12 @@ static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, in
  * attention_ab.py runs (2 per thread: 0.93-1.10x, within that host's noise at one request);
  * from 16 decodes (2 threads) nothing changes. */
 #define DECODE_ITEMS_PER_THREAD 1
+static int g_decode_items_per_thread = DECODE_ITEMS_PER_THREAD;
 static int decode_heads_per_item(const Problem *P, int num_reqs, int num_threads) {
     int decodes = 0;
     for (int r = 0; r < num_reqs; r++) decodes += P->query_start_loc[r + 1] - P->query_start_loc[r] == 1;
     int h = P->num_kv_heads;
-    while (h > 1 && (int64_t)decodes * ((P->num_kv_heads + h - 1) / h) < DECODE_ITEMS_PER_THREAD * (int64_t)num_threads)
+    while (h > 1 && (int64_t)decodes * ((P->num_kv_heads + h - 1) / h) < g_decode_items_per_thread * (int64_t)num_threads)
         h = (h + 1) / 2;
     return h;
 }
@@ -1077,6 +1080,14 @@ static void scratch_free(Scratch *S) {
     free(S->st);
     free(S->kp);
     free(S->vp);
+}
+
+/* Set between calls (start-up), never during one: plain stores, read by every later call. */
+int pa_set_split(int tile_rows, int decode_items_per_thread) {
+    if (tile_rows < 0 || decode_items_per_thread < 0) return PN_ERR_ARG;
+    g_tile_rows = tile_rows ? tile_rows : DEFAULT_TILE_ROWS;
+    g_decode_items_per_thread = decode_items_per_thread ? decode_items_per_thread : DECODE_ITEMS_PER_THREAD;
+    return PN_OK;
 }
 
 /* Paged attention over the flat batch; the new K/V must already be in the cache. Returns

@@ -19,7 +19,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 12
+#define PN_ABI_VERSION 13
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -213,6 +213,11 @@ PN_EXPORT int pa_attention(const float *query, float *out, const void *key_cache
                            int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
                            int64_t o_stride_head, float scale, int window, int attn_chunk, int dtype, int num_threads,
                            int64_t parallel_work, const float *sinks);
+/* pa_attention's work split, process-wide (kernel_tuning.py measures them at start-up): query
+ * rows per prefill item (tile_rows / head_dim tokens, at least a GQA group's row; 0: 4096), and
+ * the decode items per thread under which a decode token's kv heads are split over more items
+ * (0: 1). PN_ERR_ARG for negative values. */
+PN_EXPORT int pa_set_split(int tile_rows, int decode_items_per_thread);
 
 /* ------------------------------------------------------------------------------------------ */
 /* fused model-body ops (cpu_ops.c)                                                           */
@@ -223,6 +228,7 @@ PN_EXPORT int pl_add_rms_norm(const float *x, float *residual, const float *weig
 PN_EXPORT int pl_rotary_neox(float *x, const int64_t *pos, const float *cos_cache, const float *sin_cache,
                              int64_t tokens, int heads, int head_dim, int64_t ts, int64_t hs, int64_t max_pos,
                              int threads);
+PN_EXPORT int pl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* float32 panel GEMM for decode-sized batches (dense_gemm.c)                                 */
