@@ -9,9 +9,8 @@ The processor resizes an image to a multiple of ``patch_size * merge_size`` with
 ``min_pixels`` / ``max_pixels`` (``mm_processor_kwargs``) and returns every image's patches in one
 ``pixel_values`` ``[sum of patches, 3 * temporal_patch_size * patch_size ** 2]`` with
 ``image_grid_thw`` ``[images, 3]``; ``split_images`` cuts that per image. The tower is
-transformers' own module (weights load by their checkpoint names) on SDPA, with its patch
-embedding computed as the matrix product it is (``LinearPatchEmbed``): it runs once per image,
-off the paged-KV path, which only the language model uses.
+transformers' own module (weights load by their checkpoint names) on SDPA: it runs once per
+image, off the paged-KV path, which only the language model uses.
 """
 from __future__ import annotations
 
@@ -81,7 +80,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.stage = self.language_model.stage
         cfg.vision_config._attn_implementation = "sdpa"
         self.visual = self.tower_class()._from_config(cfg.vision_config)
-        self.visual.patch_embed = LinearPatchEmbed(self.visual.patch_embed)
+        self.visual.patch_embed = LinearPatchEmbed(self.visual.patch_embed)  # its Conv3d as the GEMM it is
 
     @staticmethod
     def tower_class() -> type:
