@@ -101,7 +101,7 @@ def test_c_kernel_refuses_ends_it_cannot_honour(bad):
     batch = _with_spans(make_paged_batch(REQS, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=7))
     ends = batch.meta.attend_ends.clone()
     if bad == "before_own":
-        ends[5] = 5  # token 5 of the first request sits at position 5
+        ends[1] = 1  # token 1 of the first request sits at position 1 (token 0's end is 1: still in order)
     elif bad == "past_context":
         ends[11] = 13  # the first request's context is 12 tokens
     else:
