@@ -17,9 +17,10 @@ chunk's tokens see each other. The attention reads K/V in place through the bloc
 gather copy), processes the query heads of a GQA group together so each K/V tile is loaded once
 for the whole group (and, for prefill chunks, once for a tile of query tokens), folds 64 keys
 at a time into each row's online softmax, and runs items in parallel with OpenMP. Decode tokens
-and prefill chunks (causal inside the chunk, possibly starting mid-context) go in the same
-call. Hot loops are AVX2/FMA intrinsics (q.k and p.v: AVX-512 where built for it) with scalar
-fallbacks; metadata that would index outside the tensors is rejected (ValueError) rather than
+and prefill chunks (causal inside the chunk, possibly starting mid-context; a bidirectional
+image span's tokens see its whole run, ``meta.attend_ends``) go in the same call. Hot loops
+are AVX2/FMA intrinsics (q.k and p.v: AVX-512 where built for it) with scalar fallbacks;
+metadata that would index outside the tensors is rejected (ValueError) rather than
 crashing the process.
 
 Dtypes: the cache may be float32, float16, bfloat16 or fp8 e4m3 / e5m2 (converted to float32
@@ -39,7 +40,6 @@ import torch
 from pagedllm.attention.backend import AttentionBackend, check_chunk_size, check_sinks, check_soft_cap
 from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.sdpa import SdpaBackend
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.native import bindings
 
@@ -49,6 +49,12 @@ def _rows_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     passed to C, so views of a fused QKV projection need no copy)."""
     t = to_cache_dtype(t, dtype)  # (fp8 caches: saturating)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _attend_ends(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Bidirectional image spans (metadata.py) as the kernel reads them, or None (causal)."""
+    ends = meta.attend_ends
+    return None if ends is None else ends.to(device="cpu", dtype=torch.int32).contiguous()
 
 
 def _meta_arrays(meta: AttentionMetadata):
@@ -77,8 +83,6 @@ class CpuAttentionBackend(AttentionBackend):
         self._native = library or bindings.library()
         self.num_threads = num_threads
         self.parallel_work = parallel_work
-        # a step with bidirectional image spans (Gemma 3 prefill chunks over an image, metadata.py)
-        self._spans_backend = SdpaBackend()
 
     @staticmethod
     def is_available() -> bool:
@@ -94,9 +98,6 @@ class CpuAttentionBackend(AttentionBackend):
         check_soft_cap(logits_soft_cap, self.name)
         check_chunk_size(attention_chunk_size)
         sinks = check_sinks(sinks, query.shape[1])
-        if meta.attend_ends is not None:  # bidirectional image spans: the C kernel is causal only
-            return self._spans_backend.forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window,
-                                               logits_soft_cap, attention_chunk_size, sinks)
         self._check_shapes(query, key, value, key_cache, value_cache, meta)
         qsl, seq_lens, block_tables, slots = _meta_arrays(meta)
         self.write_kv(key, value, key_cache, value_cache, slots)
@@ -108,7 +109,7 @@ class CpuAttentionBackend(AttentionBackend):
             return out.to(query.dtype)
         self._native.attention(q, out, key_cache, value_cache, block_tables, qsl, seq_lens, float(scale),
                                sliding_window or 0, self._threads(), self.parallel_work, attention_chunk_size or 0,
-                               None if sinks is None else sinks.cpu())
+                               sinks=None if sinks is None else sinks.cpu(), attend_ends=_attend_ends(meta))
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:

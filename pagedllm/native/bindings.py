@@ -84,6 +84,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _F32, _I32, _I32,  # scale, sliding window (0: none), attention chunk (0: none)
         _I32, _I32, _I64,  # cache dtype, threads, parallel_work
         _VP,  # attention sinks [num_heads] float32, or NULL
+        _VP,  # attend_ends [num_tokens] int32 (bidirectional spans), or NULL
     ]),
     "mla_latent_attention": (_I32, [
         _VP, _VP, _VP, _VP, _VP, _VP,  # query, out, latent cache, block_tables, qsl, seq_lens
@@ -245,11 +246,13 @@ class NativeLibrary:
     def attention(self, query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                   window: int, num_threads: int, parallel_work: int, attn_chunk: int = 0,
-                  sinks: torch.Tensor | None = None) -> None:
+                  sinks: torch.Tensor | None = None, attend_ends: torch.Tensor | None = None) -> None:
         """Paged attention into ``out``; query/out ``[num_tokens, num_heads, head_dim]`` float32
         with unit inner stride; metadata int32 and contiguous; ``window`` 0 = full attention;
         ``attn_chunk`` C > 0: chunked local attention (a token sees only its own C-token chunk);
-        ``sinks`` float32 ``[num_heads]`` contiguous (GPT-OSS attention sinks) or None."""
+        ``sinks`` float32 ``[num_heads]`` contiguous (GPT-OSS attention sinks) or None;
+        ``attend_ends`` int32 ``[num_tokens]`` contiguous: each token's visible end (bidirectional
+        image spans, attention/metadata.py), or None for causal."""
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         rc = self._lib.pa_attention(
@@ -259,6 +262,7 @@ class NativeLibrary:
             num_heads, num_kv_heads, head_dim, block_size,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             scale, window, attn_chunk, self.dtype_code(key_cache.dtype), num_threads, parallel_work, _ptr(sinks),
+            _ptr(attend_ends),
         )  # fmt: skip
         if rc != 0:
             self._raise(rc, "pa_attention")

@@ -81,6 +81,33 @@ def test_bidirectional_image_attention_changes_the_output(llm, gemma3_vl_hf):
     assert (got - causal[tokens]).abs().max() > 1e-2
 
 
+def test_image_spans_stay_on_the_c_attention_kernel(llm, gemma3_vl_hf, monkeypatch):
+    """A step with an image run runs on the engine's own backend (the C kernel on CPU, the
+    bidirectional span passed to it), never on a fallback, and still equals transformers."""
+    from pagedllm.attention.cpu import CpuAttentionBackend
+    from pagedllm.attention.sdpa import SdpaBackend
+    from pagedllm.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.native import bindings
+    backend = llm.llm_engine.executor.runner.backend
+    if not isinstance(backend, CpuAttentionBackend):
+        pytest.skip(f"the engine runs {type(backend).__name__}, not the C kernel")
+    spans, fallbacks = [], []
+    attention = bindings.NativeLibrary.attention
+
+    def spy(self, *args, attend_ends=None, **kwargs):
+        spans.append(attend_ends)
+        return attention(self, *args, attend_ends=attend_ends, **kwargs)
+    monkeypatch.setattr(bindings.NativeLibrary, "attention", spy)
+    for other in (SdpaBackend, TorchReferenceBackend):
+        monkeypatch.setattr(other, "forward", lambda *a, **k: fallbacks.append(a) or pytest.fail("fallback ran"))
+    prompt, images = CASES[0]
+    assert _generate(llm, prompt, images) == hf_generate(gemma3_vl_hf, prompt, images)
+    assert not fallbacks
+    with_spans = [ends for ends in spans if ends is not None]
+    # causal ends rise by one a token: a repeated end is an image run's tokens seeing the whole run
+    assert with_spans and len(set(with_spans[0].tolist())) < len(with_spans[0])
+
+
 def test_chunked_prefill_never_splits_an_image_run(llm, gemma3_vl_hf, monkeypatch):
     processor = gemma3_vl_hf[1]
     prompt = f"hello world, the quick brown fox jumps over the {IMG} over the lazy dog"

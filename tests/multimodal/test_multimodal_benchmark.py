@@ -18,9 +18,12 @@ def test_benchmark_runs_and_agrees_with_transformers(llava_dir, tmp_path):  # no
                          "--image-size", "40", "--repeats", "2", "--max-model-len", "128", "--kv-cache-memory",
                          "8MiB", "--json", str(out)])
     assert [r["batch"] for r in result["batches"]] == [1, 3]
-    assert all(r["same"] and r["pagedllm_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in result["batches"])
+    assert all(r["same"] and r["pagedllm_tok_s"] > 0 and r["transformers_tok_s"] > 0 and r["cpu_speedup"] > 0
+               for r in result["batches"])
     assert result["encoder_cache"]["encoder_cache_hits"] >= 2 * 2  # the "hit" and first image-first turn, per image
     assert result["encoder_cache"]["ttft_hit"] > 0 and json.loads(out.read_text())["model"] == llava_dir
+    # the same image and question again: its full blocks come from the prefix cache
+    assert result["encoder_cache"]["ttft_repeat"] > 0 and result["encoder_cache"]["repeat_cached_share"] > 0
 
 
 def test_benchmark_on_qwen2_vl(qwen2_vl_dir):

@@ -70,6 +70,22 @@ def test_qwen2_5_vl_window_attention_tower(qwen2_5_vl_dir):
         engine.llm_engine.shutdown()
 
 
+def test_tower_rows_equal_transformers(llm, hf):
+    """The tower (its patch embedding as one GEMM, models/qwen2_vl.py) makes transformers' rows
+    for images of different sizes."""
+    from pagedllm.models.qwen2_vl import LinearPatchEmbed
+    ours = llm.llm_engine.executor.runner.model
+    assert isinstance(ours.visual.patch_embed, LinearPatchEmbed)
+    model, processor = hf
+    for image in (make_image(6, (64, 30)), make_image(7, (48, 48))):
+        inputs = processor(text=[PLACEHOLDER], images=[image], return_tensors="pt")
+        data = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+        with torch.no_grad():
+            want = model.model.get_image_features(**data).pooler_output
+        want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want
+        torch.testing.assert_close(ours.encode_image(data), want, atol=1e-5, rtol=1e-5)
+
+
 def test_images_and_their_positions_change_the_output(llm):
     """The oracle comparison means something: the image and where it sits reach the logits."""
     stats = llm.llm_engine.scheduler.encoder.stats

@@ -472,7 +472,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
         rc = pa_attention(q, B->attn, m->key_cache[l], m->value_cache[l], b->block_tables,
                           b->query_start_loc, b->seq_lens, b->num_reqs, T, m->num_blocks, b->max_blocks,
                           b->bt_stride, m->num_heads, m->num_kv_heads, (int)D, m->block_size, qkv_size, D,
-                          q_size, D, m->scale, m->window[l], 0, m->cache_dtype, threads, b->parallel_work, NULL);
+                          q_size, D, m->scale, m->window[l], 0, m->cache_dtype, threads, b->parallel_work, NULL, NULL);
     return rc;
 }
 

@@ -17,7 +17,11 @@
  * in L1. Items run in parallel with OpenMP, largest first.
  *
  * Causality needs no mask: positions inside the context are contiguous, so a row at position
- * p sees exactly the first min(n, p - block_start + 1) keys of a block (a prefix).
+ * p sees exactly the first min(n, end - block_start) keys of a block (a prefix), where end is
+ * p + 1, or attend_ends[t] for a token of a bidirectional image span (Gemma 3): the end of its
+ * image's placeholder run, so the span's tokens see each other both ways. A request's ends never
+ * decrease from token to token (a run's end is before the next token's position + 1), which the
+ * row-pair and wide paths rely on (a later row sees at least the keys of an earlier one).
  *
  * Built with -O3 -march=native; the hot loops use AVX2/FMA intrinsics when available, AVX-512
  * for q.k and p.v where the build targets it (the dot products are reductions gcc will not
@@ -524,6 +528,7 @@ typedef struct {
     int attn_chunk; /* chunked local attention (Llama 4): a row at position p sees keys
                      * p / attn_chunk * attn_chunk .. p (its own chunk); 0 = none */
     const float *sinks; /* [num_heads] attention-sink logits (GPT-OSS), or NULL */
+    const int32_t *attend_ends; /* [num_tokens] each token's visible end, exclusive; NULL = position + 1 */
 } Problem;
 
 typedef struct {
@@ -535,15 +540,23 @@ typedef struct {
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
-/* The first visible key of the row whose causal prefix within the keys from position `base` on
- * is `visible` keys (the row sits at position base + visible - 1), relative to base: the later of
- * its sliding window's start and its attention chunk's start; <= 0 when it sees from base on.
- * Rows later in a request never start earlier, so the first row's value bounds the blocks read. */
-static inline int row_first_key(const Problem *P, int base, int visible) {
-    const int p = base + visible - 1;
+/* The first visible key of the row at position p, relative to position `base`: the later of its
+ * sliding window's start and its attention chunk's start; <= 0 when it sees from base on. Rows
+ * later in a request never start earlier, so the first row's value bounds the blocks read. */
+static inline int row_first_key(const Problem *P, int base, int p) {
     int lo = P->window ? p - P->window + 1 : 0;
     if (P->attn_chunk) lo = imax(lo, p / P->attn_chunk * P->attn_chunk);
     return lo - base;
+}
+
+/* The visible end (exclusive) of query token t (flat index) at position p: p + 1, or its
+ * bidirectional span's end. */
+static inline int token_end(const Problem *P, int64_t t, int p) { return P->attend_ends ? P->attend_ends[t] : p + 1; }
+
+/* ends[i] = the visible end of the item's token t0 + i (i < t1 - t0). */
+static void item_ends(const Problem *P, const WorkItem *it, int ctx_start, int *ends) {
+    const int q_begin = P->query_start_loc[it->req];
+    for (int t = it->t0; t < it->t1; t++) ends[t - it->t0] = token_end(P, q_begin + t, ctx_start + t);
 }
 
 static int cmp_cost_desc(const void *a, const void *b) {
@@ -577,6 +590,12 @@ static int check_metadata(const Problem *P, int num_reqs, int64_t num_tokens, in
         const int32_t *btab = P->block_tables + (int64_t)r * P->bt_stride;
         for (int b = 0; b < nb; b++)
             if (btab[b] < 0 || btab[b] >= num_blocks) return PN_ERR_META;
+        if (!P->attend_ends) continue;
+        /* a token sees at least itself and at most the context; ends never decrease */
+        const int32_t *ends = P->attend_ends + P->query_start_loc[r];
+        for (int t = 0; t < q_len; t++)
+            if (ends[t] < seq_len - q_len + t + 1 || ends[t] > seq_len || (t > 0 && ends[t] < ends[t - 1]))
+                return PN_ERR_META;
     }
     return PN_OK;
 }
@@ -934,19 +953,21 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
     const int seq_len = P->seq_lens[it->req], ctx_start = seq_len - q_len;
     const int rows = (it->t1 - it->t0) * group, rp = rows_pad(rows);
     const int32_t *btab = P->block_tables + (int64_t)it->req * P->bt_stride;
-    int lo[rp], hi[rp]; /* a row's visible keys in the current chunk: [lo, hi) */
+    const int ntok = it->t1 - it->t0, pos0 = ctx_start + it->t0; /* pos0: the item's first token's position */
+    int lo[rp], hi[rp], ends[ntok]; /* a row's visible keys in the current chunk: [lo, hi) */
+    item_ends(P, it, ctx_start, ends);
     transpose_q(S, rows, rp, D);
-    const int num_blocks = (ctx_start + it->t1 - 1) / B + 1, cb = chunk_blocks(B);
-    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0 + 1);
+    const int num_blocks = (ends[ntok - 1] - 1) / B + 1, cb = chunk_blocks(B); /* up to the last row's end */
+    const int lowest_key = row_first_key(P, 0, pos0);
     Chunk c;
     for (int b0 = lowest_key > 0 ? lowest_key / B : 0; b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
         load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
         prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
-        const int first_visible = ctx_start + it->t0 - c.start + 1; /* token 0's causal prefix */
-        for (int r = 0; r < rp; r++) {
-            hi[r] = r < rows ? imin(first_visible + r / group, c.nkeys) : 0;
-            lo[r] = row_first_key(P, c.start, first_visible + r / group);
+        for (int r = 0; r < rp; r++) { /* padding rows (r >= rows) see nothing */
+            const int i = imin(r / group, ntok - 1);
+            hi[r] = r < rows ? imin(ends[i] - c.start, c.nkeys) : 0;
+            lo[r] = row_first_key(P, c.start, pos0 + i);
         }
         const int nv = hi[rows - 1]; /* rows are token-major: the last row sees the most keys */
         if (nv <= 0) continue;
@@ -980,19 +1001,21 @@ static Scratch head_view(const Scratch *S, int i, int rows_h, int D) {
 /* Rows [0, rows) of one kv head against a loaded chunk: scores, softmax update, p.v. Rows in
  * pairs: two rows x four keys give eight independent FMA chains. Rows are token-major, so the
  * second row sees at least as many keys as the first; scores past a row's own limit are computed
- * on real keys and then ignored. */
-static void chunk_pairs(const Problem *P, Scratch *S, const Chunk *c, int rows, int first_visible, int smax) {
+ * on real keys and then ignored. ends: the visible end of each of the item's tokens, the first
+ * at position pos0. */
+static void chunk_pairs(const Problem *P, Scratch *S, const Chunk *c, int rows, const int *ends, int pos0,
+                        int smax) {
     const int D = P->head_dim, group = P->num_heads / P->num_kv_heads;
     for (int r = 0; r < rows; r += 2) {
         const int pair = r + 1 < rows;
-        const int nv0 = imin(first_visible + r / group, c->nkeys);
-        const int nv1 = pair ? imin(first_visible + (r + 1) / group, c->nkeys) : 0;
+        const int nv0 = imin(ends[r / group] - c->start, c->nkeys);
+        const int nv1 = pair ? imin(ends[(r + 1) / group] - c->start, c->nkeys) : 0;
         if (nv0 <= 0 && nv1 <= 0) continue;
         const float *q0 = S->q + (int64_t)r * D;
         chunk_scores(c, q0, pair ? q0 + D : NULL, pair ? nv1 : nv0, D, S->s, S->s + smax);
         /* sliding window / attention chunk: keys before a row's first visible key drop out of its softmax */
-        const int lo0 = row_first_key(P, c->start, first_visible + r / group);
-        const int lo1 = pair ? row_first_key(P, c->start, first_visible + (r + 1) / group) : 0;
+        const int lo0 = row_first_key(P, c->start, pos0 + r / group);
+        const int lo1 = pair ? row_first_key(P, c->start, pos0 + (r + 1) / group) : 0;
         pair_softmax_pv(S, c, r, S->s, nv0, lo0, S->s + smax, nv1, lo1, D);
     }
 }
@@ -1026,22 +1049,23 @@ static void run_item(const Problem *P, const WorkItem *it, Scratch *S) {
         load_rows(P, &one, &V[i], rows_pad(rows));
     }
 
-    const int num_blocks = (ctx_start + it->t1 - 1) / B + 1; /* up to the last row's position */
+    int ends[ntok];
+    item_ends(P, it, ctx_start, ends);
+    const int num_blocks = (ends[ntok - 1] - 1) / B + 1; /* up to the last row's end */
     const int cb = chunk_blocks(B), smax = cb * B;
     /* sliding window / attention chunk: blocks wholly before the first row's first visible key are never read */
-    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0 + 1);
+    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0);
     const int first_block = lowest_key > 0 ? lowest_key / B : 0;
     Chunk c;
     for (int b0 = first_block; b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
-        const int first_visible = ctx_start + it->t0 - b0 * B + 1; /* token 0's causal prefix */
         for (int i = 0; i < nh; i++) {
             load_chunk(P, S, btab, it->kv_head + i, b0, b1, seq_len, &c);
             if (i + 1 < nh) /* the next head's tiles of these blocks, else the first head's of the next chunk */
                 plan_prefetch(P, btab, it->kv_head + i + 1, b0, b1, &c);
             else
                 plan_prefetch(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks), &c);
-            chunk_pairs(P, &V[i], &c, rows, first_visible, smax);
+            chunk_pairs(P, &V[i], &c, rows, ends, ctx_start + it->t0, smax);
         }
     }
 
@@ -1091,14 +1115,16 @@ int pa_set_split(int tile_rows, int decode_items_per_thread) {
 }
 
 /* Paged attention over the flat batch; the new K/V must already be in the cache. Returns
- * PN_OK or a negative error code. Strides are in elements. */
+ * PN_OK or a negative error code. Strides are in elements. attend_ends: NULL (causal), or each
+ * token's visible end (bidirectional image spans; checked by check_metadata). */
 int pa_attention(const float *query, float *out, const void *key_cache, const void *value_cache,
                  const int32_t *block_tables, const int32_t *query_start_loc,
                  const int32_t *seq_lens, int num_reqs, int64_t num_tokens, int64_t num_blocks,
                  int max_blocks, int64_t bt_stride, int num_heads,
                  int num_kv_heads, int head_dim, int block_size, int64_t q_stride_tok,
                  int64_t q_stride_head, int64_t o_stride_tok, int64_t o_stride_head, float scale,
-                 int window, int attn_chunk, int dtype, int num_threads, int64_t parallel_work, const float *sinks) {
+                 int window, int attn_chunk, int dtype, int num_threads, int64_t parallel_work, const float *sinks,
+                 const int32_t *attend_ends) {
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
         block_size <= 0 || dtype < 0 || dtype > PN_DTYPE_FP8_E5M2 || num_threads <= 0 || window < 0 ||
         attn_chunk < 0)
@@ -1110,7 +1136,7 @@ int pa_attention(const float *query, float *out, const void *key_cache, const vo
         .o_stride_tok = o_stride_tok, .o_stride_head = o_stride_head, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
         .dtype = dtype, .scale = scale, .window = window,
-        .attn_chunk = attn_chunk, .sinks = sinks};
+        .attn_chunk = attn_chunk, .sinks = sinks, .attend_ends = attend_ends};
     const int group = num_heads / num_kv_heads, tile = tile_tokens(group, head_dim);
     int64_t n_items = 0;
     const int meta_status = check_metadata(&P, num_reqs, num_tokens, num_blocks, max_blocks);

@@ -19,7 +19,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 13
+#define PN_ABI_VERSION 14
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -212,7 +212,7 @@ PN_EXPORT int pa_attention(const float *query, float *out, const void *key_cache
                            int max_blocks, int64_t bt_stride, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t o_stride_tok,
                            int64_t o_stride_head, float scale, int window, int attn_chunk, int dtype, int num_threads,
-                           int64_t parallel_work, const float *sinks);
+                           int64_t parallel_work, const float *sinks, const int32_t *attend_ends);
 /* pa_attention's work split, process-wide (kernel_tuning.py measures them at start-up): query
  * rows per prefill item (tile_rows / head_dim tokens, at least a GQA group's row; 0: 4096), and
  * the decode items per thread under which a decode token's kv heads are split over more items
