@@ -406,6 +406,20 @@ def _load(path: Path) -> dict | None:
         return None
 
 
+def busy_reason() -> str | None:
+    """Why timings taken now should not be kept for later start-ups, or None: more runnable
+    processes (1-minute load average) than this process's cores plus one. Measured on a machine
+    that busy, the winners are the noise's (a table measured at load 17 on 2 cores chose a C
+    decoder kernel 1.6x slower than the fixed thresholds' one, and a cached table never
+    re-measures)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform: nothing to judge by
+        return None
+    return f"load average {load:.1f} on {cores} cores" if load > cores + 1 else None
+
+
 def _save(path: Path, key: dict, measured: dict) -> None:
     """Written to a temporary name and renamed: a concurrent start-up reads a whole file or none."""
     try:
@@ -437,12 +451,17 @@ def tune_model(model: torch.nn.Module, timer: Timer | None = None, backend=None,
     path = cache_path(digest)
     measured = _load(path)
     if measured is None:
+        busy = busy_reason()
         start = time.perf_counter()
         measured = {"times": measure(modules, mode, timer or time_kernel), "attention": None}
         gemm_s = time.perf_counter() - start
         if shape is not None:
             measured["attention"] = measure_attention(shape, mode, attention_timer or time_attention)
-        _save(path, key, measured)
+        busy = busy or busy_reason()
+        if busy is None:
+            _save(path, key, measured)
+        else:  # this process uses the table; the next start-up measures again
+            logger.warning("kernel table measured on a busy machine (%s): used, not cached", busy)
         logger.info("kernel table measured in %.2f s (%s mode; GEMMs %.2f s, attention %.2f s), cached at %s",
                     time.perf_counter() - start, mode, gemm_s, time.perf_counter() - start - gemm_s, path)
     else:

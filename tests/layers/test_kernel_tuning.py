@@ -43,11 +43,15 @@ def _refuse(*args):
     raise AssertionError("timed a kernel although the cached table applies")
 
 
+_real_busy_reason = kernel_tuning.busy_reason
+
+
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
     """A fresh cache dir and fast mode; the process-wide table removed afterwards."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PAGEDLLM_KERNEL_TUNING", "fast")
+    monkeypatch.setattr(kernel_tuning, "busy_reason", lambda: None)  # whatever the test machine's load
     yield tmp_path
     cpu_ops.set_kernel_table(None)
 
@@ -269,3 +273,18 @@ def test_every_split_computes_the_same_attention(split_calls, tile_rows, items):
     torch.testing.assert_close(out.double(), dense_attention_f64(batch), atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="decode_items_per_thread=-1"):
         bindings.library().set_attention_split(0, -1)
+
+
+def test_a_table_measured_on_a_busy_machine_is_used_but_not_cached(tuning, monkeypatch, caplog):
+    load = iter([(1.0, 0, 0), (9.0, 0, 0)])  # quiet when measuring starts, busy when it ends
+    monkeypatch.setattr(kernel_tuning.os, "getloadavg", lambda: next(load))
+    monkeypatch.setattr(kernel_tuning.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(kernel_tuning, "busy_reason", _real_busy_reason)
+    with caplog.at_level("WARNING", logger=kernel_tuning.logger.name):
+        table = kernel_tuning.tune_model(_model((64, 32)), _preferring("onednn"))
+    assert cpu_ops.kernel_table() is table and table.choices[(64, 32)][0] == "onednn"
+    assert not list((tuning / "kernels").glob("*.json")) and "load average 9.0 on 2 cores" in caplog.text
+    calls: list = []  # the next start-up measures again
+    monkeypatch.setattr(kernel_tuning.os, "getloadavg", lambda: (2.5, 0, 0))  # 2 cores + 1: not busy
+    kernel_tuning.tune_model(_model((64, 32)), _preferring("onednn", calls))
+    assert calls and len(list((tuning / "kernels").glob("*.json"))) == 1
