@@ -7,21 +7,16 @@ the router's handoffs; a pool miss and a missing prefill replica are recomputed,
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import contextlib
 
 import httpx
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
-from live_server import free_port, server_model_dir, start_server  # noqa: F401 - the fixture
+from live_server import free_port, serve_process, server_model_dir, start_server, wait_for  # noqa: F401 - fixture
 from redis_server import RedisServer
-from test_router import _client, _healthy, _metrics, _router_in_thread, _wait_for
+from test_router import _client, _metrics, _router_in_thread
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = 8
 MAX_TOKENS = 6
 PROMPTS = random_prompts(3, seed=90, lo=41, hi=60)  # 5-7 full blocks each
@@ -35,37 +30,21 @@ def redis():
     server.kill()
 
 
-def _start_replica(model_dir: str, redis_url: str, role: str, log: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(port),
-           "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "256",
-           "--served-model-name", "tiny", "--num-threads", "1", "--kv-offload-remote", redis_url, "--kv-role", role,
-           "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=out,
-                                start_new_session=True)
-    return f"http://127.0.0.1:{port}", proc
+def _replica_flags(redis_url: str, role: str) -> list[str]:
+    return ["--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "256",
+            "--served-model-name", "tiny", "--num-threads", "1", "--kv-offload-remote", redis_url, "--kv-role", role,
+            "--uvicorn-log-level", "warning", "--shutdown-timeout", "2"]
 
 
 @pytest.fixture(scope="module")
 def replicas(server_model_dir, redis, tmp_path_factory):  # noqa: F811 - the fixture
-    """(prefill URL, decode URL): a producer and a consumer replica, started together."""
+    """(prefill URL, decode URL): a producer and a consumer replica."""
     logs = tmp_path_factory.mktemp("pd")
-    started = [_start_replica(server_model_dir, redis.url, role, logs / f"{role}.log")
-               for role in ("producer", "consumer")]
-    try:
-        for (url, proc), role in zip(started, ("producer", "consumer")):
-            _wait_for(lambda p=proc, u=url: p.poll() is not None or _healthy(u), 240, f"the {role} replica")
-            assert proc.poll() is None, (logs / f"{role}.log").read_text()[-3000:]
-        yield started[0][0], started[1][0]
-    finally:
-        for _, proc in started:
-            proc.send_signal(signal.SIGTERM)
-        for _, proc in started:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(serve_process(server_model_dir, logs / f"{role}.log",
+                                                  _replica_flags(redis.url, role), 240, 30)).url
+                for role in ("producer", "consumer")]
+        yield urls[0], urls[1]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +105,7 @@ def test_streamed_chat_equals_one_replica(replicas, pd_router):
 
 def test_router_shows_roles_and_remote_hits(replicas, pd_router):
     prefill, decode = replicas
-    _wait_for(lambda: _total(pd_router, "pagedllm:router_remote_kv_hits") > 0, 10, "a scrape of the replicas")
+    wait_for(lambda: _total(pd_router, "pagedllm:router_remote_kv_hits") > 0, 10, "a scrape of the replicas")
     backends = {b["url"]: b for b in httpx.get(f"{pd_router}/router/backends").json()["backends"]}
     assert backends[prefill]["role"] == "prefill" and backends[decode]["role"] == "decode"
     assert backends[decode]["remote_kv_hits"] == _total(pd_router, "pagedllm:router_remote_kv_hits")
@@ -162,6 +141,6 @@ def test_an_idle_server_publishes_at_once(server_model_dir, redis):  # noqa: F81
     try:
         prompt = random_prompts(1, seed=93, lo=40, hi=41)[0]
         _complete(server.url, prompt)
-        _wait_for(lambda: len(redis.keys()) >= len(prompt) // BLOCK, 10, "the blocks in Redis")
+        wait_for(lambda: len(redis.keys()) >= len(prompt) // BLOCK, 10, "the blocks in Redis")
     finally:
         server.stop()
