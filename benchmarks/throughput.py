@@ -80,6 +80,7 @@ from attention import measure_bandwidth  # noqa: E402
 from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)
     MODEL_CONFIGS,
     RESULTS_DIR,
+    JsonLineWorker,
     add_engine_args,
     default_model_dir,
     engine_info,
@@ -955,32 +956,13 @@ def host_meta() -> dict:
                             for (o, i), k in sorted(table.choices.items())}}}
 
 
-class LlamaCppWorker:
+class LlamaCppWorker(JsonLineWorker):
     """llama.cpp loaded in its own process (``llamacpp_runner.py`` under the llama-cpp-python
     venv's Python), kept for the whole run so its runs alternate with pagedllm's."""
 
-    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int):
-        import subprocess
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, env: dict[str, str] | None = None):
         runner = Path(__file__).with_name("llamacpp_runner.py")
-        self.proc = subprocess.Popen([python, str(runner), str(gguf), str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.wait()}); see its stderr above")
-        return json.loads(line)
-
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
-        """One timed llama.cpp run: ``{"time_s", "outputs"}``."""
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": list(output_lens)}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        super().__init__([python, str(runner), str(gguf), str(threads), str(n_ctx)], "llama.cpp", env)
 
 
 def llamacpp_gguf(model_dir: Path, args) -> Path:

@@ -268,7 +268,9 @@ def threads_for(free_cpus: float, most: int) -> int:
 class AdaptiveThreads:
     """The thread count of a CPU engine that shares its cores: ``check()``, called once per step,
     re-reads the CPUs' use every ``interval_s`` and returns a new thread count when it changed
-    (else None). Between re-reads a check costs one clock read."""
+    (else None). Between re-reads a check costs one clock read. A reading over a window longer
+    than twice the interval (the engine sat idle) only starts a new window: what others did
+    while the engine waited says little about now."""
 
     def __init__(self, most: int, cpus: set[int], interval_s: float = 0.5, usage: CpuUsage | None = None,
                  clock=time.monotonic):
@@ -282,9 +284,10 @@ class AdaptiveThreads:
         now = self.clock()
         if now < self._next:
             return None
+        stale = now - self._next > self.interval_s  # the window ran > 2 intervals
         self._next = now + self.interval_s
         others = self.usage.others_busy()
-        if others is None:
+        if others is None or stale:
             return None
         # free CPUs in units of our threads: with 2 hyper-threads per core, 2 free CPUs are one core
         threads = threads_for((self.ncpus - others) * self.most / self.ncpus, self.most)

@@ -148,6 +148,16 @@ def test_threads_follow_the_cpus_a_neighbour_leaves_free():
     assert gov.check() == 2  # the neighbour left
 
 
+def test_a_reading_across_an_idle_gap_only_starts_a_new_window():
+    now = [0.0]
+    usage = FakeUsage([2.0, 2.0])
+    gov = AdaptiveThreads(2, {0, 1}, interval_s=0.5, usage=usage, clock=lambda: now[0])
+    now[0] = 5.0  # idle for seconds (another program ran meanwhile): read, but not acted on
+    assert gov.check() is None and usage.readings == [2.0]
+    now[0] = 5.5
+    assert gov.check() == 1  # a fresh half-second window
+
+
 def test_hyperthreads_count_as_half_a_core():
     assert cpu_threads.threads_for((4 - 1) * 2 / 4, 2) == 2  # 1 of 4 CPUs busy: 1.5 cores free -> 2
     assert cpu_threads.threads_for((4 - 2) * 2 / 4, 2) == 1
