@@ -19,7 +19,7 @@ loaded by several processes two spinning threads ran 10x slower than one (benchm
   is honoured the same way): ``auto`` (default), ``nobind``, or CPU lists (``0-3``, ``0,2,4-5``;
   ``|`` between the ranks of one host) that pin one thread per listed CPU.
 * :class:`AdaptiveThreads`: under ``auto`` with no fixed thread count, the engine re-checks every
-  half second how many of its CPUs other processes keep busy (:class:`CpuUsage`, from
+  0.4 s how many of its CPUs other processes keep busy (:class:`CpuUsage`, from
   ``/proc/stat``) and runs as many threads as there are CPUs left, at least one: one thread has
   no barrier to wait at, so beside a busy neighbour it keeps a whole core.
 """
@@ -194,6 +194,7 @@ def openmp_runtimes() -> list[str]:
 
 # ---------------------------------------------------------------------------------- adaptive threads
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat: user nice system [idle iowait] irq softirq steal
+FIRST_WINDOW = 0.25  # after an idle gap, the first reading comes after this share of the interval
 
 
 @dataclass(frozen=True)
@@ -269,10 +270,11 @@ class AdaptiveThreads:
     """The thread count of a CPU engine that shares its cores: ``check()``, called once per step,
     re-reads the CPUs' use every ``interval_s`` and returns a new thread count when it changed
     (else None). Between re-reads a check costs one clock read. A reading over a window longer
-    than twice the interval (the engine sat idle) only starts a new window: what others did
-    while the engine waited says little about now."""
+    than twice the interval (the engine sat idle) only starts a new, shorter window
+    (``FIRST_WINDOW`` of the interval): what others did while the engine waited says little about
+    now, and a request should not run long on a count measured before it came."""
 
-    def __init__(self, most: int, cpus: set[int], interval_s: float = 0.5, usage: CpuUsage | None = None,
+    def __init__(self, most: int, cpus: set[int], interval_s: float = 0.4, usage: CpuUsage | None = None,
                  clock=time.monotonic):
         self.most, self.interval_s, self.clock = most, interval_s, clock
         self.usage = usage if usage is not None else CpuUsage(cpus)
@@ -285,9 +287,12 @@ class AdaptiveThreads:
         if now < self._next:
             return None
         stale = now - self._next > self.interval_s  # the window ran > 2 intervals
-        self._next = now + self.interval_s
         others = self.usage.others_busy()
-        if others is None or stale:
+        if stale:  # the engine sat idle: measure a short fresh window before acting
+            self._next = now + self.interval_s * FIRST_WINDOW
+            return None
+        self._next = now + self.interval_s
+        if others is None:
             return None
         # free CPUs in units of our threads: with 2 hyper-threads per core, 2 free CPUs are one core
         threads = threads_for((self.ncpus - others) * self.most / self.ncpus, self.most)

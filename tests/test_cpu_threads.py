@@ -154,8 +154,10 @@ def test_a_reading_across_an_idle_gap_only_starts_a_new_window():
     gov = AdaptiveThreads(2, {0, 1}, interval_s=0.5, usage=usage, clock=lambda: now[0])
     now[0] = 5.0  # idle for seconds (another program ran meanwhile): read, but not acted on
     assert gov.check() is None and usage.readings == [2.0]
-    now[0] = 5.5
-    assert gov.check() == 1  # a fresh half-second window
+    now[0] = 5.1
+    assert gov.check() is None  # the fresh window is a quarter interval long
+    now[0] = 5.13
+    assert gov.check() == 1
 
 
 def test_hyperthreads_count_as_half_a_core():
