@@ -114,7 +114,7 @@ def start_workers(args, model_dir: Path, cores: int) -> dict:
     if args.llamacpp:
         from throughput import LlamaCppWorker
         n_ctx = args.input_len + args.output_len + 16
-        workers["llama.cpp"] = LlamaCppWorker(args.llamacpp, args.llamacpp_gguf, cores, n_ctx)
+        workers["llama.cpp"] = LlamaCppWorker(args.llamacpp, args.llamacpp_gguf, args.llamacpp_threads or cores, n_ctx)
     return workers
 
 
@@ -176,6 +176,7 @@ def parse_args(argv=None):
     ap.add_argument("--settle", type=float, default=1.0, help="seconds the neighbour runs before a timed run")
     ap.add_argument("--llamacpp", metavar="PYTHON", default=None, help="Python of a venv with llama-cpp-python")
     ap.add_argument("--llamacpp-gguf", type=Path, default=None, help="F32 GGUF of the same checkpoint")
+    ap.add_argument("--llamacpp-threads", type=int, default=None, help="llama.cpp's n_threads (default: the cores)")
     ap.add_argument("--output", type=Path, default=None, help="JSON (default benchmarks/results/neighbour.json)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="auto", help=argparse.SUPPRESS)
