@@ -7,6 +7,7 @@ on ``sys.path`` and keeps the Hugging Face Hub offline.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -20,6 +21,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's pagedllm, not whatever is insta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pagedllm before torch: on an oversubscribed host it sets OMP_WAIT_POLICY=PASSIVE, which libgomp
+# reads only when torch loads it (pagedllm/cpu_threads.py); a script importing torch first loses that
+importlib.import_module("pagedllm")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

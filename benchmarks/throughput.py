@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import platform
@@ -68,11 +69,15 @@ import sys
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagedllm, not an installed one
+# pagedllm before torch: on an oversubscribed host it sets OMP_WAIT_POLICY=PASSIVE, which libgomp
+# reads only when torch loads it (pagedllm/cpu_threads.py), so the run measures what users get
+importlib.import_module("pagedllm")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -97,7 +102,7 @@ from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
 from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
-from pagedllm import envs  # noqa: E402
+from pagedllm import cpu_threads, envs  # noqa: E402
 from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
@@ -1017,8 +1022,9 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
                 quantizations=args.quantization, dtypes=args.dtypes, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
-                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING")
-                     if k in os.environ}, host=host_meta())
+                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING",
+                                                "PAGEDLLM_CPU_OMP_THREADS_BIND") if k in os.environ},
+                openmp=asdict(cpu_threads.configure_openmp()), host=host_meta())
 
 
 if __name__ == "__main__":
