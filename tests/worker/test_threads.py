@@ -106,3 +106,26 @@ def test_cpu_threads_option_and_its_check():
     from pagedllm.config import EngineConfig
     with pytest.raises(ValueError, match="num_threads=0 must be an integer >= 1"):
         EngineConfig(model=None, cache=None, scheduler=None, parallel=None, device=torch.device("cpu"), num_threads=0)
+
+
+def test_greedy_outputs_hold_while_the_thread_count_changes_every_step(llama_dir, hf_models):
+    """The governor changes torch's thread count between steps; the tokens stay transformers'."""
+    from conftest import hf_greedy
+
+    from pagedllm import LLM, SamplingParams
+    saved, asked = torch.get_num_threads(), []
+
+    def alternate() -> int:
+        asked.append(2 if asked and asked[-1] == 1 else 1)
+        return asked[-1]
+
+    try:
+        with LLM(llama_dir, block_size=8, num_gpu_blocks_override=64) as llm:
+            llm.llm_engine.executor.runner.cpu_threads = SimpleNamespace(check=alternate, ncpus=2)
+            prompt = [1, 5, 9, 13, 17]
+            out = llm.generate([{"prompt_token_ids": prompt}],
+                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert list(out[0].outputs[0].token_ids) == hf_greedy(hf_models["llama"], prompt, 8)
+        assert len(asked) >= 8  # one change per step: prefill and every decode step
+    finally:
+        torch.set_num_threads(saved)
