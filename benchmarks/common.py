@@ -7,6 +7,7 @@ on ``sys.path`` and keeps the Hugging Face Hub offline.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -20,6 +21,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's pagedllm, not whatever is insta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pagedllm before torch: on an oversubscribed host it sets OMP_WAIT_POLICY=PASSIVE, which libgomp
+# reads only when torch loads it (pagedllm/cpu_threads.py); a script importing torch first loses that
+importlib.import_module("pagedllm")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -179,3 +183,31 @@ def git_commit() -> str | None:
                               text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+class JsonLineWorker:
+    """A system under test kept loaded in its own process, answering one JSON line per JSON line
+    (``llamacpp_runner.py``, ``neighbour.py --serve``): the first line it prints is its ``info``
+    (once loaded); ``run`` sends a job and returns the answer. Between jobs it blocks on stdin,
+    so it does not use a core while the other system runs."""
+
+    def __init__(self, cmd: list[str], name: str, env: dict[str, str] | None = None):
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)
+
+    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
+        """One timed run: ``{"time_s", "outputs", ...}``."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": list(output_lens)}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)

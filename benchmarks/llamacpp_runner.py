@@ -24,16 +24,45 @@ from pathlib import Path
 
 
 def convert(model_dir: Path, converter: Path, out: Path) -> Path:
-    """``out`` (made once): the F32 GGUF of ``model_dir``."""
+    """``out`` (made once): the F32 GGUF of ``model_dir``. A checkpoint without a SentencePiece
+    ``tokenizer.model`` (the benchmark's random Llama has a word-level ``tokenizer.json``, whose
+    pre-tokenizer the converter refuses as unknown) is converted from a staging directory beside
+    ``out`` holding its config and weights (links) and a stand-in SentencePiece model: the
+    benchmarks hand both systems token ids, so the GGUF's vocabulary text is never used (the
+    converter pads the token list to the config's ``vocab_size``). The converter imports
+    ``sentencepiece`` either way: install it, or put it on ``PYTHONPATH``."""
     if out.exists():
         return out
     gguf_py = converter.parent / "gguf-py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")]))}
+    source = model_dir if (model_dir / "tokenizer.model").exists() else stage_with_stand_in_vocab(model_dir, out, env)
     tmp = out.with_name(out.name + ".tmp")
-    subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", "f32", "--outfile", str(tmp)],
+    subprocess.run([sys.executable, str(converter), str(source), "--outtype", "f32", "--outfile", str(tmp)],
                    check=True, env=env)
     os.replace(tmp, out)
     return out
+
+
+STAND_IN_VOCAB = """
+import sentencepiece as spm, sys
+words = " ".join(f"t{i}" for i in range(3, 200))
+spm.SentencePieceTrainer.train(sentence_iterator=iter([words] * 20), model_prefix=sys.argv[1], vocab_size=64,
+                               model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+"""
+
+
+def stage_with_stand_in_vocab(model_dir: Path, out: Path, env: dict[str, str]) -> Path:
+    """A directory with ``model_dir``'s config and weights (symlinks) and a 64-piece SentencePiece
+    model (``<unk> <s> </s>`` at 0, 1, 2, as the random Llama's ``<pad> <s> </s>``)."""
+    stage = out.with_name(out.stem + "-convert")
+    stage.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith("tokenizer"):
+            link = stage / f.name
+            if not link.exists():
+                link.symlink_to(f.resolve())
+    subprocess.run([sys.executable, "-c", STAND_IN_VOCAB, str(stage / "tokenizer")], check=True, env=env)
+    return stage
 
 
 def generate(llm, prompt: list[int], n: int) -> list[int]:

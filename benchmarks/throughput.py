@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import platform
@@ -68,11 +69,15 @@ import sys
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagedllm, not an installed one
+# pagedllm before torch: on an oversubscribed host it sets OMP_WAIT_POLICY=PASSIVE, which libgomp
+# reads only when torch loads it (pagedllm/cpu_threads.py), so the run measures what users get
+importlib.import_module("pagedllm")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -80,6 +85,7 @@ from attention import measure_bandwidth  # noqa: E402
 from common import (  # noqa: E402  (common also puts this checkout's pagedllm first on sys.path)
     MODEL_CONFIGS,
     RESULTS_DIR,
+    JsonLineWorker,
     add_engine_args,
     default_model_dir,
     engine_info,
@@ -96,7 +102,7 @@ from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
 from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
 
-from pagedllm import envs  # noqa: E402
+from pagedllm import cpu_threads, envs  # noqa: E402
 from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
 from pagedllm.metrics.stats import StepTimes  # noqa: E402
 from pagedllm.platform import physical_cores  # noqa: E402  (after common set up sys.path)
@@ -955,32 +961,13 @@ def host_meta() -> dict:
                             for (o, i), k in sorted(table.choices.items())}}}
 
 
-class LlamaCppWorker:
+class LlamaCppWorker(JsonLineWorker):
     """llama.cpp loaded in its own process (``llamacpp_runner.py`` under the llama-cpp-python
     venv's Python), kept for the whole run so its runs alternate with pagedllm's."""
 
-    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int):
-        import subprocess
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, env: dict[str, str] | None = None):
         runner = Path(__file__).with_name("llamacpp_runner.py")
-        self.proc = subprocess.Popen([python, str(runner), str(gguf), str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.wait()}); see its stderr above")
-        return json.loads(line)
-
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
-        """One timed llama.cpp run: ``{"time_s", "outputs"}``."""
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": list(output_lens)}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        super().__init__([python, str(runner), str(gguf), str(threads), str(n_ctx)], "llama.cpp", env)
 
 
 def llamacpp_gguf(model_dir: Path, args) -> Path:
@@ -1035,8 +1022,9 @@ def run_meta(args, model_dir: Path, llm) -> dict:
                 engine_kwargs={**engine_kwargs(args), "quantization": engine_quantization(args.quantization[0])},
                 quantizations=args.quantization, dtypes=args.dtypes, skip_hf=args.skip_hf, git_commit=git_commit(),
                 model_size=None if args.model else args.model_size,
-                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING")
-                     if k in os.environ}, host=host_meta())
+                env={k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PAGEDLLM_KERNEL_TUNING",
+                                                "PAGEDLLM_CPU_OMP_THREADS_BIND") if k in os.environ},
+                openmp=asdict(cpu_threads.configure_openmp()), host=host_meta())
 
 
 if __name__ == "__main__":

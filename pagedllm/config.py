@@ -278,6 +278,12 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig | None = None  # enable_lora: multi-LoRA serving (lora/); None: off
 
+    def __post_init__(self):
+        n = self.num_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_threads={n!r} must be an integer >= 1 (or None: the physical cores, following "
+                             "the free ones)")
+
 
 def check_offload(cache: CacheConfig) -> None:
     """The KV tiers' settings: sizes >= 0, a disk budget exactly when there is a directory, and

@@ -126,6 +126,21 @@ VARIABLES: dict[str, EnvVar] = {
     "VLLM_TORCH_PROFILER_DIR": EnvVar(
         _str("VLLM_TORCH_PROFILER_DIR"),
         "vLLM's name for PAGEDLLM_TORCH_PROFILER_DIR (that one wins when both are set)"),
+    "PAGEDLLM_CPU_OMP_THREADS_BIND": EnvVar(
+        _str("PAGEDLLM_CPU_OMP_THREADS_BIND"),
+        "auto (default): on CPU the thread count follows the cores other processes leave free (unless num_threads "
+        "fixes it); nobind: the thread count stays as set; a CPU list (0-3, 0,2,4-5; '|' between the ranks of one "
+        "host, e.g. 0-3|4-7): one thread pinned to each listed CPU (vLLM's VLLM_CPU_OMP_THREADS_BIND)"),
+    "VLLM_CPU_OMP_THREADS_BIND": EnvVar(
+        _str("VLLM_CPU_OMP_THREADS_BIND"), "vLLM's name for PAGEDLLM_CPU_OMP_THREADS_BIND (that one wins when both "
+                                           "are set)"),
+    "OMP_WAIT_POLICY": EnvVar(
+        _str("OMP_WAIT_POLICY"),
+        "OpenMP's: PASSIVE threads sleep at once at a barrier, ACTIVE spin; unset, pagedllm sets PASSIVE when the "
+        "machine is oversubscribed as it is imported (read by libgomp once, when torch loads it)"),
+    "OMP_NUM_THREADS": EnvVar(_parsed("OMP_NUM_THREADS", None, int, "an integer"),
+                              "OpenMP's thread count; more than the CPUs this process may use counts as "
+                              "oversubscribed (a PASSIVE wait policy)"),
     # torch.distributed's standard launch variables (torchrun sets them): a multi-node launch
     "MASTER_ADDR": EnvVar(_str("MASTER_ADDR"), "rank 0's host for a multi-node launch when --master-addr is not given"),
     "MASTER_PORT": EnvVar(_parsed("MASTER_PORT", None, int, "a port number"),
@@ -142,6 +157,17 @@ VARIABLES: dict[str, EnvVar] = {
     "LOCAL_RANK": EnvVar(_parsed("LOCAL_RANK", None, int, "an integer"),
                          "torchrun: this process's index on its host (its CUDA device)"),
 }
+
+
+def set_default(name: str, value: str) -> bool:
+    """Sets a declared variable in this process's environment (so child processes inherit it)
+    unless it is already set; True if it was set here."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a variable envs.py declares")
+    if os.environ.get(name):
+        return False
+    os.environ[name] = value
+    return True
 
 
 def __getattr__(name: str) -> Any:

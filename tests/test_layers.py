@@ -223,7 +223,8 @@ def test_entrypoints_have_no_cycle_even_through_function_level_imports():
 # its own line or above (docs/design.md, "Layer rules"). Every import counts: at module level,
 # inside functions and under ``if TYPE_CHECKING:``. The bottom line is the top-level modules (the
 # names vLLM users import) plus ``contracts`` (what crosses between engine, worker and layers).
-CORE = ("pagedllm.config", "pagedllm.envs", "pagedllm.utils", "pagedllm.platform", "pagedllm.sampling_params",
+CORE = ("pagedllm.config", "pagedllm.envs", "pagedllm.utils", "pagedllm.platform", "pagedllm.cpu_threads",
+        "pagedllm.sampling_params",
         "pagedllm.pooling_params", "pagedllm.outputs", "pagedllm.version", "pagedllm.contracts",
         # what a request names (vLLM's import path, pagedllm.lora.request): a plain record, like a contract
         "pagedllm.lora.request")

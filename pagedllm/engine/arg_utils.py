@@ -306,7 +306,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = option(None, "force the number of KV blocks", parse=int)
     attention_backend: str | None = option("auto", "attention kernels; auto (or None) = the C kernel on CPU, "
                                            "Triton on CUDA", choices=ATTENTION_BACKENDS)
-    num_threads: int | None = option(None, "torch threads on CPU (default: physical cores)", parse=int)
+    num_threads: int | None = option(None, "OpenMP threads on CPU, torch's and the C kernels' (default: the "
+                                     "physical cores, then as many as other processes leave free; "
+                                     "PAGEDLLM_CPU_OMP_THREADS_BIND)", parse=int, aliases=("--cpu-threads",))
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting requests", parse=float)
     disable_log_stats: bool = option(True, "no periodic throughput / KV-usage log lines")

@@ -128,6 +128,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         _VP, _I64, _I64, _VP, _VP, _VP, _I32,  # x, T, in, rows (or NULL), segments' slots and starts, segments
         _VP, _VP, _I64, _I64, _I64, _VP, _I32,  # a, b, slots, R, out, y, threads
     ]),
+    "pn_pin_threads": (_I32, [_VP, _I32]),  # cpus (int32), count
     "pn_constant": (_I32, [ctypes.c_char_p, _P64]),
     "pn_struct_layout": (_I32, [ctypes.c_char_p, _P64, _P64]),
     "pn_field_layout": (_I32, [ctypes.c_char_p, ctypes.c_char_p, _P64, _P64]),
@@ -348,6 +349,14 @@ class NativeLibrary:
                                  num_threads)
         if rc != 0:
             self._raise(rc, "lora_sgmv", f": x {tuple(x.shape)}, a {tuple(a.shape)}, {seg_slot.shape[0]} segments")
+
+    def pin_threads(self, cpus: tuple[int, ...]) -> None:
+        """Pins OpenMP thread i (of a team of ``len(cpus)``) to ``cpus[i]`` (``csrc/threads.c``);
+        ValueError when the kernel refuses a CPU."""
+        ids = torch.tensor(cpus, dtype=torch.int32)
+        rc = self._lib.pn_pin_threads(_ptr(ids), len(cpus))
+        if rc != 0:
+            self._raise(rc, "pn_pin_threads", f": CPUs {list(cpus)}")
 
     def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
         """``out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]``, both contiguous float32."""

@@ -36,6 +36,7 @@ from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import DecodeGraphs, agree_on_schedule, capture_sizes, replay_size
 from pagedllm.worker.pipeline_execute import StagePipeline
+from pagedllm.worker.threads import adaptive_threads, follow_free_cores
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class ModelRunner:
         self.weights_asleep = False
         self.sleeping_weights: sleep_mode.SleepingWeights | None = None
         self._profiler: torch.profiler.profile | None = None
+        self.cpu_threads = adaptive_threads(config)  # None unless the thread count follows the free cores
 
     def _prepare_cpu_kernels(self) -> str | None:
         """The CPU kernels' own copies of the weights (packed GEMM layouts) and the one-call
@@ -324,6 +326,7 @@ class ModelRunner:
         after all sampling rows come the ``P`` prompt-logprob rows, chunk by chunk, then the ``V``
         rows that verify speculative drafts (``num_spec_tokens + 1`` per speculative chunk).
         """
+        follow_free_cores(self.cpu_threads)
         self.block_table.release(out.released_ids)
         if out.tier_ops:  # first: blocks evicted to the tiers may be written by what follows
             self.tiers.apply(out.tier_ops)

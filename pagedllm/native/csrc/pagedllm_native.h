@@ -2,7 +2,7 @@
  *
  * The library is the kernel files (paged_attention.c, cpu_ops.c, llama_decode.c,
  * quant_linear.c, quant_gemm.c, fp8_linear.c, bf16_linear.c, moe_experts.c, dense_gemm.c, mxfp4.c,
- * mla_decode.c) plus
+ * mla_decode.c, threads.c) plus
  * native.c, compiled together by pagedllm/native/build.py; each includes this header, so no
  * prototype is written twice. Python (pagedllm/native/bindings.py) never retypes what is here:
  *   - constants are read back through pn_constant() by name;
@@ -355,6 +355,14 @@ PN_EXPORT int mla_latent_attention(const float *query, float *out, const void *l
                                    int block_size, int64_t q_stride_tok, int64_t q_stride_head,
                                    int64_t o_stride_tok, int64_t o_stride_head, float scale, int dtype,
                                    int num_threads);
+
+/* ------------------------------------------------------------------------------------------ */
+/* OpenMP threads (threads.c)                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Runs one parallel region of n threads in which thread i pins itself to cpus[i] (the pool's
+ * threads keep it); PN_ERR_ARG for a CPU out of range or one the kernel refused. */
+PN_EXPORT int pn_pin_threads(const int32_t *cpus, int n);
 
 /* ------------------------------------------------------------------------------------------ */
 /* what Python reads back at load (native.c)                                                  */

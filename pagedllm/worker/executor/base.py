@@ -17,9 +17,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.contracts.scheduler_output import SchedulerOutput
 from pagedllm.kv_cache import sizing
 from pagedllm.kv_cache.offload.setup import prefetch_tier_fingerprints
-from pagedllm.platform import available_ram, peak_rss, physical_cores
+from pagedllm.platform import available_ram, peak_rss
 from pagedllm.worker.draft_memory import draft_memory
 from pagedllm.worker.model_runner import ExecuteResult, ModelRunner
+from pagedllm.worker.threads import set_up_threads
 
 logger = logging.getLogger(__name__)
 
@@ -221,11 +222,6 @@ class Executor(ABC):
         return sizing.cpu_budget(cache.gpu_memory_utilization, available_ram(), activation, cap)
 
 
-def num_threads_per_rank(config: EngineConfig) -> int:
-    """Physical cores shared evenly between the ranks on this host (torchrun: its LOCAL_WORLD_SIZE)."""
-    return max(1, physical_cores() // (envs.LOCAL_WORLD_SIZE or config.parallel.ranks_per_node))
-
-
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config one rank runs with: on CUDA, rank r owns its node's device ``r mod
     ranks_per_node`` (under torchrun, ``LOCAL_RANK``)."""
@@ -236,10 +232,11 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return replace(config, device=torch.device("cuda", index))
 
 
-def seed_and_threads(config: EngineConfig) -> None:
-    """Per-process set-up every rank does before building its runner."""
+def seed_and_threads(config: EngineConfig, rank: int = 0) -> None:
+    """Per-process set-up every rank does before building its runner (on CPU: its threads,
+    ``worker/threads.py``)."""
     if config.device.type == "cpu":
-        torch.set_num_threads(config.num_threads or num_threads_per_rank(config))
+        set_up_threads(config, rank)
     torch.manual_seed(config.model.seed)
 
 

@@ -87,7 +87,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int, timeouts: Timeouts,
         config = rank_config(config, rank)
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
-        seed_and_threads(config)
+        seed_and_threads(config, rank)
         p = config.parallel
         store = join_store(p.master_addr, port, p.world_size, timeouts.startup, envs.TORCHELASTIC_USE_AGENT_STORE)
         group = init_groups(config.device, RankLayout.of(p, rank), store, timeouts.collective)

@@ -74,7 +74,7 @@ class _RankActor:
             gpu = ray.get_gpu_ids()
             config = config if not gpu else _on_device(config, torch.device("cuda", 0))
             torch.cuda.set_device(config.device)
-        seed_and_threads(config)
+        seed_and_threads(config, rank)
         p = config.parallel
         store = join_store(host, port, p.world_size, timeouts.startup)
         self.group = init_groups(config.device, RankLayout.of(p, rank), store, timeouts.collective)

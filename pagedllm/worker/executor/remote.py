@@ -206,7 +206,7 @@ def remote_rank_main(config: EngineConfig, rank: int, startup_timeout: float, co
         store.set(f"joined/{rank}", "1")
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
-        seed_and_threads(config)
+        seed_and_threads(config, rank)
         groups = init_groups(config.device, RankLayout.of(p, rank), store, collective_timeout)
         runner = ModelRunner(config, groups.tp, groups.pp)
         _start_heartbeat(config, rank, startup_timeout)
