@@ -55,17 +55,17 @@ def test_ab_fused_alternates_decoder_and_module_path_and_restores_the_decoder(ll
         import pytest
         pytest.skip("no one-call decoder here (no C compiler)")
     seen = []
-    real = inner.fused_decoder.__class__.__call__
+    real = inner.fused_decoder.__class__._run  # behind both __call__ and the runner's forward_host
 
     def spy(self, *a, **k):
         seen.append(len(seen))
         return real(self, *a, **k)
 
-    type(inner.fused_decoder).__call__ = spy
+    type(inner.fused_decoder)._run = spy
     try:
         row = ps.ab_fused(llm, 3, 8, 9)  # 8 decode steps after the prefill: 4 through each path
     finally:
-        type(inner.fused_decoder).__call__ = real
+        type(inner.fused_decoder)._run = real
     assert row["batch"] == 3 and row["steps"] == 8 and row["fused_ms"] > 0 and row["module_ms"] > 0
     assert len(seen) == 1 + 4  # the 24-token prefill step, then the "on" half of the decode steps
     assert inner.fused_decoder is not None and not llm.llm_engine.has_unfinished_requests()
