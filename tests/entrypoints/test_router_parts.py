@@ -501,3 +501,41 @@ def test_router_cli_takes_prefill_and_decode_replicas(monkeypatch):
     assert cli.run_router(args) == 0
     assert (seen["config"].backends, seen["config"].prefill_backends) == ((A,), (B,))
     assert seen["config"].all_backends == (A, B)
+
+
+def test_replicas_serve_plain_http_with_the_key_and_the_router_takes_the_deployment_flags(monkeypatch, tmp_path):
+    """`serve -dp 2 --ssl-keyfile ... --root-path /llm ...`: those flags are the router's; a replica gets
+    them at their defaults (plain HTTP on 127.0.0.1, no root path, CORS, middleware, logging or socket)
+    but keeps the key the router sends it and the docs switch (the router forwards /docs)."""
+    from pagedllm.entrypoints.http_common import HttpOptions, http_options_from_cli
+    from pagedllm.entrypoints.router.data_parallel import ReplicaPlan, replica_args
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    key, cert, ca = (tmp_path / name for name in ("key.pem", "cert.pem", "ca.pem"))
+    for path in (key, cert, ca):
+        path.write_text("pem")  # checked for existence only
+    deployed = dict(ssl_keyfile=str(key), ssl_certfile=str(cert), ssl_ca_certs=str(ca), ssl_cert_reqs=2,
+                    ssl_ciphers="ECDHE", allowed_origins=["https://a.example"], allowed_methods=["POST"],
+                    allowed_headers=["X-A"], allow_credentials=True, root_path="/llm", middleware=["m.M"],
+                    enable_request_id_headers=True, enable_log_requests=True, disable_log_requests=True,
+                    max_log_len=10, uds="/tmp/s.sock")
+    args = _serve_args(data_parallel_size=2, host="0.0.0.0", api_key=["k", "k2"], disable_fastapi_docs=True,
+                       uvicorn_log_level="debug", **deployed)
+    replica = replica_args(args, ReplicaPlan(1, 9001, 1, "cpu", 0.4))
+    assert (replica.host, replica.port, args.root_path, args.ssl_keyfile) == ("127.0.0.1", 9001, "/llm", str(key))
+    assert http_options_from_cli(replica) == HttpOptions(api_keys=("k", "k2"), disable_fastapi_docs=True,
+                                                         uvicorn_log_level="debug")
+    # the router: every deployment flag as given (its keys come from the RouterConfig, see router_config_of)
+    router = http_options_from_cli(args)
+    assert (router.ssl_certfile, router.root_path, router.allowed_origins, router.uds) == \
+        (str(cert), "/llm", ("https://a.example",), "/tmp/s.sock")
+
+
+def test_every_deployment_flag_is_either_client_facing_or_kept_by_replicas():
+    """A new add_http_args flag must be sorted: reset on the replicas (CLIENT_FACING_HTTP_ARGS) or kept."""
+    from pagedllm.entrypoints.http_common import add_http_args
+    from pagedllm.entrypoints.router.data_parallel import CLIENT_FACING_HTTP_ARGS
+    parser = argparse.ArgumentParser()
+    add_http_args(parser)
+    kept = {"api_key", "disable_fastapi_docs", "uvicorn_log_level", "disable_uvicorn_access_log",
+            "disable_access_log_for_endpoints", "h11_max_incomplete_event_size"}
+    assert set(vars(parser.parse_args([]))) - set(CLIENT_FACING_HTTP_ARGS) == kept

@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from live_server import server_model_dir, start_server
+from live_server import serve_process, server_model_dir, start_server
 
 from pagedllm.entrypoints.http_common import HttpOptions, http_options_from_cli
 from pagedllm.entrypoints.openai.cli_args import HONOURED, REFUSED, VLLM_FRONTEND_ARGS, VLLM_VERSION, check_refused_args
@@ -340,14 +340,68 @@ def test_force_include_usage_and_response_role(reply_server):
     assert cont.choices[0].message.role == "assistant"
 
 
-def test_deployment_flags_with_data_parallel_are_refused_by_name(capsys, tls_files):
-    """The data-parallel router serves plain HTTP; TLS etc. there would be ignored, so they are refused."""
-    from pagedllm.entrypoints.cli import main
+# ---------------------------------------------------------------------- data parallel
+@pytest.fixture(scope="module")
+def dp_deployed(server_model_dir, tls_files, tmp_path_factory):
+    """``serve --data-parallel-size 2`` deployed like vLLM: HTTPS, a key, root path /llm, CORS, request ids.
+    Yields (the router's https URL, the replicas' URLs)."""
     keyfile, certfile = tls_files
-    assert main(["serve", "m", "--data-parallel-size", "2", "--ssl-keyfile", keyfile, "--ssl-certfile", certfile,
-                 "--root-path", "/llm"]) == 2
-    err = capsys.readouterr().err
-    assert "ssl_keyfile" in err and "root_path" in err and "pagedllm router" in err
+    flags = ["--data-parallel-size", "2", "--routing-policy", "round_robin", "--num-gpu-blocks-override", "64",
+             "--max-model-len", "128", "--served-model-name", "tiny", "--uvicorn-log-level", "warning",
+             "--shutdown-timeout", "2", "--health-check-interval", "0.5", "--api-key", KEY,
+             "--ssl-keyfile", keyfile, "--ssl-certfile", certfile, "--root-path", "/llm",
+             "--allowed-origins", json.dumps([ORIGIN]), "--enable-request-id-headers"]
+
+    def ready(url: str) -> bool:
+        try:
+            return httpx.get(_https(url) + "/llm/health", verify=_trust(tls_files), timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    with serve_process(server_model_dir, tmp_path_factory.mktemp("dp-tls") / "server.log", flags,
+                       startup_timeout=300, stop_timeout=60, ready=ready) as server:
+        url = _https(server.url)
+        backends = httpx.get(f"{url}/llm/router/backends", headers={"Authorization": f"Bearer {KEY}"},
+                             verify=_trust(tls_files), timeout=10).json()["backends"]
+        yield url, [b["url"] for b in backends]
+
+
+def _https(url: str) -> str:
+    return url.replace("http://", "https://", 1)
+
+
+def test_data_parallel_router_serves_tls_key_and_root_path(dp_deployed, tls_files):
+    """The router takes the deployment flags; the replicas serve plain HTTP on 127.0.0.1, paths without the root."""
+    url, replicas = dp_deployed
+    assert len(replicas) == 2 and all(r.startswith("http://127.0.0.1:") for r in replicas)
+    client = openai.OpenAI(base_url=f"{url}/llm/v1", api_key=KEY, max_retries=0,
+                           http_client=httpx.Client(verify=_trust(tls_files), timeout=120))
+    for _ in range(2):  # round robin: one request on each replica
+        out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wrong = openai.OpenAI(base_url=f"{url}/llm/v1", api_key="wrong", max_retries=0,
+                          http_client=httpx.Client(verify=_trust(tls_files)))
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(httpx.HTTPError):  # the router speaks only TLS
+        httpx.get(url.replace("https://", "http://", 1) + "/health", timeout=10)
+    for replica in replicas:  # plain HTTP, still behind the key (the router sends it)
+        assert httpx.get(f"{replica}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{replica}/v1/models", timeout=10).status_code == 401
+        models = httpx.get(f"{replica}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert models.json()["data"][0]["id"] == "tiny"
+
+
+def test_data_parallel_router_answers_cors_and_request_ids(dp_deployed, tls_files):
+    url, _ = dp_deployed
+    with httpx.Client(base_url=url, verify=_trust(tls_files), timeout=60) as http:
+        preflight = http.options("/llm/v1/completions",
+                                 headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+        r = http.get("/llm/v1/models", headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "dp-rid"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "dp-rid"
 
 
 def test_silent_streams_send_keep_alive_comments(reply_server):

@@ -303,8 +303,7 @@ def run_server(args: argparse.Namespace) -> int:
     env_keys = (envs.PAGEDLLM_API_KEY,) if envs.PAGEDLLM_API_KEY else ()
     http_options = http_options_from_cli(args, env_keys)
     if wants_data_parallel(args):  # N replicas on internal ports, this process runs the router
-        _check_data_parallel_http(http_options)
-        return run_data_parallel(args, serve=run_server)
+        return run_data_parallel(args, serve=run_server, http_options=http_options)
     engine_args = engine_args_from_cli(args)
     config = engine_args.create_engine_config()  # once: it reads the model's config files and checks everything
     if is_headless(config, args.headless):
@@ -336,15 +335,6 @@ def serve_app(app: FastAPI, host: str, port: int, http_options: HttpOptions, shu
 
 
 _FLUSH_SECONDS = 0.5  # after the shutdown deadline: time for the error events and 503s to reach the clients
-
-
-def _check_data_parallel_http(options: HttpOptions) -> None:
-    """The data-parallel router serves plain HTTP on --host/--port (API keys are checked by the replicas)."""
-    plain = dataclasses.replace(HttpOptions(), api_keys=options.api_keys, uvicorn_log_level=options.uvicorn_log_level)
-    changed = [f.name for f in dataclasses.fields(HttpOptions) if getattr(options, f.name) != getattr(plain, f.name)]
-    if changed:
-        raise ValueError(f"{changed} with --data-parallel-size > 1 is not supported: start `pagedllm router` with "
-                         "these flags in front of `pagedllm serve` replicas")
 
 
 class DrainingServer(uvicorn.Server):

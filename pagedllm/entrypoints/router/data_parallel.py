@@ -5,14 +5,17 @@ internal 127.0.0.1 port, started with ``multiprocessing`` (spawn) from the paren
 the parent runs the router on ``--host``/``--port``. This reuses the whole server unchanged, and a
 replica that crashes takes only its own requests with it (the router fails over). The server hands
 in its own entry point (``serve``), so this module never imports the server that imports it.
-The router takes the server's ``--api-key`` (and sends it to the replicas, which check it too) and
-its request body limits. The replicas
-split the machine: on CPU each gets ``cores // (N x TP)`` torch threads (unless ``--num-threads``
+The router takes the server's ``--api-key`` (and sends it to the replicas, which check it too), its
+request body limits and the deployment flags clients see (TLS, CORS, ``--root-path``, middleware,
+request ids and logging, ``--uds``); the replicas serve plain HTTP on 127.0.0.1 with those reset
+(``CLIENT_FACING_HTTP_ARGS``): the router strips the root path and forwards what they understand.
+The replicas split the machine: on CPU each gets ``cores // (N x TP)`` torch threads (unless ``--num-threads``
 says otherwise) and ``1/N`` of ``--gpu-memory-utilization``; on CUDA replica i gets device i.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -28,6 +31,7 @@ import httpx
 
 from pagedllm import platform
 from pagedllm.engine.arg_utils import engine_args_from_cli
+from pagedllm.entrypoints.http_common import HttpOptions, add_http_args
 from pagedllm.entrypoints.openai.chat_features import load_chat_template
 from pagedllm.utils import check_int
 
@@ -36,6 +40,14 @@ from .cli import ROUTING_DEFAULTS, add_routing_args, api_key_from_cli, config_fr
 logger = logging.getLogger(__name__)
 # ``pagedllm serve``'s entry point (api_server.run_server): parsed flags in, exit status out
 ServeFn = Callable[[argparse.Namespace], int]
+# the deployment flags (add_http_args) that belong to the client-facing router only: a replica taking them
+# would serve HTTPS (or a Unix socket) where the router calls http://127.0.0.1:PORT, or apply CORS, the
+# user's middleware and request logging a second time. The replicas keep --api-key (the router sends
+# them one), --disable-fastapi-docs (the router forwards /docs to them), and the log levels.
+CLIENT_FACING_HTTP_ARGS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers",
+                           "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "root_path",
+                           "middleware", "enable_request_id_headers", "enable_log_requests", "disable_log_requests",
+                           "max_log_len", "uds")
 
 
 @dataclass(frozen=True)
@@ -128,11 +140,20 @@ def free_port() -> int:
 
 
 def replica_args(args: argparse.Namespace, plan: ReplicaPlan) -> argparse.Namespace:
-    """The flags of one replica: the parent's, on its internal port, threads, device and share."""
+    """The flags of one replica: the parent's, on its internal port, threads, device and share, plain
+    HTTP with the client-facing deployment flags at their defaults (the router applies them)."""
     values = vars(args) | {"host": "127.0.0.1", "port": plan.port, "num_threads": plan.num_threads,
                            "device": plan.device, "gpu_memory_utilization": plan.gpu_memory_utilization,
                            "data_parallel_size": 1, "data_parallel_backend": "mp"}
-    return argparse.Namespace(**(values | ROUTING_DEFAULTS))
+    return argparse.Namespace(**(values | ROUTING_DEFAULTS | _client_facing_defaults()))
+
+
+def _client_facing_defaults() -> dict:
+    """CLIENT_FACING_HTTP_ARGS at their parser defaults (add_http_args says what they are)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_http_args(parser, api_key=False)
+    defaults = vars(parser.parse_args([]))
+    return {name: defaults[name] for name in CLIENT_FACING_HTTP_ARGS}
 
 
 def _replica_main(serve: ServeFn, args: argparse.Namespace, parent_pid: int, index: int) -> None:
@@ -204,8 +225,9 @@ def stop_replicas(processes: list, grace: float) -> None:
             p.join(5)
 
 
-def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
-    """Starts the replicas (each runs ``serve``), serves the router until interrupted, then stops the replicas."""
+def run_data_parallel(args: argparse.Namespace, serve: ServeFn, http_options: HttpOptions) -> int:
+    """Starts the replicas (each runs ``serve``), serves the router until interrupted, then stops the replicas.
+    ``http_options``: serve's deployment flags (http_options_from_cli), applied by the router."""
     config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, before N processes start
     plans = plan_replicas(args, config)
     ray_inited = False
@@ -219,7 +241,9 @@ def run_data_parallel(args: argparse.Namespace, serve: ServeFn) -> int:
     try:
         wait_healthy(plans, processes, args.data_parallel_startup_timeout)
         logger.warning("data parallel: %d replicas at %s", len(plans), ", ".join(p.url for p in plans))
-        serve_router(router_config, args.host, args.port, args.uvicorn_log_level)
+        # the keys are the RouterConfig's (with $PAGEDLLM_API_KEY), checked on the router's own set of paths
+        serve_router(router_config, args.host, args.port, args.uvicorn_log_level,
+                     dataclasses.replace(http_options, api_keys=()))
     except ReplicaStartupError as exc:
         print(f"pagedllm serve: error: {exc}", file=sys.stderr)
         return 1
