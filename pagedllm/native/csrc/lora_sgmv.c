@@ -33,8 +33,8 @@ static inline float dot(const float *u, const float *v, int64_t n) {
 }
 
 /* PN_ERR_META unless the segments are in order, their slots exist and their rows are in x. */
-static int check_segments(const int64_t *rows, const int64_t *seg_slot, const int64_t *seg_start, int num_segs,
-                          int64_t num_slots, int64_t T) {
+int lora_check_segments(const int64_t *rows, const int64_t *seg_slot, const int64_t *seg_start, int num_segs,
+                        int64_t num_slots, int64_t T) {
     if (seg_start[0] != 0)
         return PN_ERR_META;
     for (int g = 0; g < num_segs; g++)
@@ -72,7 +72,7 @@ int lora_sgmv(const float *x, int64_t T, int64_t in, const int64_t *rows, const 
         return PN_ERR_ARG;
     if (num_segs == 0)
         return PN_OK;
-    const int rc = check_segments(rows, seg_slot, seg_start, num_segs, num_slots, T);
+    const int rc = lora_check_segments(rows, seg_slot, seg_start, num_segs, num_slots, T);
     if (rc != PN_OK)
         return rc;
     float *t = malloc(sizeof(float) * (size_t)(seg_start[num_segs] * R > 0 ? seg_start[num_segs] * R : 1));
