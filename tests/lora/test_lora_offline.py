@@ -198,3 +198,19 @@ def test_speculative_decoding_verifies_with_the_adapter(small):
         drafted = {m.name: m.value for m in fast.get_metrics() if not m.labels}
     assert got == want
     assert drafted.get("pagedllm:spec_decode_num_draft_tokens", 0) > 0
+
+
+def test_slots_the_c_decoder_cannot_read_leave_adapter_steps_to_the_module_path(small):
+    """bfloat16 slots on a float32 model: the one-call C decoder runs the base-only steps and never
+    an adapter step (which would drop the adapter); the adapter still changes the output."""
+    base, llm, tmp = small
+    path = make_adapter(base, tmp.mktemp("bf16-lora"), 8, 16, ["q_proj", "down_proj"], seed=12)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=13, lo=6, hi=7)[0]}
+    params = _params(False)
+    with LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, lora_dtype="bfloat16") as half:
+        plain = half.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        tuned = half.generate([prompt], params, lora_request=LoRARequest("h", 1, path), use_tqdm=False)
+        assert _c_decoder_lora_steps(half) == 0
+    with torch.no_grad():
+        want = hf_greedy(peft_model(base, path), prompt["prompt_token_ids"], MAX_NEW)
+    assert tuned[0].outputs[0].token_ids == want != plain
