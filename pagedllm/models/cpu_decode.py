@@ -28,6 +28,13 @@ and biases are read as float32 copies made here (they are tiny); the final hidde
 in float32, and the LM head takes them in float32 (``cpu_ops.linear``: logits in float32). The
 module path (prefill chunks, big batches) keeps bfloat16 activations: the two paths agree on
 greedy tokens up to near ties (tests/models/test_bf16_decode.py).
+
+LoRA (``enable_lora``): the decoder reads the projections' adapter slots (``layers/lora.py``: A
+and B per slot, scale folded into B) and, each step, the shared ``LoRABatch`` the runner sets (the
+tokens grouped by slot); the C side adds the adapters right after each base projection with
+``csrc/lora_sgmv.c``, the module path's kernel. Base-model tokens are in no segment and pay
+nothing; a step without adapter tokens runs as without LoRA. Float32 slots only: other slot
+dtypes leave the steps with adapter tokens to the module path.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.lora import LoRABatch
 from pagedllm.layers.quantization import fp8, grouped
 from pagedllm.native import bindings
 from pagedllm.native.bindings import LAYER_ARRAY_FIELDS, LdBatch, LdModel
@@ -100,8 +108,7 @@ def unsupported_reason(model, backend) -> str | None:
 
 
 def _projections(model) -> list:
-    return [linear for layer in model.layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return [linear for layer in model.layers for linear in _by_kind(layer).values()]
 
 
 def _projection_mix_reason(model) -> str | None:
@@ -162,6 +169,27 @@ def _panel_min(model) -> int:
     return grouped.SMALL_MAX_ROWS[bits] + 1 if bits in grouped.SMALL_MAX_ROWS else cpu_ops.decode_panel_min()
 
 
+def _lora_slots(model) -> tuple[LoRABatch | None, bool]:
+    """The projections' shared ``LoRABatch`` (None without adapter slots) and whether the C decoder
+    applies their adapters: float32 slots, one rank per projection kind across the layers."""
+    slots = [p.lora for p in _projections(model) if getattr(p, "lora", None) is not None]
+    if not slots:
+        return None, False
+    ranks: dict[str, set[int]] = {}
+    for layer in model.layers:
+        for kind, linear in _by_kind(layer).items():
+            if linear.lora is not None:
+                ranks.setdefault(kind, set()).add(linear.lora.a.shape[1])
+    ok = all(s.a.dtype == s.b.dtype == torch.float32 and s.a.is_contiguous() and s.b.is_contiguous() for s in slots)
+    return slots[0].batch, ok and all(len(r) == 1 for r in ranks.values())
+
+
+def _by_kind(layer) -> dict:
+    """A decoder layer's projections by LdModel's name for them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
 def _group(linear) -> int:
     """A projection's group size as LdModel takes it: 4/8-bit codes' or FP8 scales' inputs per group."""
     return getattr(linear, "quant_group", 0) or getattr(linear, "fp8_group", 0)
@@ -183,6 +211,9 @@ class FusedCpuDecoder:
         limit = _max_tokens(model, self._native)
         self.max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         self.parallel_work = backend.parallel_work // FUSED_WORK_DIVISOR
+        # enable_lora: the step's token -> slot mapping, and whether the adapters run in here
+        self._lora_batch, self._lora_in_c = _lora_slots(model)
+        self.lora_steps = 0  # steps run here with adapter tokens (tests check the path is taken)
         self._arrays = {f: _ptr_array(self._layer_ptrs(model, f)) for f in LAYER_ARRAY_FIELDS}
         self._caches_key: tuple | None = None
         self._struct = self._build_struct(model)
@@ -197,19 +228,22 @@ class FusedCpuDecoder:
 
     def _layer_ptrs(self, model, field: str) -> list[int | None]:
         def pick(layer):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             if field in ("input_norm", "post_norm"):
                 return (layer.input_layernorm if field == "input_norm" else layer.post_attention_layernorm).weight
             if field in ("q_norm", "k_norm"):
                 return getattr(attn, field).weight if attn.qk_norm else None
             proj, kind = field.rsplit("_", 1)
-            linear = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[proj]
+            linear = _by_kind(layer)[proj]
             if kind == "p":
                 return _panels(linear)
+            if kind in ("la", "lb"):
+                lora = linear.lora if self._lora_in_c else None
+                return None if lora is None else (lora.a if kind == "la" else lora.b)
             return {"w": linear.weight, "b": linear.bias, "s": getattr(linear, "weight_scale", None),
                     "z": getattr(linear, "weight_szero", None), "ps": getattr(linear, "panel_scale", None),
                     "pz": getattr(linear, "panel_szero", None)}[kind]
-        as_f32 = not field.endswith(("_w", "_s", "_z", "_p", "_ps", "_pz"))  # norms, biases; the rest in place
+        as_f32 = not field.endswith(("_w", "_s", "_z", "_p", "_ps", "_pz", "_la", "_lb"))  # norms, biases
         return [self._f32_ptr(pick(layer)) if as_f32 else _ptr(pick(layer)) for layer in model.layers]
 
     def _build_struct(self, model) -> LdModel:
@@ -229,6 +263,11 @@ class FusedCpuDecoder:
         )  # fmt: skip
         for field, arr in self._arrays.items():
             setattr(m, field, ctypes.cast(arr, ctypes.POINTER(_VP)))
+        if self._lora_in_c:  # slots [lora_slots, R, in] per projection; R uniform per kind (_lora_slots)
+            for kind, linear in _by_kind(model.layers[0]).items():
+                if linear.lora is not None:
+                    m.lora_slots = linear.lora.a.shape[0]
+                    setattr(m, f"{kind}_lora_rank", linear.lora.a.shape[1])
         self._windows = (ctypes.c_int32 * len(model.layers))(
             *[layer.self_attn.sliding_window or 0 for layer in model.layers])
         m.window = ctypes.cast(self._windows, ctypes.POINTER(ctypes.c_int32))
@@ -257,7 +296,8 @@ class FusedCpuDecoder:
         return True
 
     def applies(self, num_tokens: int, kv_caches) -> bool:
-        return 0 < num_tokens <= self.max_tokens and self._bind_caches(kv_caches)
+        lora_elsewhere = self._lora_batch is not None and self._lora_batch.active and not self._lora_in_c
+        return 0 < num_tokens <= self.max_tokens and not lora_elsewhere and self._bind_caches(kv_caches)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden]`` (float32, in a bfloat16 model too);
@@ -281,6 +321,19 @@ class FusedCpuDecoder:
         batch.slot_mapping, batch.positions, batch.input_ids = slots.data_ptr(), pos.data_ptr(), ids.data_ptr()
         batch.num_reqs, batch.max_blocks, batch.bt_stride = seq_lens.shape[0], tables.shape[1], tables.stride(0)
         batch.num_tokens, batch.parallel_work = ids.shape[0], self.parallel_work
+        self._set_lora(batch)
         out = torch.empty(ids.shape[0], self._struct.hidden, dtype=torch.float32)
         self._native.decoder_forward(self._struct, batch, out, torch.get_num_threads())
         return out
+
+    def _set_lora(self, batch: LdBatch) -> None:
+        """The step's adapter segments, or none: the struct is reused, so a step without adapter
+        tokens must clear the last one's."""
+        lora = self._lora_batch
+        if lora is not None and lora.active:  # applies(): only when the C side takes the adapters
+            batch.lora_rows = None if lora.whole else lora.perm.data_ptr()
+            batch.lora_seg_slot, batch.lora_seg_start = lora.seg_slot.data_ptr(), lora.seg_start.data_ptr()
+            batch.lora_num_segs = len(lora.segments)
+            self.lora_steps += 1
+        else:
+            batch.lora_rows, batch.lora_num_segs = None, 0

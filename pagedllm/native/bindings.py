@@ -39,7 +39,8 @@ _P64 = ctypes.POINTER(ctypes.c_int64)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # LdModel's per-layer parameter arrays (one pointer per layer), in the C field order
 LAYER_ARRAY_FIELDS = ("input_norm", "post_norm",
-                      *(f"{p}_{kind}" for kind in ("w", "s", "b", "z", "p", "ps", "pz") for p in _PROJECTIONS),
+                      *(f"{p}_{kind}" for kind in ("w", "s", "b", "z", "p", "ps", "pz", "la", "lb")
+                        for p in _PROJECTIONS),
                       "q_norm", "k_norm")  # fmt: skip
 CACHE_ARRAY_FIELDS = ("key_cache", "value_cache")
 
@@ -50,6 +51,7 @@ class LdModel(ctypes.Structure):
                               "block_size", "cache_dtype", "quant_bits", "fp8_act", "bf16", "panel_min")],
         *[(n, _I64) for n in ("num_blocks", "vocab_size", "max_position")],
         *[(f"{p}_group", _I64) for p in _PROJECTIONS],
+        ("lora_slots", _I64), *[(f"{p}_lora_rank", _I64) for p in _PROJECTIONS],
         ("eps", _F32), ("scale", _F32),
         *[(n, _VP) for n in ("embed", "final_norm", "cos", "sin")],
         *[(n, ctypes.POINTER(_VP)) for n in (*LAYER_ARRAY_FIELDS, *CACHE_ARRAY_FIELDS)],
@@ -63,6 +65,7 @@ class LdBatch(ctypes.Structure):
                              "input_ids")],
         ("num_reqs", _I32), ("max_blocks", _I32),
         *[(n, _I64) for n in ("bt_stride", "num_tokens", "parallel_work")],
+        *[(n, _VP) for n in ("lora_rows", "lora_seg_slot", "lora_seg_start")], ("lora_num_segs", _I64),
     ]  # fmt: skip
 
 

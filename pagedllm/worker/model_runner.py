@@ -68,7 +68,6 @@ class ModelRunner:
     decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), set by init_cache
     cuda_graph_bytes = 0  # device memory the graphs take, measured by profile_run
     tiers: TierStore | None = None  # this rank's KV tiers (CPU, disk), set by init_cache
-    _fused_decoder = None  # the one-call C decoder once enabled (CPU, Llama family)
 
     def __init__(self, config: EngineConfig, tp: TensorParallelGroup, pp: PipelineGroup | None = None):
         self.config = config
@@ -89,6 +88,10 @@ class ModelRunner:
         quantize_model(self.model, mc.quantization)
         if config.cache.calculate_kv_scales:
             kv_quant.start_calibration(self.model)
+        # enable_lora: adapter slots on the decoder layers' projections (lora/model.py); before the
+        # one-call C decoder, which reads them
+        self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
+                               self.device) if config.lora is not None else None)
         if self.device.type == "cpu":
             if huge_pages_enabled():
                 moved = module_to_huge_pages(self.model)
@@ -101,9 +104,6 @@ class ModelRunner:
             reason = self._prepare_cpu_kernels()
             if reason:
                 logger.info("fused CPU decode path off: %s", reason)
-        # enable_lora: adapter slots on the decoder layers' projections (lora/model.py)
-        self.lora = (LoRAModel(self.model, getattr(self.model, "packed_modules", {}), config.lora, mc.dtype,
-                               self.device) if config.lora is not None else None)
         if config.compile_model:
             self._compile_layers()
         self.num_kv_heads = self.model.stage_layers()[0].self_attn.num_kv_heads
@@ -135,10 +135,7 @@ class ModelRunner:
     def _enable_fused_decode(self) -> str | None:
         if self.pipeline is not None:
             return "pipeline parallelism: the C decoder runs the whole layer stack in one call"
-        reason = self.model.enable_fused_decode(self.backend)
-        # the one-call C decoder computes the base model only: with LoRA it runs the steps without adapter tokens
-        self._fused_decoder = self.model.model.fused_decoder if reason is None else None
-        return reason
+        return self.model.enable_fused_decode(self.backend)
 
     def _compile_layers(self) -> None:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
@@ -233,7 +230,6 @@ class ModelRunner:
         self.block_table.reset()
         if self.device.type == "cpu":
             self.model.disable_fused_decode()  # it holds pointers into the pool
-            self._fused_decoder = None  # (the LoRA step's copy of the same reference)
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Undoes ``sleep`` for ``tags`` ("weights": their storage back, with their values after a
@@ -373,12 +369,13 @@ class ModelRunner:
 
     def _fused_from_host(self, out: SchedulerOutput, host: dict[str, np.ndarray]):
         """The one-call C decoder when it runs this step the way ``DecoderModel.forward`` would pick
-        it (plain positions, no image rows or spans, no adapter tokens, its token limit), else None."""
-        if self._fused_decoder is None or self.model.model.fused_decoder is None:  # (LoRA: off for adapter steps)
+        it (plain positions, no image rows or spans, its token limit; adapter tokens where the C
+        side takes them: ``applies``), else None."""
+        fused = getattr(getattr(self.model, "model", None), "fused_decoder", None)
+        if fused is None:
             return None
         if host["positions"].ndim != 1 or "attend_ends" in host or any(c.mm_spans for c in out.chunks):
             return None
-        fused = self.model.model.fused_decoder
         return fused if fused.applies(len(host["input_ids"]), self.cache.layer_caches) else None
 
     # ------------------------------------------------------------------ multimodal (multimodal/encoder_cache.py)
@@ -486,9 +483,7 @@ class ModelRunner:
             sample_idx = np.concatenate([sample_idx, starts + offsets])
         if self.lora is not None:  # each token runs with its chunk's adapter slot
             slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=len(chunks))
-            self.lora.set_batch(np.repeat(slots, query_lens))
-            if self._fused_decoder is not None:
-                self.model.model.fused_decoder = None if self.lora.batch.active else self._fused_decoder
+            self.lora.set_batch(np.repeat(slots, query_lens))  # read by the slots and the one-call C decoder
         host = AttentionMetadata.host_arrays(query_lens, seq_lens, tables, self.block_size)
         host.update(input_ids=ids, sample_idx=sample_idx)  # positions are already there
         self._offset_long_rope(chunks, query_lens, host)

@@ -39,6 +39,15 @@ def test_c_kernel_equals_the_reference(token_slots):
     assert torch.equal(got[base], y[base])  # base-model rows are never written
 
 
+@pytest.mark.parametrize("rank,n_in,n_out", [(5, 13, 11), (12, 20, 29), (8, 8, 8)])
+def test_c_kernel_sizes_off_its_8_wide_tiles(rank, n_in, n_out):
+    """Ranks, inputs and outputs that are not multiples of the kernel's 8-row dots (their tails)."""
+    token_slots = [0, 1, -1, 1, 0, 0, 2]
+    x, y, a, b, batch = _case(token_slots, rank=rank, n_in=n_in, n_out=n_out, seed=rank)
+    expected = lora_shrink_expand_ref(x, y.clone(), a, b, batch)
+    torch.testing.assert_close(lora_shrink_expand(x, y.clone(), a, b, batch), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_is_the_per_token_formula():
     x, y, a, b, batch = _case([0, -1, 1, 0], rank=8, n_in=16, n_out=12)
     want = y.clone()

@@ -1,5 +1,6 @@
 """Multi-LoRA offline: greedy outputs and logprobs equal transformers + PEFT (unmerged), each
-adapter alone and all mixed with base-model requests in one generate call; refusals."""
+adapter alone and all mixed with base-model requests in one generate call (the decode steps with
+adapter tokens through the one-call C decoder, which is checked to have run them); refusals."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,13 @@ def setup(request, tmp_path_factory):
     llm.shutdown()
 
 
+def _c_decoder_lora_steps(llm: LLM) -> int:
+    """Steps with adapter tokens the one-call C decoder ran (models/cpu_decode.py)."""
+    decoder = llm.llm_engine.executor.runner.model.model.fused_decoder
+    assert decoder is not None, "the one-call C decoder is off"
+    return decoder.lora_steps
+
+
 def _params(logprobs: bool = True) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0 if logprobs else None)
 
@@ -37,7 +45,9 @@ def test_each_adapter_alone_equals_peft(setup):
     prompts = random_prompts(3, seed=1, lo=4, hi=30)
     for lora in loras:
         ref = peft_model(base, lora.lora_path)
+        before = _c_decoder_lora_steps(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), lora_request=lora, use_tqdm=False)
+        assert _c_decoder_lora_steps(llm) - before >= MAX_NEW - 1  # every decode step ran in C
         for prompt, out in zip(prompts, outs):
             gen = out.outputs[0].token_ids
             assert gen == hf_greedy(ref, prompt, MAX_NEW), lora.lora_name
@@ -52,8 +62,10 @@ def test_mixed_batch_with_base_requests_equals_each_reference(setup):
     base, loras, llm = setup
     prompts = random_prompts(8, seed=2, lo=4, hi=40)
     choice = [loras[i % 3] if i % 4 != 3 else None for i in range(len(prompts))]
+    before = _c_decoder_lora_steps(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(False), lora_request=choice,
                         use_tqdm=False)
+    assert _c_decoder_lora_steps(llm) - before >= MAX_NEW - 1  # mixed decode steps (3 adapters + base) in C
     refs = {None: tf.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()}
     refs.update({lora.lora_int_id: peft_model(base, lora.lora_path) for lora in loras})
     differs = 0
@@ -186,3 +198,19 @@ def test_speculative_decoding_verifies_with_the_adapter(small):
         drafted = {m.name: m.value for m in fast.get_metrics() if not m.labels}
     assert got == want
     assert drafted.get("pagedllm:spec_decode_num_draft_tokens", 0) > 0
+
+
+def test_slots_the_c_decoder_cannot_read_leave_adapter_steps_to_the_module_path(small):
+    """bfloat16 slots on a float32 model: the one-call C decoder runs the base-only steps and never
+    an adapter step (which would drop the adapter); the adapter still changes the output."""
+    base, llm, tmp = small
+    path = make_adapter(base, tmp.mktemp("bf16-lora"), 8, 16, ["q_proj", "down_proj"], seed=12)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=13, lo=6, hi=7)[0]}
+    params = _params(False)
+    with LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, lora_dtype="bfloat16") as half:
+        plain = half.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        tuned = half.generate([prompt], params, lora_request=LoRARequest("h", 1, path), use_tqdm=False)
+        assert _c_decoder_lora_steps(half) == 0
+    with torch.no_grad():
+        want = hf_greedy(peft_model(base, path), prompt["prompt_token_ids"], MAX_NEW)
+    assert tuned[0].outputs[0].token_ids == want != plain

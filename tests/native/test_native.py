@@ -47,8 +47,8 @@ def test_wrong_field_type_and_missing_field_are_caught():
     with pytest.raises(NativeLibraryError, match=r"LdBatch\.num_tokens: .* size 4, the C struct offset 64 size 8"):
         lib.check_struct(narrow)
     short = type("LdBatch", (ctypes.Structure,), {"_fields_": LdBatch._fields_[:-1]})
-    with pytest.raises(NativeLibraryError, match=r"LdBatch: the ctypes mirror has size 72 and 10 fields, the C "
-                                                 r"struct 80 and 11"):
+    with pytest.raises(NativeLibraryError, match=r"LdBatch: the ctypes mirror has size 104 and 14 fields, the C "
+                                                 r"struct 112 and 15"):
         lib.check_struct(short)
     unknown = type("LdNothing", (ctypes.Structure,), {"_fields_": [("x", ctypes.c_int)]})
     with pytest.raises(NativeLibraryError, match="no struct 'LdNothing'"):

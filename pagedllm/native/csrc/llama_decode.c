@@ -20,6 +20,11 @@
  * Attention and the KV write are the paged-attention kernel's own functions (same library,
  * declared in pagedllm_native.h with the structs LdModel and LdBatch).
  *
+ * LoRA: a projection with adapter slots (LdModel.qkv_la ...) adds the step's adapters to its
+ * output right after its base matmul, as the module path's LinearBase.forward does: lora_sgmv.c
+ * over the tokens grouped by slot (LdBatch.lora_*), once per projection for every adapter of the
+ * batch. A step without adapter tokens never calls it.
+ *
  * bfloat16 models (LdModel.bf16): the projections run on bf16_linear.c's kernel and the
  * embedding rows are widened, but every activation (residual stream, norms, q/k/v, attention,
  * MLP) stays float32; only K/V are rounded to bfloat16 when the cache is bfloat16, as the module
@@ -293,17 +298,13 @@ static void silu_and_mul(const float *gate_up, int64_t T, int64_t inter, float *
     }
 }
 
-/* act[t, j] = silu(x[t] . W[j] + b[j]) * (x[t] . W[I + j] + b[I + j]) with I = inter, through
- * the [T, 2I] product in gate_up. On float32 tile4 the gate and up rows of one j are computed
- * by the same unit (their x rows stay in L1 for both). */
-static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int64_t in,
-                         int64_t inter, float *act, float *gate_up, int threads) {
-    if (W.bits || W.scale || W.bf16 || use_panels(W, T) || (LD_TWO_STREAMS && T == 1)) { /* matmul's kernels */
-        const int rc = matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
-        if (rc != PN_OK) return rc;
-        silu_and_mul(gate_up, T, inter, act, threads);
-        return PN_OK;
-    }
+/* gate_up [T, 2I] = x . W^T + b with I = inter (gate then up): the caller adds the adapters, then
+ * silu_and_mul. On float32 tile4 the gate and up rows of one j are computed by the same unit
+ * (their x rows stay in L1 for both). */
+static int gate_up_matmul(const float *x, int64_t T, Weight W, const float *b, int64_t in,
+                          int64_t inter, float *gate_up, int threads) {
+    if (W.bits || W.scale || W.bf16 || use_panels(W, T) || (LD_TWO_STREAMS && T == 1)) /* matmul's kernels */
+        return matmul(x, T, W, b, in, 2 * inter, gate_up, threads);
     const int64_t units = (inter + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -325,7 +326,6 @@ static int gate_up_silu(const float *x, int64_t T, Weight W, const float *b, int
                                                          (b ? b[inter + j + k] : 0.0f);
             }
     }
-    silu_and_mul(gate_up, T, inter, act, threads);
     return PN_OK;
 }
 
@@ -372,12 +372,13 @@ typedef struct {
 /* One projection's arrays of LdModel (layer-indexed). */
 typedef struct {
     const void *const *w, *const *p;
-    const float *const *s, *const *z, *const *ps, *const *pz;
-    int64_t group;
+    const float *const *s, *const *z, *const *ps, *const *pz, *const *la, *const *lb;
+    int64_t group, lora_rank;
 } Proj;
 
 #define PROJ(m, name) ((Proj){(m)->name##_w, (m)->name##_p, (m)->name##_s, (m)->name##_z, (m)->name##_ps, \
-                              (m)->name##_pz, (m)->name##_group})
+                              (m)->name##_pz, (m)->name##_la, (m)->name##_lb, (m)->name##_group,      \
+                              (m)->name##_lora_rank})
 
 /* Layer l's panel copy of a projection, or NULL where it has none or its kind takes none:
  * float32 (no scale) or group-wise codes with their panel scales and zeros. */
@@ -404,6 +405,29 @@ static int panels_cover(const LdModel *m) {
         for (int k = 0; k < 4; k++)
             if (!proj_panels(m, all[k], l)) return 0;
     return 1;
+}
+
+/* Layer l's adapters of projection P: y [T, out] += the step's LoRA tokens' (x . A[s]^T) . B[s]^T,
+ * x [T, in]; nothing for a step without adapter tokens or a projection without slots. */
+static int add_lora(const LdModel *m, const LdBatch *b, Proj P, int l, const float *x, int64_t in, int64_t out,
+                    float *y, int threads) {
+    if (b->lora_num_segs == 0 || !P.la || !P.la[l]) return PN_OK;
+    return lora_sgmv(x, b->num_tokens, in, b->lora_rows, b->lora_seg_slot, b->lora_seg_start, (int)b->lora_num_segs,
+                     P.la[l], P.lb[l], m->lora_slots, P.lora_rank, out, y, threads);
+}
+
+/* A step with adapter tokens: its segments are valid and every projection with slots has both
+ * factors and a rank, checked before anything is written (lora_sgmv checks again per call). */
+static int check_lora(const LdModel *m, const LdBatch *b) {
+    if (b->lora_num_segs < 0 || b->lora_num_segs > INT32_MAX) return PN_ERR_ARG;
+    if (b->lora_num_segs == 0) return PN_OK;
+    if (m->lora_slots < 1 || !b->lora_seg_slot || !b->lora_seg_start) return PN_ERR_ARG;
+    const Proj all[4] = {PROJ(m, qkv), PROJ(m, o), PROJ(m, gate_up), PROJ(m, down)};
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; all[k].la && l < m->num_layers; l++)
+            if (all[k].la[l] && (!all[k].lb || !all[k].lb[l] || all[k].lora_rank < 1)) return PN_ERR_ARG;
+    return lora_check_segments(b->lora_rows, b->lora_seg_slot, b->lora_seg_start, (int)b->lora_num_segs,
+                               m->lora_slots, b->num_tokens);
 }
 
 static int alloc_buffers(Buffers *B, const LdModel *m, int64_t T) {
@@ -459,6 +483,7 @@ static int attention_block(const LdModel *m, const LdBatch *b, int l, Buffers *B
     const int64_t qkv_size = q_size + 2 * kv_size;
     int rc = matmul(B->normed, T, proj_weight(m, PROJ(m, qkv), l, B->xq), m->qkv_b[l],
                     m->hidden, qkv_size, B->qkv, threads);
+    if (rc == PN_OK) rc = add_lora(m, b, PROJ(m, qkv), l, B->normed, m->hidden, qkv_size, B->qkv, threads);
     if (rc != PN_OK) return rc;
     float *q = B->qkv, *k = B->qkv + q_size, *v = B->qkv + q_size + kv_size;
     for (int64_t t = 0; t < T; t++) {
@@ -502,6 +527,8 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     if (m->cache_dtype != PN_DTYPE_F32 && m->cache_dtype != PN_DTYPE_BF16) return PN_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
         if (b->input_ids[t] < 0 || b->input_ids[t] >= m->vocab_size) return PN_ERR_META;
+    const int lora_rc = check_lora(m, b);
+    if (lora_rc != PN_OK) return lora_rc;
     Buffers B;
     if (!alloc_buffers(&B, m, T)) {
         free_buffers(&B);
@@ -513,17 +540,21 @@ int ld_forward(const LdModel *m, const LdBatch *b, float *out, int threads) {
     /* the residual stream lives in B.residual; each norm first adds the block's output to it */
     pl_add_rms_norm(B.residual, NULL, m->input_norm[0], B.normed, T, H, H, m->eps, 1);
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
+        const int64_t I = m->intermediate;
         rc = attention_block(m, b, l, &B, threads);
         if (rc == 0)
             rc = matmul(B.attn, T, proj_weight(m, PROJ(m, o), l, B.xq), m->o_b[l], q_size, H,
                         B.normed, threads);
+        if (rc == 0) rc = add_lora(m, b, PROJ(m, o), l, B.attn, q_size, H, B.normed, threads);
         if (rc != 0) break;
         pl_add_rms_norm(B.normed, B.residual, m->post_norm[l], B.normed, T, H, H, m->eps, 1);
-        rc = gate_up_silu(B.normed, T, proj_weight(m, PROJ(m, gate_up), l, B.xq),
-                          m->gate_up_b[l], H, m->intermediate, B.act, B.gate_up, threads);
-        if (rc == 0)
-            rc = matmul(B.act, T, proj_weight(m, PROJ(m, down), l, B.xq), m->down_b[l],
-                        m->intermediate, H, B.normed, threads);
+        rc = gate_up_matmul(B.normed, T, proj_weight(m, PROJ(m, gate_up), l, B.xq), m->gate_up_b[l], H, I,
+                            B.gate_up, threads);
+        if (rc == 0) rc = add_lora(m, b, PROJ(m, gate_up), l, B.normed, H, 2 * I, B.gate_up, threads);
+        if (rc != 0) break;
+        silu_and_mul(B.gate_up, T, I, B.act, threads);
+        rc = matmul(B.act, T, proj_weight(m, PROJ(m, down), l, B.xq), m->down_b[l], I, H, B.normed, threads);
+        if (rc == 0) rc = add_lora(m, b, PROJ(m, down), l, B.act, I, H, B.normed, threads);
         if (rc != 0) break;
         const float *next_norm = l + 1 < m->num_layers ? m->input_norm[l + 1] : m->final_norm;
         pl_add_rms_norm(B.normed, B.residual, next_norm, l + 1 < m->num_layers ? B.normed : out, T, H, H, m->eps, 1);

@@ -33,8 +33,8 @@ static inline float dot(const float *u, const float *v, int64_t n) {
 }
 
 /* PN_ERR_META unless the segments are in order, their slots exist and their rows are in x. */
-static int check_segments(const int64_t *rows, const int64_t *seg_slot, const int64_t *seg_start, int num_segs,
-                          int64_t num_slots, int64_t T) {
+int lora_check_segments(const int64_t *rows, const int64_t *seg_slot, const int64_t *seg_start, int num_segs,
+                        int64_t num_slots, int64_t T) {
     if (seg_start[0] != 0)
         return PN_ERR_META;
     for (int g = 0; g < num_segs; g++)
@@ -49,18 +49,59 @@ static int check_segments(const int64_t *rows, const int64_t *seg_slot, const in
     return n <= T ? PN_OK : PN_ERR_META;
 }
 
+/* out[j] = m[j * stride ..] . v over n floats, for the 8 rows j of m: 8 independent FMA chains, and
+ * their 8 horizontal sums in 10 instructions (pairwise hadd, then the two 128-bit halves) instead
+ * of a reduction per dot. Both phases are such dots: shrink's rows are 8 ranks of A (n = in),
+ * expand's 8 output columns of B (n = R, 16 to 48, where a reduction per dot cost more than its
+ * FMAs). One thread, 64 tokens over 8 adapters, in 512, process time on a loaded 2-core box: the
+ * gate_up call (out 3072, R 32) took 1.70 -> 0.57 ms, qkv (1024, R 48) 0.68 -> 0.28 ms, against
+ * 2.8 and 0.8 ms for the base projections (oneDNN). */
+static inline void dot8(const float *m, int64_t stride, const float *v, int64_t n, float out[8]) {
+    int64_t k = 0;
+#if PN_AVX2
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m256 vv = _mm256_loadu_ps(v + k);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(m + j * stride + k), vv, acc[j]);
+    }
+    /* s0123: elements 0-3 of acc 0..3 summed in its low half, 4-7 in its high half; s4567 likewise */
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                        _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+#else
+    for (int j = 0; j < 8; j++) out[j] = 0.0f;
+#endif
+    for (int j = 0; j < 8; j++)
+        for (int64_t kk = k; kk < n; kk++) out[j] += m[j * stride + kk] * v[kk];
+}
+
 static void shrink_item(const float *x, int64_t in, const int64_t *rows, int64_t lo, int64_t hi, const float *a,
                         int64_t R, int64_t r0, int64_t r1, float *t) {
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = lo; i < hi; i++)
-            t[i * R + r] = dot(x + (rows ? rows[i] : i) * in, a + r * in, in);
+    for (int64_t i = lo; i < hi; i++) {
+        const float *xr = x + (rows ? rows[i] : i) * in;
+        int64_t r = r0;
+        if (r1 - r0 == 8) {
+            dot8(a + r * in, in, xr, in, t + i * R + r);
+            r += 8;
+        }
+        for (; r < r1; r++)
+            t[i * R + r] = dot(xr, a + r * in, in);
+    }
 }
 
 static void expand_item(const float *t, const int64_t *rows, int64_t lo, int64_t hi, const float *b, int64_t R,
                         int64_t out, int64_t c0, int64_t c1, float *y) {
     for (int64_t i = lo; i < hi; i++) {
         float *yr = y + (rows ? rows[i] : i) * out;
-        for (int64_t c = c0; c < c1; c++)
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            float sums[8];
+            dot8(b + c * R, R, t + i * R, R, sums);
+            for (int j = 0; j < 8; j++) yr[c + j] += sums[j];
+        }
+        for (; c < c1; c++)
             yr[c] += dot(t + i * R, b + c * R, R);
     }
 }
@@ -72,7 +113,7 @@ int lora_sgmv(const float *x, int64_t T, int64_t in, const int64_t *rows, const 
         return PN_ERR_ARG;
     if (num_segs == 0)
         return PN_OK;
-    const int rc = check_segments(rows, seg_slot, seg_start, num_segs, num_slots, T);
+    const int rc = lora_check_segments(rows, seg_slot, seg_start, num_segs, num_slots, T);
     if (rc != PN_OK)
         return rc;
     float *t = malloc(sizeof(float) * (size_t)(seg_start[num_segs] * R > 0 ? seg_start[num_segs] * R : 1));

@@ -62,13 +62,18 @@ static const Field FIELDS[] = {
     FIELD(LdModel, down_z), FIELD(LdModel, qkv_p), FIELD(LdModel, o_p), FIELD(LdModel, gate_up_p),
     FIELD(LdModel, down_p), FIELD(LdModel, qkv_ps), FIELD(LdModel, o_ps), FIELD(LdModel, gate_up_ps),
     FIELD(LdModel, down_ps), FIELD(LdModel, qkv_pz), FIELD(LdModel, o_pz), FIELD(LdModel, gate_up_pz),
-    FIELD(LdModel, down_pz), FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
+    FIELD(LdModel, down_pz), FIELD(LdModel, lora_slots), FIELD(LdModel, qkv_lora_rank),
+    FIELD(LdModel, o_lora_rank), FIELD(LdModel, gate_up_lora_rank), FIELD(LdModel, down_lora_rank),
+    FIELD(LdModel, qkv_la), FIELD(LdModel, o_la), FIELD(LdModel, gate_up_la), FIELD(LdModel, down_la),
+    FIELD(LdModel, qkv_lb), FIELD(LdModel, o_lb), FIELD(LdModel, gate_up_lb), FIELD(LdModel, down_lb),
+    FIELD(LdModel, q_norm), FIELD(LdModel, k_norm),
     FIELD(LdModel, key_cache), FIELD(LdModel, value_cache), FIELD(LdModel, window),
 
     FIELD(LdBatch, query_start_loc), FIELD(LdBatch, seq_lens), FIELD(LdBatch, block_tables),
     FIELD(LdBatch, slot_mapping), FIELD(LdBatch, positions), FIELD(LdBatch, input_ids),
     FIELD(LdBatch, num_reqs), FIELD(LdBatch, max_blocks), FIELD(LdBatch, bt_stride),
-    FIELD(LdBatch, num_tokens), FIELD(LdBatch, parallel_work),
+    FIELD(LdBatch, num_tokens), FIELD(LdBatch, parallel_work), FIELD(LdBatch, lora_rows),
+    FIELD(LdBatch, lora_seg_slot), FIELD(LdBatch, lora_seg_start), FIELD(LdBatch, lora_num_segs),
 };
 
 typedef struct {

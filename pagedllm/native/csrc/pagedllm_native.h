@@ -19,7 +19,7 @@
 
 /* Bump when an exported signature or struct changes meaning, not only its layout (layout and
  * argument types are checked automatically). */
-#define PN_ABI_VERSION 14
+#define PN_ABI_VERSION 15
 
 /* Marks the functions Python binds; the bindings' argtypes are checked against them. */
 #define PN_EXPORT
@@ -166,6 +166,9 @@ typedef struct {
     int32_t block_size, cache_dtype, quant_bits, fp8_act, bf16, panel_min;
     int64_t num_blocks, vocab_size, max_position;
     int64_t qkv_group, o_group, gate_up_group, down_group; /* group sizes when quant_bits or fp8_act != 0 */
+    /* LoRA adapter slots (see _la / _lb below): slots per projection, and each projection's rank
+     * R (its sub-projections' ranks stacked: qkv 3 x max_lora_rank); 0 where none */
+    int64_t lora_slots, qkv_lora_rank, o_lora_rank, gate_up_lora_rank, down_lora_rank;
     float eps, scale;
     const void *embed;       /* [vocab, hidden], float32 or (bf16) bfloat16 */
     const float *final_norm; /* [hidden] */
@@ -184,6 +187,12 @@ typedef struct {
     const void *const *qkv_p, *const *o_p, *const *gate_up_p, *const *down_p;
     const float *const *qkv_ps, *const *o_ps, *const *gate_up_ps, *const *down_ps;
     const float *const *qkv_pz, *const *o_pz, *const *gate_up_pz, *const *down_pz;
+    /* LoRA (layers/lora.py's LoRASlots), or NULL entries where a projection takes no adapter:
+     * A [lora_slots, R, in] and B [lora_slots, out, R] float32, the adapter's scale folded into B.
+     * The step's tokens of slot s get y += (x . A[s]^T) . B[s]^T right after the base projection
+     * (lora_sgmv.c), when LdBatch names LoRA segments; base-model tokens are in none. */
+    const float *const *qkv_la, *const *o_la, *const *gate_up_la, *const *down_la;
+    const float *const *qkv_lb, *const *o_lb, *const *gate_up_lb, *const *down_lb;
     const float *const *q_norm, *const *k_norm;
     void *const *key_cache, *const *value_cache; /* [num_blocks, kv_heads, block, head_dim] */
     const int32_t *window; /* per layer: sliding attention window, 0 = full attention */
@@ -195,6 +204,10 @@ typedef struct {
     const int64_t *slot_mapping, *positions, *input_ids;
     int32_t num_reqs, max_blocks;
     int64_t bt_stride, num_tokens, parallel_work;
+    /* the step's LoRA tokens grouped by adapter slot, as lora_sgmv takes them (lora_rows NULL: one
+     * segment covers every token in order); lora_num_segs 0: no adapter token, nothing runs */
+    const int64_t *lora_rows, *lora_seg_slot, *lora_seg_start;
+    int64_t lora_num_segs;
 } LdBatch;
 
 /* ------------------------------------------------------------------------------------------ */
@@ -255,6 +268,10 @@ PN_EXPORT int dg_gemm(const float *x, int64_t T, const float *wp, const float *b
  * seg_start[g] .. seg_start[g + 1] - 1, slot s = seg_slot[g]); rows NULL: token i is row i and the
  * segments cover all T rows. x [T, in], y [T, out], a [num_slots, R, in], b [num_slots, out, R],
  * all float32 and contiguous; PN_ERR_META for a segment, slot or row out of range. */
+/* Internal (llama_decode.c checks a step's segments once, before it writes the KV cache):
+ * lora_sgmv's own check, PN_ERR_META where it would refuse them. */
+int lora_check_segments(const int64_t *rows, const int64_t *seg_slot, const int64_t *seg_start, int num_segs,
+                        int64_t num_slots, int64_t T);
 PN_EXPORT int lora_sgmv(const float *x, int64_t T, int64_t in, const int64_t *rows, const int64_t *seg_slot,
                         const int64_t *seg_start, int num_segs, const float *a, const float *b, int64_t num_slots,
                         int64_t R, int64_t out, float *y, int threads);
