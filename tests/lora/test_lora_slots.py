@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the plain scheduler machine's module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the plain scheduler machine's module
 from test_scheduler_state_machine import BLOCK, NUM_BLOCKS, SchedulerMachine  # noqa: E402
 
 from pagedllm.config import CacheConfig, LoRAConfig, SchedulerConfig
