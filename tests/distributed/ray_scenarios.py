@@ -27,7 +27,8 @@ def pids(llm: LLM) -> list[int]:
 
 
 def lifecycle(model: str, prompts: list[list[int]]) -> dict:
-    """Two TP=2 engines one after the other, then a third whose actor is killed mid-generation."""
+    """Two TP=2 engines one after the other, a PP=2 engine, then a TP=2 engine whose actor is killed
+    mid-generation."""
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     outputs, left = [], []
     for _ in range(2):
@@ -38,6 +39,12 @@ def lifecycle(model: str, prompts: list[list[int]]) -> dict:
         llm.llm_engine.shutdown()
         time.sleep(1.0)  # ray.kill is asynchronous
         left += running(actors)
+    llm = LLM(model, **{**RAY, "tensor_parallel_size": 1, "pipeline_parallel_size": 2})
+    pp_actors = pids(llm)
+    pipeline = greedy(llm, prompts)
+    llm.llm_engine.shutdown()
+    time.sleep(1.0)
+    left += running(pp_actors)
     llm = LLM(model, **RAY)
     pid = pids(llm)[0]
     killed_at = []
@@ -56,7 +63,7 @@ def lifecycle(model: str, prompts: list[list[int]]) -> dict:
         error = str(exc)
     seconds = time.monotonic() - killed_at[0] if killed_at else None
     llm.llm_engine.shutdown()
-    return dict(outputs=outputs, left=left, locations={str(k): v for k, v in locations.items()},
+    return dict(outputs=outputs, pipeline=pipeline, left=left, locations={str(k): v for k, v in locations.items()},
                 error=error, seconds=seconds)
 
 
