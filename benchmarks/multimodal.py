@@ -169,6 +169,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for both systems (default: torch's; 1 gives steadier numbers on a busy machine)")
+    ap.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
+                    help="the processor-output cache (0: every image runs the HF processor, as before issue 34)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     import transformers as tf
@@ -182,7 +184,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
         threads = dict(num_threads=args.threads)
     llm = LLM(model=args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-              dtype="float32", max_num_seqs=max(args.batch), **threads)
+              dtype="float32", max_num_seqs=max(args.batch), mm_processor_cache_gb=args.mm_processor_cache_gb,
+              **threads)
     processor = load_hf_processor(args.model)
     model = tf.AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as pagedllm runs it
