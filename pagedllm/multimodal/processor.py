@@ -163,8 +163,8 @@ class MultiModalProcessor:
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()
-        image_items, video_items = self._image_items(ids, out, images, options), self._video_items(ids, out, videos,
-                                                                                                   options)
+        image_items = self._image_items(ids, out, images, options, keys[0] if keys else None)
+        video_items = self._video_items(ids, out, videos, options)
         if keys and len(image_items) == len(images):  # (pan-and-scan crops are not one item per image)
             self._remember(text, ids, keys, (image_items, video_items), add_special_tokens)
         return ids, tuple(sorted(image_items + video_items, key=lambda item: item.offset))
@@ -217,15 +217,16 @@ class MultiModalProcessor:
         for key, item in zip(keys[0] + keys[1], groups[0] + groups[1]):
             self.cache.put(key, item)
 
-    def _image_items(self, ids: list[int], out: Mapping, images: list, options: dict) -> tuple[MultiModalItem, ...]:
+    def _image_items(self, ids: list[int], out: Mapping, images: list, options: dict,
+                     hashes: list[bytes] | None = None) -> tuple[MultiModalItem, ...]:
         """One item per image placeholder run: an image's, or (more runs than images: Gemma 3's
         pan-and-scan) each crop's, named by its own pixels since the output does not say which
-        image a crop came from."""
+        image a crop came from. ``hashes``: the images' ``image_hash``es where already computed."""
         if not images:
             return ()
         data = (self.layout.split or self._split_rows)(out, len(images))
         runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data], self.image_token_id, "image")
-        hashes = ([image_hash(image, options) for image in images] if len(data) == len(images)
+        hashes = ((hashes or [image_hash(image, options) for image in images]) if len(data) == len(images)
                   else [tensors_hash(b"image crop" + repr(sorted(options.items(), key=str)).encode(), d) for d in data])
         grid = self.layout.grid or (lambda d: None)
         return tuple(MultiModalItem(h, offset, length, d, grid(d), bidirectional=self.layout.bidirectional)
