@@ -58,6 +58,8 @@ class ModelConfig:
     # pairs (no pair: no limit), and mm_processor_kwargs, the HF processor options every request starts from
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
+    # GiB of recent images' / videos' processor outputs kept by content (multimodal/processor_cache.py; 0: none)
+    mm_processor_cache_gb: float = 4.0
     # where chat image URLs may come from besides data: URLs (entrypoints/openai/media.py)
     allowed_local_media_path: str | None = None  # a directory (real path) for file:// URLs
     allowed_media_domains: tuple[str, ...] = ()  # hosts for http(s) URLs

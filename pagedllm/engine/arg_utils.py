@@ -80,6 +80,7 @@ from pagedllm.models.loader import (
 from pagedllm.models.registry import resolve_architecture
 from pagedllm.models.shape import model_shape
 from pagedllm.multimodal.processor import check_limit_mm_per_prompt
+from pagedllm.multimodal.processor_cache import check_cache_gb
 from pagedllm.utils import parse_size
 
 EXECUTOR_BACKENDS = ("mp", "uni", "ray")  # vLLM's distributed_executor_backend names pagedllm runs
@@ -363,6 +364,9 @@ class EngineArgs:
     mm_processor_kwargs: dict | None = option(
         None, 'options for the model\'s Hugging Face image processor, as JSON ({"size": {"shortest_edge": 336}}); '
         "a request's own mm_processor_kwargs override them", parse=_json_object("mm_processor_kwargs"))
+    mm_processor_cache_gb: float = option(
+        4.0, "GiB of recent images' and videos' processor outputs kept by content, so a repeated image skips "
+        "the image processor (0 disables)", parse=float)
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -723,6 +727,7 @@ class EngineArgs:
             allowed_local_media_path=_media_path(self.allowed_local_media_path),
             allowed_media_domains=tuple(self.allowed_media_domains or ()),
             mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
+            mm_processor_cache_gb=check_cache_gb(self.mm_processor_cache_gb),
         )
 
     def _tokenizer_path(self, model_path: str) -> str:

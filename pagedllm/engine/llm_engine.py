@@ -31,6 +31,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineCounters, KVCacheStats, Metric, StepTimes, offload_metrics
 from pagedllm.models.loader import get_model_class
 from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor, image_layout
+from pagedllm.multimodal.processor_cache import ProcessorCache
 from pagedllm.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -589,6 +590,7 @@ class LLMEngine:
         metrics += self.structured_output.metrics()
         if self.multimodal is not None:
             metrics += self.scheduler.encoder.metrics()
+            metrics += self.multimodal.cache.metrics() if self.multimodal.cache is not None else []
         if self.scheduler.lora_slots is not None:
             metrics += self._lora_metrics()
         return metrics + offload_metrics(s.offload)
@@ -773,7 +775,8 @@ def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
     model_cls = get_model_class(mc.architecture)
     return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
                                                functools.partial(model_cls.image_rows, hf), mc.trust_remote_code,
-                                               image_layout(model_cls, hf))
+                                               image_layout(model_cls, hf),
+                                               ProcessorCache.from_gb(mc.mm_processor_cache_gb))
 
 
 def _eos_ids(tokenizer, model_config) -> frozenset[int]:

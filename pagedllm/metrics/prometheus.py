@@ -103,6 +103,9 @@ _HELP = {
     "pagedllm:mm_encoder_steps": "Engine steps that ran the vision tower on at least one image.",
     "pagedllm:mm_encoder_cache_images": "Images whose embeddings the encoder cache holds.",
     "pagedllm:mm_encoder_cache_usage_perc": "Encoder-cache usage: 1 means 100 percent of its embedding rows.",
+    "pagedllm:mm_processor_cache_hits": "Images and videos whose processor output the processor cache held.",
+    "pagedllm:mm_processor_cache_misses": "Images and videos the model's HF processor ran for.",
+    "pagedllm:mm_processor_cache_usage_perc": "Processor-cache usage: 1 means 100 percent of mm_processor_cache_gb.",
 }
 
 

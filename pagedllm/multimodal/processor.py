@@ -9,7 +9,9 @@ engine loop: a large image never stalls the requests that are running.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import torch
 
 from pagedllm.multimodal.embeds import embeds_hash, expand_placeholders, parse_image_embeds
 from pagedllm.multimodal.inputs import MultiModalItem, image_hash, tensors_hash, to_pil_images
+from pagedllm.multimodal.processor_cache import ProcessorCache
 from pagedllm.multimodal.video import FramesVideoProcessor, parse_videos, video_hash
 
 MODALITIES = ("image", "video")
@@ -98,9 +101,12 @@ class MultiModalProcessor:
     each tokenizer thread uses its own ``clone()``."""
 
     def __init__(self, hf_processor, image_token_id: int, limits: MultiModalLimits,
-                 image_rows: Callable[[dict[str, torch.Tensor]], int], layout: ImageLayout = ImageLayout()):
+                 image_rows: Callable[[dict[str, torch.Tensor]], int], layout: ImageLayout = ImageLayout(),
+                 cache: ProcessorCache | None = None):
         """``image_rows``: the model's embedding rows for one image's tensors, which must equal
-        the placeholder tokens the processor put in the prompt for it."""
+        the placeholder tokens the processor put in the prompt for it. ``cache``: the processor
+        outputs of recent images and videos (None: every prompt runs the HF processor), shared by clones."""
+        self.cache = cache
         self.hf = hf_processor
         self.image_rows = image_rows
         self.layout = layout
@@ -114,8 +120,9 @@ class MultiModalProcessor:
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
                         image_rows: Callable[[dict[str, torch.Tensor]], int],
-                        trust_remote_code: bool = False, layout: ImageLayout = ImageLayout()) -> MultiModalProcessor:
-        return cls(load_hf_processor(model_dir, trust_remote_code), image_token_id, limits, image_rows, layout)
+                        trust_remote_code: bool = False, layout: ImageLayout = ImageLayout(),
+                        cache: ProcessorCache | None = None) -> MultiModalProcessor:
+        return cls(load_hf_processor(model_dir, trust_remote_code), image_token_id, limits, image_rows, layout, cache)
 
     @property
     def placeholder(self) -> str:
@@ -145,6 +152,10 @@ class MultiModalProcessor:
             return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images, (videos, metadata) = self._inputs(mm_data)
         options = self._options(kwargs)
+        keys = self._cache_keys(images, videos, metadata, options) if self.cache is not None else None
+        cached = keys and self._from_cache(text, keys, add_special_tokens)
+        if cached:
+            return cached
         try:
             out = self.hf(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
                           add_special_tokens=add_special_tokens, images_kwargs=options,
@@ -152,18 +163,70 @@ class MultiModalProcessor:
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"multi_modal_data could not be processed by the model's processor: {exc}") from None
         ids = out["input_ids"][0].tolist()
-        items = self._image_items(ids, out, images, options) + self._video_items(ids, out, videos, options)
+        image_items = self._image_items(ids, out, images, options, keys[0] if keys else None)
+        video_items = self._video_items(ids, out, videos, options)
+        if keys and len(image_items) == len(images):  # (pan-and-scan crops are not one item per image)
+            self._remember(text, ids, keys, (image_items, video_items), add_special_tokens)
+        return ids, tuple(sorted(image_items + video_items, key=lambda item: item.offset))
+
+    def _cache_keys(self, images: list, videos: list, metadata: list,
+                    options: dict) -> tuple[list[bytes], list[bytes]]:
+        """Each image's and each video's processor-cache key: its content and every option that
+        shapes its tensors (a video's metadata too: its frame rate spaces its temporal positions)."""
+        video_keys = [hashlib.sha256(video_hash(frames, options, 0.0) + repr(sorted(meta.items())).encode()).digest()
+                      for frames, meta in zip(videos, metadata)]
+        return [image_hash(image, options) for image in images], video_keys
+
+    def _from_cache(self, text: str, keys: tuple[list[bytes], list[bytes]],
+                    add_special_tokens: bool) -> tuple[list[int], tuple[MultiModalItem, ...]] | None:
+        """The prompt's ids and items without the HF processor, when every item is cached and this
+        model's placeholder expansion is a plain repeat (ProcessorCache.expansion_ok); else None."""
+        modalities = {m for m, k in zip(("image", "video"), keys) if k}
+        if not self.cache.fast_path(modalities):
+            return None
+        cached = self.cache.get_all(keys[0] + keys[1])
+        if cached is None:
+            return None
+        groups = (cached[:len(keys[0])], cached[len(keys[0]):])
+        ids = self._expanded(text, groups, add_special_tokens)
+        if ids is None:  # a placeholder count that is not one per item: the HF processor says what is wrong
+            return None
+        items = []
+        for group, token_id, kind in zip(groups, (self.image_token_id, self.video_token_id), ("image", "video")):
+            runs = self._placeholder_runs(ids, [item.length for item in group], token_id, kind) if group else []
+            items += [dataclasses.replace(item, offset=offset) for item, (offset, _) in zip(group, runs)]
         return ids, tuple(sorted(items, key=lambda item: item.offset))
 
-    def _image_items(self, ids: list[int], out: Mapping, images: list, options: dict) -> tuple[MultiModalItem, ...]:
+    def _expanded(self, text: str, groups: tuple, add_special_tokens: bool) -> list[int] | None:
+        """The text's ids with each image's (video's) placeholder token repeated to its item's rows;
+        None if the text does not have one placeholder per item."""
+        ids = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        for group, token_id in zip(groups, (self.image_token_id, self.video_token_id)):
+            if ids.count(token_id) != len(group):
+                return None
+            ids = expand_placeholders(ids, token_id, [item.length for item in group]) if group else ids
+        return ids
+
+    def _remember(self, text: str, ids: list[int], keys: tuple[list[bytes], list[bytes]], groups: tuple,
+                  add_special_tokens: bool) -> None:
+        """Caches a processed prompt's items, and checks that the cache's fast path would have
+        made the processor's ids for it."""
+        modalities = {m for m, group in zip(("image", "video"), groups) if group}
+        if all(self.cache.expansion_ok.get(m, True) for m in modalities):  # (once wrong, never checked again)
+            self.cache.record_expansion(modalities, self._expanded(text, groups, add_special_tokens) == ids)
+        for key, item in zip(keys[0] + keys[1], groups[0] + groups[1]):
+            self.cache.put(key, item)
+
+    def _image_items(self, ids: list[int], out: Mapping, images: list, options: dict,
+                     hashes: list[bytes] | None = None) -> tuple[MultiModalItem, ...]:
         """One item per image placeholder run: an image's, or (more runs than images: Gemma 3's
         pan-and-scan) each crop's, named by its own pixels since the output does not say which
-        image a crop came from."""
+        image a crop came from. ``hashes``: the images' ``image_hash``es where already computed."""
         if not images:
             return ()
         data = (self.layout.split or self._split_rows)(out, len(images))
         runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data], self.image_token_id, "image")
-        hashes = ([image_hash(image, options) for image in images] if len(data) == len(images)
+        hashes = ((hashes or [image_hash(image, options) for image in images]) if len(data) == len(images)
                   else [tensors_hash(b"image crop" + repr(sorted(options.items(), key=str)).encode(), d) for d in data])
         grid = self.layout.grid or (lambda d: None)
         return tuple(MultiModalItem(h, offset, length, d, grid(d), bidirectional=self.layout.bidirectional)

@@ -55,7 +55,7 @@ NON_DEFAULT = {
     "kv_cache_memory_bytes": 1 << 30, "convert": "embed", "load_format": "dummy",
     "override_generation_config": {"temperature": 0.3}, "kv_offloading_size": 1.5, "enable_sleep_mode": True,
     "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
-    "allowed_local_media_path": "/tmp", "allowed_media_domains": ["example.com"],
+    "allowed_local_media_path": "/tmp", "mm_processor_cache_gb": 1.5, "allowed_media_domains": ["example.com"],
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
     "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600,
 }
