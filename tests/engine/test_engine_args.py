@@ -14,6 +14,7 @@ from pagedllm.config import (
     ALLOWED_BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_ROLES,
     LORA_DTYPES,
     PREALLOCATION_MODES,
     PREEMPTION_MODES,
@@ -34,6 +35,7 @@ CHOICES = {
     "preallocation": PREALLOCATION_MODES, "fused_ops": FUSED_OPS, "scheduling_policy": SCHEDULING_POLICIES,
     "runner": ("auto", *RUNNERS), "convert": CONVERTS, "load_format": LOAD_FORMATS,
     "kv_offloading_backend": ("native",), "lora_dtype": LORA_DTYPES, "distributed_executor_backend": EXECUTOR_BACKENDS,
+    "kv_role": KV_ROLES,
 }
 CHOICES["tokenizer_mode"] = (*TOKENIZER_MODES, "hf")
 # a value other than the default for every declared field (a new field must be added here, or to
@@ -57,7 +59,8 @@ NON_DEFAULT = {
     "hf_config_path": "org/config", "limit_mm_per_prompt": {"image": 2}, "mm_processor_kwargs": {"do_resize": False},
     "allowed_local_media_path": "/tmp", "mm_processor_cache_gb": 1.5, "allowed_media_domains": ["example.com"],
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
-    "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600,
+    "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600, "kv_role": "producer",
+    "kv_transfer_config": '{"kv_role": "kv_producer"}',  # vLLM's JSON text, as the CLI keeps it
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and
@@ -73,7 +76,8 @@ NEEDS = {"enforce_eager": {"compile_model": True}, "log_stats_interval": {"disab
          "nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
          "node_rank": {"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500},
          "kv_offload_disk_gb": {"kv_offload_dir": "/tmp/pagedllm-kv-tier-args"},
-         "kv_offload_remote_ttl": {"kv_offload_remote": "redis://127.0.0.1:6379/0"},
+         **{name: {"kv_offload_remote": "redis://127.0.0.1:6379/0"}
+            for name in ("kv_offload_remote_ttl", "kv_role", "kv_transfer_config")},
          "calculate_kv_scales": {"kv_cache_dtype": "fp8"}, "pooler_config": {"runner": "pooling"},
          **{name: {"enable_lora": True} for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")}}
 
