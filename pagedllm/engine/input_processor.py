@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,7 +104,11 @@ class InputProcessor:
         """Raises ValueError/TypeError naming the field for anything the engine cannot run.
 
         ``cache_salt`` (or the prompt dict's ``"cache_salt"``, vLLM's key) is mixed into the
-        prompt's block hashes: only requests with the same salt share prefix-cache blocks."""
+        prompt's block hashes: only requests with the same salt share prefix-cache blocks.
+        ``arrival_time`` (None: now, before any processing, as vLLM's processor takes it) is where
+        the request's queue time and TTFT start: an image's HF processing counts in them."""
+        if arrival_time is None:
+            arrival_time = time.time()
         cache_salt = self.check_cache_salt(self._salt_of(prompt, cache_salt))
         self.check_priority(priority)
         if params is None:

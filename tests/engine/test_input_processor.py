@@ -1,6 +1,8 @@
 """InputProcessor: bounded work on huge prompts, lone surrogates, id checks before the scan."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedllm.engine.input_processor import InputProcessor
@@ -63,3 +65,18 @@ def test_token_ids_checked_length_first_and_params_copied(proc):
     assert out.params.max_tokens == 61 and params.max_tokens is None
     with pytest.raises(TypeError, match="params must be SamplingParams"):
         proc.process("r", [1], {"max_tokens": 3})
+
+
+def test_arrival_is_taken_before_the_processing(proc, monkeypatch):
+    """TTFT and queue time start when the request arrives, not after its (image) processing."""
+    slow = proc.tokenize_multimodal
+
+    def tokenize_slowly(prompt):
+        time.sleep(0.2)  # an HF image processor's share
+        return slow(prompt)
+
+    monkeypatch.setattr(proc, "tokenize_multimodal", tokenize_slowly)
+    before = time.time()
+    out = proc.process("r", "abc")
+    assert before <= out.arrival_time < before + 0.2
+    assert proc.process("r", "abc", arrival_time=5.0).arrival_time == 5.0  # a caller's own stays
