@@ -47,14 +47,20 @@ def server(server_model_dir, tmp_path_factory):  # noqa: F811
                        preemption_mode="swap", swap_space=48 * 2048 / 2**30,
                        kv_offload_dir=str(tmp_path_factory.mktemp("kv-disk")), kv_offload_disk_gb=0.002)
     # every step a little slower, so a short request stays on the page long enough to be clicked
-    srv.on_loop(srv.engine.collective_rpc(slow_steps, args=(STEP_DELAY,)))
+    slow_steps(srv.engine.engine, STEP_DELAY)
     yield srv
     srv.stop()
 
 
-def slow_steps(runner, seconds: float) -> None:
-    """Runs on the engine's model runner (collective_rpc): each forward starts ``seconds`` late."""
-    runner.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+def slow_steps(engine, seconds: float) -> None:
+    """Each engine step starts ``seconds`` late (the engine loop calls ``engine.step()``; a hook on
+    the model's forward is not enough: a CPU decode step runs the C decoder without it)."""
+    step = engine.step
+
+    def late():
+        time.sleep(seconds)
+        return step()
+    engine.step = late
 
 
 @pytest.fixture(scope="module")

@@ -346,7 +346,10 @@ def _run_stream(client: openai.OpenAI, system: str, user: str, started: threadin
                        stream_options={"include_usage": True})
         for chunk in stream:
             usage = chunk.usage or usage
-            if chunk.choices and chunk.choices[0].delta.content:
+            # any choice chunk: the first (the role) comes with the first token, so the request runs;
+            # a random model's tokens often decode to no text, and waiting for text let the first
+            # streams finish before the kill (CI: 2 failovers where 4 requests had been pending)
+            if chunk.choices:
                 chunks += 1
                 started.set()
     except openai.APIError:
