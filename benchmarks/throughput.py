@@ -675,9 +675,11 @@ def parse_args(argv=None):
     sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
     vl = ap.add_argument_group("vLLM-CPU column (benchmarks/vllm_compare.py)")
     vl.add_argument("--compare-vllm", metavar="PYTHON", default=None,
-                    help="the python of a venv with vllm-cpu installed: run vLLM on the same workloads first")
+                    help="the python of a venv with vllm-cpu installed: vLLM kept loaded, alternated with "
+                    "pagedllm run by run")
     vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
-    vl.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds for the whole vLLM side")
+    vl.add_argument("--vllm-timeout", type=float, default=3600.0,
+                    help="seconds the vLLM worker may live (load included)")
     add_engine_args(ap, exclude=("quantization",))
     lc = ap.add_argument_group("llama.cpp column (benchmarks/llamacpp_runner.py), alternated with pagedllm run by run")
     lc.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,

@@ -1,6 +1,7 @@
 """The --compare-vllm plumbing of benchmarks/throughput.py (vllm_compare.py, vllm_runner.py),
-run against a fake ``vllm`` package (tests/fake_vllm): the job/result protocol, the environment
-vLLM gets, and the process group (with the engine core vLLM leaves behind) killed afterwards."""
+run against a fake ``vllm`` package (tests/fake_vllm): the job/result protocol and the ``--serve``
+worker's JSON lines, the environment vLLM gets, the process group (with the engine core vLLM
+leaves behind) killed afterwards, and throughput.py alternating pagedllm and vLLM run by run."""
 from __future__ import annotations
 
 import json
