@@ -189,11 +189,13 @@ class JsonLineWorker:
     """A system under test kept loaded in its own process, answering one JSON line per JSON line
     (``llamacpp_runner.py``, ``neighbour.py --serve``): the first line it prints is its ``info``
     (once loaded); ``run`` sends a job and returns the answer. Between jobs it blocks on stdin,
-    so it does not use a core while the other system runs."""
+    so it does not use a core while the other system runs. ``new_session``: start it in its own
+    process group (for a caller that kills the group, with whatever the worker left behind)."""
 
-    def __init__(self, cmd: list[str], name: str, env: dict[str, str] | None = None):
+    def __init__(self, cmd: list[str], name: str, env: dict[str, str] | None = None, new_session: bool = False):
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=new_session)
         self.info = self._read()
 
     def _read(self) -> dict:

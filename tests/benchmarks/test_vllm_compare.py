@@ -1,6 +1,7 @@
 """The --compare-vllm plumbing of benchmarks/throughput.py (vllm_compare.py, vllm_runner.py),
-run against a fake ``vllm`` package (tests/fake_vllm): the job/result protocol, the environment
-vLLM gets, and the process group (with the engine core vLLM leaves behind) killed afterwards."""
+run against a fake ``vllm`` package (tests/fake_vllm): the job/result protocol and the ``--serve``
+worker's JSON lines, the environment vLLM gets, the process group (with the engine core vLLM
+leaves behind) killed afterwards, and throughput.py alternating pagedllm and vLLM run by run."""
 from __future__ import annotations
 
 import json
@@ -84,21 +85,73 @@ def test_block_size_must_be_a_multiple_of_32():
         tp.parse_args(["--model", "x", "--model-size", "200m"])
 
 
-def test_throughput_runs_the_vllm_column_end_to_end(fake_vllm, llama_dir, tmp_path):
+def test_worker_answers_json_lines_in_process_and_its_group_is_killed(fake_vllm, tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_VLLM_CALLS", str(calls))
+    kwargs = {"dtype": "float32", "block_size": 32, "seed": 0}
+    worker = vc.VllmWorker(sys.executable, _model(tmp_path), kwargs, num_threads=2, timeout_s=60)
+    try:
+        assert worker.info["vllm_version"] == "0.0-fake" and worker.info["engine_kwargs"] == kwargs
+        first = worker.run([[3, 4], [7]], [3, 2])
+        second = worker.run([[9]], [1])
+    finally:
+        worker.close()
+    assert first["outputs"] == [[5, 6, 7], [8, 9]] and second["outputs"] == [[10]] and first["time_s"] >= 0
+    assert calls.read_text().split("\n")[:-1] == ["reset", "generate 3 2", "reset", "generate 9 1"]
+    rec = json.loads(fake_vllm.read_text())
+    assert rec["kwargs"] == kwargs
+    assert rec["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # engine in-process: nothing polls while idle
+    assert rec["pgid"] != os.getpgid(0)
+    assert not _alive(rec["core_pid"]) and not vc.group_alive(rec["pgid"])
+
+
+def test_worker_timeout_kills_it_and_says_so(tmp_path):
+    runner = tmp_path / "hang.py"  # never prints its ready line
+    runner.write_text("import time\ntime.sleep(600)\n")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timeout ran out"):
+        vc.VllmWorker(sys.executable, tmp_path, {}, 1, timeout_s=2, runner=runner)
+    assert time.monotonic() - t0 < 30
+
+
+def test_throughput_alternates_pagedllm_and_vllm_and_reports_pairs(fake_vllm, llama_dir, tmp_path, monkeypatch,
+                                                                    capsys):
+    events, sent = [], {}
+    run_paged, worker_run = tp.run_paged, vc.VllmWorker.run
+
+    def paged(llm, wl, prompts):
+        events.append("p")
+        return run_paged(llm, wl, prompts)
+
+    def vllm(self, prompts, output_lens):
+        events.append("v")
+        sent[len(prompts)] = (prompts, list(output_lens))
+        return worker_run(self, prompts, output_lens)
+
+    monkeypatch.setattr(tp, "run_paged", paged)
+    monkeypatch.setattr(vc.VllmWorker, "run", vllm)
     out = tmp_path / "t.json"
-    tp.main(["--model", llama_dir, "--quick", "--repeats", "1", "--skip-hf", "--workloads", "single,mixed32",
+    tp.main(["--model", llama_dir, "--quick", "--repeats", "3", "--skip-hf", "--workloads", "single,mixed32",
              "--output", str(out), "--kv-cache-memory", "64MiB", "--num-threads", "2",
              "--compare-vllm", sys.executable])
+    # per workload: the warm-ups, then pairs in flipping order (A B, B A, A B)
+    assert events[-16:] == ["p", "v", "p", "v", "v", "p", "p", "v"] * 2
     data = json.loads(out.read_text())
-    assert data["meta"]["vllm"]["vllm_version"] == "0.0-fake"
+    assert data["meta"]["vllm"]["vllm_version"] == "0.0-fake" and data["meta"]["vllm"]["wall_s"] > 0
+    report = capsys.readouterr().out
     for name in ("single", "mixed32"):
         r = data["results"][name]
         v, p = r["vllm"], r["pagedllm"]
-        assert v["ratio"] == pytest.approx(v["time_s"] / p["time_s"])  # same tokens: ratio = time ratio
+        assert len(v["pair_ratios"]) == 3 and len(v["times_s"]) == 3 and len(v["pagedllm_times_s"]) == 3
+        assert v["ratio"] == v["median_ratio"] == pytest.approx(sorted(v["pair_ratios"])[1])
+        assert v["pair_ratios"][0] == pytest.approx(v["times_s"][0] / v["pagedllm_times_s"][0])  # same tokens
         assert 0.0 <= v["greedy_agreement"] < 1.0  # the fake counts up, the model does not
+        assert "output_tok_s" in v and "output_tok_s" in p
+        pairs = " ".join(f"{x:.2f}" for x in v["pair_ratios"])
+        assert f"{name}: pagedllm / vLLM pairs {pairs}, median {v['median_ratio']:.2f}x" in report
+        assert pairs in next(line for line in report.splitlines() if line.startswith(name) and "tok/s" in line)
     mixed = tp.build_workloads(quick=True)["mixed32"]
-    job = json.loads((tmp_path / "t-vllm" / "vllm-job.json").read_text())
-    sent = {w["name"]: w for w in job["workloads"]}["mixed32"]
-    assert sent["output_lens"] == mixed.output_lens  # the same requests pagedllm gets
-    assert sent["prompts"] == tp.make_prompts(mixed.prompt_lens, 512, tp.workload_seed("mixed32"))
+    prompts, lens = sent[mixed.num_requests]
+    assert lens == mixed.output_lens  # the same requests pagedllm gets
+    assert prompts == tp.make_prompts(mixed.prompt_lens, 512, tp.workload_seed("mixed32"))
     assert not _alive(json.loads(fake_vllm.read_text())["core_pid"])

@@ -2,7 +2,9 @@
 ``--compare-vllm`` plumbing without vLLM: the same names the runner uses, deterministic
 "greedy" outputs (each token is the previous one + 1), and, like vLLM's engine core, a
 background process that outlives the runner (its pid and the engine's settings are written to
-``$FAKE_VLLM_RECORD``). ``FAKE_VLLM_FAIL=1`` makes loading fail."""
+``$FAKE_VLLM_RECORD``). ``FAKE_VLLM_FAIL=1`` makes loading fail. With ``$FAKE_VLLM_CALLS`` set,
+each ``reset_prefix_cache`` and ``generate`` call appends a line to that file (``reset``,
+``generate <first prompt's first id> <requests>``)."""
 from __future__ import annotations
 
 import json
@@ -50,11 +52,19 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1
+        _log_call("reset")
 
     def generate(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool = True) -> list[_Output]:
         assert all(p.temperature == 0.0 and p.ignore_eos for p in params)
+        _log_call(f"generate {prompts[0]['prompt_token_ids'][0]} {len(prompts)}")
         return [_Output([_Completion(self._count_up(pr["prompt_token_ids"][-1], sp.max_tokens))])
                 for pr, sp in zip(prompts, params)]
 
     def _count_up(self, last: int, n: int) -> list[int]:
         return [(last + i + 1) % self.vocab for i in range(n)]
+
+
+def _log_call(line: str) -> None:
+    if os.environ.get("FAKE_VLLM_CALLS"):
+        with open(os.environ["FAKE_VLLM_CALLS"], "a") as f:
+            f.write(line + "\n")
