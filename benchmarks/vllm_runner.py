@@ -74,19 +74,30 @@ def run(job: dict) -> dict:
                 engine_kwargs=job["engine_kwargs"], results=results)
 
 
+def protocol_stdout():
+    """A private copy of stdout for the JSON lines, with file descriptor 1 pointed at stderr:
+    vLLM and its libraries print to stdout (its Triton notice on import), which broke the first
+    real run's ready line."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return out
+
+
 def serve(model: str, engine_kwargs: dict) -> None:
     """The JSON-line worker (``--serve``): one load, then one timed run per line on stdin."""
+    out = protocol_stdout()  # before vllm is imported
     import vllm
     t0 = time.perf_counter()
     llm = vllm.LLM(model=model, **engine_kwargs)
     print(json.dumps(dict(ready=True, vllm_version=getattr(vllm, "__version__", "?"),
-                          load_s=time.perf_counter() - t0, engine_kwargs=engine_kwargs)), flush=True)
+                          load_s=time.perf_counter() - t0, engine_kwargs=engine_kwargs)), file=out, flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         reset_prefix_cache(llm)
         t0 = time.perf_counter()
         outputs = generate(llm, vllm, job["prompts"], job["output_lens"])
-        print(json.dumps({"time_s": time.perf_counter() - t0, "outputs": outputs}), flush=True)
+        print(json.dumps({"time_s": time.perf_counter() - t0, "outputs": outputs}), file=out, flush=True)
 
 
 def main(argv: list[str], run_job=None) -> None:

@@ -4,7 +4,8 @@
 background process that outlives the runner (its pid and the engine's settings are written to
 ``$FAKE_VLLM_RECORD``). ``FAKE_VLLM_FAIL=1`` makes loading fail. With ``$FAKE_VLLM_CALLS`` set,
 each ``reset_prefix_cache`` and ``generate`` call appends a line to that file (``reset``,
-``generate <first prompt's first id> <requests>``)."""
+``generate <first prompt's first id> <requests>``). Like vLLM (its Triton notice), importing it
+prints a line to stdout, which the JSON-line worker must keep out of its answers."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 __version__ = "0.0-fake"
+print("Triton is installed, but doesn't include CPU backend. Disabling Triton.")  # as vLLM 0.32 does
 
 
 @dataclass
