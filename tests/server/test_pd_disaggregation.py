@@ -105,10 +105,15 @@ def test_streamed_chat_equals_one_replica(replicas, pd_router):
 
 def test_router_shows_roles_and_remote_hits(replicas, pd_router):
     prefill, decode = replicas
-    wait_for(lambda: _total(pd_router, "pagedllm:router_remote_kv_hits") > 0, 10, "a scrape of the replicas")
-    backends = {b["url"]: b for b in httpx.get(f"{pd_router}/router/backends").json()["backends"]}
+    seen = {}
+
+    def settled() -> bool:  # two reads, between which a scrape may land (CI: 18 then 27): read until they agree
+        seen["backends"] = {b["url"]: b for b in httpx.get(f"{pd_router}/router/backends").json()["backends"]}
+        hits = seen["backends"][decode]["remote_kv_hits"]
+        return hits > 0 and hits == _total(pd_router, "pagedllm:router_remote_kv_hits")
+    wait_for(settled, 20, "the router's remote hits to show the decode replica's")
+    backends = seen["backends"]
     assert backends[prefill]["role"] == "prefill" and backends[decode]["role"] == "decode"
-    assert backends[decode]["remote_kv_hits"] == _total(pd_router, "pagedllm:router_remote_kv_hits")
 
 
 def test_pool_miss_recomputes(replicas, pd_router, redis, hf_model):
