@@ -37,6 +37,14 @@ class RedisServer:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server on port {self.port} did not start")
 
+    def __enter__(self) -> RedisServer:
+        """Started; stopped again when the ``with`` block (a fixture's ``yield``) ends."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()

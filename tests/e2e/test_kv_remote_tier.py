@@ -18,10 +18,8 @@ NUM_DOC_BLOCKS = len(DOC) // BLOCK  # full blocks of the shared document
 
 @pytest.fixture
 def server():
-    srv = RedisServer()
-    srv.start()
-    yield srv
-    srv.kill()
+    with RedisServer() as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

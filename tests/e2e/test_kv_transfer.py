@@ -19,10 +19,8 @@ PREFILL = SamplingParams(temperature=0, max_tokens=1)
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RedisServer()
-    srv.start()
-    yield srv
-    srv.kill()
+    with RedisServer() as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

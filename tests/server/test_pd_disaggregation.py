@@ -24,10 +24,8 @@ PROMPTS = random_prompts(3, seed=90, lo=41, hi=60)  # 5-7 full blocks each
 
 @pytest.fixture(scope="module")
 def redis():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.kill()
+    with RedisServer() as server:
+        yield server
 
 
 def _replica_flags(redis_url: str, role: str) -> list[str]:
