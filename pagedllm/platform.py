@@ -111,6 +111,26 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
+
+
+def populate_pages(t: torch.Tensor) -> bool:
+    """Faults in the pages under the contiguous CPU tensor ``t`` as written, without changing
+    what they hold (``madvise(MADV_POPULATE_WRITE)``), so later writes to them do not fault;
+    False where the kernel has no such advice (then nothing happened).
+
+    Why not ``t.zero_()``: that writes, so it may only run before anyone uses ``t``; populating
+    leaves the contents alone and is safe beside the engine writing into the same pages (the KV
+    pool is populated in the background while the engine serves)."""
+    if t.numel() == 0:
+        return True
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page  # madvise wants a page boundary: the page holding t's first byte
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
+
+
 def huge_page_views(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Uninitialised contiguous CPU tensors of the given (shape, dtype)s, side by side in one
     mapping in 2 MiB pages (``huge_page_empty``), each at a 4 KiB boundary: one mapping wastes at

@@ -1,6 +1,8 @@
 """CPU tensors in 2 MiB pages (platform.py): placement, values, ties, and the engine's use of them."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -10,7 +12,14 @@ from pagedllm.platform import (
     huge_page_empty,
     huge_pages_supported,
     module_to_huge_pages,
+    populate_pages,
 )
+
+
+def _kernel_populates() -> bool:
+    import mmap
+    area = mmap.mmap(-1, 4096)
+    return populate_pages(torch.frombuffer(area, dtype=torch.uint8))
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -162,9 +171,9 @@ def _resident_fraction(t: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("flag", ["1", "0"])
-def test_the_cpu_kv_pool_is_written_once_at_start_up(llama_dir, monkeypatch, flag):
-    """Every page of the pool is resident before the first request (nothing faults in while
-    serving) and reads zero."""
+def test_the_cpu_kv_pool_is_resident_before_the_first_request(llama_dir, monkeypatch, flag):
+    """A pool within ``PREFAULT_SYNC_BYTES``: every page is in memory when the engine is built
+    (nothing faults in while serving), and it reads zero."""
     from pagedllm import LLM
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", flag)
     llm = LLM(llama_dir, device="cpu", block_size=8, max_model_len=64, kv_cache_memory=8 * 2**20)
@@ -172,3 +181,62 @@ def test_the_cpu_kv_pool_is_written_once_at_start_up(llama_dir, monkeypatch, fla
     assert kv.numel() * kv.element_size() >= 4 * 2**20
     assert _resident_fraction(kv) == 1.0
     assert not kv.any()
+
+
+needs_populate = pytest.mark.skipif(
+    not huge_pages_supported() or not populate_pages(torch.empty(0)) or not _kernel_populates(),
+    reason="no transparent huge pages or no MADV_POPULATE_WRITE (Linux < 5.14)")
+
+
+@needs_populate
+def test_a_large_pool_is_populated_first_blocks_first_then_in_the_background(monkeypatch):
+    """Past ``PREFAULT_SYNC_BYTES`` the first blocks (in every layer) are resident at once, the
+    rest after the background thread; the values are never touched (the engine may already be
+    writing its first blocks: they keep what it wrote)."""
+    from pagedllm.kv_cache.spec import KVCacheSpec
+    from pagedllm.worker import cache_engine
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    monkeypatch.setattr(cache_engine, "PREFAULT_SYNC_BYTES", 4 * 2**20)
+    started = threading.Event()
+    release = threading.Event()
+    real_run = cache_engine.PoolPrefault._run
+
+    def held_run(self, first):  # hold the thread until the first blocks are checked
+        started.set()
+        release.wait(30)
+        real_run(self, first)
+    monkeypatch.setattr(cache_engine.PoolPrefault, "_run", held_run)
+    spec = KVCacheSpec.full(2, 64)
+    # 4 layers x K/V x 512 blocks x 2 heads x 16 x 64 fp32 = 32 MiB; a block in every slab: 64 KiB
+    engine = cache_engine.CacheEngine(spec, 4, 512, 16, torch.float32, torch.device("cpu"))
+    assert started.wait(30)
+    first = 4 * 2**20 // (8 * 2 * 16 * 64 * 4)  # 64 blocks populated before the constructor returned
+    for slab in engine.kv.flatten(0, 1):
+        assert _resident_fraction(slab[:first]) == 1.0
+        assert _resident_fraction(slab[-64:]) == 0.0  # a slab is 4 MiB: its second 2 MiB page is not in yet
+    engine.kv[0, 0, 0].fill_(7.0)  # the engine writes its first block while the rest populates
+    release.set()
+    assert engine.wait_prefaulted(60)
+    assert _resident_fraction(engine.kv) == 1.0
+    assert engine.kv[0, 0, 0].eq(7.0).all() and engine.kv.count_nonzero() == engine.kv[0, 0, 0].numel()
+    engine.close()
+
+
+@needs_populate
+def test_close_stops_the_background_prefault(monkeypatch):
+    from pagedllm.kv_cache.spec import KVCacheSpec
+    from pagedllm.worker import cache_engine
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    monkeypatch.setattr(cache_engine, "PREFAULT_SYNC_BYTES", 2**20)
+    chunks = []
+    real_populate = cache_engine.PoolPrefault._populate
+
+    def counted(self, lo, hi):
+        chunks.append(lo)
+        return real_populate(self, lo, hi)
+    monkeypatch.setattr(cache_engine.PoolPrefault, "_populate", counted)
+    engine = cache_engine.CacheEngine(KVCacheSpec.full(2, 64), 4, 4096, 16, torch.float32,
+                                      torch.device("cpu"))
+    engine.close()  # joins the thread
+    assert engine.wait_prefaulted(0)
+    assert len(chunks) < 4096 // 32  # stopped before its last chunk (32 blocks per chunk here)

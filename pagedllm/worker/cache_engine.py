@@ -1,10 +1,18 @@
 """Owns the KV tensors: one pool allocated once, plus block copies (CoW) and swaps."""
 from __future__ import annotations
 
+import math
+import os
+import threading
+
 import torch
 
 from pagedllm.kv_cache.spec import KVCacheSpec
-from pagedllm.platform import huge_page_empty, huge_pages_enabled
+from pagedllm.platform import HUGE_PAGE, huge_page_empty, huge_pages_enabled, populate_pages
+
+# bytes of the pool populated before the engine starts (~0.2 s at this VM's 2 MiB first-touch
+# rate): the blocks of the first requests; the rest follows in the background
+PREFAULT_SYNC_BYTES = 64 * 1024**2
 
 
 class CacheEngine:
@@ -21,21 +29,45 @@ class CacheEngine:
                  dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
         """``num_layers``: the layers this rank's pipeline stage holds."""
         shape = spec.pool_shape(num_layers, num_blocks, block_size)
-        # on the CPU in 2 MiB pages, which attention streams 1.4-1.6x faster at batch 64
-        # (platform.huge_page_empty), and written once here, as vLLM's torch.zeros does: left to
-        # first touch, every run that reached never-written blocks faulted their pages in while
-        # serving (the block pool hands out fresh blocks first), ~0.6 s of a 5 s batch-64 run of
-        # the 34M model on this VM (first touch ~0.7 GB/s); zeroing the 1 GiB pool takes ~1.4 s
-        # at start-up, and a pool that does not fit fails here rather than mid-request
+        self._prefault: PoolPrefault | None = None
         if device.type == "cpu":
-            self.kv = huge_page_empty(shape, dtype) if huge_pages_enabled() else torch.empty(shape, dtype=dtype)
-            self.kv.zero_()
+            self.kv = self._cpu_pool(shape, dtype)
         else:
             self.kv = torch.empty(shape, dtype=dtype, device=device)
         cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
         pin = device.type == "cuda"
         self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
         self.layer_caches = [tuple(self.kv[i, j] for j in range(shape[1])) for i in range(shape[0])]
+
+    def _cpu_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The pool on the CPU, zero, in 2 MiB pages where the host gives them (attention streams
+        them 1.4-1.6x faster at batch 64, platform.huge_page_empty), with its pages faulted in
+        before the engine writes them: left to first touch, every run that reached never-written
+        blocks faulted their pages in while serving (the block pool hands out fresh blocks first),
+        ~0.6 s of a 5 s batch-64 run of the 34M model on this VM.
+
+        Faulting in the whole 4 GiB default pool took 10-13 s of start-up on this VM (2 MiB first
+        touch there runs at ~0.3 GB/s), so only the first blocks are populated here and the rest
+        in block-id order by a background thread (``PoolPrefault``), ahead of the block pool's
+        fresh-first hand-out; populating never changes contents, so it is safe beside the engine's
+        writes. A kernel without ``MADV_POPULATE_WRITE`` (before 5.14) zeroes the pool here, as
+        vLLM's ``torch.zeros`` does."""
+        if not huge_pages_enabled():
+            return torch.zeros(shape, dtype=dtype)
+        kv = huge_page_empty(shape, dtype)  # a fresh anonymous mapping: reads zero
+        self._prefault = PoolPrefault.start(kv)
+        if self._prefault is None:
+            kv.zero_()
+        return kv
+
+    def close(self) -> None:
+        """Stops the background prefault (the pool may be dropped at once after)."""
+        if self._prefault is not None:
+            self._prefault.stop()
+
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Blocks until every page of the CPU pool is faulted in; False on timeout."""
+        return self._prefault is None or self._prefault.wait(timeout)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write plan: ``dst`` becomes a copy of ``src`` in every layer."""
@@ -57,3 +89,62 @@ class CacheEngine:
             return
         src, dst = (torch.tensor(x) for x in zip(*pairs))
         self.kv[:, :, dst.to(self.kv.device)] = self.cpu_kv[:, :, src].to(self.kv.device, non_blocking=True)
+
+
+class PoolPrefault:
+    """Faults in a CPU KV pool's pages in block-id order: the first ``PREFAULT_SYNC_BYTES`` at
+    once, the rest on a background thread at the lowest CPU priority (nice 19), so it runs on
+    cycles the engine leaves idle and start-up does not wait for a pool of gigabytes.
+
+    The pool ``[layers, tensors, blocks, ...]`` holds block ``b`` in every ``(layer, tensor)``
+    slab, so each chunk of blocks is populated in all slabs together."""
+
+    def __init__(self, kv: torch.Tensor):
+        self._slabs = kv.flatten(0, 1)  # [layers * tensors, blocks, ...]
+        block_bytes = self._slabs[0, 0].numel() * kv.element_size()  # one block of one slab
+        self._chunk = max(1, math.ceil(HUGE_PAGE / block_bytes))  # blocks per chunk: >= 2 MiB per slab
+        self._stopped = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, kv: torch.Tensor) -> PoolPrefault | None:
+        """Populates the first blocks and starts the thread for the rest; None where the kernel
+        cannot populate (nothing was done)."""
+        self = cls(kv)
+        num_blocks = self._slabs.shape[1]
+        per_block = self._slabs[:, 0].numel() * kv.element_size()  # one block in every slab
+        sync_blocks = min(num_blocks, max(1, PREFAULT_SYNC_BYTES // max(1, per_block)))
+        if not self._populate(0, sync_blocks):
+            return None
+        if sync_blocks == num_blocks:
+            self._done.set()
+        else:
+            self._thread = threading.Thread(target=self._run, args=(sync_blocks,), daemon=True,
+                                            name="pagedllm-kv-prefault")
+            self._thread.start()
+        return self
+
+    def _populate(self, lo: int, hi: int) -> bool:
+        return all(populate_pages(slab[lo:hi]) for slab in self._slabs)
+
+    def _run(self, first: int) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        except (OSError, AttributeError):
+            pass
+        num_blocks = self._slabs.shape[1]
+        for lo in range(first, num_blocks, self._chunk):
+            if self._stopped.is_set():
+                break
+            self._populate(lo, min(num_blocks, lo + self._chunk))
+        self._slabs = None  # let the pool go with its engine
+        self._done.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)

@@ -203,6 +203,8 @@ class ModelRunner:
     def release(self) -> None:
         """Frees the KV pool, the weights and the decode graphs (their memory pool); the runner
         cannot execute afterwards."""
+        if self.cache is not None:
+            self.cache.close()
         self.cache = None
         self.model = None
         self.decode_graphs = None
@@ -226,6 +228,7 @@ class ModelRunner:
     def _drop_cache(self) -> None:
         if self.cache is None:
             return
+        self.cache.close()
         self.cache, self.decode_graphs = None, None
         self.block_table.reset()
         if self.device.type == "cpu":
