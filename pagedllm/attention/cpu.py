@@ -42,6 +42,7 @@ from pagedllm.attention.kv_quant import to_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.native import bindings
+from pagedllm.utils import graph_break
 
 
 def _rows_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +92,7 @@ class CpuAttentionBackend(AttentionBackend):
     def _threads(self) -> int:
         return max(1, self.num_threads or torch.get_num_threads())
 
-    @torch.compiler.disable  # a ctypes call: under torch.compile, a clean graph break
+    @graph_break  # a ctypes call: under torch.compile, a clean graph break
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 attention_chunk_size: int | None = None, sinks=None):

@@ -30,7 +30,7 @@ from pagedllm.lora.model import LoRAModel
 from pagedllm.models.loader import build_model, get_model_class, load_named_weights, load_weights
 from pagedllm.multimodal.mrope import batch_positions
 from pagedllm.platform import available_ram, huge_pages_enabled, keep_freed_memory, module_to_huge_pages
-from pagedllm.utils import cdiv
+from pagedllm.utils import cdiv, graph_break
 from pagedllm.worker import sleep_mode
 from pagedllm.worker.block_table import PersistentBlockTable
 from pagedllm.worker.cache_engine import CacheEngine
@@ -141,6 +141,7 @@ class ModelRunner:
         """torch.compile every decoder layer (dynamic shapes). The C attention call is a graph
         break, and the fused C ops give way to plain torch ops inside compiled code.
         ``benchmarks/compile_probe.py`` measures it: no gain on CPU, seconds of compile time."""
+        graph_break.apply_graph_breaks()
         layers = self.model.model.layers
         for i in range(self.stage.start, self.stage.end):
             layers[i] = torch.compile(layers[i], dynamic=True)
