@@ -149,7 +149,7 @@ def test_frame_rate_reaches_qwen2_5_vl_outputs(model):
     ({"video": (make_video(1), {"speed": 2})}, "metadata has \\['speed'\\]"),
     ({"video": "clip.mp4"}, "must be a video"),
     ({"video": make_video(1), "image": {"image_embeds": torch.zeros(4, 64), "image_grid_thw": [[1, 4, 4]]}},
-     "cannot mix image_embeds with a video"),
+     "cannot mix image_embeds with a raw video"),
 ])
 def test_bad_video_inputs_are_refused(model, mm, match):
     llm, _ = model
