@@ -31,6 +31,9 @@ from pagedllm.multimodal.processor_cache import ProcessorCache
 from pagedllm.multimodal.video import FramesVideoProcessor, parse_videos, video_hash
 
 MODALITIES = ("image", "video")
+# transformers' video processor options that pick frames (and vLLM's num_frames): the frames given are
+# all kept (FramesVideoProcessor, and transformers' own with do_sample_frames off), so these are refused
+FRAME_SAMPLING_OPTIONS = frozenset({"fps", "num_frames", "do_sample_frames", "min_frames", "max_frames"})
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
@@ -93,7 +96,11 @@ def check_limit_mm_per_prompt(value: object) -> tuple[tuple[str, int], ...]:
         raise ValueError(f"limit_mm_per_prompt={value!r:.80} must be a dict such as {{'image': 4}}")
     pairs = []
     for modality, limit in value.items():
-        if isinstance(limit, Mapping) and set(limit) <= {"count"}:
+        if isinstance(limit, Mapping):
+            extra = sorted(set(limit) - {"count"}, key=str)
+            if extra:  # vLLM's dummy-input sizes (num_frames, width, height) for its profiling run
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] has {extra}: only 'count' is taken (the "
+                                 "profiling run's dummy input is sized by max_num_batched_tokens, not by these)")
             limit = limit.get("count")
         if modality not in MODALITIES:
             raise ValueError(f"limit_mm_per_prompt has modality {modality!r}: supported modalities are {MODALITIES}")
@@ -123,6 +130,7 @@ class MultiModalProcessor:
         image_processor = getattr(hf_processor, "image_processor", None)
         self.option_names = _image_options(image_processor)
         self.check_limits()
+        self._options(None)  # the engine's mm_processor_kwargs: refused at start-up, not at the first image
 
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
@@ -337,9 +345,14 @@ class MultiModalProcessor:
             raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} must be a dict")
         options = {**dict(self.limits.processor_kwargs), **dict(kwargs or {})}
         unknown = sorted(set(options) - self.option_names)
+        sampling = [name for name in unknown if name in FRAME_SAMPLING_OPTIONS]
+        if sampling:
+            raise ValueError(f"mm_processor_kwargs has {sampling}: videos are not resampled here (every frame given is "
+                             "kept); sample the frames before sending them and give their rate as the video's "
+                             "metadata fps (multi_modal_data={'video': (frames, {'fps': ...})})")
         if unknown:
             raise ValueError(f"mm_processor_kwargs has {unknown}: this model's image processor takes "
-                             f"{sorted(self.option_names)}")
+                             f"{sorted(self.option_names)} (applied to images and to every video frame)")
         return options
 
     def _placeholder_runs(self, ids: list[int], lengths: list[int], token_id: int,

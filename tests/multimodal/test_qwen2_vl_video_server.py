@@ -133,3 +133,13 @@ def test_metrics_count_videos_and_images_apart(client):
     after_image = _encoded(client)
     assert [a - b for a, b in zip(after_video, before)] == [0, 1, 3]
     assert [a - b for a, b in zip(after_image, after_video)] == [1, 0, 0]
+
+
+def test_frame_sampling_kwargs_are_400s(client):
+    """vLLM's num_frames / fps in mm_processor_kwargs are refused by name (every frame sent is kept)."""
+    url, _ = jpeg_frames_url(make_video(1, frames=2))
+    messages = [{"role": "user", "content": [_video(url)]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=messages,
+                                       extra_body={"mm_processor_kwargs": {"num_frames": 1}})
+    assert "mm_processor_kwargs has ['num_frames']: videos are not resampled here" in info.value.body["message"]

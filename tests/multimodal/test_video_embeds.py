@@ -25,7 +25,7 @@ def model(request, qwen2_vl_dir, qwen2_5_vl_dir):
     """(engine, transformers oracle, version) on Qwen2-VL, then on Qwen2.5-VL."""
     path = qwen2_vl_dir if request.param == "2" else qwen2_5_vl_dir
     engine = LLM(model=path, max_model_len=256, kv_cache_memory=2**22, max_num_batched_tokens=96, block_size=8,
-                 limit_mm_per_prompt={"image": 1, "video": 2})
+                 limit_mm_per_prompt={"image": 1, "video": 2}, enable_mm_embeds=True)  # as vLLM needs it
     yield engine, load_hf(path), request.param
     engine.llm_engine.shutdown()
 
