@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.multimodal import qwen2_vl_fixtures
-from tests.multimodal.llava_fixtures import make_image
+from tests.multimodal.llava_fixtures import make_image, no_tower
 from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, VIDEO, hf_generate, load_hf, make_video
 
 qwen2_vl_dir, qwen2_5_vl_dir = qwen2_vl_fixtures.qwen2_vl_dir, qwen2_vl_fixtures.qwen2_5_vl_dir  # fixtures
@@ -68,7 +68,7 @@ def test_video_embeds_equal_the_videos(model, monkeypatch):
     expected = hf_generate(hf, text, [image], MAX_NEW, videos, videos_kwargs={"video_metadata": _metadata(videos, 1.0)})
     raw = {"image": [image], "video": [(v, {"fps": 1.0}) for v in videos]}
     assert _generate(llm, text, raw) == expected
-    monkeypatch.setattr(llm.llm_engine.executor.runner.model, "encode_pixels", _refuse)
+    no_tower(llm, monkeypatch)
     mm = {"image": _image_embeds(hf, image), "video": _video_embeds(hf, videos, 1.0)}
     assert _generate(llm, text, mm) == expected
     # the same token ids and runs, and M-RoPE grids and temporal spacing (Qwen2.5-VL: 8 per temporal patch
@@ -77,10 +77,6 @@ def test_video_embeds_equal_the_videos(model, monkeypatch):
               for ids, items in (llm.llm_engine.multimodal.process(text, data) for data in (raw, mm))]
     assert layout[0] == layout[1]
     assert {m[3] for m in layout[1][1] if m[4] == "video"} == ({1.0} if version == "2" else {8.0})
-
-
-def _refuse(data):
-    raise AssertionError("the vision tower ran for precomputed embeddings")
 
 
 def test_video_embeds_share_prefix_blocks(model):
