@@ -206,8 +206,8 @@ def test_frame_sampling_options_are_refused(model, kwargs):
 
 def test_engine_video_options_are_checked_at_start(qwen2_vl_dir):
     """The engine's mm_processor_kwargs are refused when the processor is built (not at the first
-    video); vLLM's dummy-input sizes in limit_mm_per_prompt and media loader options are refused
-    by name; only a count is a limit."""
+    video); vLLM's dummy-input sizes in limit_mm_per_prompt, media loader options and video token
+    pruning are refused by name; only a count is a limit."""
     from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor, check_limit_mm_per_prompt
     with pytest.raises(ValueError, match="mm_processor_kwargs has \\['fps'\\]: videos are not resampled"):
         MultiModalProcessor.from_pretrained(qwen2_vl_dir, 0, MultiModalLimits(processor_kwargs=(("fps", 2),)),
@@ -217,3 +217,5 @@ def test_engine_video_options_are_checked_at_start(qwen2_vl_dir):
         check_limit_mm_per_prompt({"video": {"count": 1, "num_frames": 8}})
     with pytest.raises(ValueError, match="media_io_kwargs=.* is not supported: .*32 evenly spaced frames"):
         LLM(model=qwen2_vl_dir, media_io_kwargs={"video": {"num_frames": 8}})
+    with pytest.raises(ValueError, match="video_pruning_rate=0.5 is not supported: video token pruning"):
+        LLM(model=qwen2_vl_dir, video_pruning_rate=0.5)
