@@ -52,10 +52,12 @@ class VisionLanguageModel(nn.Module):
 
     @torch.inference_mode()
     def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's embeddings ``[placeholder tokens, hidden]``: precomputed ``image_embeds``
-        as given (the tower is skipped; multimodal/embeds.py), else the tower's on its pixels."""
-        if "image_embeds" in data:
-            return data["image_embeds"].to(self.language_model.model.embed_tokens.weight.dtype)
+        """One image's (video's) embeddings ``[placeholder tokens, hidden]``: precomputed
+        ``image_embeds`` / ``video_embeds`` as given (the tower is skipped; multimodal/embeds.py),
+        else the tower's on its pixels."""
+        embeds = data.get("image_embeds", data.get("video_embeds"))
+        if embeds is not None:
+            return embeds.to(self.language_model.model.embed_tokens.weight.dtype)
         return self.encode_pixels(data)
 
     def encode_pixels(self, data: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -23,8 +23,11 @@ from pagedllm.multimodal.inputs import MultiModalItem
 
 @dataclass
 class EncoderCacheStats:
-    images_encoded: int = 0  # vision tower runs
-    cache_hits: int = 0  # images a chunk needed that were already encoded (another request, or its own earlier chunk)
+    # items whose embeddings entered the cache (the vision tower's, or precomputed image_embeds / video_embeds)
+    images_encoded: int = 0  # images (and crops of images)
+    videos_encoded: int = 0
+    video_frames_encoded: int = 0  # the frames of those videos (precomputed video_embeds carry none)
+    cache_hits: int = 0  # items a chunk needed that were already encoded (another request, or its own earlier chunk)
     encoder_seconds: float = 0.0  # the vision tower's time, summed over the steps that encoded
     encoder_steps: int = 0  # steps that encoded at least one image
 
@@ -51,6 +54,7 @@ class EncoderCacheManager:
         self.held: dict[str, set[bytes]] = {}  # request id -> hashes it references
         self.step_left = budget
         self.frees: list[bytes] = []
+        self.videos: set[bytes] = set()  # the entries that are videos (the rest: images)
         self.stats = EncoderCacheStats()
 
     def begin_step(self) -> None:
@@ -84,7 +88,7 @@ class EncoderCacheManager:
                 self._evict(item.length)
                 self.entries[item.hash] = item.length
                 self.step_left -= item.length
-                self.stats.images_encoded += 1
+                self._count(item)
                 to_encode.append(EncoderInput(item.hash, item.data))
             self.refs.setdefault(item.hash, set()).add(request_id)
             self.held.setdefault(request_id, set()).add(item.hash)
@@ -102,19 +106,32 @@ class EncoderCacheManager:
             self._unref(request_id, image)
         self.held.pop(request_id, None)
 
+    def _count(self, item: MultiModalItem) -> None:
+        if item.modality == "video":
+            self.stats.videos_encoded += 1
+            self.stats.video_frames_encoded += item.frames
+            self.videos.add(item.hash)
+        else:
+            self.stats.images_encoded += 1
+
     def record_encoder_time(self, seconds: float) -> None:
         """A step's vision-tower time (the worker measures it; steps that encoded nothing are not counted)."""
         self.stats.encoder_seconds += seconds
         self.stats.encoder_steps += 1
 
     def metrics(self) -> list[Metric]:
-        """Images encoded, encoder-cache hits, the tower's time (seconds and steps: their ratio is
-        the time per encoding step), and what the cache holds (images, embedding rows)."""
+        """Images, videos and video frames encoded, encoder-cache hits, the tower's time (seconds and
+        steps: their ratio is the time per encoding step), and what the cache holds (images, videos,
+        embedding rows)."""
+        videos = len(self.videos)
         return [Metric("pagedllm:mm_images_encoded", self.stats.images_encoded, kind="counter"),
+                Metric("pagedllm:mm_videos_encoded", self.stats.videos_encoded, kind="counter"),
+                Metric("pagedllm:mm_video_frames_encoded", self.stats.video_frames_encoded, kind="counter"),
                 Metric("pagedllm:mm_encoder_cache_hits", self.stats.cache_hits, kind="counter"),
                 Metric("pagedllm:mm_encoder_seconds", self.stats.encoder_seconds, kind="counter"),
                 Metric("pagedllm:mm_encoder_steps", self.stats.encoder_steps, kind="counter"),
-                Metric("pagedllm:mm_encoder_cache_images", len(self.entries)),
+                Metric("pagedllm:mm_encoder_cache_images", len(self.entries) - videos),
+                Metric("pagedllm:mm_encoder_cache_videos", videos),
                 Metric("pagedllm:mm_encoder_cache_usage_perc", sum(self.entries.values()) / self.capacity)]
 
     def take_frees(self) -> list[bytes]:
@@ -124,8 +141,7 @@ class EncoderCacheManager:
     def reset(self) -> None:
         """Forgets every unreferenced entry (the worker is told to drop them)."""
         for image in [h for h in self.entries if not self.refs.get(h)]:
-            del self.entries[image]
-            self.frees.append(image)
+            self._drop(image)
 
     def _unref(self, request_id: str, image: bytes) -> None:
         self.held[request_id].discard(image)
@@ -145,5 +161,10 @@ class EncoderCacheManager:
         for image in [h for h in self.entries if not self.refs.get(h)]:
             if used + rows <= self.capacity:
                 break
-            used -= self.entries.pop(image)
-            self.frees.append(image)
+            used -= self._drop(image)
+
+    def _drop(self, image: bytes) -> int:
+        """Forgets an entry (the worker is told to drop it); returns its rows."""
+        self.videos.discard(image)
+        self.frees.append(image)
+        return self.entries.pop(image)

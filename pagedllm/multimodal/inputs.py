@@ -31,6 +31,10 @@ class MultiModalItem:
     # Gemma 3: the run's tokens attend to each other in both directions (attention/metadata.py's
     # attend_ends), so the scheduler never splits the run across chunks
     bidirectional: bool = False
+    # "image" (an image or a crop of one) or "video"; a video's frames (0 for precomputed video_embeds),
+    # which the encoder cache's metrics count
+    modality: str = "image"
+    frames: int = 0
 
     @property
     def end(self) -> int:

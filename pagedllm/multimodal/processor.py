@@ -18,12 +18,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.multimodal.embeds import embeds_hash, expand_placeholders, parse_image_embeds
+from pagedllm.multimodal.embeds import (
+    VIDEO_SECONDS,
+    embed_keys,
+    embeds_hash,
+    expand_placeholders,
+    parse_embeds,
+    video_seconds,
+)
 from pagedllm.multimodal.inputs import MultiModalItem, image_hash, tensors_hash, to_pil_images
 from pagedllm.multimodal.processor_cache import ProcessorCache
 from pagedllm.multimodal.video import FramesVideoProcessor, parse_videos, video_hash
 
 MODALITIES = ("image", "video")
+# transformers' video processor options that pick frames (and vLLM's num_frames): the frames given are
+# all kept (FramesVideoProcessor, and transformers' own with do_sample_frames off), so these are refused
+FRAME_SAMPLING_OPTIONS = frozenset({"fps", "num_frames", "do_sample_frames", "min_frames", "max_frames"})
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
@@ -86,7 +96,11 @@ def check_limit_mm_per_prompt(value: object) -> tuple[tuple[str, int], ...]:
         raise ValueError(f"limit_mm_per_prompt={value!r:.80} must be a dict such as {{'image': 4}}")
     pairs = []
     for modality, limit in value.items():
-        if isinstance(limit, Mapping) and set(limit) <= {"count"}:
+        if isinstance(limit, Mapping):
+            extra = sorted(set(limit) - {"count"}, key=str)
+            if extra:  # vLLM's dummy-input sizes (num_frames, width, height) for its profiling run
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] has {extra}: only 'count' is taken (the "
+                                 "profiling run's dummy input is sized by max_num_batched_tokens, not by these)")
             limit = limit.get("count")
         if modality not in MODALITIES:
             raise ValueError(f"limit_mm_per_prompt has modality {modality!r}: supported modalities are {MODALITIES}")
@@ -116,6 +130,7 @@ class MultiModalProcessor:
         image_processor = getattr(hf_processor, "image_processor", None)
         self.option_names = _image_options(image_processor)
         self.check_limits()
+        self._options(None)  # the engine's mm_processor_kwargs: refused at start-up, not at the first image
 
     @classmethod
     def from_pretrained(cls, model_dir: str, image_token_id: int, limits: MultiModalLimits,
@@ -148,7 +163,7 @@ class MultiModalProcessor:
         ``mm_data``: ``{"image": ..., "video": ...}`` (multimodal/inputs.py, video.py).
         ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat template's text, which
         writes its own). Raises ValueError naming the field for anything it cannot take."""
-        if isinstance(mm_data, Mapping) and isinstance(mm_data.get("image"), Mapping):
+        if isinstance(mm_data, Mapping) and any(isinstance(value, Mapping) for value in mm_data.values()):
             return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images, (videos, metadata) = self._inputs(mm_data)
         options = self._options(kwargs)
@@ -240,34 +255,51 @@ class MultiModalProcessor:
         intervals = self.layout.video_intervals(out, len(videos))
         runs = self._placeholder_runs(ids, [self.image_rows(d) for d in data], self.video_token_id, "video")
         return tuple(MultiModalItem(video_hash(frames, options, interval), offset, length, d, self.layout.grid(d),
-                                    interval)
+                                    interval, modality="video", frames=len(frames))
                      for frames, interval, (offset, length), d in zip(videos, intervals, runs, data))
 
     def _process_embeds(self, text: str, mm_data: Mapping, kwargs: object,
                         add_special_tokens: bool) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Precomputed embeddings (multimodal/embeds.py): the text is tokenized alone and each
-        placeholder token repeated to its image's rows; the vision tower never runs for them."""
+        placeholder token repeated to its item's rows; the vision tower never runs for them."""
         self._check_modalities(mm_data)
-        if "video" in mm_data:
-            raise ValueError("multi_modal_data cannot mix image_embeds with a video: give the images as pixels, or "
-                             "send the video in another prompt")
+        raw = [m for m, value in mm_data.items() if not isinstance(value, Mapping)]
+        if raw:
+            given = [embed_keys(m)[0] for m in mm_data if m not in raw]
+            raise ValueError(f"multi_modal_data cannot mix {' and '.join(given)} with a raw {raw[0]}: give every "
+                             f"item as embeddings, or send the {raw[0]} in another prompt")
         if kwargs:
-            raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} cannot apply to image_embeds (no image is "
+            names = " and ".join(embed_keys(m)[0] for m in mm_data)
+            raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} cannot apply to {names} (no image or video is "
                              "processed); leave it out")
-        data = parse_image_embeds(mm_data["image"], self.layout.hidden_size, self.layout.grid is not None)
-        self._check_count("image", len(data))
-        lengths = [d["image_embeds"].shape[0] for d in data]
-        for i, d in enumerate(data):
-            if "image_grid_thw" in d and self.image_rows(d) != lengths[i]:
-                raise ValueError(f"image_embeds[{i}] has {lengths[i]} rows; its image_grid_thw "
-                                 f"{d['image_grid_thw'][0].tolist()} makes {self.image_rows(d)}")
         ids = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        ids = expand_placeholders(ids, self.image_token_id, lengths)
-        runs = self._placeholder_runs(ids, lengths, self.image_token_id, "image")
-        grid = self.layout.grid or (lambda d: None)
-        return ids, tuple(MultiModalItem(embeds_hash(d), offset, length, d, grid(d),
-                                         bidirectional=self.layout.bidirectional)
-                          for (offset, length), d in zip(runs, data))
+        parsed = {modality: self._embeds(modality, value) for modality, value in mm_data.items()}
+        lengths = {m: [d[embed_keys(m)[0]].shape[0] for d in data] for m, (data, _) in parsed.items()}
+        for modality, rows in lengths.items():
+            ids = expand_placeholders(ids, self._token_id(modality), rows, modality)
+        items, grid = [], self.layout.grid or (lambda d: None)
+        for modality, (data, intervals) in parsed.items():
+            runs = self._placeholder_runs(ids, lengths[modality], self._token_id(modality), modality)
+            items += [MultiModalItem(embeds_hash(d, interval), offset, length, d, grid(d), interval,
+                                     bidirectional=self.layout.bidirectional and modality == "image",
+                                     modality=modality)
+                      for (offset, length), d, interval in zip(runs, data, intervals)]
+        return ids, tuple(sorted(items, key=lambda item: item.offset))
+
+    def _embeds(self, modality: str, value: Mapping) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+        """One modality's embeddings checked (multimodal/embeds.py), and each item's M-RoPE temporal
+        spacing (a video's, from ``second_per_grid_ts`` where the model reads it)."""
+        spaced = modality == "video" and VIDEO_SECONDS in getattr(self.hf, "model_input_names", ())
+        data = parse_embeds(modality, value, self.layout.hidden_size, self.layout.grid is not None,
+                            self.image_rows, (VIDEO_SECONDS,) if spaced else ())
+        self._check_count(modality, len(data))
+        if modality == "image":
+            return data, [1.0] * len(data)
+        seconds = video_seconds(value[VIDEO_SECONDS], len(data)) if VIDEO_SECONDS in value else [1.0] * len(data)
+        return data, self.layout.video_intervals({VIDEO_SECONDS: seconds}, len(data))
+
+    def _token_id(self, modality: str) -> int:
+        return self.image_token_id if modality == "image" else self.video_token_id
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -313,9 +345,14 @@ class MultiModalProcessor:
             raise ValueError(f"mm_processor_kwargs={kwargs!r:.80} must be a dict")
         options = {**dict(self.limits.processor_kwargs), **dict(kwargs or {})}
         unknown = sorted(set(options) - self.option_names)
+        sampling = [name for name in unknown if name in FRAME_SAMPLING_OPTIONS]
+        if sampling:
+            raise ValueError(f"mm_processor_kwargs has {sampling}: videos are not resampled here (every frame given is "
+                             "kept); sample the frames before sending them and give their rate as the video's "
+                             "metadata fps (multi_modal_data={'video': (frames, {'fps': ...})})")
         if unknown:
             raise ValueError(f"mm_processor_kwargs has {unknown}: this model's image processor takes "
-                             f"{sorted(self.option_names)}")
+                             f"{sorted(self.option_names)} (applied to images and to every video frame)")
         return options
 
     def _placeholder_runs(self, ids: list[int], lengths: list[int], token_id: int,

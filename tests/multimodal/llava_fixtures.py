@@ -73,6 +73,13 @@ def chunks_seen(llm, monkeypatch) -> list:
     return seen
 
 
+def no_tower(llm, monkeypatch) -> None:
+    """Makes the vision tower fail the test if it runs (precomputed embeddings must skip it)."""
+    def refuse(data):
+        raise AssertionError("the vision tower ran for precomputed embeddings")
+    monkeypatch.setattr(llm.llm_engine.executor.runner.model, "encode_pixels", refuse)
+
+
 def make_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     """A random RGB image (height, width)."""
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (*size, 3), dtype=np.uint8))

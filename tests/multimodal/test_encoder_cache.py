@@ -54,3 +54,22 @@ def test_block_hashes_key_on_the_images_of_their_placeholders():
     assert same == hashes(b"x")
     assert same[0] == other[0]  # the text block before the image is shared
     assert all(s != o for s, o in zip(same[1:], other[1:]))  # from the image's first block on, never
+
+
+def test_images_and_videos_count_apart():
+    """A video counts in the video metrics (with its frames), never in the image ones, and the
+    other way round; a cached item counts once, and an evicted video leaves the video gauge."""
+    cache = EncoderCacheManager(capacity=30, budget=100)
+    video = MultiModalItem(b"v", 0, 10, {}, modality="video", frames=6)
+    cache.schedule("r1", [_item("a", 0), video], 0, 20)
+    cache.schedule("r2", [video], 0, 10)  # a hit: counted once
+    metrics = {m.name: m.value for m in cache.metrics()}
+    assert (metrics["pagedllm:mm_images_encoded"], metrics["pagedllm:mm_videos_encoded"],
+            metrics["pagedllm:mm_video_frames_encoded"]) == (1, 1, 6)
+    assert (metrics["pagedllm:mm_encoder_cache_images"], metrics["pagedllm:mm_encoder_cache_videos"]) == (1, 1)
+    cache.release("r1")
+    cache.release("r2")
+    cache.schedule("r3", [_item("b", 0, 30)], 0, 30)  # evicts the image and the video
+    metrics = {m.name: m.value for m in cache.metrics()}
+    assert (metrics["pagedllm:mm_encoder_cache_images"], metrics["pagedllm:mm_encoder_cache_videos"]) == (1, 0)
+    assert (metrics["pagedllm:mm_images_encoded"], metrics["pagedllm:mm_videos_encoded"]) == (2, 1)

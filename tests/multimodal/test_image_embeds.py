@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.multimodal import llava_fixtures, qwen2_vl_fixtures
-from tests.multimodal.llava_fixtures import make_image
+from tests.multimodal.llava_fixtures import make_image, no_tower
 from tests.multimodal.qwen2_vl_fixtures import PLACEHOLDER, load_hf
 
 llava_dir, llava_hf = llava_fixtures.llava_dir, llava_fixtures.llava_hf  # fixtures
@@ -20,14 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
 def _features(out) -> torch.Tensor:
     return out.pooler_output if hasattr(out, "pooler_output") else out
-
-
-def _no_tower(llm, monkeypatch):
-    model = llm.llm_engine.executor.runner.model
-
-    def refuse(data):
-        raise AssertionError("the vision tower ran for precomputed embeddings")
-    monkeypatch.setattr(model, "encode_pixels", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ def test_qwen2_vl_embeds_equal_the_images(qwen, monkeypatch):
     text = f"the quick {PLACEHOLDER} brown {PLACEHOLDER} fox"
     expected = qwen2_vl_fixtures.hf_generate(hf, text, images, MAX_NEW)
     rows, grids = _qwen_embeds(hf, images)
-    _no_tower(llm, monkeypatch)
+    no_tower(llm, monkeypatch)
     mm = {"image": {"image_embeds": rows, "image_grid_thw": grids}}
     out = llm.generate([{"prompt": text, "multi_modal_data": mm}], GREEDY, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == expected
@@ -76,7 +68,7 @@ def test_llava_embeds_equal_the_image(llava_dir, llava_hf, monkeypatch):
     rows = torch.stack(list(rows)) if isinstance(rows, (list, tuple)) else rows  # [1, 25, hidden]
     llm = LLM(model=llava_dir, max_model_len=128, kv_cache_memory=2**22, max_num_batched_tokens=32, block_size=8)
     try:
-        _no_tower(llm, monkeypatch)
+        no_tower(llm, monkeypatch)
         out = llm.generate([{"prompt": text, "multi_modal_data": {"image": {"image_embeds": rows}}}], GREEDY,
                            use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == llava_fixtures.hf_generate(llava_hf, text, [image], MAX_NEW)

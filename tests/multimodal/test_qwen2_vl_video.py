@@ -149,7 +149,7 @@ def test_frame_rate_reaches_qwen2_5_vl_outputs(model):
     ({"video": (make_video(1), {"speed": 2})}, "metadata has \\['speed'\\]"),
     ({"video": "clip.mp4"}, "must be a video"),
     ({"video": make_video(1), "image": {"image_embeds": torch.zeros(4, 64), "image_grid_thw": [[1, 4, 4]]}},
-     "cannot mix image_embeds with a video"),
+     "cannot mix image_embeds with a raw video"),
 ])
 def test_bad_video_inputs_are_refused(model, mm, match):
     llm, _ = model
@@ -179,3 +179,43 @@ def test_llm_chat_video_url_part(model):
     out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)[0]
     text = f"user: {VIDEO}\nwhat is this?\nassistant:"
     assert list(out.outputs[0].token_ids) == hf_generate(hf, text, [], MAX_NEW, [frames])
+
+
+def test_max_pixels_reaches_the_frames(model):
+    """mm_processor_kwargs' max_pixels (the image processor's) resizes every frame, as transformers'
+    processor given it for videos does: fewer tokens, and still transformers' output."""
+    llm, hf = model
+    text, clip, small = f"the quick {VIDEO} brown fox", make_video(91), {"max_pixels": 24 * 24}
+    tokens = [sum(item.length for item in llm.llm_engine.multimodal.process(text, {"video": clip}, kwargs)[1])
+              for kwargs in (None, small)]
+    assert tokens[1] < tokens[0]
+    out = _generate(llm, {"prompt": text, "multi_modal_data": {"video": clip}, "mm_processor_kwargs": small})
+    assert out == hf_generate(hf, text, [], MAX_NEW, [clip], videos_kwargs=small)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_frames": 2}, {"fps": 2.0}, {"do_sample_frames": True}])
+def test_frame_sampling_options_are_refused(model, kwargs):
+    """vLLM's / transformers' frame-sampling options would pick frames; every frame given is kept
+    here, so they are refused by name rather than ignored."""
+    llm, _ = model
+    with pytest.raises(ValueError, match=f"mm_processor_kwargs has \\['{next(iter(kwargs))}'\\]: videos are not "
+                                         "resampled here"):
+        _generate(llm, {"prompt": f"a {VIDEO}", "multi_modal_data": {"video": make_video(1)},
+                        "mm_processor_kwargs": kwargs})
+
+
+def test_engine_video_options_are_checked_at_start(qwen2_vl_dir):
+    """The engine's mm_processor_kwargs are refused when the processor is built (not at the first
+    video); vLLM's dummy-input sizes in limit_mm_per_prompt, media loader options and video token
+    pruning are refused by name; only a count is a limit."""
+    from pagedllm.multimodal.processor import MultiModalLimits, MultiModalProcessor, check_limit_mm_per_prompt
+    with pytest.raises(ValueError, match="mm_processor_kwargs has \\['fps'\\]: videos are not resampled"):
+        MultiModalProcessor.from_pretrained(qwen2_vl_dir, 0, MultiModalLimits(processor_kwargs=(("fps", 2),)),
+                                            lambda data: 1)
+    assert check_limit_mm_per_prompt({"video": {"count": 3}}) == (("video", 3),)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt\\['video'\\] has \\['num_frames'\\]: only 'count'"):
+        check_limit_mm_per_prompt({"video": {"count": 1, "num_frames": 8}})
+    with pytest.raises(ValueError, match="media_io_kwargs=.* is not supported: .*32 evenly spaced frames"):
+        LLM(model=qwen2_vl_dir, media_io_kwargs={"video": {"num_frames": 8}})
+    with pytest.raises(ValueError, match="video_pruning_rate=0.5 is not supported: video token pruning"):
+        LLM(model=qwen2_vl_dir, video_pruning_rate=0.5)

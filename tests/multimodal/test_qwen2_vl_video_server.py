@@ -112,3 +112,34 @@ def test_tokenize_refuses_video_parts(client):
     base = str(client.base_url).removesuffix("/v1/")
     r = httpx.post(f"{base}/tokenize", json={"model": "tiny", "messages": messages})
     assert r.status_code == 400 and "does not process images or videos" in r.json()["error"]["message"]
+
+
+def _encoded(client) -> tuple[float, ...]:
+    """/metrics' images, videos and video frames encoded (prometheus_client parses the scrape)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return tuple(values[f"pagedllm:mm_{name}_encoded_total"] for name in ("images", "videos", "video_frames"))
+
+
+def test_metrics_count_videos_and_images_apart(client):
+    """A video request moves the video counters (one video, its 3 frames), an image request the image one."""
+    before = _encoded(client)
+    url, _ = jpeg_frames_url(make_video(81, frames=3))
+    _chat(client, [_video(url)])
+    after_video = _encoded(client)
+    _chat(client, [{"type": "image_url", "image_url": {"url": _data_url(make_image(82))}}])
+    after_image = _encoded(client)
+    assert [a - b for a, b in zip(after_video, before)] == [0, 1, 3]
+    assert [a - b for a, b in zip(after_image, after_video)] == [1, 0, 0]
+
+
+def test_frame_sampling_kwargs_are_400s(client):
+    """vLLM's num_frames / fps in mm_processor_kwargs are refused by name (every frame sent is kept)."""
+    url, _ = jpeg_frames_url(make_video(1, frames=2))
+    messages = [{"role": "user", "content": [_video(url)]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=messages,
+                                       extra_body={"mm_processor_kwargs": {"num_frames": 1}})
+    assert "mm_processor_kwargs has ['num_frames']: videos are not resampled here" in info.value.body["message"]
