@@ -115,7 +115,12 @@ def tower_forward(visual: nn.Module, rotary: VisionRotary, pixels: torch.Tensor,
     for block in visual.blocks:
         x = x + attention(block.attn, block.norm1(x), t, tables, positions)
         x = x + mlp(block.mlp, block.norm2(x))
-    merger = visual.merger
+    return merge(visual.merger, x)
+
+
+def merge(merger: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The patch merger (the projector into the language model): each ``merge ** 2`` consecutive
+    patches (one 2x2 block) -> one row ``[hidden]``."""
     x = merger.ln_q(x).view(-1, merger.hidden_size)  # [patches, embed] -> [patches / merge ** 2, merge ** 2 * embed]
     fc1, act, fc2 = merger.mlp
     return linear(fc2, act(linear(fc1, x)))
