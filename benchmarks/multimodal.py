@@ -206,6 +206,7 @@ def main(argv=None) -> dict:
         rows.append(dict(batch=batch, pagedllm_ttft=ours["ttft"], transformers_ttft=theirs["ttft"],
                          pagedllm_tok_s=ours["tok_s"], transformers_tok_s=theirs["tok_s"],
                          speedup=ours["tok_s"] / theirs["tok_s"], cpu_speedup=theirs["cpu"] / ours["cpu"],
+                         pagedllm_cpu_s=ours["cpu"], transformers_cpu_s=theirs["cpu"],
                          same=ours["tokens"] == theirs["tokens"],
                          tower_share=ours["tower"] / ours["wall"]))
     result = dict(model=args.model, batches=rows, encoder_cache=encoder_cache_effect(llm, placeholder, args),

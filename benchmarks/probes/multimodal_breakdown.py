@@ -38,13 +38,17 @@ def timed(table: dict, key: str, fn):
 
 def instrument(llm) -> dict:
     """CPU seconds per part, filled while the engine runs (instance attributes wrap the methods)."""
-    from pagedllm.models import qwen2_vl_tower
     table = collections.defaultdict(float)
     engine, runner = llm.llm_engine, llm.llm_engine.executor.runner
     engine.add_request = timed(table, "processor", engine.add_request)
     engine.step = timed(table, "steps", engine.step)
     runner.model.encode_image = timed(table, "tower", runner.model.encode_image)
-    qwen2_vl_tower.merge = timed(table, "merger", qwen2_vl_tower.merge)
+    try:
+        from pagedllm.models import qwen2_vl_tower
+        qwen2_vl_tower.merge = timed(table, "merger", qwen2_vl_tower.merge)
+    except ImportError:  # a checkout from before our tower forward (an A/B baseline): transformers' merger module
+        merger = runner.model.visual.merger
+        merger.forward = timed(table, "merger", merger.forward)
     fused = runner.model.model.fused_decoder
     if fused is not None:  # decode steps on the one-call C decoder
         fused.forward_host = timed(table, "decode", fused.forward_host)
@@ -64,8 +68,8 @@ def run_ours(llm, table: dict, prompts: list, output_len: int) -> dict:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
                         use_tqdm=False)
     parts = collections.defaultdict(float, table)
-    parts["tower blocks"] = parts.pop("tower") - parts["merger"]
-    parts["other step work"] = parts.pop("steps") - sum(parts[k] for k in ("tower blocks", "merger", "prefill",
+    parts["tower blocks"] = parts.pop("tower", 0.0) - parts["merger"]
+    parts["other step work"] = parts.pop("steps", 0.0) - sum(parts[k] for k in ("tower blocks", "merger", "prefill",
                                                                            "decode"))
     parts["total"] = time.process_time() - start
     parts["prompt_len"] = len(outs[0].prompt_token_ids)
