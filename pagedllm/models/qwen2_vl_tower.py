@@ -28,11 +28,14 @@ from pagedllm.layers import cpu_ops
 
 def make_packable(tower: nn.Module) -> None:
     """Gives each ``nn.Linear`` of the tower a ``packed_weight`` slot, so ``cpu_ops.pack_model``
-    (at load and whenever the weights change) keeps its packed copy and the kernel table times
-    its shapes."""
+    (at load and whenever the weights change) keeps its packed copy. ``untimed``: the kernel
+    table does not time their shapes (an image's rows, hundreds of patches, are mostly past its
+    buckets, and the start-up timing doubled on the benchmark model); the fixed thresholds pick
+    the kernel."""
     for module in tower.modules():
         if isinstance(module, nn.Linear):
             module.packed_weight = None
+            module.untimed = True
 
 
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,10 @@ def test_tower_rows_equal_transformers(llm, hf):
     from pagedllm.models.qwen2_vl import LinearPatchEmbed
     ours = llm.llm_engine.executor.runner.model
     assert isinstance(ours.visual.patch_embed, LinearPatchEmbed)
-    assert all(m.packed_weight is not None for m in ours.visual.modules() if isinstance(m, torch.nn.Linear))
+    from pagedllm.layers.kernel_tuning import _linear_modules
+    tower_linears = [m for m in ours.visual.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.packed_weight is not None for m in tower_linears)
+    assert not set(map(id, tower_linears)) & set(map(id, _linear_modules(ours)))  # packed, not timed at start-up
     model, processor = hf
     for image in (make_image(6, (64, 30)), make_image(7, (48, 48)), make_image(6, (64, 30))):
         inputs = processor(text=[PLACEHOLDER], images=[image], return_tensors="pt")
