@@ -7,19 +7,21 @@ a question at several batch sizes, pagedllm against transformers' ``generate`` i
 
 Each prompt is ``<image>`` followed by a ``--question-len``-word question; greedy, EOS ignored,
 ``--output-len`` tokens. ``ttft`` (pagedllm): first token time - arrival, mean over the batch;
-transformers': the time of a one-token ``generate`` of the whole batch. ``tok/s``: output tokens of
-the batch / its wall time; ``cpu speedup``: the same ratio over the process's CPU time instead (with
-``--threads 1`` the work each system did, which a machine shared with other jobs does not skew the
-way it skews wall time); ``tower``: the share of pagedllm's wall time its vision tower took
-(transformers' tower module; Qwen2-VL's patch embedding computed as one GEMM). Encoder cache: one
-request with a new image (``miss``: the tower runs) and then the same image behind another question
-(``hit``: the question comes first, so no prefix-cache block covers the image and only the encoder
-cache can serve it); TTFT of each, the median over ``--repeats`` images; ``hit (image first)``: the
-same image at the start of a new question after another question on it, as in a follow-up turn,
-where the prefix cache also holds the image's full blocks; ``repeat``: that last prompt again (the
-same image and question), where the prefix cache holds every full block and only the last partial
-one is computed. The same ratios are also given over the process's CPU time of each one-token
-request.
+transformers': the time of a one-token ``generate`` of the whole batch (neither counts the HF
+processor). ``tok/s``: output tokens of the batch / its wall time, the HF processor's included on
+both sides (pagedllm runs it inside ``llm.generate``; transformers' timer covers its processor call
+and ``generate``, in its default SDPA attention); ``cpu speedup``: the same ratio over the process's
+CPU time instead (with ``--threads 1`` the work each system did, which a machine shared with other
+jobs does not skew the way it skews wall time); ``tower``: the share of pagedllm's wall time its
+vision tower took (Qwen2-VL's: our forward on transformers' module, models/qwen2_vl_tower.py;
+per-phase CPU time: benchmarks/probes/multimodal_breakdown.py). Encoder cache: one request with a
+new image (``miss``: the tower runs) and then the same image behind another question (``hit``: the
+question comes first, so no prefix-cache block covers the image and only the encoder cache can serve
+it); TTFT of each, the median over ``--repeats`` images; ``hit (image first)``: the same image at
+the start of a new question after another question on it, as in a follow-up turn, where the prefix
+cache also holds the image's full blocks; ``repeat``: that last prompt again (the same image and
+question), where the prefix cache holds every full block and only the last partial one is computed.
+The same ratios are also given over the process's CPU time of each one-token request.
 """
 from __future__ import annotations
 
@@ -108,6 +110,9 @@ def run_pagedllm(llm, texts: list[str], imgs: list, output_len: int) -> dict:
 
 
 def run_transformers(model, processor, texts: list[str], imgs: list, output_len: int) -> dict:
+    """TTFT: a one-token ``generate`` on the processed batch (pagedllm's TTFT starts after its
+    processor too); throughput and CPU time: the processor and ``generate``, as pagedllm's
+    ``llm.generate`` runs its processor inside the timed call."""
     processor.tokenizer.padding_side = "left"
     inputs = processor(text=texts, images=imgs, return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -115,6 +120,7 @@ def run_transformers(model, processor, texts: list[str], imgs: list, output_len:
         model.generate(**inputs, max_new_tokens=1, do_sample=False)
         ttft = time.perf_counter() - start
         start, cpu = time.perf_counter(), time.process_time()
+        inputs = processor(text=texts, images=imgs, return_tensors="pt", padding=True)
         out = model.generate(**inputs, max_new_tokens=output_len, do_sample=False)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     new = out[:, inputs["input_ids"].shape[1]:].tolist()
@@ -200,9 +206,11 @@ def main(argv=None) -> dict:
         rows.append(dict(batch=batch, pagedllm_ttft=ours["ttft"], transformers_ttft=theirs["ttft"],
                          pagedllm_tok_s=ours["tok_s"], transformers_tok_s=theirs["tok_s"],
                          speedup=ours["tok_s"] / theirs["tok_s"], cpu_speedup=theirs["cpu"] / ours["cpu"],
+                         pagedllm_cpu_s=ours["cpu"], transformers_cpu_s=theirs["cpu"],
                          same=ours["tokens"] == theirs["tokens"],
                          tower_share=ours["tower"] / ours["wall"]))
     result = dict(model=args.model, batches=rows, encoder_cache=encoder_cache_effect(llm, placeholder, args),
+                  transformers_attention=model.config._attn_implementation, threads=torch.get_num_threads(),
                   commit=common.git_commit())
     table = [[str(r["batch"]), f"{r['pagedllm_ttft'] * 1e3:.1f}", f"{r['transformers_ttft'] * 1e3:.1f}",
               f"{r['pagedllm_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}", f"{r['speedup']:.2f}x",

@@ -162,9 +162,11 @@ def host_info() -> dict:
 
 
 def _linear_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose float32 weight has a packed copy (``cpu_ops.pack_model``)."""
-    return [m for m in model.modules()
-            if getattr(m, "packed_weight", None) is not None and m.weight.dtype == torch.float32]
+    """The modules whose float32 weight has a packed copy (``cpu_ops.pack_model``), less those
+    marked ``untimed`` (a vision tower's: an image's rows are past the timed buckets, so timing
+    its shapes would only add start-up time; the thresholds pick their kernel)."""
+    return [m for m in model.modules() if getattr(m, "packed_weight", None) is not None
+            and m.weight.dtype == torch.float32 and not getattr(m, "untimed", False)]
 
 
 def candidates(weight: torch.Tensor, packed, rows: int) -> list[str]:

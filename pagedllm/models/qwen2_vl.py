@@ -9,8 +9,9 @@ The processor resizes an image to a multiple of ``patch_size * merge_size`` with
 ``min_pixels`` / ``max_pixels`` (``mm_processor_kwargs``) and returns every image's patches in one
 ``pixel_values`` ``[sum of patches, 3 * temporal_patch_size * patch_size ** 2]`` with
 ``image_grid_thw`` ``[images, 3]``; ``split_images`` cuts that per image. The tower is
-transformers' own module (weights load by their checkpoint names) on SDPA: it runs once per
-image, off the paged-KV path, which only the language model uses.
+transformers' own module (weights load by their checkpoint names) run by our forward
+(models/qwen2_vl_tower.py; Qwen2.5-VL's by transformers'): it runs once per image, off the
+paged-KV path, which only the language model uses.
 
 A video is the same tower over ``pixel_values_videos`` (two consecutive frames per temporal
 patch) with ``video_grid_thw``; its M-RoPE temporal positions are spaced by ``video_intervals``
@@ -31,6 +32,7 @@ from pagedllm.layers import cpu_ops
 from pagedllm.layers.rotary_mrope import make_mrotary
 from pagedllm.models.decoder import head_dim_of
 from pagedllm.models.llama import Qwen2ForCausalLM
+from pagedllm.models.qwen2_vl_tower import VisionRotary, make_packable, tower_forward
 from pagedllm.models.vision_language import VisionLanguageModel
 from pagedllm.multimodal.processor import image_tensors
 
@@ -87,6 +89,17 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         cfg.vision_config._attn_implementation = "sdpa"
         self.visual = self.tower_class()._from_config(cfg.vision_config)
         self.visual.patch_embed = LinearPatchEmbed(self.visual.patch_embed)  # its Conv3d as the GEMM it is
+        self.init_tower_forward()
+
+    def init_tower_forward(self) -> None:
+        """Qwen2-VL's tower runs our forward (models/qwen2_vl_tower.py) on packed linears and
+        per-grid rotary tables."""
+        make_packable(self.visual)
+        self.vision_rotary = VisionRotary(self.visual.rotary_pos_emb, self.merge_size(self.config))
+
+    def run_tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The merged rows of one image's (or video's) patches ``[patches, patch dim]``."""
+        return tower_forward(self.visual, self.vision_rotary, pixels, grid_thw)
 
     @staticmethod
     def tower_class() -> type:
@@ -136,7 +149,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             raise ValueError(f"the processor returned {sorted(tensors)} for {num_images} {kind}s: this model needs "
                              f"{pixels_key} and one {grid_key} row per {kind}")
         patches = grids.prod(-1).tolist()
+        if num_images == 1:  # the whole output is the one image's: no copy (2.7 MB for a 336x336 image)
+            return [{pixels_key: tensors[pixels_key], grid_key: grids}]
         pixels = tensors[pixels_key].split(patches)  # each [patches, patch dim]
+        # copies: a view would hold the other images' patches alive in the caches
         return [{pixels_key: pixels[i].clone(), grid_key: grids[i:i + 1].clone()} for i in range(num_images)]
 
     @classmethod
@@ -160,7 +176,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         """One image's (or video's) embeddings ``[placeholder tokens, hidden]``: the tower's merged output."""
         pixels = data["pixel_values"] if "pixel_values" in data else data["pixel_values_videos"]
         pixels = pixels.to(self.visual.dtype)  # [patches, patch dim]: a video's like an image's
-        return self.visual(pixels, grid_thw=self._grid_thw(data)).pooler_output  # [patches / merge ** 2, hidden]
+        return self.run_tower(pixels, self._grid_thw(data))  # [patches / merge ** 2, hidden]
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, object]]:
@@ -179,6 +195,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # no
     def tower_class() -> type:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         return Qwen2_5_VisionTransformerPretrainedModel
+
+    def init_tower_forward(self) -> None:
+        """Qwen2.5-VL's tower (windowed attention) keeps transformers' forward."""
+
+    def run_tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixels, grid_thw=grid_thw).pooler_output
 
     @staticmethod
     def video_intervals(cfg, out: Mapping, num_videos: int) -> list[float]:

@@ -71,13 +71,14 @@ def test_mrotary_equals_transformers():
     cfg = Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     rotary = make_mrotary(cfg, 16, 64)
-    positions = torch.randint(0, 60, (3, 5))
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
-    ours_q, ours_k = rotary(positions, q.clone(), k.clone())
-    cos, sin = Qwen2VLRotaryEmbedding(cfg)(q, positions[:, None])  # [1, 5, 16] each, sections recomposed
-    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, heads, 5, 16]
-    torch.testing.assert_close(ours_q, ref_q[0].transpose(0, 1))
-    torch.testing.assert_close(ours_k, ref_k[0].transpose(0, 1))
+    # a second positions tensor of the same shape gets its own tables (they are kept for one forward's layers)
+    for positions in (torch.randint(0, 60, (3, 5)), torch.randint(0, 60, (3, 5))):
+        ours_q, ours_k = rotary(positions, q.clone(), k.clone())
+        cos, sin = Qwen2VLRotaryEmbedding(cfg)(q, positions[:, None])  # [1, 5, 16] each, sections recomposed
+        ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        torch.testing.assert_close(ours_q, ref_q[0].transpose(0, 1))  # ref [1, heads, 5, 16]
+        torch.testing.assert_close(ours_k, ref_k[0].transpose(0, 1))
     flat = positions[0]
     flat_q, _ = rotary(flat, q.clone(), k.clone())  # [num_tokens] positions: plain RoPE
     same_q, _ = rotary(flat.expand(3, -1), q.clone(), k.clone())

@@ -31,5 +31,6 @@ def test_benchmark_on_qwen2_vl(qwen2_vl_dir):
                          "--image-size", "40", "--repeats", "1", "--max-model-len", "128", "--kv-cache-memory",
                          "8MiB", "--threads", "1"])
     assert all(r["same"] and r["pagedllm_tok_s"] > 0 for r in result["batches"])
+    assert result["transformers_attention"] == "sdpa" and result["threads"] == 1  # transformers at its best setting
     enc = result["encoder_cache"]
     assert enc["encoder_cache_hits"] >= 2 and 0 < enc["ttft_hit_image_first"] and enc["hit_image_first_over_miss"] > 0

@@ -71,19 +71,32 @@ def test_qwen2_5_vl_window_attention_tower(qwen2_5_vl_dir):
 
 
 def test_tower_rows_equal_transformers(llm, hf):
-    """The tower (its patch embedding as one GEMM, models/qwen2_vl.py) makes transformers' rows
-    for images of different sizes."""
+    """The tower (our forward on packed linears, its patch embedding as one GEMM;
+    models/qwen2_vl_tower.py) makes transformers' rows for images of different sizes, twice (the
+    second from the cached rotary tables), and for a grid of two frames (a video's temporal
+    patches: each frame attends within itself)."""
     from pagedllm.models.qwen2_vl import LinearPatchEmbed
     ours = llm.llm_engine.executor.runner.model
     assert isinstance(ours.visual.patch_embed, LinearPatchEmbed)
+    from pagedllm.layers.kernel_tuning import _linear_modules
+    tower_linears = [m for m in ours.visual.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.packed_weight is not None for m in tower_linears)
+    assert not set(map(id, tower_linears)) & set(map(id, _linear_modules(ours)))  # packed, not timed at start-up
     model, processor = hf
-    for image in (make_image(6, (64, 30)), make_image(7, (48, 48))):
+    for image in (make_image(6, (64, 30)), make_image(7, (48, 48)), make_image(6, (64, 30))):
         inputs = processor(text=[PLACEHOLDER], images=[image], return_tensors="pt")
         data = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
         with torch.no_grad():
             want = model.model.get_image_features(**data).pooler_output
         want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want
         torch.testing.assert_close(ours.encode_image(data), want, atol=1e-5, rtol=1e-5)
+    t, h, w = data["image_grid_thw"][0].tolist()
+    frames = torch.randn(2 * h * w, data["pixel_values"].shape[1], generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor([[2, h, w]])
+    with torch.no_grad():
+        want = model.model.visual(frames, grid_thw=grid).pooler_output
+    torch.testing.assert_close(ours.encode_image({"pixel_values": frames, "image_grid_thw": grid}), want,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_images_and_their_positions_change_the_output(llm):
