@@ -136,6 +136,9 @@ class SchedulerConfig:
     # LongRoPE (Phi-3): a request of more tokens than this computes its K/V with the long factors,
     # recomputed once when it grows past it (layers/rotary_variants.py); None: one factor set for all
     long_rope_from: int | None = None
+    # vLLM's disable_chunked_mm_input: a chunk never ends inside an image's (a video's) placeholder
+    # run; the whole run is scheduled in one step or waits (Gemma 3's bidirectional runs always do)
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -367,6 +367,9 @@ class EngineArgs:
     mm_processor_cache_gb: float = option(
         4.0, "GiB of recent images' and videos' processor outputs kept by content, so a repeated image skips "
         "the image processor (0 disables)", parse=float)
+    disable_chunked_mm_input: bool = option(
+        False, "never split an image's (a video's) placeholder tokens across prefill chunks: a chunk stops before "
+        "the item, which runs whole in a later step (an item longer than --max-num-batched-tokens is refused)")
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -557,7 +560,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation, self.scheduling_policy,
-                                      self._long_rope_from(model_config)),
+                                      self._long_rope_from(model_config), self.disable_chunked_mm_input),
             parallel=self._parallel_config(model_config),
             device=device,
             attention_backend=self.attention_backend,
