@@ -60,6 +60,9 @@ class ModelConfig:
     mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
     # GiB of recent images' / videos' processor outputs kept by content (multimodal/processor_cache.py; 0: none)
     mm_processor_cache_gb: float = 4.0
+    # vLLM's language_model_only: a vision-language checkpoint's language model alone (no tower or
+    # projector loaded; multimodal inputs refused); nothing changes for a text-only model
+    language_model_only: bool = False
     # where chat image URLs may come from besides data: URLs (entrypoints/openai/media.py)
     allowed_local_media_path: str | None = None  # a directory (real path) for file:// URLs
     allowed_media_domains: tuple[str, ...] = ()  # hosts for http(s) URLs

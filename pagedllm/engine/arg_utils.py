@@ -370,6 +370,9 @@ class EngineArgs:
     disable_chunked_mm_input: bool = option(
         False, "never split an image's (a video's) placeholder tokens across prefill chunks: a chunk stops before "
         "the item, which runs whole in a later step (an item longer than --max-num-batched-tokens is refused)")
+    language_model_only: bool = option(
+        False, "a vision-language model's language model alone: its vision tower and projector are not loaded "
+        "and prompts with images or videos are refused")
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -731,6 +734,7 @@ class EngineArgs:
             allowed_media_domains=tuple(self.allowed_media_domains or ()),
             mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
             mm_processor_cache_gb=check_cache_gb(self.mm_processor_cache_gb),
+            language_model_only=self.language_model_only,
         )
 
     def _tokenizer_path(self, model_path: str) -> str:
