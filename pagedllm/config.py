@@ -63,6 +63,9 @@ class ModelConfig:
     # vLLM's language_model_only: a vision-language checkpoint's language model alone (no tower or
     # projector loaded; multimodal inputs refused); nothing changes for a text-only model
     language_model_only: bool = False
+    # vLLM's skip_mm_profiling: the start-up memory profile runs no image through the vision tower, so
+    # the KV pool leaves no room for the tower's activations (the user's estimate to make)
+    skip_mm_profiling: bool = False
     # where chat image URLs may come from besides data: URLs (entrypoints/openai/media.py)
     allowed_local_media_path: str | None = None  # a directory (real path) for file:// URLs
     allowed_media_domains: tuple[str, ...] = ()  # hosts for http(s) URLs

@@ -373,6 +373,9 @@ class EngineArgs:
     language_model_only: bool = option(
         False, "a vision-language model's language model alone: its vision tower and projector are not loaded "
         "and prompts with images or videos are refused")
+    skip_mm_profiling: bool = option(
+        False, "start faster: the start-up memory profile runs no image through the vision tower, so the KV cache "
+        "leaves no room for its activations (size --gpu-memory-utilization / --kv-cache-memory for them)")
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -735,6 +738,7 @@ class EngineArgs:
             mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
             mm_processor_cache_gb=check_cache_gb(self.mm_processor_cache_gb),
             language_model_only=self.language_model_only,
+            skip_mm_profiling=self.skip_mm_profiling,
         )
 
     def _tokenizer_path(self, model_path: str) -> str:

@@ -398,7 +398,7 @@ class ModelRunner:
         """A vision-language model's share of the peak: its largest image through the vision tower
         while a full encoder cache (a step's budget of embedding rows) is held."""
         dummy = getattr(self.model, "dummy_image", None)
-        if dummy is None or getattr(self.model, "language_model_only", False):
+        if dummy is None or getattr(self.model, "language_model_only", False) or self.config.model.skip_mm_profiling:
             return
         mc = self.config.model
         held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,

@@ -189,6 +189,24 @@ def test_language_model_only_loads_no_tower(llm, llava_dir, llava_hf):
         engine.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_mm_profiling_skips_the_tower_in_the_start_up_profile(llava_dir, monkeypatch, skip):
+    """The memory profile (no kv_cache_memory: measured) runs the largest image through the tower
+    unless skip_mm_profiling; images still work either way."""
+    from pagedllm.models.llava import LlavaForConditionalGeneration
+    calls, encode = [], LlavaForConditionalGeneration.encode_pixels
+    monkeypatch.setattr(LlavaForConditionalGeneration, "encode_pixels", lambda self, data: calls.append(1) or
+                        encode(self, data))
+    engine = LLM(model=llava_dir, max_model_len=128, max_num_batched_tokens=BUDGET, block_size=8,
+                 gpu_memory_utilization=0.05, skip_mm_profiling=skip)
+    try:
+        assert len(calls) == (0 if skip else 1)
+        assert len(_generate(engine, "the quick <image> brown fox", [make_image(1)])) == MAX_NEW
+        assert len(calls) == (1 if skip else 2)
+    finally:
+        engine.llm_engine.shutdown()
+
+
 def test_processor_model_mismatch_is_refused(llava_dir):
     """A processor whose placeholder count differs from the model's embedding rows (a config
     mismatch) is refused instead of scattering the wrong rows."""
