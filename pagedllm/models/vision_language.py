@@ -20,9 +20,10 @@ class VisionLanguageModel(nn.Module):
 
     def drop_vision(self) -> None:
         """vLLM's ``language_model_only``: every module and parameter but the language model goes
-        (tower, projector, LLaVA-NeXT's newline row) before the weights load, so the checkpoint's
-        tower tensors are skipped (``stage_weight_name``) and take no memory; the engine refuses
-        multimodal inputs (multimodal/processor.py)."""
+        (tower, projector, LLaVA-NeXT's newline row) right after the model is built and before the
+        weights load (the constructors build them; dropping here needs no case per model), so the
+        checkpoint's tower tensors are skipped (``stage_weight_name``) and never read; the engine
+        refuses multimodal inputs (multimodal/processor.py)."""
         for name, _ in list(self.named_children()):
             if name != "language_model":
                 delattr(self, name)
