@@ -60,6 +60,12 @@ class ModelConfig:
     mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
     # GiB of recent images' / videos' processor outputs kept by content (multimodal/processor_cache.py; 0: none)
     mm_processor_cache_gb: float = 4.0
+    # vLLM's language_model_only: a vision-language checkpoint's language model alone (no tower or
+    # projector loaded; multimodal inputs refused); nothing changes for a text-only model
+    language_model_only: bool = False
+    # vLLM's skip_mm_profiling: the start-up memory profile runs no image through the vision tower, so
+    # the KV pool leaves no room for the tower's activations (the user's estimate to make)
+    skip_mm_profiling: bool = False
     # where chat image URLs may come from besides data: URLs (entrypoints/openai/media.py)
     allowed_local_media_path: str | None = None  # a directory (real path) for file:// URLs
     allowed_media_domains: tuple[str, ...] = ()  # hosts for http(s) URLs
@@ -136,6 +142,9 @@ class SchedulerConfig:
     # LongRoPE (Phi-3): a request of more tokens than this computes its K/V with the long factors,
     # recomputed once when it grows past it (layers/rotary_variants.py); None: one factor set for all
     long_rope_from: int | None = None
+    # vLLM's disable_chunked_mm_input: a chunk never ends inside an image's (a video's) placeholder
+    # run; the whole run is scheduled in one step or waits (Gemma 3's bidirectional runs always do)
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:

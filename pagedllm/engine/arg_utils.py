@@ -367,6 +367,15 @@ class EngineArgs:
     mm_processor_cache_gb: float = option(
         4.0, "GiB of recent images' and videos' processor outputs kept by content, so a repeated image skips "
         "the image processor (0 disables)", parse=float)
+    disable_chunked_mm_input: bool = option(
+        False, "never split an image's (a video's) placeholder tokens across prefill chunks: a chunk stops before "
+        "the item, which runs whole in a later step (an item longer than --max-num-batched-tokens is refused)")
+    language_model_only: bool = option(
+        False, "a vision-language model's language model alone: its vision tower and projector are not loaded "
+        "and prompts with images or videos are refused")
+    skip_mm_profiling: bool = option(
+        False, "start faster: the start-up memory profile runs no image through the vision tower, so the KV cache "
+        "leaves no room for its activations (size --gpu-memory-utilization / --kv-cache-memory for them)")
     load_format: str = option("auto", "auto / safetensors: the *.safetensors weights (pickled checkpoints are "
                               "never loaded); dummy: random weights, for benchmarks", choices=LOAD_FORMATS)
     override_generation_config: dict | None = option(
@@ -557,7 +566,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, max_batched, model_config.max_model_len, self.preemption_mode,
                                       self.preallocation, self.scheduling_policy,
-                                      self._long_rope_from(model_config)),
+                                      self._long_rope_from(model_config), self.disable_chunked_mm_input),
             parallel=self._parallel_config(model_config),
             device=device,
             attention_backend=self.attention_backend,
@@ -728,6 +737,8 @@ class EngineArgs:
             allowed_media_domains=tuple(self.allowed_media_domains or ()),
             mm_processor_kwargs=tuple(_json_object_or_text(self.mm_processor_kwargs, "mm_processor_kwargs").items()),
             mm_processor_cache_gb=check_cache_gb(self.mm_processor_cache_gb),
+            language_model_only=self.language_model_only,
+            skip_mm_profiling=self.skip_mm_profiling,
         )
 
     def _tokenizer_path(self, model_path: str) -> str:

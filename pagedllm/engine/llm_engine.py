@@ -771,7 +771,8 @@ def _multimodal_processor(config: EngineConfig) -> MultiModalProcessor | None:
     hf = mc.hf_config
     image_token_id = getattr(hf, "image_token_id", None)
     image_token_id = image_token_id if image_token_id is not None else hf.image_token_index
-    limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens)
+    limits = MultiModalLimits(mc.limit_mm_per_prompt, mc.mm_processor_kwargs, config.scheduler.max_num_batched_tokens,
+                              mc.language_model_only)
     model_cls = get_model_class(mc.architecture)
     return MultiModalProcessor.from_pretrained(mc.tokenizer, image_token_id, limits,
                                                functools.partial(model_cls.image_rows, hf), mc.trust_remote_code,

@@ -321,7 +321,8 @@ class Scheduler:
         self.encoder.release_done(req.request_id, req.mm_items, req.num_computed_tokens)
         start = req.num_computed_tokens + num_hit
         num_new = self.encoder.fit(req.mm_items, start, num_new)
-        return cut_before_split_runs(req.mm_items, start, num_new)  # a bidirectional run is never split
+        # a bidirectional run (with disable_chunked_mm_input: any item's run) is never split
+        return cut_before_split_runs(req.mm_items, start, num_new, self.config.disable_chunked_mm_input)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens

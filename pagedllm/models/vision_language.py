@@ -16,6 +16,20 @@ from pagedllm.attention.backend import AttentionBackend
 class VisionLanguageModel(nn.Module):
     is_multimodal = True
     language_model: nn.Module
+    language_model_only = False  # vLLM's option: the tower and projector were dropped (drop_vision)
+
+    def drop_vision(self) -> None:
+        """vLLM's ``language_model_only``: every module and parameter but the language model goes
+        (tower, projector, LLaVA-NeXT's newline row) right after the model is built and before the
+        weights load (the constructors build them; dropping here needs no case per model), so the
+        checkpoint's tower tensors are skipped (``stage_weight_name``) and never read; the engine
+        refuses multimodal inputs (multimodal/processor.py)."""
+        for name, _ in list(self.named_children()):
+            if name != "language_model":
+                delattr(self, name)
+        for name, _ in list(self.named_parameters(recurse=False)):
+            delattr(self, name)
+        self.language_model_only = True
 
     @property
     def spec(self):
@@ -48,7 +62,7 @@ class VisionLanguageModel(nn.Module):
         if name.startswith("language_model."):
             inner = self.language_model.stage_weight_name(name.removeprefix("language_model."))
             return None if inner is None else "language_model." + inner
-        return name
+        return None if self.language_model_only else name  # the tower's and projector's: dropped
 
     @torch.inference_mode()
     def encode_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -56,6 +70,8 @@ class VisionLanguageModel(nn.Module):
         ``image_embeds`` / ``video_embeds`` as given (the tower is skipped; multimodal/embeds.py),
         else the tower's on its pixels."""
         embeds = data.get("image_embeds", data.get("video_embeds"))
+        if self.language_model_only:
+            raise ValueError("language_model_only=True: this engine has no vision tower and takes no images or videos")
         if embeds is not None:
             return embeds.to(self.language_model.model.embed_tokens.weight.dtype)
         return self.encode_pixels(data)

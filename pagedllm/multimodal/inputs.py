@@ -44,13 +44,15 @@ class MultiModalItem:
         return self.offset < end and start < self.end
 
 
-def cut_before_split_runs(items, start: int, num_new: int) -> int:
+def cut_before_split_runs(items, start: int, num_new: int, every_item: bool = False) -> int:
     """``num_new`` cut so that the chunk ``[start, start + num_new)`` does not end inside a
-    bidirectional run: it stops before the run (0 when the chunk starts inside it and cannot
-    reach its end this step; the run fits a whole step's budget, max_item_tokens)."""
+    bidirectional run (with ``every_item``, vLLM's disable_chunked_mm_input: inside any item's
+    run): it stops before the run (0 when the chunk starts inside it and cannot reach its end
+    this step; the request then waits for a step with the budget left, which comes: the input
+    processor refuses a run longer than a whole step's budget, max_item_tokens)."""
     end = start + num_new
     for item in items:
-        if item.bidirectional and item.offset < end < item.end:
+        if (every_item or item.bidirectional) and item.offset < end < item.end:
             return max(0, item.offset - start)
     return num_new
 

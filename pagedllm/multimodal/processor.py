@@ -83,6 +83,7 @@ class MultiModalLimits:
     limit_per_prompt: tuple[tuple[str, int], ...] = ()
     processor_kwargs: tuple[tuple[str, object], ...] = ()
     max_item_tokens: int = 2048
+    language_model_only: bool = False  # vLLM's option: no tower loaded, every item refused
 
     def limit(self, modality: str) -> int | None:
         return dict(self.limit_per_prompt).get(modality)
@@ -163,6 +164,9 @@ class MultiModalProcessor:
         ``mm_data``: ``{"image": ..., "video": ...}`` (multimodal/inputs.py, video.py).
         ``add_special_tokens``: the tokenizer's BOS etc. (False for a chat template's text, which
         writes its own). Raises ValueError naming the field for anything it cannot take."""
+        if self.limits.language_model_only:
+            raise ValueError("multi_modal_data is refused: the engine runs with language_model_only=True (the "
+                             "vision tower is not loaded); send text-only prompts or start it without that option")
         if isinstance(mm_data, Mapping) and any(isinstance(value, Mapping) for value in mm_data.values()):
             return self._process_embeds(text, mm_data, kwargs, add_special_tokens)
         images, (videos, metadata) = self._inputs(mm_data)

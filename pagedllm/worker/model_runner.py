@@ -84,6 +84,8 @@ class ModelRunner:
                                              self.device, kv_kind)
         self.model = build_model(model_cls, mc.hf_config, self.backend,
                                  mc.max_model_len, mc.dtype, self.device, tp, config.layer_ops, self.stage)
+        if mc.language_model_only and getattr(self.model, "is_multimodal", False):
+            self.model.drop_vision()  # before loading: the tower's tensors are never read into memory
         load_weights(self.model, mc.model, mc.load_format, mc.seed)
         quantize_model(self.model, mc.quantization)
         if config.cache.calculate_kv_scales:
@@ -396,7 +398,7 @@ class ModelRunner:
         """A vision-language model's share of the peak: its largest image through the vision tower
         while a full encoder cache (a step's budget of embedding rows) is held."""
         dummy = getattr(self.model, "dummy_image", None)
-        if dummy is None:
+        if dummy is None or getattr(self.model, "language_model_only", False) or self.config.model.skip_mm_profiling:
             return
         mc = self.config.model
         held = torch.empty(self.config.scheduler.max_num_batched_tokens, mc.hidden_size, dtype=mc.dtype,

@@ -61,6 +61,7 @@ NON_DEFAULT = {
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, "lora_dtype": "float16",
     "kv_offload_remote": "redis://127.0.0.1:6379/0", "kv_offload_remote_ttl": 600, "kv_role": "producer",
     "kv_transfer_config": '{"kv_role": "kv_producer"}',  # vLLM's JSON text, as the CLI keeps it
+    "disable_chunked_mm_input": True, "language_model_only": True, "skip_mm_profiling": True,
 }
 # declared fields whose effect is outside the EngineConfig (tested in test_vllm_engine_args.py):
 # Hub download options, config overrides (hf_config is not compared), the spec_* shorthand, and

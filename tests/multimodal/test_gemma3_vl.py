@@ -208,7 +208,8 @@ def test_prefix_hit_ending_inside_an_image_run(llm, gemma3_vl_hf, monkeypatch):
 
 def test_cut_before_split_runs():
     """A chunk stops before a bidirectional run it would end inside, waits (0) when it starts
-    inside one it cannot finish, and passes runs that are not bidirectional (LLaVA's)."""
+    inside one it cannot finish, and passes runs that are not bidirectional (LLaVA's) unless
+    every item must stay whole (disable_chunked_mm_input)."""
     from pagedllm.multimodal.inputs import MultiModalItem, attend_ends, cut_before_split_runs
     both_ways = MultiModalItem(b"a", 10, 6, {}, bidirectional=True)
     causal = MultiModalItem(b"b", 30, 6, {})
@@ -217,6 +218,8 @@ def test_cut_before_split_runs():
     assert cut_before_split_runs([both_ways], 12, 2) == 0
     assert cut_before_split_runs([both_ways], 12, 4) == 4
     assert cut_before_split_runs([causal], 28, 4) == 4
+    assert cut_before_split_runs([causal], 28, 4, every_item=True) == 2  # disable_chunked_mm_input
+    assert cut_before_split_runs([causal], 32, 2, every_item=True) == 0
     assert attend_ends([both_ways, causal], 8, 9).tolist() == [9, 10, 16, 16, 16, 16, 16, 16, 17]
     assert attend_ends([causal], 28, 4) is None
 

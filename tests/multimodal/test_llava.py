@@ -172,6 +172,41 @@ def test_preemption_keeps_outputs_exact(llava_dir, llava_hf):
                                           block_size=8, max_num_batched_tokens=64)
 
 
+def test_language_model_only_loads_no_tower(llm, llava_dir, llava_hf):
+    """vLLM's language_model_only: only the language model's parameters exist (the checkpoint's tower
+    and projector tensors are skipped, the start-up profile runs no tower), text output equals the
+    full model's and transformers', and an image is refused naming the option."""
+    engine = LLM(model=llava_dir, max_model_len=256, kv_cache_memory=2**22, block_size=8, language_model_only=True)
+    try:
+        names = [n for n, _ in engine.llm_engine.executor.runner.model.named_parameters()]
+        assert names and all(n.startswith("language_model.") for n in names)
+        text = "hello world, this is a tiny tokenizer"
+        expected = hf_generate(llava_hf, text, [], MAX_NEW)
+        assert _generate(engine, text, None) == _generate(llm, text, None) == expected
+        with pytest.raises(ValueError, match="language_model_only=True"):
+            _generate(engine, "the quick <image> brown fox", [make_image(1)])
+    finally:
+        engine.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_mm_profiling_skips_the_tower_in_the_start_up_profile(llava_dir, monkeypatch, skip):
+    """The memory profile (no kv_cache_memory: measured) runs the largest image through the tower
+    unless skip_mm_profiling; images still work either way."""
+    from pagedllm.models.llava import LlavaForConditionalGeneration
+    calls, encode = [], LlavaForConditionalGeneration.encode_pixels
+    monkeypatch.setattr(LlavaForConditionalGeneration, "encode_pixels", lambda self, data: calls.append(1) or
+                        encode(self, data))
+    engine = LLM(model=llava_dir, max_model_len=128, max_num_batched_tokens=BUDGET, block_size=8,
+                 gpu_memory_utilization=0.05, skip_mm_profiling=skip)
+    try:
+        assert len(calls) == (0 if skip else 1)
+        assert len(_generate(engine, "the quick <image> brown fox", [make_image(1)])) == MAX_NEW
+        assert len(calls) == (1 if skip else 2)
+    finally:
+        engine.llm_engine.shutdown()
+
+
 def test_processor_model_mismatch_is_refused(llava_dir):
     """A processor whose placeholder count differs from the model's embedding rows (a config
     mismatch) is refused instead of scattering the wrong rows."""

@@ -122,6 +122,32 @@ def test_chunk_boundary_inside_an_image_run(llm, hf, monkeypatch):
     assert covering[0].mrope_positions.shape == (3, covering[0].num_new_tokens)
 
 
+def test_disable_chunked_mm_input_schedules_each_run_whole(qwen2_vl_dir, hf, monkeypatch):
+    """vLLM's disable_chunked_mm_input: the prompt of the test above (whose run a plain chunk boundary
+    splits) and a batch of 0 to 3 images: every image run lies inside one chunk, outputs stay exact;
+    an image longer than a step's budget is refused up front (it could never run whole: no hang)."""
+    engine = _engine(qwen2_vl_dir, disable_chunked_mm_input=True)
+    try:
+        split = (f"{LONG_TEXT} {PLACEHOLDER} over", [make_image(8, (48, 48))])
+        ids = hf[1](text=[split[0]], images=split[1])["input_ids"][0]
+        offset, length = ids.index(hf[1].image_token_id), ids.count(hf[1].image_token_id)
+        assert offset < BUDGET < offset + length  # without the option the first chunk ends inside the run
+        seen = chunks_seen(engine, monkeypatch)
+        cases = [split, *CASES]
+        outs = engine.generate([_prompt(t, imgs) for t, imgs in cases], GREEDY, use_tqdm=False)
+        for (text, images), out in zip(cases, outs):
+            assert list(out.outputs[0].token_ids) == hf_generate(hf, text, images, MAX_NEW), text
+        spans = [(c.request_id, off, c.start, c.seq_len, off + n) for c in seen for _, off, n in c.mm_spans]
+        assert len({s[:2] for s in spans}) == 6  # every run of the batch was scheduled
+        assert all(start <= off and end <= seq_len for _, off, start, seq_len, end in spans), spans
+        big = make_image(9, (96, 96))  # 12 x 12 tokens with the larger max_pixels: over the budget of 40
+        with pytest.raises(ValueError, match="over the 40 that fit in one step"):
+            engine.generate([_prompt(f"a {PLACEHOLDER} b", [big], mm_processor_kwargs={"max_pixels": 96 * 96})],
+                            GREEDY, use_tqdm=False)
+    finally:
+        engine.llm_engine.shutdown()
+
+
 def test_prefix_cache_hit_and_miss_by_image(llm, hf):
     """The same image: the prompt's blocks through the image hit, and decode continues at the right
     M-RoPE positions; another image of the same size (same token ids and positions): no hit past it."""
