@@ -13,7 +13,8 @@ the largest N) with request i running adapter ``i mod N`` (random rank-``--rank`
 every projection: q/k/v/o/gate/up/down). ``N adapters, S slots`` (``--switch-slots S``, default 8;
 2 with ``--quick``; 0: no such row): the largest N through an engine with only S slots, so the
 scheduler pages adapters in and out. Each row is timed ``--repeats`` times (median); ``vs base``
-is its throughput over the base model's. The rows run interleaved, repeat after repeat, every
+is its throughput over the base model's. Every run starts from an empty prefix cache (the runs
+reuse the prompts). The rows run interleaved, repeat after repeat, every
 engine alive, so a change of machine load hits every row. Before timing, each row runs a short
 warm-up that loads each of its adapters once (into the engine's host cache). ``loads`` /
 ``evictions``: the adapter slot pool's during the timed runs.
@@ -197,6 +198,9 @@ def switch_summary(steps: list[dict]) -> dict:
 
 
 def run_paged(llm: LLM, prompts, params, loras) -> tuple[float, list[list[int]]]:
+    """One timed run from an empty prefix cache (as vLLM's runs): the rounds reuse the prompts."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("pagedllm kept its prefix cache: requests still hold blocks")
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
@@ -248,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    load_at_start = os.getloadavg()
     model = Path(args.model) if args.model else common.ensure_model(common.default_model_dir(args.size),
                                                                      common.MODEL_CONFIGS[args.size])
     prompts = common.make_prompts([args.input_len] * args.num_requests, 256, 0)
@@ -272,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
         time_rows(rows, engines, workers, recorders, prompts, params, args.repeats)
     switches = {r.name: switch_summary(recorders[r.slots].steps.get(r.name, [])) for r in rows if r.slots}
     data = dict(benchmark="lora", date=datetime.now(timezone.utc).isoformat(), commit=common.git_commit(),
-                machine=platform.machine(), load_average=os.getloadavg(), model=str(model), rank=args.rank,
+                machine=platform.machine(), load_average=dict(start=load_at_start, end=os.getloadavg()),
+                model=str(model), rank=args.rank,
                 num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                 max_loras=args.max_loras, switch_slots=args.switch_slots, repeats=args.repeats,
                 results=summarize(rows, switches, args.output_len))
@@ -385,7 +391,8 @@ def print_report(data: dict) -> None:
     res = data["results"]
     with_vllm = "vllm" in data
     print(f"\n{data['num_requests']} requests x {data['input_len']} -> {data['output_len']} tokens, rank "
-          f"{data['rank']}, {data['repeats']} repeats (median); load average {data['load_average'][0]:.1f}")
+          f"{data['rank']}, {data['repeats']} repeats (median); load average (1 min) "
+          f"{data['load_average']['start'][0]:.1f} at the start, {data['load_average']['end'][0]:.1f} at the end")
     headers = ["workload", "slots", "pagedllm tok/s", "vs base"]
     if with_vllm:
         headers += ["vLLM tok/s", "vLLM vs base", "pagedllm/vLLM", "pairs", "greedy agree"]

@@ -34,6 +34,9 @@ def test_switch_steps_are_the_steps_that_loaded_adapters(llama_dir, tmp_path):
     assert "switch" not in res["base"]
     for name in ("1_adapters", "4_adapters"):  # every adapter resident after the warm-up: nothing to load
         assert res[name]["loads"] == 0 and res[name]["switch"]["switch_steps"] == 0
+        # the run starts from an empty prefix cache (the warm-up ran the same first prompts): the
+        # 8 prompts of 32 tokens are prefilled whole, in one step
+        assert res[name]["switch"]["prefill_steps"] == 1 and res[name]["switch"]["prefill_step_tokens"] == 8 * 32
     paged, s = res["4_adapters_2_slots"], res["4_adapters_2_slots"]["switch"]
     assert paged["slots"] == 2 and paged["loads"] > 0
     assert s["loads"] == paged["loads"] and 0 < s["switch_steps"] < s["steps"]  # the recorder saw every load
