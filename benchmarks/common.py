@@ -206,7 +206,11 @@ class JsonLineWorker:
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
         """One timed run: ``{"time_s", "outputs", ...}``."""
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": list(output_lens)}) + "\n")
+        return self.ask({"prompts": prompts, "output_lens": list(output_lens)})
+
+    def ask(self, job: dict) -> dict:
+        """Sends one job line, returns the answer line."""
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         return self._read()
 

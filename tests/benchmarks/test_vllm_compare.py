@@ -97,12 +97,48 @@ def test_worker_answers_json_lines_in_process_and_its_group_is_killed(fake_vllm,
     finally:
         worker.close()
     assert first["outputs"] == [[5, 6, 7], [8, 9]] and second["outputs"] == [[10]] and first["time_s"] >= 0
-    assert calls.read_text().split("\n")[:-1] == ["reset", "generate 3 2", "reset", "generate 9 1"]
+    assert calls.read_text().split("\n")[:-1] == [f"load {json.dumps(kwargs, sort_keys=True)}", "reset",
+                                                  "generate 3 2", "reset", "generate 9 1"]
     rec = json.loads(fake_vllm.read_text())
     assert rec["kwargs"] == kwargs
     assert rec["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # engine in-process: nothing polls while idle
     assert rec["pgid"] != os.getpgid(0)
     assert not _alive(rec["core_pid"]) and not vc.group_alive(rec["pgid"])
+
+
+def _adapter(tmp_path: Path, name: str) -> str:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "adapter_config.json").write_text("{}")
+    return str(tmp_path / name)
+
+
+def test_worker_sends_each_prompts_adapter(fake_vllm, tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_VLLM_CALLS", str(calls))
+    a, b = vc.VllmLoRA("a", 1, _adapter(tmp_path, "a")), vc.VllmLoRA("b", 4, _adapter(tmp_path, "b"))
+    kwargs = vc.worker_kwargs("float32", 32, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+    worker = vc.VllmWorker(sys.executable, _model(tmp_path), kwargs, num_threads=1, timeout_s=60)
+    try:
+        with pytest.raises(ValueError, match="loras: 1 entries for 2 prompts"):
+            worker.run([[3], [3]], [1, 1], [a])
+        out = worker.run([[3], [3], [3]], [2, 2, 2], [a, None, b])
+        plain = worker.run([[3]], [1])
+    finally:
+        worker.close()
+    assert out["outputs"] == [[5, 6], [4, 5], [8, 9]] and plain["outputs"] == [[4]]  # the fake shifts by the id
+    assert calls.read_text().split("\n")[1:-1] == ["reset", "generate 3 3 loras=a,-,b", "reset", "generate 3 1"]
+    assert json.loads(fake_vllm.read_text())["kwargs"] == {"dtype": "float32", "block_size": 32, "seed": 0,
+                                                           "enable_lora": True, "max_loras": 2,
+                                                           "max_lora_rank": 16, "max_cpu_loras": 2}
+
+
+def test_worker_without_lora_fails_on_an_adapter(fake_vllm, tmp_path):
+    worker = vc.VllmWorker(sys.executable, _model(tmp_path), vc.worker_kwargs("float32", 32), 1, timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="vLLM worker exited"):
+            worker.run([[3]], [1], [vc.VllmLoRA("a", 1, _adapter(tmp_path, "a"))])
+    finally:
+        worker.close()
 
 
 def test_worker_timeout_kills_it_and_says_so(tmp_path):

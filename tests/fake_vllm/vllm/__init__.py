@@ -3,9 +3,14 @@
 "greedy" outputs (each token is the previous one + 1), and, like vLLM's engine core, a
 background process that outlives the runner (its pid and the engine's settings are written to
 ``$FAKE_VLLM_RECORD``). ``FAKE_VLLM_FAIL=1`` makes loading fail. With ``$FAKE_VLLM_CALLS`` set,
-each ``reset_prefix_cache`` and ``generate`` call appends a line to that file (``reset``,
-``generate <first prompt's first id> <requests>``). Like vLLM (its Triton notice), importing it
-prints a line to stdout, which the JSON-line worker must keep out of its answers."""
+each load, ``reset_prefix_cache`` and ``generate`` call appends a line to that file (``load``
+and the engine's keywords as JSON; ``reset``; ``generate <first prompt's first id> <requests>``,
+then `` loras=`` and each request's adapter directory name, ``-`` for none, when adapters were
+passed). As in vLLM, a request with an adapter (``vllm.lora.request.LoRARequest``) is refused
+unless the engine was loaded with ``enable_lora``, an adapter id keeps its path, and the path
+must hold a PEFT adapter; an adapter shifts its requests' outputs by its id. Like vLLM (its
+Triton notice), importing it prints a line to stdout, which the JSON-line worker must keep out
+of its answers."""
 from __future__ import annotations
 
 import json
@@ -46,6 +51,9 @@ class LLM:
         with open(os.path.join(model, "config.json")) as f:
             self.vocab = json.load(f)["vocab_size"]
         self.resets = 0
+        self.enable_lora = kwargs.get("enable_lora", False)
+        self.lora_paths: dict[int, str] = {}
+        _log_call("load " + json.dumps(kwargs, sort_keys=True))
         core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the lingering engine core
         record = dict(kwargs=kwargs, core_pid=core.pid, pgid=os.getpgid(0),
                       env={k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
@@ -56,11 +64,29 @@ class LLM:
         self.resets += 1
         _log_call("reset")
 
-    def generate(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool = True) -> list[_Output]:
+    def generate(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool = True,
+                 lora_request=None) -> list[_Output]:
         assert all(p.temperature == 0.0 and p.ignore_eos for p in params)
-        _log_call(f"generate {prompts[0]['prompt_token_ids'][0]} {len(prompts)}")
-        return [_Output([_Completion(self._count_up(pr["prompt_token_ids"][-1], sp.max_tokens))])
-                for pr, sp in zip(prompts, params)]
+        loras = [None] * len(prompts) if lora_request is None else list(lora_request)
+        assert len(loras) == len(prompts)
+        line = f"generate {prompts[0]['prompt_token_ids'][0]} {len(prompts)}"
+        if lora_request is not None:
+            line += " loras=" + ",".join("-" if lo is None else os.path.basename(lo.lora_path) for lo in loras)
+        _log_call(line)
+        for lo in loras:
+            if lo is not None:
+                self._check_lora(lo)
+        return [_Output([_Completion(self._count_up(pr["prompt_token_ids"][-1] + (lo.lora_int_id if lo else 0),
+                                                    sp.max_tokens))])
+                for pr, sp, lo in zip(prompts, params, loras)]
+
+    def _check_lora(self, lora) -> None:
+        if not self.enable_lora:
+            raise ValueError(f"LoRA request {lora.lora_name!r} for a model not loaded with enable_lora")
+        if self.lora_paths.setdefault(lora.lora_int_id, lora.lora_path) != lora.lora_path:
+            raise ValueError(f"adapter id {lora.lora_int_id} given two paths")
+        if not os.path.isfile(os.path.join(lora.lora_path, "adapter_config.json")):
+            raise ValueError(f"no PEFT adapter at {lora.lora_path}")
 
     def _count_up(self, last: int, n: int) -> list[int]:
         return [(last + i + 1) % self.vocab for i in range(n)]
