@@ -871,7 +871,13 @@ static inline __attribute__((always_inline)) void scores_block(const Scratch *S,
     for (int d = 0; d < D; d++) {
         const float *q = S->qt + (int64_t)d * rp + 16 * v0;
         __m512 qv[4];
-        for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + 16 * v);
+        for (int v = 0; v < NV; v++) {
+            qv[v] = _mm512_loadu_ps(q + 16 * v);
+            /* keep q in a register: gcc otherwise folds the load into each of the 4 keys' FMAs,
+             * 4x the loads, which holds the loop at the load ports where a zmm load takes both
+             * (AMD Zen 4: 16 loads per 16 FMAs) */
+            __asm__("" : "+v"(qv[v]));
+        }
         for (int t = 0; t < 4; t++) {
             const __m512 kb = _mm512_set1_ps(k[t][d]);
             for (int v = 0; v < NV; v++) a[t][v] = _mm512_fmadd_ps(kb, qv[v], a[t][v]);
