@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import mmap
 import os
@@ -122,13 +123,22 @@ def populate_pages(t: torch.Tensor) -> bool:
     Why not ``t.zero_()``: that writes, so it may only run before anyone uses ``t``; populating
     leaves the contents alone and is safe beside the engine writing into the same pages (the KV
     pool is populated in the background while the engine serves)."""
-    if t.numel() == 0:
-        return True
+    return t.numel() == 0 or populate_range(t.data_ptr(), t.numel() * t.element_size())
+
+
+def populate_range(address: int, length: int) -> bool:
+    """``populate_pages`` for the bytes ``[address, address + length)`` of this process. Plain
+    integers and one libc call (no torch): a background thread can run it up to interpreter exit,
+    where a thread inside torch's C++ is ended by an unwind that aborts the process."""
     page = mmap.PAGESIZE
-    start = t.data_ptr() // page * page  # madvise wants a page boundary: the page holding t's first byte
-    length = t.data_ptr() + t.numel() * t.element_size() - start
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
+    start = address // page * page  # madvise wants a page boundary: the page holding the first byte
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start),
+                           _MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def huge_page_views(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:

@@ -240,3 +240,25 @@ def test_close_stops_the_background_prefault(monkeypatch):
     engine.close()  # joins the thread
     assert engine.wait_prefaulted(0)
     assert len(chunks) < 4096 // 32  # stopped before its last chunk (32 blocks per chunk here)
+
+
+@needs_populate
+def test_exiting_while_the_pool_populates_is_clean():
+    """The interpreter exits while the thread is mid-pool: the exit joins it (a thread left in
+    torch's C++ at exit is ended by an unwind that aborts the process: 'terminate called without
+    an active exception', exit status 134)."""
+    import subprocess
+    import sys
+    code = """
+import torch
+from pagedllm.kv_cache.spec import KVCacheSpec
+from pagedllm.worker import cache_engine
+cache_engine.PREFAULT_SYNC_BYTES = 2**20
+engine = cache_engine.CacheEngine(KVCacheSpec.full(4, 64), 8, 4096, 16, torch.float32, torch.device("cpu"))
+print(len(cache_engine._RUNNING), engine.wait_prefaulted(0))
+"""
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, "PAGEDLLM_HUGE_PAGES": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["1", "False"]  # it was still running when the script ended

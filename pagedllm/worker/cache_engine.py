@@ -1,6 +1,7 @@
 """Owns the KV tensors: one pool allocated once, plus block copies (CoW) and swaps."""
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import threading
@@ -8,7 +9,7 @@ import threading
 import torch
 
 from pagedllm.kv_cache.spec import KVCacheSpec
-from pagedllm.platform import HUGE_PAGE, huge_page_empty, huge_pages_enabled, populate_pages
+from pagedllm.platform import HUGE_PAGE, huge_page_empty, huge_pages_enabled, populate_range
 
 # bytes of the pool populated before the engine starts (~0.2 s at this VM's 2 MiB first-touch
 # rate): the blocks of the first requests; the rest follows in the background
@@ -97,12 +98,16 @@ class PoolPrefault:
     cycles the engine leaves idle and start-up does not wait for a pool of gigabytes.
 
     The pool ``[layers, tensors, blocks, ...]`` holds block ``b`` in every ``(layer, tensor)``
-    slab, so each chunk of blocks is populated in all slabs together."""
+    slab, so each chunk of blocks is populated in all slabs together. The thread works on the
+    slabs' addresses only (``platform.populate_range``), and is stopped at interpreter exit."""
 
     def __init__(self, kv: torch.Tensor):
-        self._slabs = kv.flatten(0, 1)  # [layers * tensors, blocks, ...]
-        block_bytes = self._slabs[0, 0].numel() * kv.element_size()  # one block of one slab
-        self._chunk = max(1, math.ceil(HUGE_PAGE / block_bytes))  # blocks per chunk: >= 2 MiB per slab
+        self._kv = kv  # held while the thread runs: the addresses below stay this pool's
+        slabs = kv.flatten(0, 1)  # [layers * tensors, blocks, ...]
+        self._bases = [slab.data_ptr() for slab in slabs]
+        self._block_bytes = slabs[0, 0].numel() * kv.element_size()  # one block of one slab
+        self._num_blocks = slabs.shape[1]
+        self._chunk = max(1, math.ceil(HUGE_PAGE / self._block_bytes))  # blocks per chunk: >= 2 MiB per slab
         self._stopped = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,39 +117,54 @@ class PoolPrefault:
         """Populates the first blocks and starts the thread for the rest; None where the kernel
         cannot populate (nothing was done)."""
         self = cls(kv)
-        num_blocks = self._slabs.shape[1]
-        per_block = self._slabs[:, 0].numel() * kv.element_size()  # one block in every slab
-        sync_blocks = min(num_blocks, max(1, PREFAULT_SYNC_BYTES // max(1, per_block)))
+        per_block = self._block_bytes * len(self._bases)  # one block in every slab
+        sync_blocks = min(self._num_blocks, max(1, PREFAULT_SYNC_BYTES // per_block))
         if not self._populate(0, sync_blocks):
             return None
-        if sync_blocks == num_blocks:
-            self._done.set()
+        if sync_blocks == self._num_blocks:
+            self._finish()
         else:
+            _RUNNING.add(self)
             self._thread = threading.Thread(target=self._run, args=(sync_blocks,), daemon=True,
                                             name="pagedllm-kv-prefault")
             self._thread.start()
         return self
 
     def _populate(self, lo: int, hi: int) -> bool:
-        return all(populate_pages(slab[lo:hi]) for slab in self._slabs)
+        offset, length = lo * self._block_bytes, (hi - lo) * self._block_bytes
+        return all([populate_range(base + offset, length) for base in self._bases])
 
     def _run(self, first: int) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         except (OSError, AttributeError):
             pass
-        num_blocks = self._slabs.shape[1]
-        for lo in range(first, num_blocks, self._chunk):
+        for lo in range(first, self._num_blocks, self._chunk):
             if self._stopped.is_set():
                 break
-            self._populate(lo, min(num_blocks, lo + self._chunk))
-        self._slabs = None  # let the pool go with its engine
+            self._populate(lo, min(self._num_blocks, lo + self._chunk))
+        self._finish()
+
+    def _finish(self) -> None:
+        self._kv = None  # let the pool go with its engine
+        _RUNNING.discard(self)
         self._done.set()
 
     def stop(self) -> None:
         self._stopped.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+
+_RUNNING: set[PoolPrefault] = set()
+
+
+@atexit.register
+def _stop_prefaults() -> None:
+    """Joins the running prefault threads before the interpreter tears down (a chunk takes
+    milliseconds)."""
+    for prefault in list(_RUNNING):
+        prefault.stop()
