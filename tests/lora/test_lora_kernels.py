@@ -69,3 +69,21 @@ def test_metadata_out_of_range_is_refused():
         lib.lora_sgmv(x, y, a, b, batch.perm, torch.tensor([0, 7]), batch.seg_start, 1)  # slot 7 of 4
     with pytest.raises(ValueError, match="lora_sgmv: metadata out of range"):
         lib.lora_sgmv(x, y, a, b, torch.tensor([0, 1, 9]), batch.seg_slot, batch.seg_start, 1)  # row 9 of 3
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_c_kernel_block_diagonal_b(whole):
+    """A fused projection's B is block-diagonal over its sub-projections' ranks (lora/model.py): with
+    enough tokens in a segment the kernel dots each column block over its non-zero ranks only,
+    including a block straddling two sub-projections and one with no non-zero rank at all."""
+    rank, subs = 8, (150, 60, 50)  # column blocks of 128: 0-127 in sub 0, 128-255 straddles all three
+    token_slots = [1] * 40 if whole else [1, 0, -1] * 20  # segments of 40, 20 and 20 tokens
+    x, y, a, b, batch = _case(token_slots, slots=2, rank=rank * len(subs), n_in=40, n_out=sum(subs) + 130)
+    mask = torch.zeros_like(b)
+    start = 0
+    for i, n in enumerate(subs):
+        mask[:, start:start + n, i * rank:(i + 1) * rank] = 1
+        start += n  # the last 130 columns (a whole block among them) stay zero
+    b = b * mask
+    expected = lora_shrink_expand_ref(x, y.clone(), a, b, batch)
+    torch.testing.assert_close(lora_shrink_expand(x, y.clone(), a, b, batch), expected, atol=1e-5, rtol=1e-5)
