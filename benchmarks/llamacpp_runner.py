@@ -61,7 +61,12 @@ def stage_with_stand_in_vocab(model_dir: Path, out: Path, env: dict[str, str]) -
             link = stage / f.name
             if not link.exists():
                 link.symlink_to(f.resolve())
-    subprocess.run([sys.executable, "-c", STAND_IN_VOCAB, str(stage / "tokenizer")], check=True, env=env)
+    made = subprocess.run([sys.executable, "-c", STAND_IN_VOCAB, str(stage / "tokenizer")], env=env,
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        raise RuntimeError(f"the stand-in SentencePiece vocabulary could not be made with {sys.executable} "
+                           "(the converter needs `sentencepiece` too: pip install sentencepiece, or put it on "
+                           f"PYTHONPATH):\n{made.stderr.strip()[-1000:]}")
     return stage
 
 

@@ -284,3 +284,12 @@ def test_compare_llamacpp_alternates_a_loaded_worker_and_reports_pair_ratios(lla
     assert len(lc["pair_ratios"]) == 3 and lc["median_ratio"] == float(np.median(lc["pair_ratios"]))
     assert len(lc["times_s"]) == len(lc["pagedllm_times_s"]) == 3 and lc["output_tok_s"] > 0
     assert lc["worker"]["llama_cpp"] == "fake" and 0 <= lc["greedy_agreement"] <= 1
+
+
+def test_llamacpp_conversion_without_sentencepiece_says_what_to_install(llama_dir, tmp_path, monkeypatch):
+    """The converter's stand-in vocabulary needs sentencepiece: its absence is named, not a bare
+    CalledProcessError."""
+    import llamacpp_runner  # benchmarks/ is on sys.path once throughput.py is loaded (above)
+    monkeypatch.setattr(llamacpp_runner, "STAND_IN_VOCAB", "import sentencepiece_missing_for_this_test")
+    with pytest.raises(RuntimeError, match="pip install sentencepiece"):
+        llamacpp_runner.stage_with_stand_in_vocab(Path(llama_dir), tmp_path / "model-f32.gguf", {})
