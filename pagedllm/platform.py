@@ -115,21 +115,16 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 
 
-def populate_pages(t: torch.Tensor) -> bool:
-    """Faults in the pages under the contiguous CPU tensor ``t`` as written, without changing
-    what they hold (``madvise(MADV_POPULATE_WRITE)``), so later writes to them do not fault;
-    False where the kernel has no such advice (then nothing happened).
-
-    Why not ``t.zero_()``: that writes, so it may only run before anyone uses ``t``; populating
-    leaves the contents alone and is safe beside the engine writing into the same pages (the KV
-    pool is populated in the background while the engine serves)."""
-    return t.numel() == 0 or populate_range(t.data_ptr(), t.numel() * t.element_size())
-
-
 def populate_range(address: int, length: int) -> bool:
-    """``populate_pages`` for the bytes ``[address, address + length)`` of this process. Plain
-    integers and one libc call (no torch): a background thread can run it up to interpreter exit,
-    where a thread inside torch's C++ is ended by an unwind that aborts the process."""
+    """Faults in the pages under the bytes ``[address, address + length)`` of this process as
+    written, without changing what they hold (``madvise(MADV_POPULATE_WRITE)``), so later writes
+    do not fault; False where the kernel has no such advice (then nothing happened).
+
+    Why not ``zero_()``: that writes, so it may only run before anyone uses the memory; populating
+    leaves the contents alone and is safe beside the engine writing into the same pages (the KV
+    pool is populated in the background while the engine serves). Plain integers and one libc
+    call (no torch): a background thread can run it up to interpreter exit, where a thread inside
+    torch's C++ is ended by an unwind that aborts the process."""
     page = mmap.PAGESIZE
     start = address // page * page  # madvise wants a page boundary: the page holding the first byte
     return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start),

@@ -12,14 +12,14 @@ from pagedllm.platform import (
     huge_page_empty,
     huge_pages_supported,
     module_to_huge_pages,
-    populate_pages,
+    populate_range,
 )
 
 
 def _kernel_populates() -> bool:
     import mmap
     area = mmap.mmap(-1, 4096)
-    return populate_pages(torch.frombuffer(area, dtype=torch.uint8))
+    return populate_range(torch.frombuffer(area, dtype=torch.uint8).data_ptr(), 4096)
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -184,7 +184,7 @@ def test_the_cpu_kv_pool_is_resident_before_the_first_request(llama_dir, monkeyp
 
 
 needs_populate = pytest.mark.skipif(
-    not huge_pages_supported() or not populate_pages(torch.empty(0)) or not _kernel_populates(),
+    not huge_pages_supported() or not _kernel_populates(),
     reason="no transparent huge pages or no MADV_POPULATE_WRITE (Linux < 5.14)")
 
 

@@ -69,9 +69,9 @@ class VisionLanguageModel(nn.Module):
         """One image's (video's) embeddings ``[placeholder tokens, hidden]``: precomputed
         ``image_embeds`` / ``video_embeds`` as given (the tower is skipped; multimodal/embeds.py),
         else the tower's on its pixels."""
-        embeds = data.get("image_embeds", data.get("video_embeds"))
         if self.language_model_only:
             raise ValueError("language_model_only=True: this engine has no vision tower and takes no images or videos")
+        embeds = data.get("image_embeds", data.get("video_embeds"))
         if embeds is not None:
             return embeds.to(self.language_model.model.embed_tokens.weight.dtype)
         return self.encode_pixels(data)
