@@ -65,9 +65,11 @@ def names(server):
     server.app.state.metrics.names = "both"
 
 
-def wait_for(url: str, family: str, at_least: float, timeout: float = 30) -> dict:
+def wait_for(url: str, at_least: dict[str, float], timeout: float = 30) -> dict:
+    """The first scrape where each gauge in ``at_least`` reads at least its value (or the last one)."""
     deadline = time.time() + timeout
-    while (families := scrape(url)) and value(families, family, family) < at_least and time.time() < deadline:
+    while ((families := scrape(url)) and any(value(families, f, f) < v for f, v in at_least.items())
+           and time.time() < deadline):
         time.sleep(0.02)
     return families
 
@@ -88,7 +90,8 @@ def test_vllm_names_types_labels_and_buckets_move_with_traffic(server, names, sl
           ThreadPoolExecutor(len(prompts)) as pool):
         replies = [pool.submit(client.completions.create, model="tiny", prompt=p, max_tokens=60, temperature=0,
                                extra_body={"ignore_eos": True}) for p in prompts]
-        during = wait_for(server.url, "vllm:num_requests_waiting", 1)  # max_num_seqs=2: two wait
+        # max_num_seqs=2: two run and two wait (waiting alone can read 4 before the first step schedules)
+        during = wait_for(server.url, {"vllm:num_requests_running": 2, "vllm:num_requests_waiting": 1})
         assert value(during, "vllm:num_requests_waiting", "vllm:num_requests_waiting") >= 1
         assert value(during, "vllm:num_requests_running", "vllm:num_requests_running") == 2
         assert value(during, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") > 0
