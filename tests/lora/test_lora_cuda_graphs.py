@@ -3,14 +3,16 @@ capture replaced by an eager run over the graphs' own buffers (``EagerStandIn``)
 attention backend (tests/graph_safe_backend.py), so the LoRA ops read the step's mapping from the
 persistent buffers ``DecodeGraphs.prepare`` refills before each replay. Greedy tokens of a batch
 mixing adapters and base requests equal transformers + PEFT's and the eager engine's; an adapter
-loaded after the capture (evicting another) is read from the same slot tensors."""
+loaded after the capture (evicting another) is read from the same slot tensors. On a GPU (marked
+``gpu``, run by benchmarks/gpu_check.sh) the same with real captures and the Triton kernels."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+import torch
 from adapters import ADAPTERS, make_adapter, peft_model
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, make_model_dir, random_prompts
 from graph_safe_backend import EagerStandIn, GraphSafeDecodeBackend
 
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -46,6 +48,11 @@ def _engine(base: str, monkeypatch, graphs: bool) -> LLM:
                    max_model_len=128, max_num_seqs=8)
 
 
+def _adapters(base: str, tmp_path) -> list[LoRARequest]:
+    """Three random PEFT adapters of ``base`` (ranks 4, 8 and 16; tests/lora/adapters.py)."""
+    return [LoRARequest(f"a{i}", i + 1, make_adapter(base, tmp_path / f"a{i}", *ADAPTERS[i], seed=i)) for i in range(3)]
+
+
 def _generate(llm: LLM, prompts, loras, lengths):
     # min_tokens: EOS masked as hf_greedy's min_new_tokens does
     params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lengths]
@@ -54,8 +61,7 @@ def _generate(llm: LLM, prompts, loras, lengths):
 
 
 def test_mixed_adapter_batches_replay_like_eager_and_peft(llama_dir, hf_models, tmp_path, monkeypatch):
-    loras = [LoRARequest(f"a{i}", i + 1, make_adapter(llama_dir, tmp_path / f"a{i}", *ADAPTERS[i], seed=i))
-             for i in range(3)]
+    loras = _adapters(llama_dir, tmp_path)
     graphed = _engine(llama_dir, monkeypatch, graphs=True)
     runner = graphed.llm_engine.executor.runner
     graphs = runner.decode_graphs
@@ -92,3 +98,33 @@ def test_mixed_adapter_batches_replay_like_eager_and_peft(llama_dir, hf_models, 
     assert eager.llm_engine.executor.runner.decode_graphs is None
     assert _generate(eager, prompts, first, lengths) == got
     eager.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_lora_graphs_equal_eager_and_peft_on_gpu(tmp_path):
+    """The shipped GPU path (Triton attention, fused ops and LoRA kernels) captured with LoRA, in
+    float32: graph replay, eager and transformers + PEFT agree token for token, over mappings that
+    change between replays and an adapter loaded into a captured slot."""
+    base = make_model_dir(tmp_path / "base", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    loras = _adapters(base, tmp_path)
+    prompts = random_prompts(5, seed=32, lo=3, hi=40)
+    batches = [([loras[0], None, loras[1], loras[0], None], [8, 3, 6, 4, 8]), ([None, loras[2], loras[1]], [5, 8, 3])]
+
+    def run(**kwargs):
+        llm = LLM(base, device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+                  block_size=16, num_gpu_blocks_override=128, max_model_len=256, max_num_seqs=8, **kwargs)
+        tokens = [_generate(llm, prompts[:len(c)], c, n) for c, n in batches]
+        runner = llm.llm_engine.executor.runner
+        return runner.decode_graphs.replays if runner.decode_graphs is not None else None, tokens
+
+    replays, graphed = run()
+    eager_replays, eager = run(enforce_eager=True)
+    assert replays >= 10 and eager_replays is None
+    assert graphed == eager
+    import transformers as tf
+    refs = {None: tf.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()}
+    refs.update({lora.lora_int_id: peft_model(base, lora.lora_path) for lora in loras})
+    for (choice, lengths), tokens in zip(batches, graphed):
+        for prompt, lora, n, got in zip(prompts, choice, lengths, tokens):
+            assert got == hf_greedy(refs[lora and lora.lora_int_id], prompt, n), lora
