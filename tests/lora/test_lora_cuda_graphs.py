@@ -8,12 +8,14 @@ loaded after the capture (evicting another) is read from the same slot tensors. 
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from adapters import ADAPTERS, make_adapter, peft_model
 from conftest import hf_greedy, make_model_dir, random_prompts
 from graph_safe_backend import EagerStandIn, GraphSafeDecodeBackend
+from host_syncs import no_host_syncs
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
@@ -60,7 +62,12 @@ def _generate(llm: LLM, prompts, loras, lengths):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_mixed_adapter_batches_replay_like_eager_and_peft(llama_dir, hf_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("op", ["c_kernel", "torch_reference"])
+def test_mixed_adapter_batches_replay_like_eager_and_peft(op, llama_dir, hf_models, tmp_path, monkeypatch):
+    """``op``: what runs the LoRA projections on the CPU (float32: the C kernel; the graph-safe
+    torch reference, what a CPU without the C library or with float16 slots runs)."""
+    if op == "torch_reference":
+        monkeypatch.setattr("pagedllm.layers.lora.bindings", SimpleNamespace(is_available=lambda: False))
     loras = _adapters(llama_dir, tmp_path)
     graphed = _engine(llama_dir, monkeypatch, graphs=True)
     runner = graphed.llm_engine.executor.runner
@@ -73,11 +80,14 @@ def test_mixed_adapter_batches_replay_like_eager_and_peft(llama_dir, hf_models, 
     prompts = random_prompts(6, seed=31, lo=3, hi=30)
     first = [loras[0], None, loras[1], None, loras[0], loras[1]]
     lengths = [8, 3, 5, 4, 2, 5]
-    got = _generate(graphed, prompts, first, lengths)
-    # then adapter 3 evicts the least recently used one: loaded after the capture, into a captured
-    # slot; the last steps run the base request alone (a replay with no LoRA row)
-    later = [None, loras[2], None]
-    got_later = _generate(graphed, prompts[:3], later, [6, 4, 3])
+    with no_host_syncs(monkeypatch, armed=False) as syncs:  # the replays read nothing on the host
+        syncs.arm_within(monkeypatch, EagerStandIn, "replay")
+        got = _generate(graphed, prompts, first, lengths)
+        # then adapter 3 evicts the least recently used one: loaded after the capture, into a
+        # captured slot; the last steps run the base request alone (a replay with no LoRA row)
+        later = [None, loras[2], None]
+        got_later = _generate(graphed, prompts[:3], later, [6, 4, 3])
+    assert syncs.armed_calls == len(graphs.mappings) == graphs.replays
     assert [(t.lora.a.data_ptr(), t.lora.b.data_ptr()) for t, _ in runner.lora.targets.values()] == slot_tensors
     assert graphed.llm_engine.scheduler.lora_slots.stats.evictions == 1
 
