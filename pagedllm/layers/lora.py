@@ -93,10 +93,6 @@ class LoRABatch:
         return self._device_tensors()[2]
 
     @property
-    def num_segments(self) -> int:
-        return self.seg_slot.shape[0] if self.graph else len(self.segments)
-
-    @property
     def active(self) -> bool:
         """Whether the op runs: a graph-safe batch always does (its mapping is read on the device)."""
         return self.graph or bool(self.segments)

@@ -57,7 +57,6 @@ from pagedllm.utils import human_bytes
 logger = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
-LORA_INPUTS = ("lora_perm", "lora_seg_start")  # with LoRA: the step's mapping (layers/lora.slot_groups)
 WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, cuBLAS picks algorithms, lazy inits
 
 
