@@ -2,9 +2,9 @@
 # The GPU check, in one run that fits in 6 minutes on one H200 (nothing is downloaded), so that a
 # second try fits in the 15 device-minutes a task is lent:
 #   1. the tests marked `gpu` (Triton kernels on the device, CUDA-graph replay == eager with an fp8
-#      KV cache, top-p sampling and an MoE model too, one host sync per sampling step under torch's
-#      sync debug mode; with two GPUs also the TP=2 graphs captured over NCCL, replay == eager:
-#      marked `multi_gpu`, skipped with one device)
+#      KV cache, top-p sampling, an MoE model and multi-LoRA batches too, one host sync per sampling
+#      step under torch's sync debug mode; with two GPUs also the TP=2 graphs captured over NCCL,
+#      replay == eager: marked `multi_gpu`, skipped with one device)
 #   2. a random ~1.1B Llama (benchmarks/gpu_check.py: hidden 2048, 16 layers, 32 heads, 8 KV heads,
 #      vocab 32000) built on the GPU and saved in bfloat16 to a temporary directory
 #   3. benchmarks/attention.py: decode attention at batch 1 and 64, context 4096, that model's heads,
@@ -93,7 +93,7 @@ fi
 step gpu-tests 110 "$PY" -m pytest -q -o addopts= -p no:cacheprovider "${XDIST[@]}" -m gpu \
     --junitxml="$OUT/gpu-tests.xml" tests/layers/triton_ops tests/attention/test_triton_attention.py \
     tests/e2e/test_cuda_graph_replay.py tests/e2e/test_gpu_paths.py tests/layers/test_sampler_syncs.py \
-    tests/distributed/test_tp_cuda_graphs.py
+    tests/distributed/test_tp_cuda_graphs.py tests/lora/test_lora_cuda_graphs.py
 step build-model 30 "$PY" benchmarks/gpu_check.py build-model "$MODEL_DIR" --device "$DEVICE" "${MODEL_ARGS[@]}"
 step attention 25 "$PY" benchmarks/attention.py --device "$DEVICE" --cache-dtype bfloat16 --skip-ref \
     "${ATTENTION_ARGS[@]}" --output "$OUT/attention.json"

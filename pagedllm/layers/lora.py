@@ -22,16 +22,27 @@ class LoRABatch:
     """The step's tokens grouped by adapter slot: ``perm`` (the LoRA tokens' rows, ordered by slot)
     and ``segments`` (slot, start, end) into it, also as device tensors for the kernels
     (``seg_slot [G]``, ``seg_start [G + 1]``). Base-model tokens are in no segment, so they pay
-    nothing; a batch without LoRA tokens skips the op altogether."""
+    nothing; a batch without LoRA tokens skips the op altogether.
 
-    def __init__(self):
+    Two modes. Eager (``set``): the segments are the step's own, and the device tensors are made
+    from them when a kernel first reads them (a step replayed by a CUDA graph never makes them).
+    Graph-safe (``use_graph``, for a captured decode step): the kernels read fixed-size device
+    buffers that the caller refills in place before each replay (``slot_groups``: every slot is a
+    segment, empty or not, and ``perm`` lists every row of the padded batch), and nothing a launch
+    depends on (grid, branches) changes with the mapping. ``num_slots`` (``max_loras``) sizes those
+    buffers."""
+
+    def __init__(self, num_slots: int | None = None):
+        self.num_slots = num_slots
+        self.token_slots = np.empty(0, dtype=np.int64)  # the step's slot per token (host), as given to ``set``
         self.clear()
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots``: one slot per token of the step's flat batch (-1: base)."""
+        self.clear()
+        self.token_slots = token_slots
         rows = np.flatnonzero(token_slots >= 0)
         if rows.size == 0:
-            self.clear()
             return
         order = rows[np.argsort(token_slots[rows], kind="stable")]
         slots = token_slots[order]
@@ -40,21 +51,62 @@ class LoRABatch:
         self.segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts[:-1], starts[1:])]
         self.whole = len(self.segments) == 1 and order.size == token_slots.size
         self.max_segment = int(np.diff(starts).max())
-        self.perm = torch.from_numpy(order.astype(np.int64)).to(device, non_blocking=True)
-        self.seg_slot = torch.from_numpy(slots[starts[:-1]].astype(np.int64)).to(device, non_blocking=True)
-        self.seg_start = torch.from_numpy(starts).to(device, non_blocking=True)
+        self._host = (order.astype(np.int64), slots[starts[:-1]].astype(np.int64), starts)
+        self._device = device
+
+    def use_graph(self, perm: torch.Tensor, seg_slot: torch.Tensor, seg_start: torch.Tensor) -> None:
+        """Graph-safe mode over persistent device buffers (layout of ``slot_groups``): ``perm [rows]``
+        every row of the padded batch, ``seg_slot [G]``, ``seg_start [G + 1]``. The kernels' grids
+        cover ``rows`` tokens per segment, so one capture serves every mapping of that many rows."""
+        self.clear()
+        self.graph = True
+        self.max_segment = perm.shape[0]
+        self._tensors = (perm, seg_slot, seg_start)
 
     def clear(self) -> None:
-        self.perm: torch.Tensor | None = None  # [num_lora_tokens] int64, on the device
-        self.seg_slot: torch.Tensor | None = None  # [segments] int64
-        self.seg_start: torch.Tensor | None = None  # [segments + 1] int64: token offsets into perm
-        self.segments: list[tuple[int, int, int]] = []
+        self.segments: list[tuple[int, int, int]] = []  # eager mode only
         self.whole = False  # one slot covers every token, in order: token i is row i
-        self.max_segment = 0
+        self.max_segment = 0  # the most tokens a segment may hold (the Triton grids' token axis)
+        self.graph = False
+        self._host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # perm, seg_slot, seg_start
+        self._device: torch.device | None = None
+        self._tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _device_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        if self._tensors is None and self._host is not None:
+            self._tensors = tuple(torch.from_numpy(a).to(self._device, non_blocking=True) for a in self._host)
+        return self._tensors or (None, None, None)
+
+    @property
+    def perm(self) -> torch.Tensor | None:
+        """``[lora tokens]`` int64 on the device (graph-safe: ``[rows]``, the base rows last)."""
+        return self._device_tensors()[0]
+
+    @property
+    def seg_slot(self) -> torch.Tensor | None:
+        """``[segments]`` int64: each segment's slot."""
+        return self._device_tensors()[1]
+
+    @property
+    def seg_start(self) -> torch.Tensor | None:
+        """``[segments + 1]`` int64: token offsets into ``perm``."""
+        return self._device_tensors()[2]
 
     @property
     def active(self) -> bool:
-        return bool(self.segments)
+        """Whether the op runs: a graph-safe batch always does (its mapping is read on the device)."""
+        return self.graph or bool(self.segments)
+
+
+def slot_groups(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step's mapping as the graph-safe buffers hold it: ``perm [rows]`` every row, those of slot
+    0, then slot 1, ..., then the base rows (-1: base model, or a padding row), and ``seg_start
+    [num_slots + 1]``: slot ``s``'s rows are ``perm[seg_start[s]:seg_start[s + 1]]`` (empty for an
+    unused slot). With ``seg_slot = arange(num_slots)`` it is a ``LoRABatch`` segment layout."""
+    key = np.where(token_slots < 0, num_slots, token_slots)  # base rows sort after every slot
+    perm = np.argsort(key, kind="stable").astype(np.int64)
+    counts = np.bincount(key, minlength=num_slots + 1)[:num_slots]
+    return perm, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -62,7 +114,9 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
     """``y[rows of slot s] += (x[rows] @ a[s].T) @ b[s].T`` in place (``y`` is the base layer's fresh
     output), one call per projection for every adapter in the batch: the C kernel
     (``native/csrc/lora_sgmv.c``) for float32 on the CPU, the Triton kernels
-    (``triton_ops/lora.py``) on CUDA, else the torch reference.
+    (``triton_ops/lora.py``) on CUDA, else the torch reference. A graph-safe batch takes the same
+    kernels (the C one reads the buffers from host memory; the Triton grids are fixed by their
+    sizes) and the reference's device-only form, so none reads the mapping on the host.
 
     ``x [tokens, in]``, ``y [tokens, out]``, ``a [slots, R, in]``, ``b [slots, out, R]``."""
     if not batch.active:
@@ -81,12 +135,30 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
 def lora_shrink_expand_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                            batch: LoRABatch) -> torch.Tensor:
     """The reference the kernels are tested against: per segment, the shrink ``t = x[rows] @ a[s].T``
-    and the expand ``y[rows] += t @ b[s].T``, in ``a``'s dtype."""
+    and the expand ``y[rows] += t @ b[s].T``, in ``a``'s dtype. A graph-safe batch: the same per
+    slot over every row, kept on the rows of that slot (``row_slots``), with no host read."""
+    if batch.graph:
+        owner = row_slots(batch, x.shape[0])[:, None]  # [tokens, 1]
+        xa = x.to(a.dtype)
+        for slot in range(a.shape[0]):
+            delta = ((xa @ a[slot].T) @ b[slot].T).to(y.dtype)  # [tokens, out]
+            y.copy_(torch.where(owner == slot, y + delta, y))
+        return y
     for slot, start, end in batch.segments:
         rows = batch.perm[start:end]
         t = x.index_select(0, rows).to(a.dtype) @ a[slot].T  # [n, R]
         y.index_add_(0, rows, (t @ b[slot].T).to(y.dtype))  # [n, out]
     return y
+
+
+def row_slots(batch: LoRABatch, num_rows: int) -> torch.Tensor:
+    """Each row's slot (-1: in no segment) from the batch's device tensors, computed on the device."""
+    perm, seg_slot, seg_start = batch.perm, batch.seg_slot, batch.seg_start
+    g = seg_slot.shape[0]
+    # [len(perm)]: the segment holding each grouped position (g: past the last segment's end)
+    seg = torch.searchsorted(seg_start[1:], torch.arange(perm.shape[0], device=perm.device), right=True)
+    slot = torch.where(seg < g, seg_slot[seg.clamp(max=g - 1)], -1)
+    return torch.full((num_rows,), -1, dtype=torch.int64, device=perm.device).scatter_(0, perm, slot)
 
 
 class LoRASlots:

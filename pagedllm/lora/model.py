@@ -37,7 +37,7 @@ class LoRAModel:
                  dtype: torch.dtype, device: torch.device):
         self.config, self.device = config, device
         self.dtype = config.slot_dtype(dtype)
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(config.max_loras)
         self.targets: dict[str, tuple[LinearBase, list[Sub]]] = {}
         fused: dict[str, list[Sub]] = {}
         for ckpt, (name, shard) in packed_modules.items():

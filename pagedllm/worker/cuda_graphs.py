@@ -28,6 +28,14 @@ step on every rank; ``agree_on_schedule`` checks at start-up that every rank wil
 same sizes in the same order, since a rank replaying a different graph would pair its collectives
 with the wrong ones. The LM head's all-gather runs eagerly after the replay.
 
+With LoRA (``enable_lora``) the graphs are captured in ``LoRABatch``'s graph-safe mode: two more
+persistent buffers hold the step's token -> adapter mapping as ``layers/lora.slot_groups`` lays it
+out (``lora_perm [size]``: every row, grouped by slot, the base and padding rows last;
+``lora_seg_start [max_loras + 1]``), filled by the same single copy, and every projection's
+kernels run over all ``max_loras`` segments with grids fixed by the graph's size, so any mix of
+adapters and base requests replays the one graph of its size. Padding rows map to no adapter.
+The adapters' weights are read from the slot tensors, which a load overwrites in place.
+
 The captured metadata says ``max_seq_len = max_model_len`` and ``max_query_len = 1``: a
 graph-safe backend (``AttentionBackend.supports_cuda_graphs``) reads lengths from the tensors and
 uses the host maxima only as upper bounds, and never synchronises with the host.
@@ -43,6 +51,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.contracts.host_to_device import to_device
+from pagedllm.layers.lora import LoRABatch, slot_groups
 from pagedllm.utils import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -105,11 +114,12 @@ class DecodeGraphs:
     ``capture`` records them (largest first, sharing one memory pool); ``prepare`` fills the
     persistent inputs for a step that ``replay_size`` accepts and returns what the runner needs;
     ``replay`` runs the graph and returns its hidden states ``[size, hidden]``, valid until the
-    next replay.
+    next replay. ``lora``: the model's shared ``LoRABatch`` (with ``enable_lora``); ``prepare``
+    puts it in graph-safe mode over the LoRA buffers, filled from its ``token_slots``.
     """
 
     def __init__(self, sizes: list[int], max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 pad_block: int, device: torch.device):
+                 pad_block: int, device: torch.device, lora: LoRABatch | None = None):
         self.sizes, self.block_size, self.pad_block = sizes, block_size, pad_block
         self.max_model_len, self.device = max_model_len, device
         self.replays = 0  # steps served by a graph (tests and logs read it)
@@ -121,6 +131,12 @@ class DecodeGraphs:
             slot_mapping=torch.full((n,), pad_block * block_size, **i64), seq_lens=torch.ones(n, **i32),
             query_start_loc=torch.arange(n + 1, **i32),
             block_tables=torch.full((n, max_blocks_per_seq), pad_block, **i32))
+        self.lora = lora
+        if lora is not None:  # every row a base row until a step fills them
+            if not lora.num_slots:
+                raise ValueError(f"LoRABatch.num_slots={lora.num_slots!r}: the graph buffers need max_loras >= 1")
+            self.buffers.update(lora_perm=torch.arange(n, **i64), lora_seg_start=torch.zeros(lora.num_slots + 1, **i64))
+            self._lora_seg_slot = torch.arange(lora.num_slots, **i64)  # segment s is slot s, always
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._metas = {size: self._metadata(size) for size in sizes}  # the one per size, captured and reused
@@ -154,6 +170,7 @@ class DecodeGraphs:
     def _capture_one(self, model, kv_caches: list, size: int, pool) -> int:
         meta = self._metas[size]
         args = (self.buffers["input_ids"][:size], self.buffers["positions"][:size], kv_caches, meta)
+        self._use_lora_buffers(size)
         for _ in range(WARMUP_RUNS):
             model(*args)
         torch.cuda.synchronize(self.device)
@@ -174,8 +191,27 @@ class DecodeGraphs:
         views = {name: self.buffers[name][:size] for name in GRAPH_INPUTS if name != "query_start_loc"}
         views["query_start_loc"] = self.buffers["query_start_loc"][: size + 1]
         views["block_tables"] = self.buffers["block_tables"][:size, :width]  # later columns: stale, unread
+        if self.lora is not None:
+            padded["lora_perm"], padded["lora_seg_start"] = self._lora_mapping(len(host["input_ids"]), size)
+            views.update(lora_perm=self.buffers["lora_perm"][:size], lora_seg_start=self.buffers["lora_seg_start"])
         dev = to_device(padded, self.device, out=views)
+        self._use_lora_buffers(size)
         return dev["input_ids"], dev["positions"], self._metas[size], dev["sample_idx"]
+
+    def _lora_mapping(self, num_tokens: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's token slots (``LoRABatch.token_slots``, set by the runner for this step's
+        ``num_tokens`` rows) padded with base rows to ``size``, as ``(lora_perm, lora_seg_start)``."""
+        slots = self.lora.token_slots
+        if len(slots) != num_tokens:
+            raise RuntimeError(f"LoRABatch.token_slots has {len(slots)} rows, the step {num_tokens}: it was not set "
+                               "for this step")
+        padded = np.concatenate([slots, np.full(size - len(slots), -1, dtype=np.int64)])
+        return slot_groups(padded, self.lora.num_slots)
+
+    def _use_lora_buffers(self, size: int) -> None:
+        """The LoRA ops of the next forward (capture or replay of ``size`` rows) read the buffers."""
+        if self.lora is not None:
+            self.lora.use_graph(self.buffers["lora_perm"][:size], self._lora_seg_slot, self.buffers["lora_seg_start"])
 
     def holds(self, meta: AttentionMetadata) -> bool:
         """Whether ``meta`` is a graph's own (i.e. came from ``prepare``)."""

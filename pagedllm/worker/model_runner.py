@@ -561,8 +561,6 @@ class ModelRunner:
                                         if hasattr(m, "cuda_graph_blocker"))), None)
         if reason is None and (c.parallel.pipeline_parallel_size > 1 or c.compile_model):
             reason = "pipeline parallelism and compile_model run eagerly"
-        if reason is None and c.lora is not None:
-            reason = "enable_lora: the step's adapter mapping is not captured"
         if reason is None and c.parallel.tensor_parallel_size > 1 and not envs.PAGEDLLM_TP_CUDA_GRAPHS:
             reason = "tensor parallelism captures only with PAGEDLLM_TP_CUDA_GRAPHS=1 (not yet run on GPUs)"
         if reason:
@@ -573,7 +571,8 @@ class ModelRunner:
         mc = self.config.model
         max_blocks_per_seq = blocks_per_sequence(mc.max_model_len, self.block_size)
         return DecodeGraphs(capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq, self.block_size,
-                            mc.max_model_len, pad_block, self.device)
+                            mc.max_model_len, pad_block, self.device,
+                            self.lora.batch if self.lora is not None else None)  # LoRA: its mapping captured too
 
 
 def _every_row_once(host: dict[str, np.ndarray], hidden_rows: int) -> bool:

@@ -26,7 +26,7 @@ def test_script_parses_and_names_the_gpu_test_files():
     for path in ("tests/layers/triton_ops", "tests/attention/test_triton_attention.py",
                  "tests/e2e/test_cuda_graph_replay.py", "tests/e2e/test_gpu_paths.py",
                  "tests/layers/test_sampler_syncs.py",
-                 "tests/distributed/test_tp_cuda_graphs.py"):
+                 "tests/distributed/test_tp_cuda_graphs.py", "tests/lora/test_lora_cuda_graphs.py"):
         assert (ROOT / path).exists() and path in text
     # pytest without pyproject's addopts (xdist's -n): the step runs where pytest-xdist is absent
     assert "-m pytest -q -o addopts= " in text

@@ -12,6 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.contracts.host_to_device import to_device
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.lora import LoRABatch
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, pad_decode_inputs, replay_size
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -89,6 +90,27 @@ def test_prepare_fills_the_buffers_and_hands_out_the_graphs_own_metadata():
     assert meta.block_tables.tolist() == [[3, 0, 50, 50], [4, 6, 50, 50], [7, 0, 50, 50], [50] * 4]
     assert sample_idx.tolist() == [0, 1, 2]
     assert meta.seq_lens.data_ptr() == graphs.buffers["seq_lens"].data_ptr()  # what the graph reads
+
+
+def test_prepare_fills_the_lora_mapping_buffers_with_padding_rows_as_base_rows():
+    """With LoRA the step's token -> slot mapping (set on the shared LoRABatch by the runner) lands
+    in two more buffers, padded with base rows, and the batch reads them in graph-safe mode; the
+    next eager step's ``set`` leaves that mode."""
+    batch, cpu = LoRABatch(num_slots=3), torch.device("cpu")
+    graphs = DecodeGraphs(capture_sizes(8), max_blocks_per_seq=4, block_size=BS, max_model_len=32, pad_block=50,
+                          device=cpu, lora=batch)
+    assert graphs.buffers["lora_seg_start"].tolist() == [0, 0, 0, 0]  # as captured: every row a base row
+    host = _decode_host([5, 9, 3], [[3, 0], [4, 6], [7, 0]])
+    for slots, perm, seg_start in (([2, -1, 0], [2, 0, 1, 3], [0, 1, 1, 2]), ([1, 1, 1], [0, 1, 2, 3], [0, 0, 3, 3])):
+        batch.set(np.array(slots), cpu)
+        graphs.prepare(host, 4)
+        assert batch.graph and batch.max_segment == 4 and batch.seg_slot.tolist() == [0, 1, 2]
+        assert batch.perm.data_ptr() == graphs.buffers["lora_perm"].data_ptr()  # what the graph reads
+        assert graphs.buffers["lora_perm"][:4].tolist() == perm and batch.seg_start.tolist() == seg_start
+    batch.set(np.array([0, -1]), cpu)
+    assert not batch.graph and batch.segments == [(0, 0, 1)]
+    with pytest.raises(RuntimeError, match="not set for this step"):  # a mapping of another step's rows
+        graphs.prepare(host, 4)
 
 
 def test_no_graphs_on_cpu_or_with_enforce_eager(llama_dir):

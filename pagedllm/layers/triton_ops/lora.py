@@ -10,8 +10,12 @@ segment. Two kernels, named as in the torch reference ``lora_shrink_expand_ref``
 - expand: program (segment, block of its tokens, block of output columns) adds ``t @ b[s].T`` to
   those rows of ``y`` (a row is in one segment: no atomics).
 
-Both grids are sized by the longest segment (known on the host); programs past a shorter
-segment's end are masked whole.
+Both grids are (segments, ``cdiv(max_segment, BLOCK_M)``, column blocks), with ``max_segment`` a
+host-side bound on a segment's tokens; a program past its segment's end returns at once (an empty
+segment's all do). Eagerly the segments are the step's own and ``max_segment`` the longest one; a
+CUDA graph captures the graph-safe layout (``LoRABatch.use_graph``: one segment per slot, empty or
+not, ``max_segment`` = the graph's rows), so its grids are fixed while the mapping it reads from
+``perm``/``seg_start`` changes in place between replays.
 """
 from __future__ import annotations
 
@@ -20,6 +24,13 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
+
+
+@triton.jit
+def _past_segment_end(seg_start_ptr, BLOCK_M: tl.constexpr):
+    """Whether this program's block of tokens starts past its segment's end (nothing to do)."""
+    g = tl.program_id(0)
+    return tl.program_id(1) * BLOCK_M >= tl.load(seg_start_ptr + g + 1) - tl.load(seg_start_ptr + g)
 
 
 @triton.jit
@@ -58,6 +69,8 @@ def _tile_times_slot_t(lhs_ptr, lhs_rows, lhs_stride, live, w_ptr, slot, num_col
 def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, K, R, x_stride,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr):
+    if _past_segment_end(seg_start_ptr, BLOCK_M):
+        return
     tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
     acc, rr = _tile_times_slot_t(x_ptr, rows, x_stride, live, a_ptr, slot, R, K, DOT_PRECISION, BLOCK_M, BLOCK_R,
                                  BLOCK_K)
@@ -68,6 +81,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, seg_slot_ptr, seg_start_p
 def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, seg_slot_ptr, seg_start_ptr, N, R, y_stride,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr):
+    if _past_segment_end(seg_start_ptr, BLOCK_M):
+        return
     tokens, live, slot, rows = _segment_tile(perm_ptr, seg_slot_ptr, seg_start_ptr, BLOCK_M)
     # t is [lora tokens, R] float32, its rows the tokens' positions in the grouped order
     acc, rn = _tile_times_slot_t(t_ptr, tokens.to(tl.int64), R, live, b_ptr, slot, N, R, DOT_PRECISION, BLOCK_M,
@@ -83,7 +98,8 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     """``y[perm[i]] += (x[perm[i]] @ a[s].T) @ b[s].T`` per segment, in place; ``x [T, in]`` and
     ``y [T, out]`` with unit inner stride, ``a [slots, R, in]`` and ``b [slots, out, R]`` contiguous,
     ``perm``, ``seg_slot [G]``, ``seg_start [G + 1]`` int64 on the device; ``max_segment``: the most
-    tokens of one segment (the grids' token axis)."""
+    tokens one segment may hold (the grids' token axis; under a CUDA graph, the graph's rows).
+    Reads nothing on the host: capturable."""
     (num_segs,), (_, r, k), n = seg_slot.shape, a.shape, b.shape[1]
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     if num_segs == 0 or max_segment == 0:
