@@ -109,6 +109,15 @@ def test_decode_items_over_several_kv_heads(block_size, group):
     check_against_oracles(batch)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+def test_many_items_claimed_one_ahead(window):
+    """From 8 items per thread each thread claims its next item early (to prefetch its first
+    chunk, starting past a sliding window's first blocks): every item still runs exactly once."""
+    batch = make_paged_batch(DECODES * 2 + [(70, 9)], num_heads=8, num_kv_heads=4, head_dim=64, block_size=8,
+                             seed=3)
+    check_against_oracles(batch, window=window)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_items_with_a_remainder_of_heads(dtype, window):
