@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from pagedllm.layers import cpu_ops
 from pagedllm.platform import (
     HUGE_PAGE,
     huge_page_copies,
@@ -107,12 +108,18 @@ def test_engine_places_weights_and_kv_in_huge_pages_and_generates_the_same(llama
         runner = llm.llm_engine.executor.runner
         aligned = runner.cache.kv.data_ptr() % HUGE_PAGE == 0
         embed = runner.model.model.embed_tokens.weight
+        # the panel GEMM's copies (an AVX-512 build; whole panels): decode streams them
+        panels = [m.packed_weight.panels for m in runner.model.modules()
+                  if isinstance(getattr(m, "packed_weight", None), cpu_ops.PanelWeight)]
         runs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if flag == "1" and huge_pages_supported():
             assert aligned and "hg" in _vm_flags(runner.cache.kv.data_ptr())
             assert "hg" in _vm_flags(embed.data_ptr())  # the tiny model's embedding table is 64+ KiB
+            assert panels or not cpu_ops.panels_apply(runner.model.lm_head.weight)  # the head's 512 rows: whole panels
+            assert all("hg" in _vm_flags(p.data_ptr()) for p in panels)
         if flag == "0":
             assert "hg" not in _vm_flags(runner.cache.kv.data_ptr())
+            assert not any("hg" in _vm_flags(p.data_ptr()) for p in panels)
     assert runs["1"] == runs["0"]
 
 
