@@ -88,6 +88,11 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_HUGE_PAGES": EnvVar(
         _flag("PAGEDLLM_HUGE_PAGES", True),
         "0 keeps CPU weights and the CPU KV pool in ordinary 4 KiB pages (default: 2 MiB transparent huge pages)"),
+    "PAGEDLLM_KV_PREFAULT": EnvVar(
+        _str("PAGEDLLM_KV_PREFAULT", "background"),
+        "background|startup: fault the CPU KV pool's pages in on a background thread after its first 64 MiB "
+        "(default: quick start-up, but under load from the first second the engine faults pages in itself, "
+        "~20% slower until every block was used once), or all at start-up as vLLM's zeroed pool"),
     "PAGEDLLM_HEAP_MALLOC": EnvVar(
         _flag("PAGEDLLM_HEAP_MALLOC", True),
         "0 leaves glibc malloc's settings alone in a CPU engine (default: freed memory stays in the heap)"),

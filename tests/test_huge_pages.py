@@ -230,6 +230,25 @@ def test_a_large_pool_is_populated_first_blocks_first_then_in_the_background(mon
 
 
 @needs_populate
+def test_startup_prefault_populates_the_whole_pool_before_returning(monkeypatch):
+    """``PAGEDLLM_KV_PREFAULT=startup``: every page is resident when the constructor returns, no
+    thread runs; an unknown mode is refused naming the variable and the modes."""
+    from pagedllm.kv_cache.spec import KVCacheSpec
+    from pagedllm.worker import cache_engine
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "startup")
+    monkeypatch.setattr(cache_engine, "PREFAULT_SYNC_BYTES", 2**20)  # background mode would sync 1 MiB only
+    monkeypatch.setattr(cache_engine.PoolPrefault, "_run", lambda self, first: pytest.fail("a thread ran"))
+    engine = cache_engine.CacheEngine(KVCacheSpec.full(2, 64), 4, 512, 16, torch.float32, torch.device("cpu"))
+    assert engine.wait_prefaulted(0) and _resident_fraction(engine.kv) == 1.0
+    assert engine.kv.count_nonzero() == 0
+    engine.close()
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "eager")
+    with pytest.raises(ValueError, match=r"PAGEDLLM_KV_PREFAULT='eager' must be one of background, startup"):
+        cache_engine.CacheEngine(KVCacheSpec.full(2, 64), 4, 64, 16, torch.float32, torch.device("cpu"))
+
+
+@needs_populate
 def test_close_stops_the_background_prefault(monkeypatch):
     from pagedllm.kv_cache.spec import KVCacheSpec
     from pagedllm.worker import cache_engine

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from pagedllm import envs
 from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.platform import HUGE_PAGE, huge_page_empty, huge_pages_enabled, populate_range
 
@@ -51,8 +52,13 @@ class CacheEngine:
         touch there runs at ~0.3 GB/s), so only the first blocks are populated here and the rest
         in block-id order by a background thread (``PoolPrefault``), ahead of the block pool's
         fresh-first hand-out; populating never changes contents, so it is safe beside the engine's
-        writes. A kernel without ``MADV_POPULATE_WRITE`` (before 5.14) zeroes the pool here, as
+        writes. At nice 19 the thread only runs while the engine leaves a core idle: under load from
+        the start, the engine's KV writes fault the pages in themselves, and a batch-64 run of the
+        34M model took 7.2-7.9 s until the pool was all populated (24 s idle), 5.8-6.1 s after.
+        ``PAGEDLLM_KV_PREFAULT=startup`` populates the whole pool here instead. A kernel without
+        ``MADV_POPULATE_WRITE`` (before 5.14) zeroes the pool here, as
         vLLM's ``torch.zeros`` does."""
+        prefault_mode()  # a bad PAGEDLLM_KV_PREFAULT is refused on every host
         if not huge_pages_enabled():
             return torch.zeros(shape, dtype=dtype)
         kv = huge_page_empty(shape, dtype)  # a fresh anonymous mapping: reads zero
@@ -92,6 +98,17 @@ class CacheEngine:
         self.kv[:, :, dst.to(self.kv.device)] = self.cpu_kv[:, :, src].to(self.kv.device, non_blocking=True)
 
 
+PREFAULT_MODES = ("background", "startup")
+
+
+def prefault_mode() -> str:
+    """``PAGEDLLM_KV_PREFAULT``, checked against ``PREFAULT_MODES``."""
+    mode = envs.PAGEDLLM_KV_PREFAULT
+    if mode not in PREFAULT_MODES:
+        raise ValueError(f"PAGEDLLM_KV_PREFAULT={mode!r} must be one of {', '.join(PREFAULT_MODES)}")
+    return mode
+
+
 class PoolPrefault:
     """Faults in a CPU KV pool's pages in block-id order: the first ``PREFAULT_SYNC_BYTES`` at
     once, the rest on a background thread at the lowest CPU priority (nice 19), so it runs on
@@ -119,6 +136,8 @@ class PoolPrefault:
         self = cls(kv)
         per_block = self._block_bytes * len(self._bases)  # one block in every slab
         sync_blocks = min(self._num_blocks, max(1, PREFAULT_SYNC_BYTES // per_block))
+        if prefault_mode() == "startup":
+            sync_blocks = self._num_blocks
         if not self._populate(0, sync_blocks):
             return None
         if sync_blocks == self._num_blocks:
