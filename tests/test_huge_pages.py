@@ -238,9 +238,10 @@ def test_startup_prefault_populates_the_whole_pool_before_returning(monkeypatch)
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
     monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "startup")
     monkeypatch.setattr(cache_engine, "PREFAULT_SYNC_BYTES", 2**20)  # background mode would sync 1 MiB only
-    monkeypatch.setattr(cache_engine.PoolPrefault, "_run", lambda self, first: pytest.fail("a thread ran"))
+    threads = []
+    monkeypatch.setattr(cache_engine.PoolPrefault, "_run", lambda self, first: threads.append(first))
     engine = cache_engine.CacheEngine(KVCacheSpec.full(2, 64), 4, 512, 16, torch.float32, torch.device("cpu"))
-    assert engine.wait_prefaulted(0) and _resident_fraction(engine.kv) == 1.0
+    assert engine.wait_prefaulted(0) and _resident_fraction(engine.kv) == 1.0 and threads == []
     assert engine.kv.count_nonzero() == 0
     engine.close()
     monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "eager")

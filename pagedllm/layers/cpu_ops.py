@@ -131,6 +131,11 @@ def _packable(weight: torch.Tensor) -> bool:
     return envs.PAGEDLLM_PACKED_LINEAR and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
+def _gets_panels(weight: torch.Tensor) -> bool:
+    """``pack_weight(weight, panels=True)`` makes a panel copy of it."""
+    return _packable(weight) and panels_apply(weight)
+
+
 def pack_weight(weight: torch.Tensor, panels: bool = False,
                 panel_out: torch.Tensor | None = None) -> PanelWeight | torch.Tensor | None:
     """A oneDNN-packed copy of a float32 CPU weight [out, in] (with ``panels``, where they apply:
@@ -140,7 +145,7 @@ def pack_weight(weight: torch.Tensor, panels: bool = False,
         return None
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64) if torch.backends.mkldnn.is_available() \
         else None
-    if panels and panels_apply(weight):
+    if panels and _gets_panels(weight):
         return PanelWeight(pack_panels(weight, panel_out), weight.shape[0], onednn)
     return onednn
 
@@ -149,9 +154,10 @@ def _huge_page_panels(modules: list[torch.nn.Module]) -> dict[int, torch.Tensor]
     """Destinations for the panel copies of ``modules``' weights (by module id), side by side in
     2 MiB pages where the host gives them (``platform.huge_page_views``), else none. A decode step
     streams every panel from memory, and with 4 KiB pages its TLB misses showed: a chain of the
-    34M model's 8 layers' four projections at 64 rows on 2 threads ran at 193 GFLOP/s from 4 KiB
-    pages, 209-214 from 2 MiB pages, 221 with one layer's weights hot in the cache (AMD Zen 4)."""
-    wanted = {id(m): panels_shape(m.weight) for m in modules if _packable(m.weight) and panels_apply(m.weight)}
+    34M model's 8 layers' four projections at 64 rows on 2 threads ran at 193-198 GFLOP/s from 4 KiB
+    pages, 209-220 from 2 MiB pages, 217-221 with one layer's weights hot in the cache (AMD Zen 4;
+    benchmarks/probes/panel_chain.py)."""
+    wanted = {id(m): panels_shape(m.weight) for m in modules if _gets_panels(m.weight)}
     if not wanted or not platform.huge_pages_enabled():
         return {}
     views = platform.huge_page_views([(shape, torch.float32) for shape in wanted.values()])

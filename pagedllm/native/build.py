@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedllm import envs
+from pagedllm.cpu_threads import allowed_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ def _compile(cc: str, cflags: tuple[str, ...], csrc: Path, out_path: Path) -> No
 def _compile_objects(cc: str, cflags: tuple[str, ...], files: list[Path], objdir: Path) -> list[Path]:
     compile_flags = [f for f in cflags if f != "-shared"]
     objects = [objdir / (f.stem + ".o") for f in files]
-    jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=min(jobs, len(files))) as pool:  # each job is a compiler process
+    with ThreadPoolExecutor(max_workers=min(len(allowed_cpus()), len(files))) as pool:  # each job is a compiler process
         list(pool.map(lambda f, o: _run([cc, *compile_flags, "-c", str(f), "-o", str(o)]), files, objects))
     return objects
 

@@ -54,15 +54,16 @@ class CacheEngine:
         fresh-first hand-out; populating never changes contents, so it is safe beside the engine's
         writes. At nice 19 the thread only runs while the engine leaves a core idle: under load from
         the start, the engine's KV writes fault the pages in themselves, and a batch-64 run of the
-        34M model took 7.2-7.9 s until the pool was all populated (24 s idle), 5.8-6.1 s after.
+        34M model took 7.2-7.9 s until the pool was all populated (24 s idle), 5.8-6.1 s after
+        (benchmarks/probes/kv_prefault.py).
         ``PAGEDLLM_KV_PREFAULT=startup`` populates the whole pool here instead. A kernel without
         ``MADV_POPULATE_WRITE`` (before 5.14) zeroes the pool here, as
         vLLM's ``torch.zeros`` does."""
-        prefault_mode()  # a bad PAGEDLLM_KV_PREFAULT is refused on every host
+        mode = prefault_mode()  # a bad PAGEDLLM_KV_PREFAULT is refused on every host
         if not huge_pages_enabled():
             return torch.zeros(shape, dtype=dtype)
         kv = huge_page_empty(shape, dtype)  # a fresh anonymous mapping: reads zero
-        self._prefault = PoolPrefault.start(kv)
+        self._prefault = PoolPrefault.start(kv, everything=mode == "startup")
         if self._prefault is None:
             kv.zero_()
         return kv
@@ -130,14 +131,13 @@ class PoolPrefault:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, kv: torch.Tensor) -> PoolPrefault | None:
-        """Populates the first blocks and starts the thread for the rest; None where the kernel
-        cannot populate (nothing was done)."""
+    def start(cls, kv: torch.Tensor, everything: bool = False) -> PoolPrefault | None:
+        """Populates the first blocks (``everything``: all of them) and starts the thread for the
+        rest; None where the kernel cannot populate (nothing was done)."""
         self = cls(kv)
         per_block = self._block_bytes * len(self._bases)  # one block in every slab
-        sync_blocks = min(self._num_blocks, max(1, PREFAULT_SYNC_BYTES // per_block))
-        if prefault_mode() == "startup":
-            sync_blocks = self._num_blocks
+        sync_blocks = self._num_blocks if everything else \
+            min(self._num_blocks, max(1, PREFAULT_SYNC_BYTES // per_block))
         if not self._populate(0, sync_blocks):
             return None
         if sync_blocks == self._num_blocks:

@@ -549,6 +549,13 @@ static inline int row_first_key(const Problem *P, int base, int p) {
     return lo - base;
 }
 
+/* The first block a request's rows from position pos on read: blocks wholly before the first
+ * row's first visible key (sliding window / attention chunk) are never read. */
+static inline int first_visible_block(const Problem *P, int pos) {
+    const int lowest_key = row_first_key(P, 0, pos);
+    return lowest_key > 0 ? lowest_key / P->block_size : 0;
+}
+
 /* The visible end (exclusive) of query token t (flat index) at position p: p + 1, or its
  * bidirectional span's end. */
 static inline int token_end(const Problem *P, int64_t t, int p) { return P->attend_ends ? P->attend_ends[t] : p + 1; }
@@ -725,8 +732,7 @@ static void plan_prefetch(const Problem *P, const int32_t *btab, int kv_head, in
 static void first_chunk(const Problem *P, const WorkItem *it, int *b0, int *b1) {
     const int B = P->block_size, seq_len = P->seq_lens[it->req];
     const int q_len = P->query_start_loc[it->req + 1] - P->query_start_loc[it->req];
-    const int lowest_key = row_first_key(P, 0, seq_len - q_len + it->t0);
-    *b0 = lowest_key > 0 ? lowest_key / B : 0;
+    *b0 = first_visible_block(P, seq_len - q_len + it->t0);
     *b1 = imin(*b0 + chunk_blocks(B), (seq_len + B - 1) / B);
 }
 
@@ -974,9 +980,8 @@ static void run_item_wide(const Problem *P, const WorkItem *it, Scratch *S) {
     item_ends(P, it, ctx_start, ends);
     transpose_q(S, rows, rp, D);
     const int num_blocks = (ends[ntok - 1] - 1) / B + 1, cb = chunk_blocks(B); /* up to the last row's end */
-    const int lowest_key = row_first_key(P, 0, pos0);
     Chunk c;
-    for (int b0 = lowest_key > 0 ? lowest_key / B : 0; b0 < num_blocks; b0 += cb) {
+    for (int b0 = first_visible_block(P, pos0); b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
         load_chunk(P, S, btab, it->kv_head, b0, b1, seq_len, &c);
         prefetch_blocks(P, btab, it->kv_head, b1, imin(b1 + cb, num_blocks));
@@ -1069,11 +1074,8 @@ static void run_item(const Problem *P, const WorkItem *it, const WorkItem *next,
     item_ends(P, it, ctx_start, ends);
     const int num_blocks = (ends[ntok - 1] - 1) / B + 1; /* up to the last row's end */
     const int cb = chunk_blocks(B), smax = cb * B;
-    /* sliding window / attention chunk: blocks wholly before the first row's first visible key are never read */
-    const int lowest_key = row_first_key(P, 0, ctx_start + it->t0);
-    const int first_block = lowest_key > 0 ? lowest_key / B : 0;
     Chunk c;
-    for (int b0 = first_block; b0 < num_blocks; b0 += cb) {
+    for (int b0 = first_visible_block(P, ctx_start + it->t0); b0 < num_blocks; b0 += cb) {
         const int b1 = imin(b0 + cb, num_blocks);
         for (int i = 0; i < nh; i++) {
             load_chunk(P, S, btab, it->kv_head + i, b0, b1, seq_len, &c);
@@ -1127,7 +1129,6 @@ static void scratch_free(Scratch *S) {
     free(S->vp);
 }
 
-/* Set between calls (start-up), never during one: plain stores, read by every later call. */
 /* From this many work items per thread, each thread claims its next item before running the
  * current one (pa_attention), so the current item's last chunk prefetches the next one's first:
  * before, every item's first tiles came cold. benchmarks/probes/attention_ab.py (8 heads / 4 kv
@@ -1144,6 +1145,7 @@ static int64_t claim(int64_t *next_item) {
     return i;
 }
 
+/* Set between calls (start-up), never during one: plain stores, read by every later call. */
 int pa_set_split(int tile_rows, int decode_items_per_thread) {
     if (tile_rows < 0 || decode_items_per_thread < 0) return PN_ERR_ARG;
     g_tile_rows = tile_rows ? tile_rows : DEFAULT_TILE_ROWS;
